@@ -1,0 +1,68 @@
+# seqtrain developer entry points. `make demo` and `make test` work on a fresh machine: they install first.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+PY := $(BIN)/python
+STAMP := $(VENV)/.seqtrain-installed
+TORCH_VERSION ?= 2.13.0
+# Compiled DeepSpeed/Triton ops are cached here so only the first run pays for compiling them.
+export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
+export TRITON_CACHE_DIR ?= $(CURDIR)/.cache/triton
+export OMP_NUM_THREADS ?= 1
+export PYTHONUNBUFFERED := 1
+
+.PHONY: install demo test test-fast lint crd verify-crd tools chart-test images kind-e2e clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip setuptools wheel
+	@# On machines without an NVIDIA driver install the CPU build of torch first: the package's torch range is
+	@# then already satisfied and pip never pulls the multi-GB CUDA wheels.
+	@if ! command -v nvidia-smi >/dev/null 2>&1; then \
+		$(PY) -m pip install -q "torch==$(TORCH_VERSION)" \
+		|| $(PY) -m pip install -q "torch==$(TORCH_VERSION)" --index-url https://download.pytorch.org/whl/cpu; \
+	fi
+	$(PY) -m pip install -q -e ".[dev]"
+	@touch $@
+
+tools: install
+	bash scripts/install-tools.sh
+
+demo: install
+	$(BIN)/seqtrain run examples/quickstart.yaml --workdir runs/quickstart
+	@if [ -d runs/quickstart ]; then echo "run folder: runs/quickstart  (report: $(BIN)/seqtrain report runs/quickstart)"; fi
+
+# The whole suite, slow tests included (what CI runs).
+test: install tools
+	$(BIN)/ruff check .
+	$(PY) -m pytest -q --durations=25 tests
+
+test-fast: install
+	$(PY) -m pytest -q -m "not slow" tests
+
+lint: install
+	$(BIN)/ruff check .
+
+crd: install
+	$(BIN)/seqtrain crd > crds/seqtrainjob.yaml
+	cp crds/seqtrainjob.yaml charts/seqtrain/crds/seqtrainjob.yaml
+
+verify-crd: install
+	$(BIN)/seqtrain crd | diff -u crds/seqtrainjob.yaml -
+	diff -u crds/seqtrainjob.yaml charts/seqtrain/crds/seqtrainjob.yaml
+
+chart-test: tools
+	$(PY) -m pytest -q tests/unit/test_chart.py
+
+images:
+	docker build --target trainer -t seqtrain/trainer:dev .
+	docker build --target operator -t seqtrain/operator:dev .
+
+kind-e2e:
+	bash tests/e2e/kind-e2e.sh
+
+clean:
+	rm -rf runs .pytest_cache .ruff_cache build *.egg-info

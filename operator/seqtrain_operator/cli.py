@@ -1,0 +1,155 @@
+"""`seqtrain` command line. Thin: parse arguments, call one function, map the result to an exit code.
+
+Exit codes: 0 success, 1 the job failed, 2 invalid input (spec or arguments). Heavy modules (torch, kopf) are
+imported only by the subcommand that needs them, so `seqtrain validate` works in the slim operator image.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+EXIT_OK, EXIT_FAILED, EXIT_INVALID = 0, 1, 2
+
+BENCHMARKS = {
+    "kernels": "seqtrain.benchmarks.kernels",
+    "memory": "seqtrain.benchmarks.memory",
+    "layouts": "seqtrain.benchmarks.layouts",
+    "throughput": "seqtrain.benchmarks.throughput",
+}
+
+
+def _cmd_validate(args: argparse.Namespace) -> int:
+    from seqtrain.spec import SpecError, load_jobs
+
+    bad = 0
+    for path in args.files:
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+            jobs = load_jobs(text, args.set or ())
+        except OSError as exc:
+            print(f"{path}: <file>: cannot read: {exc.strerror}", file=sys.stderr)
+            bad += 1
+            continue
+        except UnicodeDecodeError:
+            print(f"{path}: <file>: not UTF-8 text", file=sys.stderr)
+            bad += 1
+            continue
+        except SpecError as err:
+            for p in err.problems:
+                print(f"{path}: {p}", file=sys.stderr)
+            bad += 1
+            continue
+        if not args.quiet:
+            names = ", ".join(j.name for j in jobs)
+            print(f"{path}: valid ({names})")
+    return EXIT_INVALID if bad else EXIT_OK
+
+
+def _cmd_crd(args: argparse.Namespace) -> int:
+    from seqtrain.spec.crd import crd_yaml
+
+    sys.stdout.write(crd_yaml())
+    return EXIT_OK
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from seqtrain_operator.local.runner import run_file
+
+    return run_file(args.file, workdir=args.workdir, overrides=args.set or [], quiet=args.quiet)
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from seqtrain.train.entry import main as train_main
+
+    return train_main(args.config)
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from seqtrain_operator.planner.show import plan_command
+
+    return plan_command(args.file, nodes_file=args.nodes, overrides=args.set or [], as_json=args.json)
+
+
+def _cmd_operator(args: argparse.Namespace, rest: list[str]) -> int:
+    from seqtrain_operator.k8s.main import main as operator_main
+
+    return operator_main(rest)
+
+
+def _cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
+    module = importlib.import_module(BENCHMARKS[args.name])
+    return int(module.main(rest) or 0)
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from seqtrain.obs.report import report_command
+
+    return report_command(args.workdir, out=args.out)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="seqtrain", description="Distributed training of sequence models.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    set_help = "override a spec field by dotted path, e.g. training.steps=20 (repeatable)"
+
+    v = sub.add_parser("validate", help="check SeqTrainJob files; exit 2 with one line per problem")
+    v.add_argument("files", nargs="+", metavar="FILE")
+    v.add_argument("--set", action="append", metavar="PATH=VALUE", help=set_help)
+    v.add_argument("-q", "--quiet", action="store_true", help="print only problems")
+    v.set_defaults(func=_cmd_validate)
+
+    c = sub.add_parser("crd", help="print the CustomResourceDefinition generated from the spec models")
+    c.set_defaults(func=_cmd_crd)
+
+    r = sub.add_parser("run", help="run a job on this machine (local backend)")
+    r.add_argument("file", metavar="FILE")
+    r.add_argument("--workdir", help="run folder (default ./runs/<metadata.name>); reused to resume")
+    r.add_argument("--set", action="append", metavar="PATH=VALUE", help=set_help)
+    r.add_argument("-q", "--quiet", action="store_true", help="no progress bar, only the final line")
+    r.set_defaults(func=_cmd_run)
+
+    t = sub.add_parser("train", help="per-rank trainer entrypoint (pods and local processes run this)")
+    t.add_argument("--config", required=True, help="resolved trainer config (JSON)")
+    t.set_defaults(func=_cmd_train)
+
+    pl = sub.add_parser("plan", help="print the resolved plan: layout, placement, memory per rank")
+    pl.add_argument("file", metavar="FILE")
+    pl.add_argument("--nodes", help="node inventory YAML (default: this machine as one node)")
+    pl.add_argument("--set", action="append", metavar="PATH=VALUE", help=set_help)
+    pl.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    pl.set_defaults(func=_cmd_plan)
+
+    o = sub.add_parser("operator", help="run the Kubernetes operator (extra options go to kopf)", add_help=False)
+    o.set_defaults(func=_cmd_operator, passthrough=True)
+
+    b = sub.add_parser("bench", help="run a benchmark and write JSON (extra options go to the benchmark)")
+    b.add_argument("name", choices=sorted(BENCHMARKS))
+    b.set_defaults(func=_cmd_bench, passthrough=True)
+
+    rp = sub.add_parser("report", help="write a one-page summary of a run folder and print its table")
+    rp.add_argument("workdir", metavar="WORKDIR")
+    rp.add_argument("--out", help="output PNG (default WORKDIR/report.png)")
+    rp.set_defaults(func=_cmd_report)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args, rest = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
+    if getattr(args, "passthrough", False):
+        return int(args.func(args, rest))
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    try:
+        return int(args.func(args))
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

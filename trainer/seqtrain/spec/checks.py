@@ -1,0 +1,101 @@
+"""Cross-field rules: combinations that are each valid alone but impossible together.
+
+Each rule returns Problems naming the field to change and a value that would work.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+
+from .job import SeqTrainJob
+from .problems import Problem
+from .resolve import resolved_model
+
+
+def _divisors_hint(n: int, limit: int = 6) -> str:
+    divs = [d for d in range(1, n + 1) if n % d == 0][:limit]
+    return ", ".join(str(d) for d in divs)
+
+
+def check(job: SeqTrainJob) -> list[Problem]:
+    s = job.spec
+    out: list[Problem] = []
+    res = s.resources
+    opt = s.optimization
+    tr = s.training
+
+    if res.gpus > 0 and res.processes_per_replica is not None and res.processes_per_replica != res.gpus:
+        out.append(Problem("spec.resources.processesPerReplica",
+                           f"must equal resources.gpus ({res.gpus}) on GPUs: one rank per GPU"))
+
+    world = s.world_size
+    model_par = opt.tensor_parallel * opt.pipeline_parallel
+    if world % model_par != 0:
+        out.append(Problem("spec.optimization.tensorParallel",
+                           f"tensorParallel x pipelineParallel = {model_par} must divide the world size {world} "
+                           f"(replicas x processesPerReplica); divisors of {world}: {_divisors_hint(world)}"))
+    if opt.tensor_parallel > res.procs:
+        out.append(Problem("spec.optimization.tensorParallel",
+                           f"tensor-parallel groups must fit inside one replica ({res.procs} processes); "
+                           f"use at most {res.procs}"))
+    dp = s.dp
+    per_step = tr.micro_batch_size * dp
+    if tr.global_batch_size < per_step:
+        out.append(Problem("spec.training.globalBatchSize",
+                           f"{tr.global_batch_size} sequences cannot feed {dp} data-parallel ranks x microBatchSize "
+                           f"{tr.micro_batch_size}; use at least {per_step} or lower training.microBatchSize"))
+    elif tr.global_batch_size % per_step != 0:
+        lo = tr.global_batch_size // per_step * per_step
+        out.append(Problem("spec.training.globalBatchSize",
+                           f"must be a multiple of microBatchSize x data-parallel ranks = {per_step} "
+                           f"(e.g. {lo} or {lo + per_step})"))
+
+    m = resolved_model(job)
+    if s.data.seq_len > (m.max_seq_len or 0):
+        out.append(Problem("spec.data.seqLen",
+                           f"{s.data.seq_len} is longer than the model accepts (model.maxSeqLen = {m.max_seq_len}); "
+                           f"use at most {m.max_seq_len} or raise model.maxSeqLen"))
+    if m.arch == "gpt":
+        assert m.dim and m.heads and m.kv_heads
+        if m.dim % m.heads != 0:
+            out.append(Problem("spec.model.heads", f"model.dim {m.dim} must be divisible by heads {m.heads}; "
+                                                   f"divisors of {m.dim}: {_divisors_hint(m.dim, 10)}"))
+        elif (m.dim // m.heads) % 2 != 0:
+            out.append(Problem("spec.model.heads", f"head dim {m.dim // m.heads} must be even for RoPE"))
+        if m.heads % m.kv_heads != 0:
+            out.append(Problem("spec.model.kvHeads", f"heads {m.heads} must be a multiple of kvHeads {m.kv_heads}"))
+    else:
+        for name in ("heads", "kv_heads", "ffn_dim"):
+            if name in s.model.model_fields_set and getattr(s.model, name) is not None:
+                alias = {"heads": "heads", "kv_heads": "kvHeads", "ffn_dim": "ffnDim"}[name]
+                out.append(Problem(f"spec.model.{alias}", f"only applies to arch gpt, not {m.arch}; remove it"))
+    tok_vocab = None
+    if s.data.tokenizer.type == "byte" and s.data.source != "synthetic":
+        tok_vocab = 256
+    if tok_vocab and m.vocab_size and m.vocab_size < tok_vocab:
+        out.append(Problem("spec.model.vocabSize", f"{m.vocab_size} is smaller than the tokenizer's {tok_vocab} ids"))
+
+    d = s.data
+    if d.source in ("text", "jsonl", "tokens") and not d.paths:
+        out.append(Problem("spec.data.paths", f"source {d.source} needs at least one file or glob"))
+    if d.tokenizer.type == "file" and not d.tokenizer.path:
+        out.append(Problem("spec.data.tokenizer.path", "type file needs the path of a tokenizer.json"))
+    if d.source in ("text", "jsonl", "tokens") and d.paths and os.environ.get("SEQTRAIN_CHECK_PATHS", "1") == "1":
+        missing = [p for p in d.paths if "://" not in p and not glob.glob(os.path.expanduser(p))]
+        for p in missing:
+            out.append(Problem("spec.data.paths", f"{p!r} matches no file"))
+
+    ev = tr.eval
+    if ev.every > 0 and ev.batches == 0:
+        out.append(Problem("spec.training.eval.batches", "eval.every is set, so batches must be at least 1"))
+    if ev.early_stopping is not None and (ev.batches == 0 or ev.every == 0):
+        out.append(Problem("spec.training.eval.earlyStopping", "needs eval.every and eval.batches above 0"))
+    if tr.schedule.warmup_steps > tr.steps:
+        out.append(Problem("spec.training.schedule.warmupSteps",
+                           f"{tr.schedule.warmup_steps} is more than training.steps ({tr.steps})"))
+    if s.checkpoint.pvc and s.checkpoint.path and "://" in s.checkpoint.path:
+        out.append(Problem("spec.checkpoint.pvc", "use either a PVC or a URI in checkpoint.path, not both"))
+    if s.scheduling.topology.policy != "none" and not s.scheduling.topology.keys:
+        out.append(Problem("spec.scheduling.topology.keys", f"policy {s.scheduling.topology.policy} needs at least one label key"))
+    return out

@@ -1,0 +1,101 @@
+"""Where and how the job runs: `spec.resources`, `spec.checkpoint`, `spec.faultTolerance`, `spec.scheduling`."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import Field, field_validator
+
+from .base import SpecModel
+
+_INT_OR_STRING = {"x-kubernetes-int-or-string": True}
+_QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")
+
+
+def _quantity(value: Any) -> str:
+    text = str(value)
+    if not _QUANTITY.match(text):
+        raise ValueError(f"{text!r} is not a Kubernetes quantity (e.g. 2, 500m, 8Gi)")
+    return text
+
+
+class ResourcesSpec(SpecModel):
+    gpus: int = Field(0, ge=0, description="GPUs per replica (0 = CPU fallback).")
+    processes_per_replica: int | None = Field(
+        None, ge=1, description="Rank processes per replica; default: gpus, or 1 on CPU."
+    )
+    cpu: str = Field("1", description="CPU request per replica (Kubernetes quantity).", json_schema_extra=_INT_OR_STRING)
+    memory: str = Field("4Gi", description="Memory request per replica (Kubernetes quantity).", json_schema_extra=_INT_OR_STRING)
+    shm_size: str = Field("1Gi", description="Size of the in-memory /dev/shm volume.", json_schema_extra=_INT_OR_STRING)
+    gpu_product: str | None = Field(
+        None, description="Required GPU model (label nvidia.com/gpu.product), e.g. NVIDIA-H100-80GB-HBM3."
+    )
+
+    @field_validator("cpu", "memory", "shm_size", mode="before")
+    @classmethod
+    def _quantities(cls, value: Any) -> str:
+        return _quantity(value)
+
+    @property
+    def procs(self) -> int:
+        if self.processes_per_replica is not None:
+            return self.processes_per_replica
+        return self.gpus if self.gpus > 0 else 1
+
+
+class CheckpointSpec(SpecModel):
+    interval_steps: int = Field(50, ge=1, description="Save a checkpoint every N optimizer steps (and at the end).")
+    keep: int = Field(3, ge=1, description="How many of the latest checkpoints to keep.")
+    path: str | None = Field(
+        None, description="Checkpoint folder or fsspec URI; default: <workdir>/checkpoints."
+    )
+    pvc: str | None = Field(None, description="Kubernetes: PersistentVolumeClaim mounted at /checkpoints.")
+    save_on_sigterm: bool = Field(True, description="Save a checkpoint when the trainer receives SIGTERM.")
+
+
+class FaultToleranceSpec(SpecModel):
+    max_restarts: int = Field(3, ge=0, description="Gang restarts allowed for failures of the training itself.")
+    max_infra_restarts: int = Field(
+        20, ge=0, description="Gang restarts allowed for infrastructure failures (eviction, preemption, node loss)."
+    )
+    backoff_seconds: float = Field(5.0, ge=0, description="Delay before the first restart; doubles each time.")
+    max_backoff_seconds: float = Field(300.0, ge=0, description="Upper bound of the restart delay.")
+    hang_timeout_seconds: int | None = Field(
+        None, ge=1, description="Treat the gang as failed when no step completes for this long."
+    )
+    node_avoid_seconds: int = Field(600, ge=0, description="Avoid a node that failed for this long.")
+
+
+class Toleration(SpecModel):
+    key: str | None = None
+    operator: Literal["Exists", "Equal"] = "Equal"
+    value: str | None = None
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    toleration_seconds: int | None = None
+
+
+class TopologySpec(SpecModel):
+    policy: Literal["none", "pack", "require", "spread"] = Field(
+        "pack", description="pack: fewest domains; require: one domain only; spread: as many domains as possible."
+    )
+    keys: list[str] = Field(
+        default_factory=lambda: ["topology.kubernetes.io/zone"],
+        description="Node label keys that define topology domains, outermost first.",
+    )
+
+
+class SchedulingSpec(SpecModel):
+    gang: Literal["native", "coscheduling", "volcano", "kueue", "kai"] = Field(
+        "native", description="Gang scheduler: native (seqtrain places the gang itself) or an external one."
+    )
+    queue: str | None = Field(None, description="Queue (Volcano queue, Kueue LocalQueue, KAI queue).")
+    priority_class_name: str | None = Field(None, description="PriorityClass of the trainer pods.")
+    topology: TopologySpec = Field(default_factory=TopologySpec, description="GPU topology placement policy.")
+    timeout_seconds: int | None = Field(None, ge=1, description="How long the gang may wait for capacity.")
+    on_timeout: Literal["fail", "wait"] = Field("fail", description="What to do when timeoutSeconds passes.")
+    pending_grace_seconds: int = Field(
+        300, ge=1, description="A created pod Pending longer than this tears the gang down for re-planning."
+    )
+    node_selector: dict[str, str] = Field(default_factory=dict, description="Node labels every trainer pod requires.")
+    tolerations: list[Toleration] = Field(default_factory=list, description="Tolerations of the trainer pods.")

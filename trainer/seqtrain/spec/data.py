@@ -1,0 +1,45 @@
+"""`spec.data`: where tokens come from and how they are batched."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from .base import SpecModel
+
+
+class TokenizerSpec(SpecModel):
+    type: Literal["byte", "file"] = Field("byte", description="byte: raw UTF-8 bytes (vocab 256); file: a tokenizer.json.")
+    path: str | None = Field(None, description="Path of a local tokenizer.json (type: file).")
+
+
+class SyntheticSpec(SpecModel):
+    task: Literal["copy", "recall"] = Field("copy", description="copy: repeat a random string; recall: associative recall.")
+    length: int = Field(32, ge=2, description="Length of the random part of each example.")
+    vocab: int = Field(32, ge=4, description="Number of distinct symbols the task draws from.")
+
+
+class DataSpec(SpecModel):
+    source: Literal["builtin", "text", "jsonl", "tokens", "synthetic"] = Field(
+        "builtin",
+        description="builtin: the running Python's standard-library sources (no network); text: files by glob; "
+        "jsonl: one field of each line; tokens: pre-tokenized binary files; synthetic: generated tasks.",
+    )
+    paths: list[str] = Field(default_factory=list, description="Files or globs (text, jsonl, tokens).")
+    jsonl_field: str = Field("text", description="Which field of each jsonl line holds the text.")
+    token_dtype: Literal["uint16", "uint32"] = Field("uint16", description="Element type of pre-tokenized files.")
+    synthetic: SyntheticSpec = Field(default_factory=SyntheticSpec, description="Settings of source: synthetic.")
+    tokenizer: TokenizerSpec = Field(default_factory=TokenizerSpec, description="How text becomes token ids.")
+    seq_len: int = Field(256, ge=2, description="Tokens per training sequence (context length).")
+    validation_fraction: float = Field(
+        0.01, ge=0.0, lt=0.5, description="Share of documents held out for validation (deterministic split)."
+    )
+    packing: bool = Field(
+        False, description="Pack several documents per sequence; attention and recurrent state never cross documents."
+    )
+    bucketing: bool = Field(False, description="Group documents of similar length into the same batch.")
+    max_tokens_per_batch: int | None = Field(
+        None, ge=1, description="Token budget per micro-batch (variable batch size); default: fixed micro-batch size."
+    )
+    shuffle: bool = Field(True, description="Shuffle the order of sequences each epoch (seeded, resumable).")

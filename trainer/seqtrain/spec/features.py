@@ -1,0 +1,59 @@
+"""Spec values that are valid but not implemented yet: rejected with a clear message instead of ignored.
+
+Each entry names the field, the value and what works today. Remove an entry when its feature lands.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from .job import SeqTrainJob
+from .problems import Problem
+
+# (field path, predicate that is True when the job asks for the missing feature, message)
+_Check = tuple[str, Callable[[SeqTrainJob], bool], str]
+
+_UNAVAILABLE: list[_Check] = [
+    ("spec.optimization.precision", lambda j: j.spec.optimization.precision != "fp32",
+     "bf16/fp16 are not available yet; use fp32"),
+    ("spec.optimization.activationCheckpointing.policy",
+     lambda j: j.spec.optimization.activation_checkpointing.policy != "none",
+     "activation checkpointing is not available yet; use none"),
+    ("spec.optimization.compile", lambda j: j.spec.optimization.compile, "torch.compile is not available yet; use false"),
+    ("spec.data.packing", lambda j: j.spec.data.packing, "sequence packing is not available yet; use false"),
+    ("spec.data.bucketing", lambda j: j.spec.data.bucketing, "length bucketing is not available yet; use false"),
+    ("spec.data.maxTokensPerBatch", lambda j: j.spec.data.max_tokens_per_batch is not None,
+     "token-budget batching is not available yet; remove the field"),
+    ("spec.data.source", lambda j: j.spec.data.source != "builtin", "only the builtin corpus is available yet"),
+    ("spec.data.tokenizer.type", lambda j: j.spec.data.tokenizer.type != "byte",
+     "only the byte-level tokenizer is available yet"),
+    ("spec.model.arch", lambda j: j.spec.model.arch in ("gru", "qrnn"), "gru and qrnn are not available yet; use gpt or lstm"),
+    ("spec.training.optimizer.name", lambda j: j.spec.training.optimizer.name != "adamw",
+     "only adamw is available yet"),
+    ("spec.training.schedule.name", lambda j: j.spec.training.schedule.name not in ("constant", "cosine"),
+     "only constant and cosine schedules are available yet"),
+    ("spec.optimization.zero.stage", lambda j: j.spec.optimization.zero.stage > 0,
+     "ZeRO stages 1-3 are not available yet; use 0 (plain data parallel)"),
+    ("spec.optimization.zero.offload", lambda j: j.spec.optimization.zero.offload != "none",
+     "optimizer offload is not available yet; use none"),
+    ("spec.optimization.engine", lambda j: j.spec.optimization.engine == "deepspeed",
+     "the DeepSpeed engine is not available yet; use auto or native"),
+    ("spec.optimization.tensorParallel", lambda j: j.spec.optimization.tensor_parallel > 1,
+     "tensor parallelism is not available yet; use 1"),
+    ("spec.optimization.pipelineParallel", lambda j: j.spec.optimization.pipeline_parallel > 1,
+     "pipeline parallelism is not available yet; use 1"),
+    ("spec.optimization.sequenceParallel", lambda j: j.spec.optimization.sequence_parallel,
+     "sequence parallelism is not available yet; use false"),
+    ("spec.optimization.gradCompression", lambda j: j.spec.optimization.grad_compression != "none",
+     "gradient compression is not available yet; use none"),
+    ("spec.optimization.kernels", lambda j: bool(j.spec.optimization.kernels),
+     "custom kernels are not wired into the models yet; leave unset or false"),
+    ("spec.scheduling.gang", lambda j: j.spec.scheduling.gang != "native",
+     "external gang schedulers are not available yet; use native"),
+    ("spec.training.eval.batches", lambda j: j.spec.training.eval.batches > 0, "evaluation is not available yet; use 0"),
+    ("spec.training.profile", lambda j: j.spec.training.profile is not None, "profiling is not available yet"),
+]
+
+
+def unavailable(job: SeqTrainJob) -> list[Problem]:
+    return [Problem(path, msg) for path, wants, msg in _UNAVAILABLE if wants(job)]

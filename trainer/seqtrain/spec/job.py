@@ -1,0 +1,95 @@
+"""The SeqTrainJob custom resource: the one source of truth for the CRD, `seqtrain validate` and the trainer."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from .base import SpecModel
+from .cluster import CheckpointSpec, FaultToleranceSpec, ResourcesSpec, SchedulingSpec
+from .data import DataSpec
+from .model import ModelSpec
+from .optimization import OptimizationSpec
+from .training import TrainingSpec
+
+API_GROUP = "seqtrain.dev"
+API_VERSION_NAME = "v1alpha1"
+API_VERSION = f"{API_GROUP}/{API_VERSION_NAME}"
+KIND = "SeqTrainJob"
+PLURAL = "seqtrainjobs"
+SHORT_NAMES = ["stj"]
+DEFAULT_IMAGE = "ghcr.io/seqtrain/trainer:0.1.0"
+
+_DNS1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+
+
+class Metadata(BaseModel):
+    # Kubernetes adds many fields (uid, resourceVersion, managedFields ...): accept and keep them.
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    name: str = Field(description="Job name: a DNS-1123 label (lowercase letters, digits, '-'), at most 50 characters.")
+    namespace: str | None = None
+    labels: dict[str, str] = Field(default_factory=dict)
+    annotations: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("name")
+    @classmethod
+    def _dns_label(cls, name: str) -> str:
+        # 50, not 63: pod names append "-<replica>" and the headless Service must stay a valid label.
+        if len(name) > 50 or not _DNS1123.match(name):
+            raise ValueError(
+                f"{name!r} must be a DNS-1123 label of at most 50 characters "
+                "(lowercase letters, digits and '-', starting and ending with a letter or digit)"
+            )
+        return name
+
+
+class JobSpec(SpecModel):
+    image: str = Field(DEFAULT_IMAGE, description="Trainer container image (Kubernetes only).")
+    replicas: int = Field(1, ge=1, description="Replicas (pods) in the gang; each runs resources.processesPerReplica ranks.")
+    resources: ResourcesSpec = Field(default_factory=ResourcesSpec, description="Per-replica resources.")
+    model: ModelSpec = Field(default_factory=ModelSpec, description="Model architecture and size.")
+    data: DataSpec = Field(default_factory=DataSpec, description="Data source, tokenizer and batching.")
+    training: TrainingSpec = Field(default_factory=TrainingSpec, description="Steps, batch, optimizer, schedule.")
+    optimization: OptimizationSpec = Field(default_factory=OptimizationSpec, description="Precision, parallelism, memory.")
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="Checkpoint cadence and storage.")
+    fault_tolerance: FaultToleranceSpec = Field(default_factory=FaultToleranceSpec, description="Restarts and backoff.")
+    scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec, description="Gang scheduling and placement.")
+    suspend: bool = Field(False, description="true: checkpoint and remove the gang; false: resume it.")
+
+    @property
+    def world_size(self) -> int:
+        return self.replicas * self.resources.procs
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: the ranks left after tensor and pipeline parallel take theirs."""
+        return max(1, self.world_size // (self.optimization.tensor_parallel * self.optimization.pipeline_parallel))
+
+    @property
+    def grad_accum(self) -> int:
+        """Micro-batches each data-parallel rank accumulates per optimizer step."""
+        return max(1, self.training.global_batch_size // (self.training.micro_batch_size * self.dp))
+
+
+class SeqTrainJob(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    api_version: Literal["seqtrain.dev/v1alpha1"] = Field(API_VERSION, alias="apiVersion")
+    kind: Literal["SeqTrainJob"] = KIND
+    metadata: Metadata
+    spec: JobSpec = Field(default_factory=JobSpec)
+    # Present when read back from the cluster; validation ignores it.
+    status: dict[str, Any] | None = None
+
+    @property
+    def name(self) -> str:
+        return self.metadata.name
+
+    def to_dict(self) -> dict:
+        """Fully resolved wire form (defaults filled), without status."""
+        out = self.model_dump(by_alias=True, mode="json", exclude={"status"})
+        out["metadata"] = {k: v for k, v in out["metadata"].items() if v not in (None, {}, [])}
+        return out

@@ -1,0 +1,121 @@
+"""Reading SeqTrainJob documents: YAML text -> overrides -> typed model -> cross-field checks."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from .checks import check
+from .features import unavailable
+from .job import API_VERSION, KIND, SeqTrainJob
+from .problems import Problem, SpecError, from_validation_error
+
+
+def parse_yaml_documents(text: str) -> list[Any]:
+    try:
+        docs = [d for d in yaml.safe_load_all(text) if d is not None]
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise SpecError([Problem("<yaml>", f"{where}malformed YAML ({problem})")]) from None
+    if not docs:
+        raise SpecError([Problem("<yaml>", "the file holds no YAML document; expected a SeqTrainJob")])
+    return docs
+
+
+def apply_overrides(doc: dict[str, Any], sets: Iterable[str]) -> dict[str, Any]:
+    """Apply `--set a.b.c=VALUE` (VALUE parsed as YAML, so `5` is an int and `[1,2]` a list).
+
+    Paths are relative to `spec` unless they start with `spec.` or `metadata.`.
+    """
+    problems = []
+    for item in sets:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            problems.append(Problem("--set", f"{item!r} must look like path.to.field=VALUE"))
+            continue
+        parts = key.strip().split(".")
+        if parts[0] not in ("spec", "metadata"):
+            parts = ["spec", *parts]
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            value = raw
+        node: Any = doc
+        for part in parts[:-1]:
+            nxt = node.get(part) if isinstance(node, dict) else None
+            if nxt is None:
+                nxt = {}
+                node[part] = nxt
+            if not isinstance(nxt, dict):
+                problems.append(Problem("--set", f"{key}: {part} is not an object, so it has no field {parts[-1]!r}"))
+                break
+            node = nxt
+        else:
+            node[parts[-1]] = value
+    if problems:
+        raise SpecError(problems)
+    return doc
+
+
+def parse_job(doc: Any, *, check_features: bool = True) -> SeqTrainJob:
+    """Validate one decoded document; raise SpecError with every problem found."""
+    if not isinstance(doc, dict):
+        raise SpecError([Problem("<document>", f"expected a mapping (a SeqTrainJob), got {type(doc).__name__}")])
+    head: list[Problem] = []
+    if doc.get("apiVersion") != API_VERSION:
+        head.append(Problem("apiVersion", f"must be {API_VERSION} (got {doc.get('apiVersion')!r})"))
+    if doc.get("kind") != KIND:
+        head.append(Problem("kind", f"must be {KIND} (got {doc.get('kind')!r})"))
+    if head:
+        raise SpecError(head)
+    try:
+        job = SeqTrainJob.model_validate(doc)
+    except ValidationError as err:
+        raise SpecError(from_validation_error(err, SeqTrainJob)) from None
+    problems = check(job)
+    if check_features:
+        problems += unavailable(job)
+    if problems:
+        raise SpecError(problems)
+    return job
+
+
+def load_jobs(text: str, overrides: Iterable[str] = ()) -> list[SeqTrainJob]:
+    """All documents of a file; each validated (problems of all documents are collected)."""
+    docs = parse_yaml_documents(text)
+    jobs, problems = [], []
+    multi = len(docs) > 1
+    for i, doc in enumerate(docs):
+        try:
+            if overrides:
+                if not isinstance(doc, dict):
+                    raise SpecError([Problem("<document>", "expected a mapping (a SeqTrainJob)")])
+                doc = apply_overrides(doc, overrides)
+            jobs.append(parse_job(doc))
+        except SpecError as err:
+            prefix = f"[document {i + 1}] " if multi else ""
+            problems += [Problem(prefix + p.path, p.message) for p in err.problems]
+    if problems:
+        raise SpecError(problems)
+    return jobs
+
+
+def load_job(text: str, overrides: Iterable[str] = ()) -> SeqTrainJob:
+    jobs = load_jobs(text, overrides)
+    if len(jobs) != 1:
+        raise SpecError([Problem("<yaml>", f"expected exactly one SeqTrainJob, found {len(jobs)} documents")])
+    return jobs[0]
+
+
+def load_job_file(path: str, overrides: Iterable[str] = ()) -> SeqTrainJob:
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SpecError([Problem("<file>", f"cannot read: {exc.strerror if isinstance(exc, OSError) else exc}")]) from None
+    return load_job(text, overrides)

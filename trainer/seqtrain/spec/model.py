@@ -1,0 +1,36 @@
+"""`spec.model`: which architecture and how big."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from .base import SpecModel
+
+Arch = Literal["gpt", "lstm", "gru", "qrnn"]
+
+
+class ModelSpec(SpecModel):
+    """Architecture plus either a size preset or explicit dimensions (explicit values win over the preset)."""
+
+    arch: Arch = Field("gpt", description="Model family: gpt (decoder-only transformer), lstm, gru or qrnn.")
+    preset: str | None = Field(
+        None, description="Size preset (see `seqtrain.spec.presets`), e.g. tiny, small. Explicit dims override it."
+    )
+    vocab_size: int | None = Field(
+        None, ge=2, description="Vocabulary size; default: the tokenizer's (256 for the byte-level tokenizer)."
+    )
+    dim: int | None = Field(None, ge=1, description="Model width (embedding / hidden size).")
+    layers: int | None = Field(None, ge=1, description="Number of blocks (transformer) or stacked recurrent layers.")
+    heads: int | None = Field(None, ge=1, description="Attention heads (gpt only); dim must be divisible by heads.")
+    kv_heads: int | None = Field(None, ge=1, description="Key/value heads for grouped-query attention (gpt only).")
+    ffn_dim: int | None = Field(None, ge=1, description="Hidden size of the SwiGLU MLP (gpt only).")
+    max_seq_len: int | None = Field(
+        None, ge=1, description="Longest sequence the model accepts (RoPE table size for gpt)."
+    )
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout probability.")
+    tie_embeddings: bool = Field(True, description="Share the input embedding and the output projection.")
+    rope_theta: float = Field(10000.0, gt=0, description="RoPE base frequency (gpt only).")
+    norm_eps: float = Field(1e-5, gt=0, description="Epsilon of RMSNorm / LayerNorm.")
+    init_std: float = Field(0.02, gt=0, description="Standard deviation of the normal weight init.")

@@ -1,0 +1,80 @@
+"""Turning any bad input into `FILE: spec.path: message` lines, never a traceback."""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+
+
+@dataclass(frozen=True)
+class Problem:
+    path: str  # dotted field path, e.g. "spec.training.steps"; "<yaml>" / "--set" for input that never parsed
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.message}"
+
+
+class SpecError(Exception):
+    """Raised with every problem found, so a user fixes a file in one pass."""
+
+    def __init__(self, problems: list[Problem]):
+        self.problems = problems
+        super().__init__("\n".join(str(p) for p in problems))
+
+
+def loc_to_path(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + str(part)
+    return out
+
+
+def _allowed_fields(model: Any, loc: tuple[Any, ...]) -> list[str]:
+    """Names valid at the parent of an unknown key, to suggest the right spelling."""
+    from pydantic import BaseModel
+
+    current: Any = model
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue
+        fields = getattr(current, "model_fields", {})
+        match = next((f for n, f in fields.items() if part in (n, f.alias)), None)
+        if match is None:
+            return []
+        ann = match.annotation
+        # unwrap Optional[X] / list[X]
+        for arg in getattr(ann, "__args__", ()) or ():
+            if isinstance(arg, type) and issubclass(arg, BaseModel):
+                ann = arg
+                break
+        current = ann
+    fields = getattr(current, "model_fields", {})
+    return [f.alias or n for n, f in fields.items()]
+
+
+def from_validation_error(err: ValidationError, model: Any) -> list[Problem]:
+    problems = []
+    for e in err.errors():
+        path = loc_to_path(e["loc"])
+        if e["type"] == "extra_forbidden":
+            allowed = _allowed_fields(model, e["loc"])
+            close = difflib.get_close_matches(str(e["loc"][-1]), allowed, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            msg = f"unknown field; {hint}valid fields here: {', '.join(sorted(allowed))}"
+        elif e["type"] == "missing":
+            msg = "required field is missing"
+        else:
+            msg = e["msg"]
+            if msg.startswith("Value error, "):
+                msg = msg[len("Value error, "):]
+            if "input" in e and not isinstance(e["input"], dict | list):
+                msg += f" (got {e['input']!r})"
+        problems.append(Problem(path, msg))
+    return problems

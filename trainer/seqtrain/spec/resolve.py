@@ -1,0 +1,66 @@
+"""Fill every derived default (preset dims, vocabulary, context length) so later code never guesses."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from .job import SeqTrainJob
+from .model import ModelSpec
+from .presets import presets_for
+
+BYTE_VOCAB = 256
+
+
+def tokenizer_vocab_size(job: SeqTrainJob) -> int | None:
+    tok = job.spec.data.tokenizer
+    if job.spec.data.source == "synthetic":
+        # symbols + separator/query markers; see seqtrain.data.synthetic
+        return job.spec.data.synthetic.vocab + 4
+    if tok.type == "byte":
+        return BYTE_VOCAB
+    if tok.path and os.path.isfile(tok.path):
+        try:
+            with open(tok.path, encoding="utf-8") as f:
+                data = json.load(f)
+            vocab = data.get("model", {}).get("vocab", {})
+            added = data.get("added_tokens", [])
+            ids = [int(v) for v in (vocab.values() if isinstance(vocab, dict) else range(len(vocab)))]
+            ids += [int(t.get("id", 0)) for t in added]
+            return max(ids) + 1 if ids else None
+        except (OSError, ValueError, AttributeError, TypeError):
+            return None
+    return None
+
+
+def resolved_model(job: SeqTrainJob) -> ModelSpec:
+    """The model section with the preset and defaults applied (explicit fields win)."""
+    m = job.spec.model
+    values = m.model_dump()
+    explicit = m.model_fields_set
+    preset = presets_for(m.arch).get(m.preset or "tiny", {})
+    for key, val in preset.items():
+        if key not in explicit or values.get(key) is None:
+            values[key] = val
+    if values.get("vocab_size") is None:
+        values["vocab_size"] = tokenizer_vocab_size(job) or BYTE_VOCAB
+    if values.get("max_seq_len") is None:
+        values["max_seq_len"] = job.spec.data.seq_len
+    if m.arch == "gpt":
+        values["heads"] = values.get("heads") or max(1, values["dim"] // 64)
+        values["kv_heads"] = values.get("kv_heads") or values["heads"]
+        values["ffn_dim"] = values.get("ffn_dim") or _swiglu_hidden(values["dim"])
+    return ModelSpec.model_validate(values)
+
+
+def _swiglu_hidden(dim: int) -> int:
+    # LLaMA convention: 2/3 of 4*dim, rounded up to a multiple of 8.
+    hidden = int(8 * dim / 3)
+    return (hidden + 7) // 8 * 8
+
+
+def resolve(job: SeqTrainJob) -> SeqTrainJob:
+    """A copy of the job whose model section is fully explicit (what the trainer and planner read)."""
+    out = job.model_copy(deep=True)
+    out.spec.model = resolved_model(job)
+    return out

@@ -1,0 +1,74 @@
+"""The job's `.status` (custom resource) and `status.json` (local runs): one model for both."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+Phase = Literal["Pending", "Scheduling", "Running", "Restarting", "Succeeded", "Failed", "Suspended"]
+TERMINAL_PHASES: frozenset[str] = frozenset({"Succeeded", "Failed"})
+
+
+class _StatusModel(BaseModel):
+    # Status is written by us, read back by us: unknown keys are kept, not rejected, so an older operator
+    # never loses what a newer one wrote.
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="allow")
+
+
+class Condition(_StatusModel):
+    type: str
+    status: Literal["True", "False", "Unknown"]
+    reason: str = ""
+    message: str = ""
+    last_transition_time: str | None = None
+
+
+class Layout(_StatusModel):
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+
+
+class ReplicaPlacement(_StatusModel):
+    replica: int
+    node: str
+    ranks: list[int] = Field(default_factory=list)
+
+
+class Progress(_StatusModel):
+    step: int = 0
+    total_steps: int = 0
+    loss: float | None = None
+    tokens_per_second: float | None = None
+    updated_at: str | None = None
+
+
+class CheckpointRef(_StatusModel):
+    step: int
+    path: str
+    time: str | None = None
+
+
+class JobStatus(_StatusModel):
+    phase: Phase = "Pending"
+    conditions: list[Condition] = Field(default_factory=list)
+    restarts: int = Field(0, description="Gang restarts caused by failures of the training itself.")
+    infra_restarts: int = Field(0, description="Gang restarts caused by infrastructure (eviction, node loss).")
+    world_size: int | None = None
+    layout: Layout | None = None
+    placement: list[ReplicaPlacement] = Field(default_factory=list)
+    progress: Progress | None = None
+    last_checkpoint: CheckpointRef | None = None
+    start_time: str | None = None
+    completion_time: str | None = None
+    message: str = ""
+    attempt: int = Field(0, description="Gang incarnation counter (1 for the first start).")
+    next_restart_time: str | None = Field(None, description="When a pending restart may start (backoff).")
+    failed_nodes: dict[str, str] = Field(default_factory=dict, description="node -> time until which it is avoided.")
+    steps_lost: list[int] = Field(default_factory=list, description="Steps redone after each restart.")
+    goodput: float | None = Field(None, description="Productive training time / wall time since start.")
+
+    def to_dict(self) -> dict:
+        return self.model_dump(by_alias=True, mode="json", exclude_none=True)

@@ -1,0 +1,65 @@
+"""`spec.training`: how long, with which batch, optimizer and schedule."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from .base import SpecModel
+
+
+class OptimizerSpec(SpecModel):
+    name: Literal["adamw", "lamb", "lars", "adafactor", "sgd"] = Field("adamw", description="Optimizer.")
+    lr: float = Field(3e-4, gt=0, description="Peak learning rate.")
+    betas: tuple[float, float] = Field((0.9, 0.95), description="Adam-family betas.")
+    eps: float = Field(1e-8, gt=0, description="Adam-family epsilon.")
+    weight_decay: float = Field(0.1, ge=0, description="Decoupled weight decay; never applied to norms, biases and embeddings' scales.")
+    momentum: float = Field(0.9, ge=0, lt=1, description="Momentum for sgd / lars.")
+    embedding_lr_scale: float = Field(1.0, gt=0, description="Learning-rate multiplier for embedding parameters.")
+
+
+class ScheduleSpec(SpecModel):
+    name: Literal["constant", "cosine", "linear", "wsd", "cyclic"] = Field(
+        "cosine", description="constant, warmup+cosine, warmup+linear decay, warmup-stable-decay, cyclic."
+    )
+    warmup_steps: int = Field(0, ge=0, description="Linear warmup steps from 0 to the peak learning rate.")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final learning rate as a fraction of the peak.")
+    decay_fraction: float = Field(0.2, gt=0, le=1, description="wsd: share of the steps spent decaying at the end.")
+    cycle_steps: int = Field(1000, ge=1, description="cyclic: length of one cycle in steps.")
+
+
+class EarlyStoppingSpec(SpecModel):
+    patience: int = Field(3, ge=1, description="Evaluations without improvement before the job stops (Succeeded).")
+    min_delta: float = Field(0.0, ge=0, description="Smallest validation-loss decrease that counts as improvement.")
+
+
+class EvalSpec(SpecModel):
+    every: int = Field(0, ge=0, description="Evaluate every N optimizer steps (0: only at the end, if batches > 0).")
+    batches: int = Field(0, ge=0, description="Validation micro-batches per evaluation (0 disables evaluation).")
+    early_stopping: EarlyStoppingSpec | None = Field(None, description="Stop when validation loss stops improving.")
+
+
+class ProfileSpec(SpecModel):
+    start_step: int = Field(1, ge=1, description="First optimizer step of the captured window.")
+    steps: int = Field(3, ge=1, description="Number of steps to capture.")
+
+
+class TrainingSpec(SpecModel):
+    steps: int = Field(100, ge=1, description="Optimizer steps to train for.")
+    global_batch_size: int = Field(
+        8, ge=1, description="Sequences per optimizer step across all data-parallel ranks."
+    )
+    micro_batch_size: int = Field(
+        8, ge=1, description="Sequences per forward/backward on one rank; accumulation fills the global batch."
+    )
+    optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec, description="Optimizer and its settings.")
+    schedule: ScheduleSpec = Field(default_factory=ScheduleSpec, description="Learning-rate schedule.")
+    grad_clip: float | None = Field(1.0, gt=0, description="Clip gradients to this global L2 norm (null: no clipping).")
+    seed: int = Field(0, ge=0, description="Seed for init, data order and dropout.")
+    log_every: int = Field(1, ge=1, description="Print progress every N steps (metrics.jsonl gets every step).")
+    eval: EvalSpec = Field(default_factory=EvalSpec, description="Validation schedule.")
+    profile: ProfileSpec | None = Field(None, description="Capture a torch.profiler trace for a window of steps.")
+    deterministic: bool = Field(
+        False, description="Use deterministic algorithms (slower; for loss-parity checks)."
+    )
