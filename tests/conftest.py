@@ -1,0 +1,19 @@
+"""Suite-wide settings: every test process (and the rank processes it starts) shares these."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+# Small thread pools: the suite runs on 2 cores with several rank processes at a time.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", "1")
+# Compiled DeepSpeed / Triton artefacts are cached across tests (and across runs in the same checkout).
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))
+os.environ.setdefault("TRITON_CACHE_DIR", str(ROOT / ".cache" / "triton"))
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+# Rank processes import the packages from the source roots, installed or not.
+_pp = [str(ROOT / "trainer"), str(ROOT / "operator")]
+os.environ["PYTHONPATH"] = os.pathsep.join(_pp + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])

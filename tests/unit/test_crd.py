@@ -1,0 +1,65 @@
+"""The CRD is generated from the spec models; the committed copies must be exactly that output."""
+
+from __future__ import annotations
+
+import pathlib
+import subprocess
+import sys
+
+import yaml
+
+from seqtrain.spec.crd import crd, crd_yaml
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def test_committed_crd_is_generated_output():
+    assert (ROOT / "crds/seqtrainjob.yaml").read_text() == crd_yaml(), "run `make crd` after changing the spec"
+
+
+def test_chart_crd_is_generated_output():
+    assert (ROOT / "charts/seqtrain/crds/seqtrainjob.yaml").read_text() == crd_yaml(), "run `make crd`"
+
+
+def test_cli_prints_same_crd():
+    out = subprocess.run([sys.executable, "-m", "seqtrain_operator.cli", "crd"], capture_output=True, text=True,
+                         check=True, cwd=ROOT)
+    assert out.stdout == crd_yaml()
+
+
+def _walk(node, path="$"):
+    yield path, node
+    if isinstance(node, dict):
+        for k, v in node.get("properties", {}).items():
+            yield from _walk(v, f"{path}.{k}")
+        if isinstance(node.get("items"), dict):
+            yield from _walk(node["items"], f"{path}[]")
+        if isinstance(node.get("additionalProperties"), dict):
+            yield from _walk(node["additionalProperties"], f"{path}{{}}")
+
+
+def test_schema_is_structural():
+    version = crd()["spec"]["versions"][0]
+    schema = version["schema"]["openAPIV3Schema"]
+    for path, node in _walk(schema):
+        # every node has a type (or is an explicit int-or-string / preserve-unknown escape hatch)
+        assert "type" in node or node.get("x-kubernetes-int-or-string") or node.get(
+            "x-kubernetes-preserve-unknown-fields"), path
+        for banned in ("$ref", "anyOf", "oneOf", "allOf", "const", "title", "prefixItems", "$defs"):
+            assert banned not in node, f"{path} has {banned}"
+        assert node.get("additionalProperties") is not False, path
+        if "properties" in node:
+            assert "additionalProperties" not in node, f"{path}: properties and additionalProperties both set"
+    spec = schema["properties"]["spec"]["properties"]
+    assert spec["model"]["properties"]["arch"]["enum"] == ["gpt", "lstm", "gru", "qrnn"]
+    assert spec["faultTolerance"]["properties"]["maxRestarts"]["minimum"] == 0
+    assert spec["resources"]["properties"]["cpu"]["x-kubernetes-int-or-string"] is True
+
+
+def test_status_subresource_columns_and_names():
+    doc = yaml.safe_load(crd_yaml())
+    v = doc["spec"]["versions"][0]
+    assert v["subresources"] == {"status": {}}
+    assert [c["name"] for c in v["additionalPrinterColumns"]] == ["Phase", "Step", "Loss", "Tok/s", "Restarts", "Age"]
+    assert "stj" in doc["spec"]["names"]["shortNames"]
+    assert doc["metadata"]["name"] == "seqtrainjobs.seqtrain.dev"
