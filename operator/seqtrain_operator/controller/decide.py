@@ -1,0 +1,314 @@
+"""The controller core: one pure function from (job, status, observed gang, now) to actions and the new status.
+
+Level-based: decide() looks only at what is observed now and what the status records, never at which event woke
+it, so calling it twice with the same inputs gives the same answer and a crashed backend resumes correctly.
+
+Phases: Pending -> Scheduling (gang admitted and created, not all replicas running) -> Running -> Succeeded; on a
+failure of the live gang: Restarting (gang deleted, waiting out the backoff) -> Scheduling -> Running ...; Failed when
+the failure is permanent or the restart budget is spent; Suspended while spec.suspend is true. Succeeded and Failed
+are terminal: decide() never leaves them (it only cleans up replicas that still run).
+
+Invariants (property-tested in tests/unit/test_controller.py):
+- at most one CreateGang per decision, and only when no replica of any attempt is observed (never two gangs);
+- status.attempt, status.restarts and status.infraRestarts never decrease;
+- status.restarts <= faultTolerance.maxRestarts and status.infraRestarts <= faultTolerance.maxInfraRestarts;
+- restart delays follow backoff_seconds(): exponential, capped at maxBackoffSeconds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+from seqtrain.spec import SeqTrainJob
+from seqtrain.spec.status import TERMINAL_PHASES, JobStatus, Progress, ReplicaPlacement
+
+from . import conditions as cond
+from . import gang_policy
+from .backoff import backoff_seconds
+from .clock import iso, parse, seconds_between
+from .failure_policy import Failure, FailureClass, hang_failure, root_cause
+from .types import Action, CreateGang, Decision, DeleteGang, Event, Observed, ReplicaObservation, RequeueAfter
+
+# How often to look again while waiting for capacity or for a dying gang to disappear.
+POLL_SECONDS = 5.0
+
+
+@dataclass
+class _Ctx:
+    job: SeqTrainJob
+    st: JobStatus
+    observed: Observed
+    now: datetime
+    actions: list[Action] = field(default_factory=list)
+
+    def event(self, type_: str, reason: str, message: str) -> None:
+        self.actions.append(Event(type_, reason, message))  # type: ignore[arg-type]
+
+
+def decide(job: SeqTrainJob, status: JobStatus, observed: Observed, now: datetime) -> Decision:
+    """Decide what the backend must do next.
+
+    job: the validated SeqTrainJob (spec.replicas, spec.faultTolerance, spec.scheduling, spec.suspend are read).
+    status: the last persisted status (JobStatus() for a new job). Never mutated.
+    observed: the gang and checkpoints as seen now (see `Observed`).
+    now: the current time (timezone-aware, UTC); the only clock the core uses.
+
+    Returns Decision(actions, status): execute the actions in order (events after the status write), then persist
+    `status`. Action types: CreateGang(attempt, resume_from_step, avoid_nodes), DeleteGang(attempt, reason),
+    RequeueAfter(seconds), Event(type, reason, message).
+    """
+    ctx = _Ctx(job, status.model_copy(deep=True), observed, now)
+    st = ctx.st
+    st.world_size = job.spec.world_size
+    _record_progress(ctx)
+    _prune_failed_nodes(ctx)
+
+    gv = gang_policy.view(observed, st.attempt)
+    for stale in gv.stale:
+        ctx.actions.append(DeleteGang(stale, "StaleIncarnation"))
+
+    if st.phase in TERMINAL_PHASES:
+        # Terminal phases stay terminal; only stop replicas that still run (e.g. a rank hanging after a peer failed).
+        if any(r.phase in ("Pending", "Running") for r in gv.current):
+            ctx.actions.append(DeleteGang(st.attempt, f"Job{st.phase}"))
+        return Decision(tuple(ctx.actions), st)
+
+    if job.spec.suspend:
+        _suspend(ctx, gv.current)
+    elif gv.current:
+        _live_gang(ctx, gv.current)
+    else:
+        _no_gang(ctx)
+    return Decision(tuple(ctx.actions), st)
+
+
+# ---- observation bookkeeping ---------------------------------------------------------------------------------------
+
+
+def _record_progress(ctx: _Ctx) -> None:
+    st, obs = ctx.st, ctx.observed
+    total = ctx.job.spec.training.steps
+    if obs.progress is not None:
+        p = obs.progress.model_copy()
+        p.total_steps = total
+        st.progress = p
+    elif st.progress is None:
+        st.progress = Progress(step=0, total_steps=total)
+    if obs.latest_checkpoint is not None:
+        st.last_checkpoint = obs.latest_checkpoint.model_copy()
+
+
+def _prune_failed_nodes(ctx: _Ctx) -> None:
+    keep = {}
+    for node, until in ctx.st.failed_nodes.items():
+        t = parse(until)
+        if t is not None and t > ctx.now:
+            keep[node] = until
+    ctx.st.failed_nodes = keep
+
+
+def _placement(ctx: _Ctx, current: tuple[ReplicaObservation, ...]) -> None:
+    procs = ctx.job.spec.resources.procs
+    ctx.st.placement = [
+        ReplicaPlacement(replica=r.replica, node=r.node, ranks=list(range(r.replica * procs, (r.replica + 1) * procs)))
+        for r in sorted(current, key=lambda r: r.replica) if r.node
+    ]
+
+
+# ---- the three situations -------------------------------------------------------------------------------------------
+
+
+def _suspend(ctx: _Ctx, current: tuple[ReplicaObservation, ...]) -> None:
+    st = ctx.st
+    if current:
+        # Graceful delete: the trainer saves a checkpoint on SIGTERM, so resuming loses at most the current step.
+        ctx.actions.append(DeleteGang(st.attempt, "Suspended"))
+    if st.phase != "Suspended":
+        cond.enter_phase(st, "Suspended", "Suspended", "spec.suspend is true: gang stopped; set it to false to resume",
+                         ctx.now)
+        st.next_restart_time = None
+        ctx.event("Normal", "Suspended", "gang stopped (spec.suspend)")
+
+
+def _live_gang(ctx: _Ctx, current: tuple[ReplicaObservation, ...]) -> None:
+    st, job = ctx.st, ctx.job
+    if st.phase in ("Restarting", "Suspended"):
+        # We already decided to tear this gang down (or Ctrl-C/suspend left it dying): keep deleting, then wait.
+        ctx.actions.append(DeleteGang(st.attempt, "TearingDown"))
+        ctx.actions.append(RequeueAfter(POLL_SECONDS))
+        return
+    _placement(ctx, current)
+    phase = gang_policy.gang_phase(job, current)
+    if phase == "Failed":
+        failure = root_cause(current)
+        assert failure is not None
+        _on_failure(ctx, failure)
+        return
+    missing = gang_policy.missing(job, current)
+    if missing and st.phase == "Running":
+        _on_failure(ctx, Failure(FailureClass.INFRASTRUCTURE, "Deleted",
+                                 f"replica {missing[0]} disappeared while the gang was running"))
+        return
+    if phase == "Succeeded":
+        cond.enter_phase(st, "Succeeded", "TrainingComplete", f"trained {job.spec.training.steps} steps", ctx.now)
+        cond.set_condition(st, "Scheduled", "True", "GangRunning", "", ctx.now)
+        st.completion_time = iso(ctx.now)
+        st.next_restart_time = None
+        ctx.event("Normal", "Succeeded", f"training finished after {st.restarts} restart(s)")
+        return
+    if phase == "Running":
+        if st.phase != "Running":
+            cond.set_condition(st, "Scheduled", "True", "GangRunning", f"{len(current)} replica(s) running", ctx.now)
+            cond.enter_phase(st, "Running", "GangRunning", f"attempt {st.attempt}: all replicas running", ctx.now)
+            ctx.event("Normal", "Running", f"attempt {st.attempt}: all {len(current)} replica(s) running")
+        hang = _hang(ctx)
+        if hang is not None:
+            _on_failure(ctx, hang)
+        elif (limit := job.spec.fault_tolerance.hang_timeout_seconds) is not None:
+            ctx.actions.append(RequeueAfter(float(limit)))
+        return
+    # Pending: admitted and created, waiting for every replica to start.
+    if st.phase != "Scheduling":
+        cond.enter_phase(st, "Scheduling", "GangCreated", f"attempt {st.attempt}: waiting for replicas", ctx.now)
+    created = parse((c := cond.get(st, "Scheduled")) and c.last_transition_time)
+    grace = job.spec.scheduling.pending_grace_seconds
+    waited = seconds_between(created, ctx.now) if created else 0.0
+    if waited > grace:
+        # A partly started gang holds resources others need: tear it down and re-plan from scratch.
+        ctx.actions.append(DeleteGang(st.attempt, "PendingTimeout"))
+        cond.set_condition(st, "Scheduled", "False", "PendingTimeout",
+                           f"replicas still pending after {grace}s; re-planning", ctx.now)
+        ctx.event("Warning", "PendingTimeout", f"attempt {st.attempt}: replicas pending for {waited:.0f}s")
+        st.phase = "Scheduling"
+        return
+    ctx.actions.append(RequeueAfter(max(1.0, grace - waited)))
+
+
+def _hang(ctx: _Ctx) -> Failure | None:
+    limit = ctx.job.spec.fault_tolerance.hang_timeout_seconds
+    if limit is None:
+        return None
+    last = parse(ctx.st.progress.updated_at if ctx.st.progress else None)
+    running = cond.get(ctx.st, "Running")
+    since = parse(running.last_transition_time if running else None)
+    # A step from an earlier attempt does not count: the new gang gets the full limit from when it started running.
+    ref = max((t for t in (last, since) if t is not None), default=None)
+    if ref is None:
+        return None
+    idle = seconds_between(ref, ctx.now)
+    return hang_failure(idle, limit) if idle > limit else None
+
+
+def _no_gang(ctx: _Ctx) -> None:
+    st, job, obs = ctx.st, ctx.job, ctx.observed
+    if not gang_policy.may_create(obs):
+        ctx.actions.append(RequeueAfter(POLL_SECONDS))  # stale replicas still dying
+        return
+    if st.phase == "Running":
+        _on_failure(ctx, Failure(FailureClass.INFRASTRUCTURE, "Deleted", "the gang disappeared while running"))
+        return
+    if st.phase == "Restarting":
+        due = parse(st.next_restart_time)
+        if due is not None and due > ctx.now:
+            ctx.actions.append(RequeueAfter(seconds_between(ctx.now, due)))
+            return
+    scheduled = cond.get(st, "Scheduled")
+    if st.phase == "Scheduling" and scheduled is not None and scheduled.reason == "GangCreated" and st.attempt > 0:
+        # Created but not observed yet (a lagging cache, or the create failed half-way): create what is absent.
+        ctx.actions.append(CreateGang(st.attempt, _resume_step(ctx), _avoid(ctx)))
+        ctx.actions.append(RequeueAfter(POLL_SECONDS))
+        return
+
+    refusal = gang_policy.admission_refusal(job, obs)
+    if refusal is not None:
+        _unschedulable(ctx, refusal)
+        return
+    restarting = st.phase == "Restarting"
+    st.attempt += 1
+    st.next_restart_time = None
+    if st.start_time is None:
+        st.start_time = iso(ctx.now)
+    resume = _resume_step(ctx)
+    ctx.actions.append(CreateGang(st.attempt, resume, _avoid(ctx)))
+    cond.set_condition(st, "Scheduled", "False", "GangCreated", f"attempt {st.attempt} created", ctx.now)
+    where = f"from checkpoint step {resume}" if resume is not None else "from scratch"
+    cond.enter_phase(st, "Scheduling", "GangCreated", f"attempt {st.attempt}: starting {where}", ctx.now)
+    if restarting:
+        ctx.event("Normal", "Restarted", f"attempt {st.attempt}: gang restarted {where}")
+    else:
+        ctx.event("Normal", "GangCreated", f"attempt {st.attempt}: gang of {job.spec.replicas} replica(s) "
+                  f"created {where}")
+
+
+def _unschedulable(ctx: _Ctx, reason: str) -> None:
+    st, sched = ctx.st, ctx.job.spec.scheduling
+    prev = cond.get(st, "Scheduled")
+    first = prev is None or prev.reason != "Unschedulable"
+    cond.set_condition(st, "Scheduled", "False", "Unschedulable", reason, ctx.now)
+    if first:
+        # A new wait starts now (the condition may have been False for another reason before).
+        cur = cond.get(st, "Scheduled")
+        assert cur is not None
+        cur.last_transition_time = iso(ctx.now)
+        ctx.event("Warning", "Unschedulable", reason)
+    st.phase = "Scheduling"
+    st.message = f"waiting for capacity: {reason}"
+    since = parse(cond.get(st, "Scheduled").last_transition_time)  # type: ignore[union-attr]
+    waited = seconds_between(since, ctx.now) if since else 0.0
+    if sched.timeout_seconds is not None and waited > sched.timeout_seconds and sched.on_timeout == "fail":
+        _fail(ctx, "SchedulingTimeout", f"gang could not be scheduled within {sched.timeout_seconds}s: {reason}")
+        return
+    ctx.actions.append(RequeueAfter(POLL_SECONDS))
+
+
+def _resume_step(ctx: _Ctx) -> int | None:
+    ck = ctx.observed.latest_checkpoint or ctx.st.last_checkpoint
+    return ck.step if ck is not None else None
+
+
+def _avoid(ctx: _Ctx) -> tuple[str, ...]:
+    return tuple(sorted(ctx.st.failed_nodes))
+
+
+# ---- failures ------------------------------------------------------------------------------------------------------
+
+
+def _on_failure(ctx: _Ctx, failure: Failure) -> None:
+    st, ft = ctx.st, ctx.job.spec.fault_tolerance
+    ctx.actions.append(DeleteGang(st.attempt, failure.reason))
+    done = st.progress.step if st.progress else 0
+    ck = _resume_step(ctx) or 0
+    if failure.cls is FailureClass.PERMANENT:
+        _fail(ctx, failure.reason, f"{failure.message}; not restarting (permanent failure)")
+        return
+    if failure.cls is FailureClass.INFRASTRUCTURE:
+        if st.infra_restarts >= ft.max_infra_restarts:
+            _fail(ctx, failure.reason, f"{failure.message}; faultTolerance.maxInfraRestarts "
+                  f"({ft.max_infra_restarts}) reached")
+            return
+        st.infra_restarts += 1
+        if failure.node:
+            st.failed_nodes[failure.node] = iso(ctx.now + timedelta(seconds=ft.node_avoid_seconds))
+    else:
+        if st.restarts >= ft.max_restarts:
+            _fail(ctx, failure.reason, f"{failure.message}; faultTolerance.maxRestarts ({ft.max_restarts}) reached")
+            return
+        st.restarts += 1
+    delay = backoff_seconds(ft, st.restarts + st.infra_restarts)
+    st.steps_lost.append(max(0, done - ck))
+    st.next_restart_time = iso(ctx.now + timedelta(seconds=delay))
+    count = f"restart {st.restarts}/{ft.max_restarts}" if failure.cls is FailureClass.USER else \
+        f"infrastructure restart {st.infra_restarts}/{ft.max_infra_restarts}"
+    msg = f"{failure.message}; {count} in {delay:g}s from checkpoint step {ck or 'none'}"
+    cond.enter_phase(st, "Restarting", failure.reason, msg, ctx.now)
+    ctx.actions.append(RequeueAfter(delay))
+    ctx.event("Warning", failure.reason, msg)
+
+
+def _fail(ctx: _Ctx, reason: str, message: str) -> None:
+    st = ctx.st
+    cond.enter_phase(st, "Failed", reason, message, ctx.now)
+    st.completion_time = iso(ctx.now)
+    st.next_restart_time = None
+    ctx.event("Warning", "Failed", message)

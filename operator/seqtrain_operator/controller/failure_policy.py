@@ -1,0 +1,90 @@
+"""Failure classification: why a gang failed decides whether and against which budget it restarts.
+
+- permanent: restarting cannot help (the trainer rejected its config: exit code 3) -> Failed at once.
+- infrastructure: the platform took the replica away (eviction, preemption, node loss, pod deleted) -> restart,
+  counted in status.infraRestarts against faultTolerance.maxInfraRestarts; the node is avoided for a while.
+- user: everything else (a crash, OOM, SIGKILL from outside, a hang, a collective timeout) -> restart, counted in
+  status.restarts against faultTolerance.maxRestarts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from enum import Enum
+
+from .types import ReplicaObservation
+
+EXIT_INVALID_CONFIG = 3  # seqtrain.train.exitcodes: invalid config, permanent
+EXIT_COLLECTIVE_TIMEOUT = 4  # a peer died or hung; usually a consequence, not the cause
+
+INFRA_REASONS = frozenset({"Evicted", "Preempted", "NodeLost", "NodeShutdown", "Deleted", "Unschedulable",
+                           "DeadlineExceeded", "Shutdown", "Terminated"})
+PERMANENT_REASONS = frozenset({"InvalidConfig", "ImagePullBackOff", "ErrImagePull", "InvalidImageName",
+                               "CreateContainerConfigError"})
+
+
+class FailureClass(str, Enum):
+    USER = "User"
+    INFRASTRUCTURE = "Infrastructure"
+    PERMANENT = "Permanent"
+
+
+@dataclass(frozen=True)
+class Failure:
+    cls: FailureClass
+    reason: str  # short CamelCase, used as the condition/event reason
+    message: str  # one line a user can act on
+    replica: int | None = None
+    node: str | None = None
+
+
+def describe_exit(code: int | None) -> str:
+    if code is None:
+        return "no exit code"
+    if code >= 128:
+        import signal
+
+        try:
+            return f"exit code {code} (killed by {signal.Signals(code - 128).name})"
+        except ValueError:
+            return f"exit code {code}"
+    return f"exit code {code}"
+
+
+def classify(r: ReplicaObservation) -> Failure:
+    """Classify one failed replica."""
+    where = f"replica {r.replica}" + (f" on {r.node}" if r.node else "")
+    detail = f": {r.message}" if r.message else ""
+    if r.exit_code == EXIT_INVALID_CONFIG or (r.reason in PERMANENT_REASONS):
+        reason = r.reason or "InvalidConfig"
+        return Failure(FailureClass.PERMANENT, reason, f"{where} failed permanently ({reason}, "
+                       f"{describe_exit(r.exit_code)}){detail}", r.replica, r.node)
+    if r.reason in INFRA_REASONS:
+        return Failure(FailureClass.INFRASTRUCTURE, r.reason or "Infrastructure",
+                       f"{where} lost to infrastructure ({r.reason}){detail}", r.replica, r.node)
+    reason = r.reason or ("CollectiveTimeout" if r.exit_code == EXIT_COLLECTIVE_TIMEOUT else "RankFailed")
+    return Failure(FailureClass.USER, reason, f"{where} failed ({reason}, {describe_exit(r.exit_code)}){detail}",
+                   r.replica, r.node)
+
+
+def _rank(f: Failure, r: ReplicaObservation) -> tuple[int, int]:
+    # When one rank dies the others usually fail shortly after (broken collectives). Report the cause, not the echo:
+    # permanent > infrastructure (a lost node makes its peers look like user failures) > user > collective timeout.
+    order = {FailureClass.PERMANENT: 0, FailureClass.INFRASTRUCTURE: 1, FailureClass.USER: 2}[f.cls]
+    echo = 1 if r.exit_code == EXIT_COLLECTIVE_TIMEOUT and not r.reason else 0
+    return (order, echo)
+
+
+def root_cause(failed: Iterable[ReplicaObservation]) -> Failure | None:
+    """The failure that explains the gang's death, or None when nothing failed."""
+    cands = [(classify(r), r) for r in failed if r.phase == "Failed"]
+    if not cands:
+        return None
+    cands.sort(key=lambda fr: (*_rank(fr[0], fr[1]), fr[1].replica))
+    return cands[0][0]
+
+
+def hang_failure(seconds: float, limit: int) -> Failure:
+    return Failure(FailureClass.USER, "Hung", f"no training step completed for {seconds:.0f}s "
+                   f"(faultTolerance.hangTimeoutSeconds = {limit})")

@@ -1,0 +1,59 @@
+"""Gang semantics: all replicas of one incarnation exist together or the gang is torn down; never two gangs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from seqtrain.spec import SeqTrainJob
+
+from .types import Observed, ReplicaObservation
+
+
+@dataclass(frozen=True)
+class GangView:
+    """The observed replicas split by incarnation."""
+
+    current: tuple[ReplicaObservation, ...]  # replicas of the attempt the status says is live
+    stale: tuple[int, ...]  # other attempts still present (must be deleted before anything is created)
+
+    @property
+    def exists(self) -> bool:
+        return bool(self.current or self.stale)
+
+
+def view(observed: Observed, attempt: int) -> GangView:
+    current = tuple(r for r in observed.replicas if r.attempt == attempt)
+    stale = tuple(sorted({r.attempt for r in observed.replicas if r.attempt != attempt}))
+    return GangView(current=current, stale=stale)
+
+
+def may_create(observed: Observed) -> bool:
+    """A new gang may be created only when no replica of any attempt is observed (dying ones included)."""
+    return not observed.replicas
+
+
+def admission_refusal(job: SeqTrainJob, observed: Observed) -> str | None:
+    """Why the whole gang cannot be admitted now (None: admit). All replicas or none: a backend that can place only
+    part of the gang must report it as unschedulable rather than start a partial gang."""
+    if observed.unschedulable:
+        return observed.unschedulable
+    return None
+
+
+def missing(job: SeqTrainJob, current: tuple[ReplicaObservation, ...]) -> list[int]:
+    """Replica indices of the live gang that are not observed at all (deleted out from under us)."""
+    seen = {r.replica for r in current}
+    return [i for i in range(job.spec.replicas) if i not in seen]
+
+
+def gang_phase(job: SeqTrainJob, current: tuple[ReplicaObservation, ...]) -> str:
+    """Summarise the live gang: Failed if any replica failed, Succeeded if all did, Running if all run or finished,
+    else Pending."""
+    phases = [r.phase for r in current]
+    if any(p == "Failed" for p in phases):
+        return "Failed"
+    if len(current) >= job.spec.replicas and all(p == "Succeeded" for p in phases):
+        return "Succeeded"
+    if len(current) >= job.spec.replicas and all(p in ("Running", "Succeeded") for p in phases):
+        return "Running"
+    return "Pending"
