@@ -31,6 +31,10 @@ class ResourcesSpec(SpecModel):
     gpu_product: str | None = Field(
         None, description="Required GPU model (label nvidia.com/gpu.product), e.g. NVIDIA-H100-80GB-HBM3."
     )
+    peak_tflops: float | None = Field(
+        None, gt=0, description="Peak dense TFLOP/s of one device at the job's precision, for MFU; default: the "
+        "built-in table of known GPUs (seqtrain.obs.peaks). On CPU MFU stays empty unless this is set."
+    )
 
     @field_validator("cpu", "memory", "shm_size", mode="before")
     @classmethod

@@ -43,6 +43,14 @@ class Progress(_StatusModel):
     loss: float | None = None
     tokens_per_second: float | None = None
     updated_at: str | None = None
+    mfu: float | None = Field(None, description="Model FLOPs utilisation (0..1) of the last step; absent on CPU.")
+    val_loss: float | None = Field(None, description="Validation loss of the last evaluation.")
+    val_perplexity: float | None = Field(None, description="exp(valLoss) of the last evaluation.")
+    val_bits_per_byte: float | None = Field(None, description="Validation bits per byte (byte-level data only).")
+    best_val_loss: float | None = Field(None, description="Lowest validation loss so far.")
+    best_step: int | None = Field(None, description="Step of the lowest validation loss (its checkpoint is kept).")
+    stop_reason: str | None = Field(None, description="Why training ended before training.steps, e.g. EarlyStopped.")
+    stop_message: str | None = Field(None, description="Human-readable detail of stopReason.")
 
 
 class CheckpointRef(_StatusModel):
