@@ -16,6 +16,8 @@ class Node:
     labels: dict[str, str] = field(default_factory=dict)
     schedulable: bool = True
     ready: bool = True
+    # (key, value, effect) of the node's taints; effect NoSchedule/NoExecute must be tolerated by the pods.
+    taints: tuple[tuple[str, str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,8 @@ class ReplicaAssignment:
     replica: int
     node: str
     ranks: tuple[int, ...]
+    # Topology domain of the node (label values of scheduling.topology.keys, outermost first); () when unknown.
+    domain: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
