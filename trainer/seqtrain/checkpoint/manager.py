@@ -1,0 +1,102 @@
+"""Atomic checkpoint publishing and pruning.
+
+Protocol: rank 0 creates `<dir>/.tmp-step-N/`; barrier; every rank writes its files and fsyncs them; barrier;
+rank 0 writes `meta.json` (step, time, world, layout, files), renames the folder to `step-N` (an atomic rename
+on one filesystem) and prunes to `keep`; barrier. A crash at any point leaves either the previous complete
+checkpoints only, or a `.tmp-*` folder that discovery ignores and the next save removes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from .discovery import (
+    DELETE_PREFIX,
+    META_FILE,
+    TMP_PREFIX,
+    CheckpointInfo,
+    latest_checkpoint,
+    list_checkpoints,
+    read_complete,
+    step_dir,
+)
+
+if TYPE_CHECKING:
+    from seqtrain.train.dist import DistContext
+
+
+def _fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class CheckpointManager:
+    def __init__(self, directory: str, keep: int, ctx: DistContext) -> None:
+        self.directory = directory
+        self.keep = keep
+        self.ctx = ctx
+        if ctx.is_main:
+            os.makedirs(directory, exist_ok=True)
+
+    def latest(self) -> CheckpointInfo | None:
+        return latest_checkpoint(self.directory)
+
+    def save(self, step: int, write: Callable[[str], list[str]], meta: dict[str, Any] | None = None) -> CheckpointInfo:
+        """Publish checkpoint `step`. `write(tmp_dir)` runs on every rank and returns the file names it wrote."""
+        tmp = os.path.join(self.directory, f"{TMP_PREFIX}{step}")
+        if self.ctx.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        self.ctx.barrier()
+        for name in write(tmp):
+            _fsync_path(os.path.join(tmp, name))
+        self.ctx.barrier()
+        final = step_dir(self.directory, step)
+        if self.ctx.is_main:
+            files = sorted(os.listdir(tmp))
+            record = {"step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                      "world": self.ctx.world_size, "files": files, **(meta or {})}
+            with open(os.path.join(tmp, META_FILE), "w", encoding="utf-8") as f:
+                json.dump(record, f, indent=2)
+                f.flush()
+                os.fsync(f.fileno())
+            _fsync_path(tmp)
+            if os.path.exists(final):  # a step redone after a restart: the new copy replaces the old one
+                self._remove(final)
+            os.rename(tmp, final)
+            _fsync_path(self.directory)
+            self.prune()
+        self.ctx.barrier()
+        info = read_complete(final)
+        if info is None:
+            raise RuntimeError(f"checkpoint {final} is not readable right after publishing it")
+        return info
+
+    def _remove(self, path: str) -> None:
+        # Rename first so a crash mid-delete never leaves a half-deleted step-N that still has its meta.json.
+        doomed = os.path.join(self.directory, DELETE_PREFIX + os.path.basename(path)[len("step-"):])
+        shutil.rmtree(doomed, ignore_errors=True)
+        os.rename(path, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+
+    def prune(self) -> None:
+        """Keep the latest `keep` complete checkpoints; remove older ones and leftovers of interrupted saves."""
+        complete = list_checkpoints(self.directory)
+        for c in complete[: max(0, len(complete) - self.keep)]:
+            self._remove(c.path)
+        newest = complete[-1].step if complete else -1
+        for name in os.listdir(self.directory):
+            if name.startswith(DELETE_PREFIX):
+                shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+            elif name.startswith(TMP_PREFIX):
+                tail = name[len(TMP_PREFIX):]
+                if tail.isdigit() and int(tail) <= newest:
+                    shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)

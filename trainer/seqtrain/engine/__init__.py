@@ -1,0 +1,34 @@
+"""Training engines. `build_engine(model, job, ctx)` picks one by `spec.optimization.engine`.
+
+Engines register in ENGINES by name; "auto" resolves in `engine_name`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import nn
+
+from seqtrain.spec.job import SeqTrainJob
+from seqtrain.train.dist import DistContext
+
+from .base import Engine, StepStats
+from .native import NativeEngine
+
+__all__ = ["ENGINES", "Engine", "NativeEngine", "StepStats", "build_engine", "engine_name"]
+
+ENGINES: dict[str, Callable[[nn.Module, SeqTrainJob, DistContext], Engine]] = {"native": NativeEngine}
+
+
+def engine_name(job: SeqTrainJob) -> str:
+    opt = job.spec.optimization
+    if opt.engine == "auto":
+        return "deepspeed" if opt.zero.stage > 0 else "native"
+    return opt.engine
+
+
+def build_engine(model: nn.Module, job: SeqTrainJob, ctx: DistContext) -> Engine:
+    name = engine_name(job)
+    if name not in ENGINES:
+        raise ValueError(f"spec.optimization.engine: {name!r} is not available yet; use native")
+    return ENGINES[name](model, job, ctx)

@@ -1,0 +1,103 @@
+"""Engine: owns the wrapped model, optimizer, scheduler and the optimizer step; the loop owns everything else.
+
+`step(micro_batches)` runs forward/backward over this rank's micro-batches with the global-batch loss
+normalisation (see `seqtrain.train.loss`), clips, steps the optimizer and the schedule, and returns global
+`StepStats`. Checkpoints go through `save(dir)` / `load(dir)`: every rank calls both; the default writes one
+file from rank 0 (replicated data parallel). Sharded engines (FSDP, ZeRO) override them to write per-rank files.
+"""
+
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from seqtrain.data import Batch
+from seqtrain.spec.job import SeqTrainJob
+from seqtrain.train.dist import DistContext
+from seqtrain.train.loss import CausalLMLoss
+from seqtrain.train.optim import build_optimizer, build_scheduler
+
+
+@dataclass
+class StepStats:
+    """One optimizer step, summed over all micro-batches and all data-parallel ranks."""
+
+    loss_sum: float  # sum of per-token losses
+    target_tokens: int  # non-padding target tokens
+    slots: int  # token positions computed, padding included
+    grad_norm: float  # global L2 norm before clipping
+    skipped: bool = False  # the update was skipped (non-finite gradients)
+    loss_scale: float | None = None  # fp16 only
+
+    @property
+    def loss(self) -> float:
+        return self.loss_sum / max(1, self.target_tokens)
+
+
+class Engine(ABC):
+    name = "base"
+    checkpoint_file = "engine.pt"
+
+    def __init__(self, model: nn.Module, job: SeqTrainJob, ctx: DistContext) -> None:
+        self.job = job
+        self.ctx = ctx
+        self.model = model  # the bare model (output_weight, blocks/layers); never the wrapper
+        self.loss_module = CausalLMLoss(model)
+        self.optimizer = build_optimizer(model, job.spec.training.optimizer)
+        self.scheduler = build_scheduler(self.optimizer, job.spec.training.schedule, job.spec.training.steps)
+
+    @abstractmethod
+    def step(self, micro_batches: list[Batch]) -> StepStats: ...
+
+    @property
+    def lr(self) -> float:
+        """Current peak learning rate (of the first parameter group: matrices)."""
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def train(self) -> None:
+        self.loss_module.train()
+
+    def eval(self) -> None:
+        self.loss_module.eval()
+
+    @torch.no_grad()
+    def eval_loss(self, batches: list[Batch]) -> tuple[float, int]:
+        """(loss sum, target tokens) over this rank's batches; the caller all-reduces. Leaves the model in eval
+        mode; call train() after."""
+        self.eval()
+        total = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
+        count = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
+        for b in batches:
+            b = b.to(self.ctx.device)
+            total += self.loss_module(b.tokens, b.targets, b.doc_ids).double()
+            count += b.num_targets()
+        return float(total), int(count)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+
+    def save(self, directory: str) -> list[str]:
+        """Write this rank's share of the engine state into `directory`; return the file names written."""
+        if not self.ctx.is_main:
+            return []
+        torch.save(self.state_dict(), os.path.join(directory, self.checkpoint_file))
+        return [self.checkpoint_file]
+
+    def load(self, directory: str) -> None:
+        state = torch.load(os.path.join(directory, self.checkpoint_file), map_location=self.ctx.device,
+                           weights_only=True)
+        self.load_state_dict(state)

@@ -1,0 +1,115 @@
+"""Building blocks of the GPT decoder, each a small function with a module around it.
+
+The functions (`rms_norm`, `swiglu`, `rope`, `attention`) have the signatures of `seqtrain.kernels`, so a
+fused kernel replaces one by changing the single call site here, not the model code.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) * weight, computed in fp32 for stability."""
+    xf = x.float()
+    out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (out * weight.float()).to(x.dtype)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up."""
+    return F.silu(gate) * up
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of x [B, H, T, Dh] with cos/sin [T, Dh/2] (pairs are the two halves of the head dim)."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    cos = cos.to(x.dtype)
+    sin = sin.to(x.dtype)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [seq_len, head_dim/2] in fp32."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_freq)
+    return angles.cos().float(), angles.sin().float()
+
+
+def document_mask(doc_ids: torch.Tensor) -> torch.Tensor:
+    """Boolean [B, 1, T, T] mask: position i may attend to j when j <= i and both lie in the same document."""
+    t = doc_ids.shape[-1]
+    same = doc_ids[:, :, None] == doc_ids[:, None, :]
+    causal = torch.ones(t, t, dtype=torch.bool, device=doc_ids.device).tril()
+    return (same & causal)[:, None]
+
+
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True, doc_ids: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Scaled dot-product attention on [B, H, T, Dh]; with doc_ids [B, T] packed documents stay apart."""
+    if k.shape[1] != q.shape[1]:  # grouped-query attention: share each kv head across its query heads
+        rep = q.shape[1] // k.shape[1]
+        k = k.repeat_interleave(rep, dim=1)
+        v = v.repeat_interleave(rep, dim=1)
+    if doc_ids is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    mask = document_mask(doc_ids) if causal else (doc_ids[:, :, None] == doc_ids[:, None, :])[:, None]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+class SwiGLU(nn.Module):
+    """LLaMA-style MLP: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.gate = nn.Linear(dim, hidden, bias=False)
+        self.up = nn.Linear(dim, hidden, bias=False)
+        self.down = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(swiglu(self.gate(x), self.up(x)))
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, dim: int, heads: int, kv_heads: int) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
+        self.q = nn.Linear(dim, heads * self.head_dim, bias=False)
+        self.k = nn.Linear(dim, kv_heads * self.head_dim, bias=False)
+        self.v = nn.Linear(dim, kv_heads * self.head_dim, bias=False)
+        self.out = nn.Linear(heads * self.head_dim, dim, bias=False)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, doc_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = rope(q, cos, sin), rope(k, cos, sin)
+        y = attention(q, k, v, causal=True, doc_ids=doc_ids)
+        return self.out(y.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
+
+
+def document_positions(doc_ids: torch.Tensor) -> torch.Tensor:
+    """Position of each token inside its own document [B, T] (restarts at 0 where doc_ids changes)."""
+    b, t = doc_ids.shape
+    idx = torch.arange(t, device=doc_ids.device).expand(b, t)
+    starts = torch.ones_like(doc_ids, dtype=torch.bool)
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    start_idx = torch.where(starts, idx, torch.zeros_like(idx)).cummax(dim=1).values
+    return idx - start_idx

@@ -1,0 +1,1 @@
+"""The training runtime: rank bootstrap (dist), loss, optimizer + schedules, loop, callbacks, entrypoint."""

@@ -1,0 +1,110 @@
+"""`seqtrain train --config FILE`: the per-rank entrypoint. Maps every ending to an exit code (exitcodes.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import sys
+import traceback
+from types import FrameType
+
+from pydantic import ValidationError
+
+from seqtrain.spec import SpecError, TrainerConfig, parse_job, read_trainer_config, resolve
+from seqtrain.spec.job import SeqTrainJob
+
+from . import exitcodes
+from .exitcodes import InvalidConfig
+
+
+def _load(config_path: str) -> tuple[TrainerConfig, SeqTrainJob]:
+    try:
+        cfg = read_trainer_config(config_path)
+    except OSError as exc:
+        raise InvalidConfig(f"--config {config_path}: cannot read: {exc.strerror}") from None
+    except (ValueError, ValidationError) as exc:  # JSONDecodeError is a ValueError
+        raise InvalidConfig(f"--config {config_path}: not a trainer config: {exc}") from None
+    try:
+        job = parse_job(cfg.job)
+    except SpecError as err:
+        raise InvalidConfig("\n".join(f"{config_path}: job: {p}" for p in err.problems)) from None
+    return cfg, resolve(job)
+
+
+def is_comm_timeout(exc: BaseException) -> bool:
+    """A collective or rendezvous that timed out (a peer hung or vanished without closing its sockets)."""
+    import torch.distributed as dist
+
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, dist.DistStoreError | TimeoutError):
+            return True
+        text = str(seen).lower()
+        if "timed out" in text or "timeout" in text:
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+class _TerminateFlag:
+    """SIGTERM handler target: remembers the signal until the trainer exists, then forwards it."""
+
+    def __init__(self) -> None:
+        self.received = False
+        self.trainer = None
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        self.received = True
+        if self.trainer is not None:
+            self.trainer.terminate_requested = True
+
+    def attach(self, trainer) -> None:  # noqa: ANN001
+        self.trainer = trainer
+        trainer.terminate_requested = trainer.terminate_requested or self.received
+
+
+def main(config_path: str) -> int:
+    flag = _TerminateFlag()
+    signal.signal(signal.SIGTERM, flag)
+    ctx = None
+    try:
+        cfg, job = _load(config_path)
+        # Heavy imports only after the config is known to be good.
+        from .callbacks import build_callbacks
+        from .dist import init_distributed
+        from .loop import Trainer
+
+        ctx = init_distributed(use_gpu=job.spec.resources.gpus > 0,
+                               timeout_seconds=job.spec.optimization.comm_timeout_seconds)
+        trainer = Trainer(job, cfg.runtime, ctx)
+        flag.attach(trainer)
+        trainer.setup()
+        for cb in build_callbacks(trainer):
+            trainer.callbacks.append(cb)
+        reason = trainer.run()
+        return exitcodes.TERMINATED if reason == "terminated" else exitcodes.OK
+    except InvalidConfig as exc:
+        print(f"seqtrain train: invalid config:\n{exc}", file=sys.stderr, flush=True)
+        return exitcodes.INVALID_CONFIG
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # noqa: BLE001 - every failure becomes an exit code the controller understands
+        traceback.print_exc()
+        if is_comm_timeout(exc):
+            rank = ctx.rank if ctx else "?"
+            print(f"seqtrain train: rank {rank}: collective communication timed out", file=sys.stderr, flush=True)
+            return exitcodes.COMM_TIMEOUT
+        return exitcodes.ERROR
+    finally:
+        if ctx is not None:
+            from .dist import shutdown
+
+            with contextlib.suppress(Exception):  # never mask the real exit code
+                shutdown(ctx)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3 or sys.argv[1] != "--config":
+        print("usage: python -m seqtrain.train.entry --config FILE", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(main(sys.argv[2]))

@@ -1,0 +1,238 @@
+"""The training loop: a Trainer with small methods, an Engine that owns the optimizer step, and callbacks.
+
+Per step: data -> engine.step -> agree across ranks (memory peak, stop requests) -> metrics -> callbacks ->
+metrics.jsonl -> checkpoint when due. Trainer state (step, data position, RNG per rank) is saved beside the
+engine's files in every checkpoint, so a resumed run continues bit-exactly (CPU, fp32).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from seqtrain.checkpoint import CheckpointInfo, CheckpointManager
+from seqtrain.data import SequenceBatches, build_train_data
+from seqtrain.engine import Engine, StepStats, build_engine, engine_name
+from seqtrain.models import build_model, count_parameters
+from seqtrain.spec.job import SeqTrainJob
+from seqtrain.spec.runtime import RuntimeConfig
+
+from .callbacks import CallbackList
+from .dist import DistContext
+from .metrics import MetricsWriter, peak_memory_mb
+
+TRAINER_STATE = "trainer.pt"
+
+
+def rng_file(rank: int) -> str:
+    return f"rng-rank{rank}.pt"
+
+
+def seed_all(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class Trainer:
+    """One rank's training run. `run()` returns "completed", "terminated" (SIGTERM) or "stopped" (a callback
+    set `trainer.stop_training`)."""
+
+    def __init__(
+        self, job: SeqTrainJob, runtime: RuntimeConfig, ctx: DistContext, callbacks: list[Any] | None = None
+    ) -> None:
+        self.job = job
+        self.spec = job.spec
+        self.runtime = runtime
+        self.ctx = ctx
+        self.callbacks = CallbackList(callbacks)
+        self.total_steps = self.spec.training.steps
+        self.step = 0  # optimizer steps completed
+        self.tokens_seen = 0  # real target tokens over all ranks and steps
+        self.resumed_from: CheckpointInfo | None = None
+        self.terminate_requested = False  # set by the SIGTERM handler
+        self.stop_training = False  # set by callbacks (early stopping)
+        self.stop_reason = ""
+        self.last_metrics: dict[str, Any] = {}
+        self.model: torch.nn.Module
+        self.engine: Engine
+        self.data: SequenceBatches
+
+    # ---- setup -------------------------------------------------------------------------------------------
+    def setup(self) -> None:
+        tr = self.spec.training
+        if tr.deterministic:
+            torch.use_deterministic_algorithms(True)
+        seed_all(tr.seed)  # the same on every rank: identical initial weights without a broadcast
+        self.model = build_model(self.spec.model).to(self.ctx.device)
+        self.engine = build_engine(self.model, self.job, self.ctx)
+        self.data = build_train_data(self.job, self.ctx.dp_rank, self.ctx.dp_size)
+        self.checkpoints = CheckpointManager(self.runtime.checkpoint_dir, self.spec.checkpoint.keep, self.ctx)
+        self.metrics_writer = MetricsWriter(os.path.join(self.runtime.workdir, "metrics.jsonl"))
+        seed_all(tr.seed + 1 + self.ctx.rank)  # per-rank streams for dropout from here on
+        self.resume()
+
+    def resume(self) -> None:
+        info = self.checkpoints.latest()
+        if info is not None:
+            self.load_checkpoint(info)
+        if self.ctx.is_main:
+            os.makedirs(self.runtime.workdir, exist_ok=True)
+            self.metrics_writer.truncate_after(self.step)
+        self.ctx.barrier()
+
+    # ---- checkpoints -------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Rank-independent trainer state (rank 0 writes it)."""
+        return {"step": self.step, "tokens_seen": self.tokens_seen, "data": self.data.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+        self.tokens_seen = int(state.get("tokens_seen", 0))
+        self.data.load_state_dict(state["data"])
+
+    def _write_checkpoint(self, directory: str) -> list[str]:
+        files = self.engine.save(directory)
+        torch.save(rng_state(), os.path.join(directory, rng_file(self.ctx.rank)))
+        files.append(rng_file(self.ctx.rank))
+        if self.ctx.is_main:
+            torch.save(self.state_dict(), os.path.join(directory, TRAINER_STATE))
+            files.append(TRAINER_STATE)
+        return files
+
+    def save_checkpoint(self) -> CheckpointInfo:
+        meta = {
+            "engine": self.engine.name,
+            "layout": {"dp": self.ctx.dp_size, "tp": self.ctx.tp_size, "pp": self.ctx.pp_size},
+            "total_steps": self.total_steps,
+            "loss": self.last_metrics.get("loss"),
+            "attempt": self.runtime.attempt,
+        }
+        return self.checkpoints.save(self.step, self._write_checkpoint, meta)
+
+    def load_checkpoint(self, info: CheckpointInfo) -> None:
+        self.engine.load(info.path)
+        state = torch.load(os.path.join(info.path, TRAINER_STATE), weights_only=False)
+        self.load_state_dict(state)
+        rng_path = os.path.join(info.path, rng_file(self.ctx.rank))
+        if os.path.exists(rng_path):
+            set_rng_state(torch.load(rng_path, weights_only=False))
+        else:  # resumed into more ranks than were saved: a fresh, still deterministic stream
+            seed_all(self.spec.training.seed + 1 + self.ctx.rank + self.step)
+        self.resumed_from = info
+
+    def checkpoint_due(self) -> bool:
+        return self.step % self.spec.checkpoint.interval_steps == 0 or self.step >= self.total_steps
+
+    # ---- one step ----------------------------------------------------------------------------------------
+    def train_step(self) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        micro_batches = self.data.next_step()
+        lr = self.engine.lr  # the rate this step uses (the schedule advances inside engine.step)
+        stats = self.engine.step(micro_batches)
+        self.step += 1
+        self.tokens_seen += stats.target_tokens
+        mem_mb = self.agree()
+        return self.step_metrics(stats, lr, time.perf_counter() - t0, mem_mb)
+
+    def agree(self) -> float:
+        """One MAX all-reduce per step: the busiest rank's memory peak and whether any rank must stop."""
+        flags = torch.tensor(
+            [peak_memory_mb(self.ctx.device), float(self.terminate_requested), float(self.stop_training)],
+            dtype=torch.float64, device=self.ctx.device,
+        )
+        self.ctx.all_reduce(flags, op="max")
+        self.terminate_requested = bool(flags[1] > 0)
+        self.stop_training = bool(flags[2] > 0)
+        return float(flags[0])
+
+    def step_metrics(self, stats: StepStats, lr: float, seconds: float, mem_mb: float) -> dict[str, Any]:
+        m: dict[str, Any] = {
+            "step": self.step,
+            "loss": stats.loss,
+            "lr": lr,
+            "grad_norm": stats.grad_norm,
+            "tokens": stats.target_tokens,
+            "slots": stats.slots,
+            "tokens_per_s": stats.target_tokens / seconds if seconds > 0 else None,
+            "step_time_s": seconds,
+            "mem_peak_mb": round(mem_mb, 1),
+            "time": time.time(),
+        }
+        if stats.loss_scale is not None:
+            m["loss_scale"] = stats.loss_scale
+        if stats.skipped:
+            m["skipped"] = True
+        return m
+
+    # ---- the loop ----------------------------------------------------------------------------------------
+    def run(self) -> str:
+        self.engine.train()
+        self.callbacks.on_train_start(self)
+        self.log_start()
+        reason = "completed"
+        while self.step < self.total_steps:
+            metrics = self.train_step()
+            self.last_metrics = metrics
+            self.callbacks.on_step_end(self, self.step, metrics)
+            if self.ctx.is_main:
+                self.metrics_writer.append(metrics)
+                self.log_step(metrics)
+            if self.terminate_requested or self.stop_training:
+                reason = "terminated" if self.terminate_requested else "stopped"
+                if reason == "stopped" or self.spec.checkpoint.save_on_sigterm:
+                    self.save_checkpoint()
+                break
+            if self.checkpoint_due():
+                self.save_checkpoint()
+        self.callbacks.on_train_end(self, reason)
+        self.log_end(reason)
+        return reason
+
+    # ---- console -----------------------------------------------------------------------------------------
+    def log(self, text: str) -> None:
+        if self.ctx.is_main:
+            print(text, flush=True)
+
+    def log_start(self) -> None:
+        s = self.spec
+        where = f"resumed from step {self.resumed_from.step}" if self.resumed_from else "fresh start"
+        self.log(
+            f"seqtrain: {self.job.name} attempt {self.runtime.attempt}, {where}; {s.model.arch} "
+            f"{count_parameters(self.model) / 1e6:.2f}M params, world {self.ctx.world_size} "
+            f"({self.ctx.backend or 'single process'}, {self.ctx.device.type}), engine {engine_name(self.job)}, "
+            f"{self.data.num_sequences} train sequences of {s.data.seq_len}, "
+            f"global batch {self.data.global_batch} = {s.training.micro_batch_size} x {self.data.accum} accum "
+            f"x {self.ctx.dp_size} dp"
+        )
+
+    def log_step(self, m: dict[str, Any]) -> None:
+        if m["step"] % self.spec.training.log_every and m["step"] != self.total_steps:
+            return
+        self.log(
+            f"step {m['step']}/{self.total_steps} loss {m['loss']:.4f} lr {m['lr']:.2e} "
+            f"grad_norm {m['grad_norm']:.3f} tok/s {m['tokens_per_s'] or 0:.0f} mem {m['mem_peak_mb']:.0f}MB"
+        )
+
+    def log_end(self, reason: str) -> None:
+        self.log(f"seqtrain: {reason} at step {self.step}/{self.total_steps}")

@@ -1,0 +1,68 @@
+"""Optimizer with parameter groups and learning-rate schedules as pure functions of the step.
+
+Groups: "decay" (matrices), "no_decay" (norm scales and biases: decaying them only shrinks the model's
+freedom to scale activations), "embed" (embedding tables: decayed, learning rate x embeddingLrScale).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from seqtrain.spec.training import OptimizerSpec, ScheduleSpec
+
+
+def param_groups(model: nn.Module, spec: OptimizerSpec) -> list[dict[str, Any]]:
+    embed_ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    decay, no_decay, embed = [], [], []
+    seen: set[int] = set()
+    for _, p in model.named_parameters():
+        if not p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))
+        if id(p) in embed_ids:
+            embed.append(p)
+        elif p.dim() < 2:
+            no_decay.append(p)
+        else:
+            decay.append(p)
+    groups = [
+        {"name": "decay", "params": decay, "weight_decay": spec.weight_decay, "lr": spec.lr},
+        {"name": "no_decay", "params": no_decay, "weight_decay": 0.0, "lr": spec.lr},
+        {"name": "embed", "params": embed, "weight_decay": spec.weight_decay, "lr": spec.lr * spec.embedding_lr_scale},
+    ]
+    return [g for g in groups if g["params"]]
+
+
+def build_optimizer(model: nn.Module, spec: OptimizerSpec) -> torch.optim.Optimizer:
+    if spec.name != "adamw":
+        raise ValueError(f"spec.training.optimizer.name: {spec.name!r} is not available yet; use adamw")
+    return torch.optim.AdamW(param_groups(model, spec), lr=spec.lr, betas=tuple(spec.betas), eps=spec.eps)
+
+
+def lr_factor(step: int, spec: ScheduleSpec, total_steps: int) -> float:
+    """Multiplier of the peak learning rate for the optimizer step with 0-based index `step`.
+
+    Warmup rises linearly to 1 over `warmupSteps` (the first step already moves: (step+1)/warmup);
+    cosine then falls to `minLrRatio` at the last step; constant stays at 1.
+    """
+    warm = spec.warmup_steps
+    if step < warm:
+        return (step + 1) / warm
+    if spec.name == "constant":
+        return 1.0
+    if spec.name == "cosine":
+        span = max(1, total_steps - 1 - warm)
+        progress = min(1.0, (step - warm) / span)
+        return spec.min_lr_ratio + (1 - spec.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    raise ValueError(f"spec.training.schedule.name: {spec.name!r} is not available yet; use constant or cosine")
+
+
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, spec: ScheduleSpec, total_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
+    lr_factor(0, spec, total_steps)  # fail fast on an unknown schedule name
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, spec, total_steps))

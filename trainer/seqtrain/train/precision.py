@@ -1,0 +1,175 @@
+"""Mixed precision: autocast on the device in use, fp32 master weights, dynamic loss scaling for fp16.
+
+Parameters and optimizer states always stay fp32; only the forward (and so the saved activations) runs in
+bf16/fp16 under `torch.autocast`. fp16 has a narrow exponent range, so small gradients underflow to zero: the
+loss is multiplied by a large scale before backward and the gradients are divided by it before the update
+(`DynamicLossScaler`). When a gradient overflows to inf/NaN the step is skipped and the scale halved; after
+`growth_interval` good steps in a row it doubles again. bf16 has fp32's exponent range and needs no scaling.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class DynamicLossScaler:
+    """Loss scale that halves on overflow (skipping that update) and grows after `growth_interval` good steps."""
+
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 1000,
+        min_scale: float = 2.0**-14,
+        max_scale: float = 2.0**24,
+    ) -> None:
+        if not (growth_factor > 1.0 and 0.0 < backoff_factor < 1.0 and growth_interval >= 1):
+            raise ValueError("loss scaler needs growth_factor > 1, 0 < backoff_factor < 1, growth_interval >= 1")
+        self.scale = float(init_scale)
+        self.growth_factor = growth_factor
+        self.backoff_factor = backoff_factor
+        self.growth_interval = growth_interval
+        self.min_scale = min_scale
+        self.max_scale = max_scale
+        self.good_steps = 0
+        self.skipped_steps = 0
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.scale
+
+    def unscale_(self, params: Iterable[torch.nn.Parameter], group: Any = None) -> bool:
+        """Divide every gradient by the scale in place; True when any gradient is inf/NaN (on any rank).
+
+        One host sync (the flag's `.item()`): the caller must know now whether to apply the update. With
+        sharded gradients (ZeRO/FSDP) ranks see different shards, so the flag is max-reduced over `group`.
+        """
+        grads = [p.grad for p in params if p.grad is not None]
+        found = _unscale_grads(grads, 1.0 / self.scale)
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
+        return bool(found.item())  # sync: decides whether the optimizer steps
+
+    def update(self, found_inf: bool) -> None:
+        if found_inf:
+            self.scale = max(self.scale * self.backoff_factor, self.min_scale)
+            self.good_steps = 0
+            self.skipped_steps += 1
+            return
+        self.good_steps += 1
+        if self.good_steps >= self.growth_interval:
+            self.scale = min(self.scale * self.growth_factor, self.max_scale)
+            self.good_steps = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"scale": self.scale, "good_steps": self.good_steps, "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.scale = float(state["scale"])
+        self.good_steps = int(state["good_steps"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+
+
+def _unscale_grads(grads: list[torch.Tensor], inv_scale: float) -> torch.Tensor:
+    """Multiply grads by inv_scale in place; return a float flag tensor (1.0 = some value is not finite)."""
+    if not grads:
+        return torch.zeros(1)
+    device = grads[0].device
+    found = torch.zeros(1, device=device)
+    by_device: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for g in grads:
+        by_device.setdefault((g.device, g.dtype), []).append(g)
+    for (dev, _), group in by_device.items():
+        flag = torch.zeros(1, device=dev)
+        inv = torch.full((1,), inv_scale, device=dev)
+        try:  # the fused kernel PyTorch's own GradScaler uses (CPU and CUDA)
+            torch._amp_foreach_non_finite_check_and_unscale_(group, flag, inv)
+        except (AttributeError, RuntimeError):
+            for g in group:
+                flag = torch.maximum(flag, (~torch.isfinite(g)).any().float().reshape(1))
+                g.mul_(inv_scale)
+        found = torch.maximum(found, flag.to(device))
+    return found
+
+
+class MixedPrecision:
+    """What the engine needs from precision: autocast, (scaled) backward, unscale + overflow check, scale update."""
+
+    def __init__(self, precision: str, device: torch.device | str, growth_interval: int = 1000,
+                 init_scale: float = 2.0**16) -> None:
+        if precision not in DTYPES:
+            raise ValueError(f"optimization.precision: {precision!r} is not one of {sorted(DTYPES)}")
+        self.name = precision
+        self.device = torch.device(device)
+        self.dtype = DTYPES[precision]
+        if precision == "fp16" and self.device.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError("optimization.precision fp16 on cuda needs a GPU")
+        if precision == "bf16" and self.device.type == "cuda" and not torch.cuda.is_bf16_supported():
+            raise RuntimeError("optimization.precision: this GPU has no bf16 support; use fp16 or fp32")
+        self.scaler = DynamicLossScaler(init_scale=init_scale, growth_interval=growth_interval) \
+            if precision == "fp16" else None
+
+    @property
+    def enabled(self) -> bool:
+        return self.name != "fp32"
+
+    @property
+    def loss_scale(self) -> float | None:
+        return self.scaler.scale if self.scaler else None
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """Autocast for the forward pass and loss (backward runs outside it, as PyTorch recommends)."""
+        if not self.enabled:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.dtype)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (self.scaler.scale_loss(loss) if self.scaler else loss).backward()
+
+    def unscale_and_check(self, params: Iterable[torch.nn.Parameter], group: Any = None) -> bool:
+        """Undo the loss scale on the gradients; True when the step must be skipped (inf/NaN gradient).
+
+        Without a scaler (fp32/bf16) only the finiteness check runs; the engine also checks the clipped norm.
+        """
+        if self.scaler is not None:
+            return self.scaler.unscale_(params, group)
+        return False
+
+    def update(self, found_inf: bool) -> None:
+        if self.scaler is not None:
+            self.scaler.update(found_inf)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"precision": self.name, "scaler": self.scaler.state_dict() if self.scaler else None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+
+
+def grads_finite(params: Iterable[torch.nn.Parameter]) -> bool:
+    """True when every gradient is finite (one host sync)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return True
+    norms = torch.stack([g.detach().float().abs().max() for g in grads])
+    return bool(torch.isfinite(norms).all().item())
+
+
+def is_finite(x: float | torch.Tensor) -> bool:
+    return math.isfinite(float(x))
+
+
+@contextlib.contextmanager
+def no_autocast(device_type: str) -> Iterator[None]:
+    """Run a region in full precision inside an autocast forward (e.g. the loss's log-softmax)."""
+    with torch.autocast(device_type=device_type, enabled=False):
+        yield
