@@ -52,6 +52,9 @@ def check(job: SeqTrainJob) -> list[Problem]:
                            f"(e.g. {lo} or {lo + per_step})"))
 
     m = resolved_model(job)
+    from ..parallel.compat import parallel_problems  # late: compat imports the spec package
+
+    out += parallel_problems(job, m)
     if s.data.seq_len > (m.max_seq_len or 0):
         out.append(Problem("spec.data.seqLen",
                            f"{s.data.seq_len} is longer than the model accepts (model.maxSeqLen = {m.max_seq_len}); "

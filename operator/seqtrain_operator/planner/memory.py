@@ -1,0 +1,221 @@
+"""Memory per rank, following the ZeRO paper's accounting (Rajbhandari et al., 2020, section 3.1 and 5).
+
+Model states for Psi parameters on a rank, data-parallel degree N_d:
+
+    mixed precision (bf16/fp16) Adam: 2 Psi fp16 params + 2 Psi fp16 grads + K Psi optimizer, K = 12
+        (fp32 master weights 4 + momentum 4 + variance 4)
+    fp32 Adam:                        4 Psi params      + 4 Psi grads      + 8 Psi (momentum + variance)
+
+    ZeRO-0: everything replicated          ZeRO-1: optimizer / N_d
+    ZeRO-2: optimizer and grads / N_d      ZeRO-3: params, grads and optimizer / N_d
+    offload cpu: optimizer states live in host memory (ZeRO-3 offload: the parameter shard too).
+
+Psi is what the rank holds after tensor and pipeline parallel took their share: matrices of a block are split
+by tp (norms replicated), the vocabulary by tp, blocks by pipeline stage. Activations follow Korthikanti et al.
+(2022) adapted to this model (SwiGLU MLP, RMSNorm, flash-style attention that stores no seq x seq scores):
+values below are elements per token per block, times bytes of the compute precision:
+
+    GPT block:  attention 2h (norm in/out) + h + 2 kv (q, k, v) + h (attention out)
+                MLP       2h (norm in/out) + 4 f (gate, up, activation, product)
+                tensor parallel divides the q/k/v/out and f terms by tp, sequence parallel the norm terms too.
+    LSTM layer: 7h (input, 4 gates, cell, hidden); GRU/QRNN 5h.
+    head:       fp32 logits and their gradient, 2 x 4 bytes x vocab / tp per token (0 with fused kernels).
+
+Activation checkpointing keeps one h per checkpointed block plus one block's full activations for recompute.
+Pipeline stages hold several micro-batches in flight: GPipe all m, 1F1B min(m, pp - stage), interleaved
+about (2 (pp - 1) + (v - 1) pp + 1) / v. Estimates, not measurements: allocator fragmentation, framework
+buffers (DeepSpeed buckets, NCCL) and the CUDA context (~0.5 GiB) come on top.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from seqtrain.parallel.compat import engine_of, pipeline_micro_batches
+from seqtrain.parallel.costs import ParamBreakdown, param_breakdown, stage_bounds
+from seqtrain.parallel.topology import INTERLEAVED_CHUNKS
+from seqtrain.spec import SeqTrainJob
+from seqtrain.spec.model import ModelSpec
+from seqtrain.spec.resolve import resolved_model
+
+# bytes per parameter: (params, grads, optimizer states)
+STATE_BYTES = {"mixed": (2, 2, 12), "fp32": (4, 4, 8)}
+
+
+def state_bytes(precision: str) -> tuple[int, int, int]:
+    return STATE_BYTES["fp32" if precision == "fp32" else "mixed"]
+
+
+@dataclass(frozen=True)
+class ModelStates:
+    params: float
+    grads: float
+    optimizer: float
+    cpu: float  # bytes moved to host memory by offload
+
+    @property
+    def device(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+
+def model_state_bytes(psi: int, precision: str, zero_stage: int, dp: int, offload: str = "none") -> ModelStates:
+    """ZeRO-paper model-state bytes of one rank holding `psi` parameters (before ZeRO partitioning)."""
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero stage must be 0..3, got {zero_stage}")
+    bp, bg, bo = state_bytes(precision)
+    params = bp * psi / (dp if zero_stage >= 3 else 1)
+    grads = bg * psi / (dp if zero_stage >= 2 else 1)
+    opt = bo * psi / (dp if zero_stage >= 1 else 1)
+    cpu = 0.0
+    if offload == "cpu" and zero_stage >= 1:
+        cpu, opt = opt, 0.0
+        if zero_stage == 3:
+            cpu, params = cpu + params, 0.0
+    return ModelStates(params=params, grads=grads, optimizer=opt, cpu=cpu)
+
+
+def stage_params(p: ParamBreakdown, bounds: list[tuple[int, int]], stage: int, tp: int, tied: bool) -> int:
+    """Parameters one rank of pipeline stage `stage` holds, after tensor parallel."""
+    start, end = bounds[stage]
+    per_block = p.block_tp_split // tp + (p.block - p.block_tp_split)
+    n = per_block * (end - start)
+    last = stage == len(bounds) - 1
+    if stage == 0:
+        n += p.embedding // tp
+    if last:
+        n += p.final + p.output // tp
+        if tied and len(bounds) > 1:
+            n += p.embedding // tp  # the last stage keeps its own copy of the tied embedding (Megatron-style)
+    return n
+
+
+def block_activation_elems(m: ModelSpec, tp: int, sequence_parallel: bool) -> float:
+    """Elements stored per token for one block's backward, without checkpointing."""
+    h = m.dim or 0
+    if m.arch == "gpt":
+        kv = h // (m.heads or 1) * (m.kv_heads or 1)
+        f = m.ffn_dim or 0
+        norms = 4 * h / (tp if sequence_parallel else 1)
+        return norms + (h + 2 * kv + h + 4 * f) / tp
+    return (7 if m.arch == "lstm" else 5) * h
+
+
+def in_flight(schedule: str, pp: int, m: int, stage: int) -> float:
+    """Micro-batches whose activations a stage holds at its peak."""
+    if pp == 1:
+        return 1.0
+    if schedule == "gpipe":
+        return float(m)
+    if schedule == "interleaved":
+        v = INTERLEAVED_CHUNKS
+        return min(float(m), (2 * (pp - 1 - stage) + (v - 1) * pp + 1) / v)
+    return float(min(m, pp - stage))
+
+
+def stored_blocks(policy: str, every: int, blocks: int) -> tuple[float, float]:
+    """(blocks whose activations stay whole, checkpointed blocks that keep only their input)."""
+    if blocks == 0 or policy == "none":
+        return float(blocks), 0.0
+    if policy == "full":
+        return 1.0, float(blocks)  # one block is recomputed at a time
+    if policy == "every":
+        ck = math.ceil(blocks / every)
+        return float(blocks - ck + 1), float(ck)
+    if policy == "sqrt":
+        seg = max(1, round(math.sqrt(blocks)))
+        return float(math.ceil(blocks / seg)), float(seg)
+    # selective: recompute attention/MLP internals, keep the sublayer inputs (about 2h of the block's total)
+    return 1.0, float(blocks)
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    stage: int
+    blocks: tuple[int, int]
+    params_count: int
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    cpu: float
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["total"] = self.total
+        return out
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    engine: str  # what implements the data-parallel part: ddp, fsdp2, deepspeed
+    zero_stage: int  # the ZeRO-equivalent stage used for the accounting
+    precision: str
+    micro_batch: int  # sequences per forward on one rank (pipeline micro-batch with pp > 1)
+    pipeline_micro_batches: int
+    total_params: int
+    stages: tuple[RankMemory, ...]
+
+    @property
+    def busiest(self) -> RankMemory:
+        return max(self.stages, key=lambda r: r.total)
+
+
+def effective_engine(job: SeqTrainJob) -> tuple[str, int]:
+    """(engine, ZeRO-equivalent stage used for the accounting): DDP is ZeRO-0, FSDP2 ZeRO-3."""
+    engine = engine_of(job)
+    return engine, {"ddp": 0, "fsdp2": 3}.get(engine, job.spec.optimization.zero.stage)
+
+
+def estimate(job: SeqTrainJob) -> MemoryEstimate:
+    s = job.spec
+    opt = s.optimization
+    m = resolved_model(job)
+    p = param_breakdown(m)
+    engine, zstage = effective_engine(job)
+    tp, pp, dp = opt.tensor_parallel, opt.pipeline_parallel, s.dp
+    seq = s.data.seq_len
+    n_micro = pipeline_micro_batches(job)
+    if pp > 1:
+        mb = max(1, s.training.global_batch_size // dp // max(1, n_micro))
+    else:
+        mb = s.training.micro_batch_size
+    act_bytes = 4 if opt.precision == "fp32" else 2
+    bounds = stage_bounds(m, pp, seq)
+    fused_loss = bool(opt.kernels) or (opt.kernels is None and s.resources.gpus > 0)
+    ac = opt.activation_checkpointing
+    h = m.dim or 0
+    stages = []
+    for st in range(pp):
+        psi = stage_params(p, bounds, st, tp, m.tie_embeddings)
+        ms = model_state_bytes(psi, opt.precision, zstage, dp, opt.zero.offload)
+        nblocks = bounds[st][1] - bounds[st][0]
+        whole, ckpt = stored_blocks(ac.policy, ac.every, nblocks)
+        per_block = block_activation_elems(m, tp, opt.sequence_parallel)
+        if ac.policy == "selective" and m.arch == "gpt":
+            per_tok = whole * per_block + ckpt * 2 * h
+        else:
+            per_tok = whole * per_block + ckpt * h
+        per_tok *= act_bytes
+        per_tok += h * act_bytes  # the stage's input (embedding output or the previous stage's activations)
+        if st == pp - 1 and not fused_loss:
+            per_tok += 2 * 4 * (m.vocab_size or 0) / tp
+        acts = per_tok * mb * seq * in_flight(opt.pipeline_schedule, pp, n_micro, st)
+        stages.append(RankMemory(stage=st, blocks=bounds[st], params_count=psi, params=ms.params, grads=ms.grads,
+                                 optimizer=ms.optimizer, activations=acts, cpu=ms.cpu))
+    return MemoryEstimate(engine=engine, zero_stage=zstage, precision=opt.precision, micro_batch=mb,
+                          pipeline_micro_batches=n_micro, total_params=p.total, stages=tuple(stages))
+
+
+def gib(x: float) -> str:
+    if x == 0:
+        return "-"
+    if x >= 2**30:
+        return f"{x / 2**30:.2f} GiB"
+    if x >= 2**20:
+        return f"{x / 2**20:.1f} MiB"
+    return f"{x / 2**10:.1f} KiB"
