@@ -1,0 +1,369 @@
+"""Kubernetes objects of one gang incarnation, as plain dicts. Pure: no I/O, no clock, no randomness.
+
+Per job: a headless Service (stable DNS for rendezvous, lives as long as the job). Per attempt: a ConfigMap with
+the resolved trainer config, one pod per replica, and for an external gang scheduler its PodGroup (or labels).
+Every object carries an ownerReference to the SeqTrainJob, so deleting the job garbage-collects all of them, and
+the labels `seqtrain.dev/job` / `seqtrain.dev/attempt` / `seqtrain.dev/replica` the operator selects them by.
+
+Pods run `seqtrain train --config ...` (one rank) or `torchrun ... seqtrain train --config ...` (several ranks per
+pod), always as an argv list: no user string ever reaches a shell.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from seqtrain.spec import API_VERSION, KIND, RuntimeConfig, SeqTrainJob, TrainerConfig, resolve
+
+from ..planner.inventory import GPU_PRODUCT_LABEL, GPU_RESOURCE
+from ..planner.types import Plan
+
+GROUP = "seqtrain.dev"
+LABEL_JOB = f"{GROUP}/job"
+LABEL_ATTEMPT = f"{GROUP}/attempt"
+LABEL_REPLICA = f"{GROUP}/replica"
+LABEL_MANAGED = "app.kubernetes.io/managed-by"
+MANAGER = "seqtrain-operator"
+CONTAINER = "trainer"
+CONFIG_DIR = "/etc/seqtrain"
+CONFIG_FILE = "config.json"
+CHECKPOINT_MOUNT = "/checkpoints"
+
+# The external gang schedulers: the CRD that proves one is installed, its PodGroup API, its scheduler name.
+EXTERNAL = {
+    "coscheduling": {"crd": "podgroups.scheduling.x-k8s.io", "api": "scheduling.x-k8s.io/v1alpha1",
+                     "plural": "podgroups", "scheduler": "scheduler-plugins-scheduler"},
+    "volcano": {"crd": "podgroups.scheduling.volcano.sh", "api": "scheduling.volcano.sh/v1beta1",
+                "plural": "podgroups", "scheduler": "volcano"},
+    "kueue": {"crd": "workloads.kueue.x-k8s.io", "api": None, "plural": None, "scheduler": None},
+    "kai": {"crd": "podgroups.scheduling.run.ai", "api": "scheduling.run.ai/v2alpha2", "plural": "podgroups",
+            "scheduler": "kai-scheduler"},
+}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Operator-wide choices that are not part of a job's spec (Helm values / command-line options)."""
+
+    master_port: int = 29500
+    progress_port: int | None = 8471
+    metrics_port: int | None = None
+    termination_grace_seconds: int = 120
+    run_as_user: int = 1000
+    image_pull_policy: str = "IfNotPresent"
+    scheduler_names: dict[str, str] = field(default_factory=dict)  # gang -> schedulerName override
+
+    def scheduler_for(self, gang: str) -> str | None:
+        return self.scheduler_names.get(gang) or EXTERNAL.get(gang, {}).get("scheduler")
+
+
+@dataclass(frozen=True)
+class Owner:
+    """The SeqTrainJob the objects belong to (name, namespace, uid as read from the cluster)."""
+
+    name: str
+    namespace: str
+    uid: str
+
+    def reference(self) -> dict[str, Any]:
+        return {"apiVersion": API_VERSION, "kind": KIND, "name": self.name, "uid": self.uid,
+                "controller": True, "blockOwnerDeletion": True}
+
+
+# ---- names -----------------------------------------------------------------------------------------------------
+
+
+def service_name(job: str) -> str:
+    return job
+
+
+def configmap_name(job: str, attempt: int) -> str:
+    return f"{job}-config-{attempt}"
+
+
+def pod_name(job: str, attempt: int, replica: int) -> str:
+    # The attempt is in the name so a new gang never waits for the old pods' names to be released.
+    return f"{job}-{attempt}-{replica}"
+
+
+def hostname(job: str, replica: int) -> str:
+    # Stable across attempts: <job>-<replica>.<job> is the DNS name peers use (job names are <= 50 characters).
+    return f"{job}-{replica}"
+
+
+def podgroup_name(job: str, attempt: int) -> str:
+    return f"{job}-{attempt}"
+
+
+def master_addr(owner: Owner) -> str:
+    return f"{hostname(owner.name, 0)}.{service_name(owner.name)}.{owner.namespace}.svc"
+
+
+def job_labels(job: str) -> dict[str, str]:
+    return {LABEL_JOB: job, LABEL_MANAGED: MANAGER}
+
+
+def attempt_labels(job: str, attempt: int) -> dict[str, str]:
+    return {**job_labels(job), LABEL_ATTEMPT: str(attempt)}
+
+
+def _meta(name: str, owner: Owner, labels: dict[str, str], annotations: dict[str, str] | None = None) -> dict:
+    meta: dict[str, Any] = {"name": name, "namespace": owner.namespace, "labels": labels,
+                            "ownerReferences": [owner.reference()]}
+    if annotations:
+        meta["annotations"] = annotations
+    return meta
+
+
+# ---- objects ---------------------------------------------------------------------------------------------------
+
+
+def build_service(owner: Owner, settings: Settings) -> dict[str, Any]:
+    """Headless Service: gives every pod `<job>-<replica>.<job>` DNS, including pods not ready yet (rendezvous
+    happens before any readiness)."""
+    return {
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": _meta(service_name(owner.name), owner, job_labels(owner.name)),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": job_labels(owner.name),
+            "ports": [{"name": "rendezvous", "port": settings.master_port, "targetPort": settings.master_port,
+                       "protocol": "TCP"}],
+        },
+    }
+
+
+def checkpoint_paths(job: SeqTrainJob) -> tuple[str, str]:
+    """(workdir, checkpoint_dir) inside the pod. The workdir lives on the checkpoint volume so metrics.jsonl and
+    progress.json survive a gang restart like the checkpoints do."""
+    workdir = f"{CHECKPOINT_MOUNT}/{job.name}"
+    ck = job.spec.checkpoint.path or f"{workdir}/checkpoints"
+    return workdir, ck
+
+
+def trainer_config(job: SeqTrainJob, attempt: int, settings: Settings) -> dict[str, Any]:
+    workdir, ck = checkpoint_paths(job)
+    runtime = RuntimeConfig(workdir=workdir, checkpoint_dir=ck, attempt=attempt,
+                            progress_port=settings.progress_port, metrics_port=settings.metrics_port)
+    return TrainerConfig(job=resolve(job).to_dict(), runtime=runtime).to_dict()
+
+
+def build_configmap(job: SeqTrainJob, owner: Owner, attempt: int, settings: Settings) -> dict[str, Any]:
+    text = json.dumps(trainer_config(job, attempt, settings), indent=2, sort_keys=True)
+    return {
+        "apiVersion": "v1", "kind": "ConfigMap",
+        "metadata": _meta(configmap_name(owner.name, attempt), owner, attempt_labels(owner.name, attempt)),
+        "immutable": True,  # one per attempt: what a gang started with never changes under it
+        "data": {CONFIG_FILE: text},
+    }
+
+
+def _command(job: SeqTrainJob, owner: Owner, replica: int, settings: Settings) -> list[str]:
+    config = f"{CONFIG_DIR}/{CONFIG_FILE}"
+    procs = job.spec.resources.procs
+    if procs == 1:
+        return ["seqtrain", "train", "--config", config]
+    # Several ranks per pod: torchrun starts them with RANK/LOCAL_RANK/WORLD_SIZE set; static rendezvous on rank
+    # 0's pod, and no restarts of its own (the operator restarts the whole gang).
+    return ["torchrun", f"--nnodes={job.spec.replicas}", f"--nproc-per-node={procs}", f"--node-rank={replica}",
+            f"--master-addr={master_addr(owner)}", f"--master-port={settings.master_port}", "--max-restarts=0",
+            "--no-python", "seqtrain", "train", "--config", config]
+
+
+def _env(job: SeqTrainJob, owner: Owner, attempt: int, replica: int, settings: Settings) -> list[dict[str, Any]]:
+    procs = job.spec.resources.procs
+    env = [
+        {"name": "MASTER_ADDR", "value": master_addr(owner)},
+        {"name": "MASTER_PORT", "value": str(settings.master_port)},
+        {"name": "WORLD_SIZE", "value": str(job.spec.world_size)},
+        {"name": "NODE_RANK", "value": str(replica)},
+        {"name": "LOCAL_WORLD_SIZE", "value": str(procs)},
+        {"name": "SEQTRAIN_JOB", "value": owner.name},
+        {"name": "SEQTRAIN_ATTEMPT", "value": str(attempt)},
+        {"name": "SEQTRAIN_REPLICA", "value": str(replica)},
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+        {"name": "PYTHONUNBUFFERED", "value": "1"},
+        {"name": "HOME", "value": "/tmp"},  # the root filesystem is read-only
+        {"name": "TRITON_CACHE_DIR", "value": "/tmp/triton"},
+        {"name": "TORCH_EXTENSIONS_DIR", "value": "/tmp/torch_extensions"},
+    ]
+    if procs == 1:  # torchrun sets these itself when it starts several ranks
+        env[3:3] = [{"name": "RANK", "value": str(replica)}, {"name": "LOCAL_RANK", "value": "0"}]
+    return env
+
+
+def _resources(job: SeqTrainJob) -> dict[str, Any]:
+    r = job.spec.resources
+    requests: dict[str, Any] = {"cpu": r.cpu, "memory": r.memory}
+    limits: dict[str, Any] = {"memory": r.memory}
+    if r.gpus:
+        requests[GPU_RESOURCE] = str(r.gpus)
+        limits[GPU_RESOURCE] = str(r.gpus)
+    return {"requests": requests, "limits": limits}
+
+
+def _volumes(job: SeqTrainJob, owner: Owner, attempt: int) -> list[dict[str, Any]]:
+    ck = job.spec.checkpoint
+    storage: dict[str, Any] = ({"persistentVolumeClaim": {"claimName": ck.pvc}} if ck.pvc else {"emptyDir": {}})
+    return [
+        {"name": "config", "configMap": {"name": configmap_name(owner.name, attempt)}},
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": job.spec.resources.shm_size}},
+        {"name": "tmp", "emptyDir": {}},
+        {"name": "checkpoints", **storage},
+    ]
+
+
+def _affinity(node: str | None) -> dict[str, Any] | None:
+    if node is None:
+        return None
+    # Pinned by the native gang placement; the scheduler and kubelet still admit the pod (resources, taints).
+    return {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+        {"matchFields": [{"key": "metadata.name", "operator": "In", "values": [node]}]}]}}}
+
+
+def gang_metadata(job: SeqTrainJob, owner: Owner, attempt: int) -> tuple[dict[str, str], dict[str, str]]:
+    """(labels, annotations) an external gang scheduler needs on every pod."""
+    gang, pg = job.spec.scheduling.gang, podgroup_name(owner.name, attempt)
+    queue = job.spec.scheduling.queue
+    labels: dict[str, str] = {}
+    annotations: dict[str, str] = {}
+    if gang == "coscheduling":
+        labels["scheduling.x-k8s.io/pod-group"] = pg
+    elif gang == "volcano":
+        annotations["scheduling.k8s.io/group-name"] = pg
+        if queue:
+            annotations["volcano.sh/queue-name"] = queue
+    elif gang == "kueue":
+        labels["kueue.x-k8s.io/pod-group-name"] = pg
+        if queue:
+            labels["kueue.x-k8s.io/queue-name"] = queue
+        annotations["kueue.x-k8s.io/pod-group-total-count"] = str(job.spec.replicas)
+    elif gang == "kai":
+        annotations["pod-group-name"] = pg
+        if queue:
+            labels["kai.scheduler/queue"] = queue
+    return labels, annotations
+
+
+def build_pod(job: SeqTrainJob, owner: Owner, attempt: int, replica: int, settings: Settings,
+              node: str | None = None) -> dict[str, Any]:
+    """One replica's pod. `node` pins it (native gang); None leaves placement to the (external) scheduler."""
+    s = job.spec
+    gang_labels, gang_annotations = gang_metadata(job, owner, attempt)
+    labels = {**attempt_labels(owner.name, attempt), LABEL_REPLICA: str(replica), **gang_labels}
+    ports = [{"name": "rendezvous", "containerPort": settings.master_port, "protocol": "TCP"}]
+    if settings.progress_port:
+        ports.append({"name": "progress", "containerPort": settings.progress_port, "protocol": "TCP"})
+    if settings.metrics_port:
+        ports.append({"name": "metrics", "containerPort": settings.metrics_port, "protocol": "TCP"})
+    container = {
+        "name": CONTAINER,
+        "image": s.image,
+        "imagePullPolicy": settings.image_pull_policy,
+        "command": _command(job, owner, replica, settings),
+        "env": _env(job, owner, attempt, replica, settings),
+        "ports": ports,
+        "resources": _resources(job),
+        "volumeMounts": [
+            {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+            {"name": "dshm", "mountPath": "/dev/shm"},
+            {"name": "tmp", "mountPath": "/tmp"},
+            {"name": "checkpoints", "mountPath": CHECKPOINT_MOUNT},
+        ],
+        # The trainer writes its final progress here; the operator reads it from the pod status after exit.
+        "terminationMessagePath": "/dev/termination-log",
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "runAsNonRoot": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
+    }
+    node_selector = dict(s.scheduling.node_selector)
+    if s.resources.gpu_product:
+        node_selector[GPU_PRODUCT_LABEL] = s.resources.gpu_product
+    spec: dict[str, Any] = {
+        "restartPolicy": "Never",  # a failed rank fails the pod; the operator restarts the whole gang
+        "hostname": hostname(owner.name, replica),
+        "subdomain": service_name(owner.name),
+        "enableServiceLinks": False,
+        "automountServiceAccountToken": False,  # trainers never talk to the API server
+        "terminationGracePeriodSeconds": settings.termination_grace_seconds,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": settings.run_as_user,
+            "runAsGroup": settings.run_as_user,
+            "fsGroup": settings.run_as_user,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "containers": [container],
+        "volumes": _volumes(job, owner, attempt),
+    }
+    if node_selector:
+        spec["nodeSelector"] = node_selector
+    if s.scheduling.tolerations:
+        spec["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in s.scheduling.tolerations]
+    if s.scheduling.priority_class_name:
+        spec["priorityClassName"] = s.scheduling.priority_class_name
+    if (scheduler := settings.scheduler_for(s.scheduling.gang)) is not None:
+        spec["schedulerName"] = scheduler
+    if (affinity := _affinity(node)) is not None:
+        spec["affinity"] = affinity
+    return {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": _meta(pod_name(owner.name, attempt, replica), owner, labels, gang_annotations or None),
+        "spec": spec,
+    }
+
+
+def build_podgroup(job: SeqTrainJob, owner: Owner, attempt: int) -> dict[str, Any] | None:
+    """The PodGroup of an external gang scheduler with minMember = replicas (None: native, or kueue's labels)."""
+    s = job.spec
+    info = EXTERNAL.get(s.scheduling.gang)
+    if info is None or info["api"] is None:
+        return None
+    spec: dict[str, Any] = {"minMember": s.replicas}
+    if s.scheduling.queue:
+        spec["queue"] = s.scheduling.queue
+    if s.scheduling.gang == "volcano":
+        if s.scheduling.priority_class_name:
+            spec["priorityClassName"] = s.scheduling.priority_class_name
+        per = _resources(job)["requests"]
+        spec["minResources"] = {k: _times(v, s.replicas) for k, v in per.items()}
+    if s.scheduling.gang == "coscheduling" and s.scheduling.timeout_seconds:
+        spec["scheduleTimeoutSeconds"] = s.scheduling.timeout_seconds
+    kind = "PodGroup"
+    return {"apiVersion": info["api"], "kind": kind,
+            "metadata": _meta(podgroup_name(owner.name, attempt), owner, attempt_labels(owner.name, attempt)),
+            "spec": spec}
+
+
+def _times(quantity: str, n: int) -> str:
+    """n x a Kubernetes quantity, keeping its suffix ("2Gi" x 3 = "6Gi", "500m" x 4 = "2000m")."""
+    digits = len(quantity) - len(quantity.lstrip("0123456789."))
+    number, suffix = quantity[:digits], quantity[digits:]
+    value = float(number) * n
+    text = str(int(value)) if value == int(value) else f"{value:g}"
+    return text + suffix
+
+
+@dataclass(frozen=True)
+class Gang:
+    """Every object of one incarnation, in creation order (config first: pods mount it)."""
+
+    configmap: dict[str, Any]
+    podgroup: dict[str, Any] | None
+    pods: tuple[dict[str, Any], ...]
+
+
+def build_gang(job: SeqTrainJob, owner: Owner, attempt: int, settings: Settings, plan: Plan | None) -> Gang:
+    """The objects of attempt `attempt`. `plan` pins replica r to plan.replicas[r].node (native gang)."""
+    nodes = {a.replica: a.node for a in plan.replicas} if plan is not None else {}
+    pods = tuple(build_pod(job, owner, attempt, r, settings, nodes.get(r)) for r in range(job.spec.replicas))
+    return Gang(build_configmap(job, owner, attempt, settings), build_podgroup(job, owner, attempt), pods)
