@@ -1,0 +1,273 @@
+"""`seqtrain run FILE`: run a job on this machine through the controller core.
+
+The loop is the same as the operator's reconcile, with processes for pods: observe the gang (rank processes,
+checkpoints, metrics.jsonl) -> decide() -> persist status.json -> execute actions (start/stop the gang) -> repeat.
+
+Re-running on the same workdir: a job that Succeeded (and is not asked for more steps) is reported as already
+finished (exit 0); anything else resumes from the latest complete checkpoint. A Failed job that is run again gets a
+fresh restart budget (the user has presumably fixed the cause); restart counts of an unfinished job carry over.
+
+Ctrl-C (or SIGTERM to the runner) stops the gang gracefully (the trainer finishes its step and saves a checkpoint)
+and leaves the job **Suspended**, exit code 130: nothing went wrong with the job, it is resumable, and Suspended is
+the phase that says exactly that (Failed would be terminal and blame the job).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, suppress
+
+import yaml
+from seqtrain.spec import SeqTrainJob, SpecError, load_job_file, resolve
+from seqtrain.spec.runtime import RuntimeConfig, write_trainer_config
+from seqtrain.spec.status import TERMINAL_PHASES, JobStatus, Layout
+
+from ..controller import CreateGang, DeleteGang, Event, Observed, decide, utcnow
+from ..controller.conditions import enter_phase
+from ..controller.types import ReplicaObservation
+from ..planner import local_plan
+from .display import ProgressView, plot_loss
+from .files import MetricsTail, atomic_write_text, latest_checkpoint, read_status, write_status
+from .gang import TERM_GRACE_SECONDS, LocalGang, kill_leftovers
+
+EXIT_OK, EXIT_FAILED, EXIT_INVALID, EXIT_INTERRUPTED = 0, 1, 2, 130
+POLL_SECONDS = 0.2
+FAILURE_TEARDOWN_GRACE = 10.0  # after a rank died the others cannot save anyway (their collectives fail)
+
+
+def run_file(path: str, workdir: str | None = None, overrides: Sequence[str] = (), quiet: bool = False) -> int:
+    """Load and validate FILE (+ --set overrides), then run it locally. Exit code: 0 Succeeded (or already
+    finished), 1 Failed, 2 invalid spec (one `FILE: path: message` line per problem on stderr, nothing written),
+    130 interrupted (job left Suspended, resumable)."""
+    try:
+        job = load_job_file(path, overrides)
+    except SpecError as err:
+        for p in err.problems:
+            print(f"{path}: {p}", file=sys.stderr)
+        return EXIT_INVALID
+    problem = _local_problem(job)
+    if problem is not None:
+        print(f"{path}: {problem}", file=sys.stderr)
+        return EXIT_INVALID
+    workdir = os.path.abspath(workdir or os.path.join("runs", job.name))
+    return LocalRun(job, workdir, quiet).run()
+
+
+def _local_problem(job: SeqTrainJob) -> str | None:
+    ck = job.spec.checkpoint.path
+    if ck and "://" in ck:
+        return f"spec.checkpoint.path: {ck!r} is a remote URI; local runs need a folder path (or leave it unset)"
+    return None
+
+
+def visible_gpus() -> int:
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None:
+        return len([d for d in env.split(",") if d.strip() and d.strip() != "-1"])
+    if shutil.which("nvidia-smi") is None:
+        return 0
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20, check=False).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    return sum(1 for line in out.splitlines() if line.startswith("GPU "))
+
+
+class LocalRun:
+    def __init__(self, job: SeqTrainJob, workdir: str, quiet: bool):
+        self.job = job
+        self.workdir = workdir
+        self.quiet = quiet
+        self.ckpt_dir = os.path.abspath(job.spec.checkpoint.path or os.path.join(workdir, "checkpoints"))
+        self.gang: LocalGang | None = None
+        self.last_failed: ReplicaObservation | None = None
+        self.tail = MetricsTail(os.path.join(workdir, "metrics.jsonl"))
+
+    # ---- entry --------------------------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        job, steps = self.job, self.job.spec.training.steps
+        prev = read_status(self.workdir)
+        done = prev.progress.step if prev and prev.progress else 0
+        if prev is not None and prev.phase == "Succeeded" and done >= steps:
+            print(f"{job.name}: already finished (Succeeded at step {done}/{steps}"
+                  f"{', ' + prev.completion_time if prev.completion_time else ''}); run folder {self.workdir}. "
+                  "Nothing to do.")
+            return EXIT_OK
+        need = job.spec.replicas * job.spec.resources.gpus
+        if need and (have := visible_gpus()) < need:
+            print(f"{job.name}: spec.resources.gpus: needs {job.spec.replicas} x {job.spec.resources.gpus} = {need} "
+                  f"GPU(s), this machine has {have}; use resources.gpus: 0 to train on the CPU", file=sys.stderr)
+            return EXIT_FAILED
+        os.makedirs(self.workdir, exist_ok=True)
+        os.makedirs(self.ckpt_dir, exist_ok=True)
+        atomic_write_text(os.path.join(self.workdir, "job.yaml"), yaml.safe_dump(job.to_dict(), sort_keys=False))
+        if kill_leftovers(self._gang_file()):
+            print(f"{job.name}: stopped rank processes left behind by an earlier run", file=sys.stderr)
+        status = self._initial_status(prev)
+        write_status(self.workdir, status)
+        started = time.monotonic()
+        with _sigterm_as_interrupt(), ProgressView(job.name, steps, self.quiet) as view:
+            try:
+                status = self._loop(status, view)
+            except KeyboardInterrupt:
+                return self._interrupted(status, view)
+            finally:
+                if self.gang is not None:
+                    self._stop_gang(TERM_GRACE_SECONDS)
+        return self._finish(status, time.monotonic() - started, view)
+
+    def _initial_status(self, prev: JobStatus | None) -> JobStatus:
+        st = prev.model_copy(deep=True) if prev is not None else JobStatus()
+        if prev is not None:
+            if prev.phase == "Failed":
+                st.restarts, st.infra_restarts = 0, 0
+            if prev.phase != "Pending":
+                st.completion_time = None
+                st.next_restart_time = None
+                enter_phase(st, "Pending", "Resumed", f"run again on {self.workdir}", utcnow())
+        layout = local_plan(self.job).layout
+        st.layout = Layout(dp=layout.dp, tp=layout.tp, pp=layout.pp)
+        return st
+
+    # ---- reconcile loop -----------------------------------------------------------------------------------------
+
+    def _loop(self, status: JobStatus, view: ProgressView) -> JobStatus:
+        while True:
+            replicas = self.gang.observe() if self.gang is not None else ()
+            for r in replicas:
+                if r.phase == "Failed":
+                    self.last_failed = r
+            observed = Observed(replicas=replicas, latest_checkpoint=latest_checkpoint(self.ckpt_dir),
+                                progress=self.tail.progress())
+            d = decide(self.job, status, observed, utcnow())
+            if d.status != status:
+                write_status(self.workdir, d.status)
+            status = d.status
+            for action in d.actions:
+                if isinstance(action, CreateGang):
+                    self._start_gang(action)
+                elif isinstance(action, DeleteGang) and self.gang is not None and self.gang.attempt == action.attempt:
+                    self._stop_gang(TERM_GRACE_SECONDS if action.reason == "Suspended" else FAILURE_TEARDOWN_GRACE)
+            for ev in d.of(Event):
+                self._event(ev, view)
+            p = status.progress
+            if p is not None:
+                view.update(p.step, p.loss, p.tokens_per_second)
+            if status.phase in TERMINAL_PHASES or status.phase == "Suspended":
+                return status
+            time.sleep(POLL_SECONDS)
+
+    def _start_gang(self, action: CreateGang) -> None:
+        job = resolve(self.job)
+        adir = os.path.join(self.workdir, "attempts", str(action.attempt))
+        os.makedirs(adir, exist_ok=True)
+        cfg = os.path.join(adir, "config.json")
+        write_trainer_config(cfg, job, RuntimeConfig(workdir=self.workdir, checkpoint_dir=self.ckpt_dir,
+                                                     attempt=action.attempt))
+        res = job.spec.resources
+        self.gang = LocalGang.start(action.attempt, job.spec.replicas, res.procs, res.gpus, cfg, adir)
+        atomic_write_text(self._gang_file(), self.gang.to_json())
+
+    def _stop_gang(self, grace: float) -> None:
+        assert self.gang is not None
+        try:
+            self.gang.stop(grace)
+        except KeyboardInterrupt:  # a second Ctrl-C: no more patience
+            self.gang.stop(0)
+            raise
+        finally:
+            self.gang = None
+            with suppress(OSError):
+                os.unlink(self._gang_file())
+
+    def _gang_file(self) -> str:
+        return os.path.join(self.workdir, "gang.json")
+
+    def _event(self, ev: Event, view: ProgressView) -> None:
+        rec = {"time": utcnow().isoformat(), "type": ev.type, "reason": ev.reason, "message": ev.message}
+        with open(os.path.join(self.workdir, "events.jsonl"), "a", encoding="utf-8") as f:
+            f.write(json.dumps(rec) + "\n")
+        view.line(f"[{ev.type}] {ev.reason}: {ev.message}", always=ev.type == "Warning")
+
+    # ---- endings ------------------------------------------------------------------------------------------------
+
+    def _interrupted(self, status: JobStatus, view: ProgressView) -> int:
+        view.line("interrupted: stopping the gang (ranks save a checkpoint first) ...", always=True)
+        if self.gang is not None:
+            with suppress(KeyboardInterrupt):
+                self._stop_gang(TERM_GRACE_SECONDS)
+        ck = latest_checkpoint(self.ckpt_dir)
+        self.tail.poll()
+        st = status.model_copy(deep=True)
+        if ck is not None:
+            st.last_checkpoint = ck
+        step = st.progress.step if st.progress else 0
+        where = f"checkpoint step {ck.step}" if ck else "the start (no checkpoint yet)"
+        enter_phase(st, "Suspended", "Interrupted", f"interrupted at step {step}; run the same command again to "
+                    f"resume from {where}", utcnow())
+        write_status(self.workdir, st)
+        view.line(f"{self.job.name}: Suspended. {st.message}", always=True)
+        return EXIT_INTERRUPTED
+
+    def _finish(self, status: JobStatus, elapsed: float, view: ProgressView) -> int:
+        name, p = self.job.name, status.progress
+        if status.phase == "Suspended":
+            view.line(f"{name}: Suspended ({status.message}); run folder {self.workdir}", always=True)
+            return EXIT_OK
+        if status.phase == "Succeeded":
+            skipped = plot_loss(os.path.join(self.workdir, "metrics.jsonl"), os.path.join(self.workdir, "loss.png"),
+                                f"{name}: training loss")
+            if skipped:
+                view.line(f"loss plot skipped: {skipped}", always=True)
+            loss = f"{p.loss:.4f}" if p and p.loss is not None else "-"
+            tps = f"{p.tokens_per_second:,.0f}" if p and p.tokens_per_second is not None else "-"
+            view.line(f"{name}: Succeeded at step {p.step if p else 0}/{self.job.spec.training.steps}, loss {loss}, "
+                      f"{tps} tok/s, {status.restarts} restart(s), {elapsed:.0f}s; run folder {self.workdir}",
+                      always=True)
+            return EXIT_OK
+        view.line(f"{name}: Failed: {status.message}", always=True)
+        if self.last_failed is not None:
+            log = _log_of(self.last_failed)
+            if log:
+                view.line(f"--- last lines of {log} ---\n{_tail(log, 20)}", always=True)
+        return EXIT_FAILED
+
+
+def _log_of(r: ReplicaObservation) -> str | None:
+    marker = "; log "
+    return r.message.split(marker, 1)[1] if marker in r.message else None
+
+
+def _tail(path: str, n: int) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return "".join(f.readlines()[-n:]).rstrip()
+    except OSError:
+        return "(log not readable)"
+
+
+@contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM to the runner behaves like Ctrl-C: stop the gang in order instead of orphaning it."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)

@@ -1,0 +1,425 @@
+"""Controller core: table tests per situation, and hypothesis properties over random event sequences."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as hs
+from seqtrain.spec import SeqTrainJob
+from seqtrain.spec.status import CheckpointRef, JobStatus, Progress
+from seqtrain_operator.controller import (
+    CreateGang,
+    DeleteGang,
+    Event,
+    Observed,
+    ReplicaObservation,
+    RequeueAfter,
+    backoff_seconds,
+    decide,
+    iso,
+    parse,
+)
+from seqtrain_operator.controller.failure_policy import FailureClass, classify, root_cause
+
+T0 = datetime(2026, 11, 22, 12, 0, 0, tzinfo=timezone.utc)
+
+
+# ---- builders -----------------------------------------------------------------------------------------------------
+
+
+def make_job(replicas: int = 2, *, max_restarts: int = 2, max_infra: int = 3, backoff: float = 5.0,
+             max_backoff: float = 300.0, hang: int | None = None, suspend: bool = False,
+             sched_timeout: int | None = None, pending_grace: int = 300) -> SeqTrainJob:
+    return SeqTrainJob.model_validate({
+        "apiVersion": "seqtrain.dev/v1alpha1", "kind": "SeqTrainJob", "metadata": {"name": "t"},
+        "spec": {
+            "replicas": replicas, "suspend": suspend,
+            "training": {"steps": 100, "globalBatchSize": 8 * replicas},
+            "faultTolerance": {"maxRestarts": max_restarts, "maxInfraRestarts": max_infra, "backoffSeconds": backoff,
+                               "maxBackoffSeconds": max_backoff, "hangTimeoutSeconds": hang},
+            "scheduling": {"timeoutSeconds": sched_timeout, "pendingGraceSeconds": pending_grace},
+        },
+    })
+
+
+def gang(attempt: int, *phases: str, **failed: object) -> tuple[ReplicaObservation, ...]:
+    """gang(1, "Running", "Failed", exit_code=137) -> replica 0 Running, replica 1 Failed with the given fields."""
+    out = []
+    for i, ph in enumerate(phases):
+        extra = failed if ph == "Failed" else {}
+        out.append(ReplicaObservation(replica=i, attempt=attempt, phase=ph, node=f"node-{i}", **extra))  # type: ignore[arg-type]
+    return tuple(out)
+
+
+def status(phase: str = "Pending", **kw: object) -> JobStatus:
+    return JobStatus(phase=phase, **kw)  # type: ignore[arg-type]
+
+
+def ck(step: int) -> CheckpointRef:
+    return CheckpointRef(step=step, path=f"/ckpt/step-{step}")
+
+
+def run_to_running(job: SeqTrainJob) -> JobStatus:
+    st = decide(job, JobStatus(), Observed(), T0).status
+    return decide(job, st, Observed(replicas=gang(1, *["Running"] * job.spec.replicas)), T0).status
+
+
+# ---- table tests --------------------------------------------------------------------------------------------------
+
+
+def test_new_job_creates_the_whole_gang_once() -> None:
+    d = decide(make_job(), JobStatus(), Observed(), T0)
+    assert d.of(CreateGang) == [CreateGang(attempt=1, resume_from_step=None)]
+    assert d.status.phase == "Scheduling" and d.status.attempt == 1
+    assert d.status.start_time == iso(T0)
+    assert d.status.world_size == 2
+
+
+def test_new_job_with_checkpoint_resumes_from_it() -> None:
+    d = decide(make_job(), JobStatus(), Observed(latest_checkpoint=ck(40)), T0)
+    assert d.of(CreateGang) == [CreateGang(attempt=1, resume_from_step=40)]
+    assert d.status.last_checkpoint is not None and d.status.last_checkpoint.step == 40
+
+
+def test_created_gang_not_yet_observed_is_recreated_with_the_same_attempt() -> None:
+    job = make_job()
+    st = decide(job, JobStatus(), Observed(), T0).status
+    d = decide(job, st, Observed(), T0 + timedelta(seconds=1))
+    assert d.of(CreateGang) == [CreateGang(attempt=1, resume_from_step=None)]
+    assert d.status.attempt == 1
+
+
+def test_all_replicas_running_enters_running_with_placement() -> None:
+    st = run_to_running(make_job())
+    assert st.phase == "Running"
+    assert [(p.replica, p.node, p.ranks) for p in st.placement] == [(0, "node-0", [0]), (1, "node-1", [1])]
+    assert any(c.type == "Running" and c.status == "True" for c in st.conditions)
+
+
+def test_partial_gang_stays_scheduling() -> None:
+    job = make_job()
+    st = decide(job, JobStatus(), Observed(), T0).status
+    d = decide(job, st, Observed(replicas=gang(1, "Running", "Pending")), T0 + timedelta(seconds=10))
+    assert d.status.phase == "Scheduling" and not d.of(CreateGang) and not d.of(DeleteGang)
+
+
+def test_pending_longer_than_grace_tears_the_gang_down() -> None:
+    job = make_job(pending_grace=60)
+    st = decide(job, JobStatus(), Observed(), T0).status
+    d = decide(job, st, Observed(replicas=gang(1, "Running", "Pending")), T0 + timedelta(seconds=61))
+    assert d.of(DeleteGang) == [DeleteGang(1, "PendingTimeout")]
+    assert d.status.restarts == 0
+
+
+@pytest.mark.parametrize(("exit_code", "reason", "klass"), [
+    (137, None, FailureClass.USER),
+    (1, None, FailureClass.USER),
+    (4, None, FailureClass.USER),
+    (137, "OOMKilled", FailureClass.USER),
+    (3, None, FailureClass.PERMANENT),
+    (1, "ErrImagePull", FailureClass.PERMANENT),
+    (143, "Evicted", FailureClass.INFRASTRUCTURE),
+    (None, "NodeLost", FailureClass.INFRASTRUCTURE),
+    (137, "Preempted", FailureClass.INFRASTRUCTURE),
+])
+def test_failure_classification(exit_code: int | None, reason: str | None, klass: FailureClass) -> None:
+    r = ReplicaObservation(replica=0, attempt=1, phase="Failed", exit_code=exit_code, reason=reason)
+    assert classify(r).cls is klass
+
+
+def test_root_cause_prefers_the_cause_over_its_echo() -> None:
+    echo = ReplicaObservation(0, 1, "Failed", exit_code=4)
+    oom = ReplicaObservation(1, 1, "Failed", exit_code=137, reason="OOMKilled")
+    lost = ReplicaObservation(2, 1, "Failed", exit_code=1, reason="NodeLost", node="n2")
+    assert root_cause([echo, oom]).reason == "OOMKilled"  # type: ignore[union-attr]
+    assert root_cause([echo, oom, lost]).reason == "NodeLost"  # type: ignore[union-attr]
+    assert root_cause([ReplicaObservation(0, 1, "Running")]) is None
+
+
+def test_rank_failure_deletes_gang_and_schedules_restart_with_backoff() -> None:
+    job = make_job(backoff=5)
+    st = run_to_running(job)
+    st.progress = Progress(step=47)
+    now = T0 + timedelta(minutes=3)
+    d = decide(job, st, Observed(replicas=gang(1, "Running", "Failed", exit_code=137), latest_checkpoint=ck(40)), now)
+    assert d.of(DeleteGang) == [DeleteGang(1, "RankFailed")]
+    assert not d.of(CreateGang)
+    assert d.status.phase == "Restarting" and d.status.restarts == 1
+    assert d.of(RequeueAfter) == [RequeueAfter(5.0)]
+    assert parse(d.status.next_restart_time) == now + timedelta(seconds=5)
+    assert d.status.steps_lost == [7]
+    assert "SIGKILL" in d.status.message and "restart 1/2" in d.status.message
+    assert any(e.type == "Warning" for e in d.of(Event))
+
+
+def test_restarting_waits_for_the_dying_gang_then_for_the_backoff_then_recreates() -> None:
+    job = make_job(backoff=5)
+    st = run_to_running(job)
+    failed = gang(1, "Running", "Failed", exit_code=1)
+    st = decide(job, st, Observed(replicas=failed), T0).status
+    # the old gang is still being deleted: delete again, never create
+    d = decide(job, st, Observed(replicas=failed), T0 + timedelta(seconds=10))
+    assert d.of(DeleteGang) and not d.of(CreateGang)
+    # gone, but the backoff has not passed
+    d = decide(job, st, Observed(), T0 + timedelta(seconds=2))
+    assert not d.of(CreateGang) and d.of(RequeueAfter) == [RequeueAfter(3.0)]
+    # gone and due: a new incarnation, resuming from the checkpoint
+    d = decide(job, st, Observed(latest_checkpoint=ck(20)), T0 + timedelta(seconds=5))
+    assert d.of(CreateGang) == [CreateGang(attempt=2, resume_from_step=20)]
+    assert d.status.phase == "Scheduling" and d.status.restarts == 1
+    assert [e.reason for e in d.of(Event)] == ["Restarted"]
+
+
+def test_max_restarts_reached_fails_the_job() -> None:
+    job = make_job(max_restarts=1)
+    st = run_to_running(job)
+    st.restarts = 1
+    d = decide(job, st, Observed(replicas=gang(1, "Failed", "Running", exit_code=1)), T0)
+    assert d.status.phase == "Failed" and d.status.restarts == 1
+    assert "maxRestarts (1) reached" in d.status.message
+    assert d.of(DeleteGang) and not d.of(CreateGang)
+    assert d.status.completion_time == iso(T0)
+
+
+def test_zero_max_restarts_fails_on_first_failure() -> None:
+    job = make_job(max_restarts=0)
+    d = decide(job, run_to_running(job), Observed(replicas=gang(1, "Failed", "Running", exit_code=1)), T0)
+    assert d.status.phase == "Failed" and d.status.restarts == 0
+
+
+def test_permanent_failure_fails_without_restart() -> None:
+    job = make_job()
+    d = decide(job, run_to_running(job), Observed(replicas=gang(1, "Failed", "Failed", exit_code=3)), T0)
+    assert d.status.phase == "Failed" and d.status.restarts == 0
+    assert "permanent" in d.status.message
+
+
+def test_infrastructure_failure_uses_its_own_budget_and_avoids_the_node() -> None:
+    job = make_job(max_restarts=0)
+    st = run_to_running(job)
+    d = decide(job, st, Observed(replicas=gang(1, "Running", "Failed", reason="Evicted")), T0)
+    assert d.status.phase == "Restarting" and d.status.restarts == 0 and d.status.infra_restarts == 1
+    assert "node-1" in d.status.failed_nodes
+    d2 = decide(job, d.status, Observed(), T0 + timedelta(seconds=10))
+    assert d2.of(CreateGang) == [CreateGang(attempt=2, resume_from_step=None, avoid_nodes=("node-1",))]
+    # after nodeAvoidSeconds (600) the node is usable again
+    d3 = decide(job, d.status, Observed(), T0 + timedelta(seconds=601))
+    assert d3.of(CreateGang)[0].avoid_nodes == ()
+
+
+def test_gang_vanishing_while_running_is_an_infrastructure_failure() -> None:
+    job = make_job()
+    d = decide(job, run_to_running(job), Observed(), T0)
+    assert d.status.phase == "Restarting" and d.status.infra_restarts == 1
+    d = decide(job, run_to_running(job), Observed(replicas=gang(1, "Running")), T0)  # replica 1 missing
+    assert d.status.phase == "Restarting" and d.status.infra_restarts == 1
+
+
+def test_success_when_every_replica_succeeded() -> None:
+    job = make_job()
+    st = run_to_running(job)
+    d = decide(job, st, Observed(replicas=gang(1, "Succeeded", "Running")), T0)
+    assert d.status.phase == "Running"
+    d = decide(job, st, Observed(replicas=gang(1, "Succeeded", "Succeeded")), T0 + timedelta(seconds=1))
+    assert d.status.phase == "Succeeded" and d.status.completion_time is not None
+    assert not d.of(DeleteGang) and not d.of(CreateGang)
+
+
+@pytest.mark.parametrize("phase", ["Succeeded", "Failed"])
+def test_terminal_phases_stay_terminal_and_only_clean_up(phase: str) -> None:
+    job = make_job()
+    st = status(phase, attempt=1)
+    d = decide(job, st, Observed(replicas=gang(1, "Running", "Failed", exit_code=1)), T0)
+    assert d.status.phase == phase and d.of(DeleteGang) == [DeleteGang(1, f"Job{phase}")]
+    d = decide(job, st, Observed(), T0)
+    assert d.status.phase == phase and d.actions == ()
+
+
+def test_suspend_deletes_the_gang_and_resume_creates_a_new_incarnation() -> None:
+    job = make_job()
+    st = run_to_running(job)
+    suspended = make_job(suspend=True)
+    d = decide(suspended, st, Observed(replicas=gang(1, "Running", "Running")), T0)
+    assert d.of(DeleteGang) == [DeleteGang(1, "Suspended")] and d.status.phase == "Suspended"
+    d = decide(suspended, d.status, Observed(), T0)
+    assert not d.of(CreateGang) and d.status.phase == "Suspended"
+    d = decide(job, d.status, Observed(latest_checkpoint=ck(30)), T0)
+    assert d.of(CreateGang) == [CreateGang(attempt=2, resume_from_step=30)]
+    assert d.status.restarts == 0
+
+
+def test_stale_incarnation_is_deleted_before_anything_is_created() -> None:
+    job = make_job()
+    st = status("Pending", attempt=2)
+    d = decide(job, st, Observed(replicas=gang(1, "Running", "Running")), T0)
+    assert d.of(DeleteGang) == [DeleteGang(1, "StaleIncarnation")] and not d.of(CreateGang)
+
+
+def test_unschedulable_waits_then_fails_after_the_timeout() -> None:
+    job = make_job(sched_timeout=60)
+    d = decide(job, JobStatus(), Observed(unschedulable="need 2 nodes with 8 GPUs, have 1"), T0)
+    assert not d.of(CreateGang) and d.status.phase == "Scheduling" and d.status.attempt == 0
+    assert "need 2 nodes" in d.status.message
+    d2 = decide(job, d.status, Observed(unschedulable="still no room"), T0 + timedelta(seconds=30))
+    assert d2.status.phase == "Scheduling"
+    d3 = decide(job, d2.status, Observed(unschedulable="still no room"), T0 + timedelta(seconds=61))
+    assert d3.status.phase == "Failed" and "SchedulingTimeout" in [c.reason for c in d3.status.conditions]
+
+
+def test_hang_is_a_failure() -> None:
+    job = make_job(hang=60)
+    st = run_to_running(job)
+    fresh = Observed(replicas=gang(1, "Running", "Running"),
+                     progress=Progress(step=5, updated_at=iso(T0 + timedelta(seconds=30))))
+    assert decide(job, st, fresh, T0 + timedelta(seconds=80)).status.phase == "Running"
+    d = decide(job, st, fresh, T0 + timedelta(seconds=100))
+    assert d.status.phase == "Restarting" and d.status.restarts == 1
+    assert d.of(DeleteGang) == [DeleteGang(1, "Hung")] and "no training step completed for 70s" in d.status.message
+
+
+def test_decide_does_not_mutate_its_input() -> None:
+    job = make_job()
+    st = run_to_running(job)
+    before = st.model_dump()
+    decide(job, st, Observed(replicas=gang(1, "Failed", "Failed", exit_code=1)), T0)
+    assert st.model_dump() == before
+
+
+@pytest.mark.parametrize(("n", "expected"), [(0, 5), (1, 5), (2, 10), (3, 20), (6, 160), (7, 300), (200, 300)])
+def test_backoff_table(n: int, expected: float) -> None:
+    assert backoff_seconds(make_job(backoff=5, max_backoff=300).spec.fault_tolerance, n) == expected
+
+
+# ---- properties ---------------------------------------------------------------------------------------------------
+
+
+@given(base=hs.floats(0, 100), cap=hs.floats(0, 1000), n=hs.integers(1, 500))
+def test_backoff_is_exponential_and_capped(base: float, cap: float, n: int) -> None:
+    ft = make_job(backoff=base, max_backoff=cap).spec.fault_tolerance
+    b = backoff_seconds(ft, n)
+    assert 0 <= b <= cap
+    assert backoff_seconds(ft, n + 1) >= b
+    if base * 2 ** n <= cap:
+        assert backoff_seconds(ft, n + 1) == pytest.approx(2 * b)
+
+
+@dataclass
+class FakeWorld:
+    """A backend that executes actions: replicas appear Pending on create and disappear (maybe late) on delete."""
+
+    replicas: dict[int, ReplicaObservation] = field(default_factory=dict)
+    dying: set[int] = field(default_factory=set)
+
+    def observe(self) -> tuple[ReplicaObservation, ...]:
+        return tuple(self.replicas[k] for k in sorted(self.replicas))
+
+    def apply(self, job: SeqTrainJob, actions: tuple, slow_delete: bool) -> None:
+        creates = [a for a in actions if isinstance(a, CreateGang)]
+        for a in actions:
+            if isinstance(a, DeleteGang):
+                for k, r in list(self.replicas.items()):
+                    if r.attempt == a.attempt:
+                        if slow_delete:
+                            self.dying.add(k)
+                        else:
+                            del self.replicas[k]
+        for c in creates:
+            for i in range(job.spec.replicas):
+                key = c.attempt * 1000 + i
+                if key not in self.replicas:
+                    self.replicas[key] = ReplicaObservation(i, c.attempt, "Pending", node=f"n{i}")
+
+    def reap(self) -> None:
+        for k in self.dying:
+            self.replicas.pop(k, None)
+        self.dying.clear()
+
+
+_tick = hs.tuples(hs.just("tick"), hs.floats(0, 120))
+_start = hs.tuples(hs.just("start"), hs.integers(0, 3))
+_fail = hs.tuples(hs.just("fail"), hs.integers(0, 3), hs.sampled_from([1, 1, 4, 137, 137, 143, 3]),
+                  hs.sampled_from([None, None, None, "OOMKilled", "Evicted", "NodeLost"]))
+# Weighted by repetition (one_of picks branches uniformly): histories must get deep (several restarts) often,
+# while suspend / lost capacity / vanishing replicas stay occasional.
+_event = hs.one_of(
+    _tick, _tick, _tick, _start, _start, _start, _start, _fail, _fail,
+    hs.tuples(hs.just("succeed"), hs.just(0)),
+    hs.tuples(hs.just("reap"), hs.just(0)),
+    hs.tuples(hs.just("vanish"), hs.integers(0, 3)),
+    hs.tuples(hs.just("suspend"), hs.sampled_from([False, False, False, True])),
+    hs.tuples(hs.just("unschedulable"), hs.sampled_from([False, False, False, True])),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(events=hs.lists(hs.tuples(_event, hs.sampled_from([False] * 9 + [True])), min_size=10, max_size=80), replicas=hs.integers(1, 3), max_restarts=hs.integers(0, 3),
+       max_infra=hs.integers(0, 3), slow_delete=hs.booleans())
+def test_random_histories_keep_the_invariants(events: list, replicas: int, max_restarts: int, max_infra: int,
+                                              slow_delete: bool) -> None:
+    base = make_job(replicas, max_restarts=max_restarts, max_infra=max_infra, backoff=5, max_backoff=60,
+                    pending_grace=120)
+    suspended = make_job(replicas, max_restarts=max_restarts, max_infra=max_infra, backoff=5, max_backoff=60,
+                         pending_grace=120, suspend=True)
+    world, st, now = FakeWorld(), JobStatus(), T0
+    suspend, unsched = False, False
+    for ev, lose_write in events:
+        # lose_write: the backend executes the actions, then crashes before persisting the status
+        kind = ev[0]
+        if kind == "tick":
+            now += timedelta(seconds=ev[1])
+        elif kind == "reap":
+            world.reap()
+        elif kind == "suspend":
+            suspend = ev[1]
+        elif kind == "unschedulable":
+            unsched = ev[1]
+        elif kind == "succeed":
+            for k, r in world.replicas.items():
+                if r.phase == "Running":
+                    world.replicas[k] = ReplicaObservation(r.replica, r.attempt, "Succeeded", 0, node=r.node)
+        else:
+            live = sorted(world.replicas)
+            if not live:
+                continue
+            k = live[ev[1] % len(live)]
+            r = world.replicas[k]
+            if kind == "start" and r.phase == "Pending":
+                world.replicas[k] = ReplicaObservation(r.replica, r.attempt, "Running", node=r.node)
+            elif kind == "fail" and r.phase in ("Pending", "Running"):
+                world.replicas[k] = ReplicaObservation(r.replica, r.attempt, "Failed", ev[2], ev[3], node=r.node)
+            elif kind == "vanish":
+                del world.replicas[k]
+
+        job = suspended if suspend else base
+        observed = Observed(replicas=world.observe(), unschedulable="no room" if unsched else None)
+        d = decide(job, st, observed, now)
+        new = d.status
+        creates = d.of(CreateGang)
+        # never more than one gang: create only into an empty world, at most once, with a fresh attempt number
+        assert len(creates) <= 1
+        if creates:
+            assert not observed.replicas
+            assert creates[0].attempt in (st.attempt, st.attempt + 1)
+            assert all(r.attempt < creates[0].attempt for r in world.replicas.values())
+            assert not suspend and not unsched or creates[0].attempt == st.attempt
+        # monotonic counters, budgets honoured
+        assert new.attempt >= st.attempt
+        assert new.restarts >= st.restarts and new.infra_restarts >= st.infra_restarts
+        assert new.restarts <= max_restarts and new.infra_restarts <= max_infra
+        # terminal phases stay terminal
+        if st.phase in ("Succeeded", "Failed"):
+            assert new.phase == st.phase and not creates
+        # every restart waits the exponential backoff
+        if new.phase == "Restarting" and st.phase != "Restarting":
+            delay = (parse(new.next_restart_time) - now).total_seconds()  # type: ignore[operator]
+            assert delay == pytest.approx(backoff_seconds(job.spec.fault_tolerance,
+                                                          new.restarts + new.infra_restarts), abs=1e-3)
+        assert all(a.seconds >= 0 for a in d.of(RequeueAfter))
+        world.apply(job, d.actions, slow_delete)
+        attempts = {r.attempt for k, r in world.replicas.items() if k not in world.dying}
+        assert len(attempts) <= 1
+        if not lose_write:
+            st = new
