@@ -43,6 +43,8 @@ class CheckpointManager:
         self.directory = directory
         self.keep = keep
         self.ctx = ctx
+        # Steps never pruned, whatever `keep` says (the best checkpoint by validation loss, see seqtrain.obs).
+        self.protected: set[int] = set()
         if ctx.is_main:
             os.makedirs(directory, exist_ok=True)
 
@@ -91,7 +93,8 @@ class CheckpointManager:
         """Keep the latest `keep` complete checkpoints; remove older ones and leftovers of interrupted saves."""
         complete = list_checkpoints(self.directory)
         for c in complete[: max(0, len(complete) - self.keep)]:
-            self._remove(c.path)
+            if c.step not in self.protected:
+                self._remove(c.path)
         newest = complete[-1].step if complete else -1
         for name in os.listdir(self.directory):
             if name.startswith(DELETE_PREFIX):

@@ -94,6 +94,9 @@ def check(job: SeqTrainJob) -> list[Problem]:
         out.append(Problem("spec.training.eval.batches", "eval.every is set, so batches must be at least 1"))
     if ev.early_stopping is not None and (ev.batches == 0 or ev.every == 0):
         out.append(Problem("spec.training.eval.earlyStopping", "needs eval.every and eval.batches above 0"))
+    if tr.profile is not None and tr.profile.start_step > tr.steps:
+        out.append(Problem("spec.training.profile.startStep",
+                           f"{tr.profile.start_step} is after the last step ({tr.steps}); use at most {tr.steps}"))
     if tr.schedule.warmup_steps > tr.steps:
         out.append(Problem("spec.training.schedule.warmupSteps",
                            f"{tr.schedule.warmup_steps} is more than training.steps ({tr.steps})"))

@@ -50,8 +50,6 @@ _UNAVAILABLE: list[_Check] = [
      "custom kernels are not wired into the models yet; leave unset or false"),
     ("spec.scheduling.gang", lambda j: j.spec.scheduling.gang != "native",
      "external gang schedulers are not available yet; use native"),
-    ("spec.training.eval.batches", lambda j: j.spec.training.eval.batches > 0, "evaluation is not available yet; use 0"),
-    ("spec.training.profile", lambda j: j.spec.training.profile is not None, "profiling is not available yet"),
 ]
 
 

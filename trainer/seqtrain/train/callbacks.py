@@ -68,4 +68,6 @@ class CallbackList:
 
 def build_callbacks(trainer: Trainer) -> list[Any]:
     """The callbacks a run gets from its spec (evaluation, TensorBoard, Prometheus, profiler register here)."""
-    return []
+    from seqtrain.obs.callbacks import build_obs_callbacks
+
+    return build_obs_callbacks(trainer)

@@ -1,0 +1,89 @@
+"""The observability callbacks a run gets from its spec and runtime config, in the order they must run.
+
+Order matters because callbacks may add keys to the step's metrics: throughput (mfu) and evaluation (val_*)
+come first so the consumers (profiler window aside: Prometheus, progress, TensorBoard) see the finished dict.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from seqtrain.train.callbacks import BaseCallback
+
+from .progress import ProgressReporter
+
+if TYPE_CHECKING:
+    from seqtrain.train.loop import Trainer
+
+
+class PrometheusExporter(BaseCallback):
+    """Every rank serves `/metrics` on `runtime.metricsPort + local rank`."""
+
+    def __init__(self, trainer: Trainer, port: int) -> None:
+        from .prometheus import TrainerMetrics
+
+        s = trainer.spec
+        info = {"arch": s.model.arch, "world_size": str(trainer.ctx.world_size), "attempt": str(trainer.runtime.attempt)}
+        self.metrics = TrainerMetrics(trainer.job.name, trainer.ctx.rank, info)
+        self.port = port + trainer.ctx.local_rank
+
+    def on_train_start(self, trainer: Trainer) -> None:
+        self.metrics.serve(self.port)
+
+    def on_step_end(self, trainer: Trainer, step: int, metrics: dict[str, Any]) -> None:
+        self.metrics.observe_step(step, metrics)
+
+    def on_eval(self, trainer: Trainer, step: int, metrics: dict[str, Any]) -> None:
+        self.metrics.observe_eval(metrics)
+
+    def on_train_end(self, trainer: Trainer, reason: str) -> None:
+        self.metrics.close()
+
+
+class ProgressPublisher(BaseCallback):
+    """Rank 0: `status.progress`-shaped JSON on `runtime.progressPort` and in `<workdir>/progress.json`."""
+
+    def __init__(self, trainer: Trainer, port: int | None) -> None:
+        self.reporter = ProgressReporter(trainer.runtime.workdir, trainer.total_steps, port)
+
+    def on_train_start(self, trainer: Trainer) -> None:
+        last = trainer.last_metrics
+        # stop fields from a previous attempt's early stop must not stick to this one
+        self.reporter.update(step=trainer.step, loss=last.get("loss"), stop_reason=None, stop_message=None)
+
+    def on_step_end(self, trainer: Trainer, step: int, metrics: dict[str, Any]) -> None:
+        self.reporter.update(step=step, loss=metrics.get("loss"), tokens_per_second=metrics.get("tokens_per_s"),
+                             mfu=metrics.get("mfu"))
+
+    def on_eval(self, trainer: Trainer, step: int, metrics: dict[str, Any]) -> None:
+        fields = {"val_loss": metrics.get("val_loss"), "val_perplexity": metrics.get("val_perplexity"),
+                  "val_bits_per_byte": metrics.get("val_bpb"), "best_val_loss": metrics.get("best_val_loss"),
+                  "best_step": metrics.get("best_step")}
+        if metrics.get("stop_reason"):
+            fields |= {"stop_reason": metrics["stop_reason"], "stop_message": metrics.get("stop_message")}
+        self.reporter.update(step=step, **fields)
+
+    def on_train_end(self, trainer: Trainer, reason: str) -> None:
+        self.reporter.finish()
+        self.reporter.close()
+
+
+def build_obs_callbacks(trainer: Trainer) -> list[Any]:
+    from .evaluation import Evaluation
+    from .throughput import Throughput
+
+    spec, runtime, ctx = trainer.spec, trainer.runtime, trainer.ctx
+    out: list[Any] = [Throughput(trainer)]
+    if spec.training.eval.batches > 0:
+        out.append(Evaluation(trainer))
+    if spec.training.profile is not None:
+        from .profiler import Profiler
+
+        out.append(Profiler(trainer))
+    if runtime.metrics_port is not None:
+        out.append(PrometheusExporter(trainer, runtime.metrics_port))
+    if ctx.is_main:
+        from .tensorboard import TensorBoard
+
+        out += [ProgressPublisher(trainer, runtime.progress_port), TensorBoard(trainer)]
+    return out

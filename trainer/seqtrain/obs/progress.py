@@ -1,0 +1,109 @@
+"""Rank 0's progress: a JSON object shaped like `status.progress`, served over HTTP and mirrored to a file.
+
+The Kubernetes operator polls `GET /progress` on `runtime.progressPort` (the local backend can too). The same
+object is written atomically to `<workdir>/progress.json` after every update, because the HTTP server dies with
+the process: the final word (e.g. `stopReason: EarlyStopped`) must outlive it. In a pod it is also written to
+the container's termination-message file so the operator reads it from the pod status after exit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+from datetime import datetime, timezone
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from seqtrain.spec.status import Progress
+
+PROGRESS_FILE = "progress.json"
+# Kubernetes' default terminationMessagePath; only used when it exists (i.e. inside a container).
+TERMINATION_LOG = "/dev/termination-log"
+
+
+def now_iso() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
+def write_json_atomic(path: str, obj: Any) -> None:
+    """Readers never see a half-written file: write a sibling, then rename over the target."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f)
+    os.replace(tmp, path)
+
+
+class ProgressReporter:
+    """Holds the latest `Progress`; serves it on HTTP (if a port is given) and mirrors it to a file."""
+
+    def __init__(self, workdir: str, total_steps: int, port: int | None = None, addr: str = "0.0.0.0") -> None:
+        self.path = os.path.join(workdir, PROGRESS_FILE)
+        self._lock = threading.Lock()
+        self._progress = Progress(step=0, total_steps=total_steps)
+        self._server: ThreadingHTTPServer | None = None
+        if port is not None:
+            self._server = self._start(port, addr)
+
+    @property
+    def progress(self) -> Progress:
+        with self._lock:
+            return self._progress.model_copy()
+
+    def update(self, **fields: Any) -> None:
+        """Set fields of the progress (snake_case names of `Progress`), stamp updatedAt, mirror to disk."""
+        with self._lock:
+            data = self._progress.model_dump()
+            data.update({k: v for k, v in fields.items()})
+            data["updated_at"] = now_iso()
+            self._progress = Progress.model_validate(data)
+            wire = self._progress.model_dump(by_alias=True, mode="json", exclude_none=True)
+        write_json_atomic(self.path, wire)
+
+    def finish(self) -> None:
+        """Leave the final progress where the operator can read it after the process is gone."""
+        if os.path.exists(TERMINATION_LOG) and os.access(TERMINATION_LOG, os.W_OK):
+            try:
+                with open(TERMINATION_LOG, "w", encoding="utf-8") as f:
+                    json.dump(self.progress.model_dump(by_alias=True, mode="json", exclude_none=True), f)
+            except OSError:
+                pass  # best effort: progress.json in the workdir still has it
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+    def _start(self, port: int, addr: str) -> ThreadingHTTPServer | None:
+        reporter = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+                if self.path.split("?")[0] in ("/", "/progress"):
+                    body = json.dumps(reporter.progress.model_dump(by_alias=True, mode="json", exclude_none=True))
+                    self._send(200, body.encode())
+                elif self.path == "/healthz":
+                    self._send(200, b'{"ok": true}')
+                else:
+                    self._send(404, b'{"error": "not found; try /progress"}')
+
+            def _send(self, code: int, body: bytes) -> None:
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - polled every few seconds: stay quiet
+                pass
+
+        try:
+            server = ThreadingHTTPServer((addr, port), Handler)
+        except OSError as exc:
+            print(f"seqtrain: warning: cannot serve progress on port {port}: {exc}", file=sys.stderr)
+            return None
+        server.daemon_threads = True
+        threading.Thread(target=server.serve_forever, name="seqtrain-progress", daemon=True).start()
+        return server
