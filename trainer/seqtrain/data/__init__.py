@@ -6,25 +6,44 @@ from seqtrain.spec.job import SeqTrainJob
 
 from .batches import IGNORE_INDEX, Batch, SequenceBatches, eval_batches, window_batch
 from .builtin import Corpus, load_builtin
+from .packing import DocumentBatches
 from .tokenizer import ByteTokenizer
 
 __all__ = [
-    "IGNORE_INDEX", "Batch", "ByteTokenizer", "Corpus", "SequenceBatches", "build_train_data", "eval_batches",
+    "IGNORE_INDEX", "Batch", "ByteTokenizer", "Corpus", "DocumentBatches", "SequenceBatches", "build_train_data", "eval_batches",
     "load_builtin", "load_corpus", "window_batch",
 ]
 
 
 def load_corpus(job: SeqTrainJob, split: str) -> Corpus:
     d = job.spec.data
-    if d.source == "builtin":
+    if d.source == "builtin" and d.tokenizer.type == "byte":
         return load_builtin(split, d.validation_fraction)
-    raise ValueError(f"spec.data.source: {d.source!r} is not available yet; use builtin")
+    from .sources import load_source  # text, jsonl, token files, synthetic tasks, tokenizer.json
+
+    return load_source(d, split, job.spec.training.seed)
 
 
-def build_train_data(job: SeqTrainJob, dp_rank: int, dp_size: int) -> SequenceBatches:
+def build_train_data(job: SeqTrainJob, dp_rank: int, dp_size: int) -> SequenceBatches | DocumentBatches:
     s = job.spec
+    corpus = load_corpus(job, "train")
+    if s.data.packing or s.data.bucketing or s.data.max_tokens_per_batch or corpus.loss_mask is not None:
+        # Document-aware rows (packing / one document per row); synthetic tasks always (only answers are scored).
+        return DocumentBatches(
+            corpus,
+            seq_len=s.data.seq_len,
+            micro_batch_size=s.training.micro_batch_size,
+            grad_accum=max(1, s.training.global_batch_size // (s.training.micro_batch_size * dp_size)),
+            dp_rank=dp_rank,
+            dp_size=dp_size,
+            seed=s.training.seed,
+            shuffle=s.data.shuffle,
+            packing=s.data.packing,
+            bucketing=s.data.bucketing,
+            max_tokens_per_batch=s.data.max_tokens_per_batch,
+        )
     return SequenceBatches(
-        load_corpus(job, "train"),
+        corpus,
         seq_len=s.data.seq_len,
         micro_batch_size=s.training.micro_batch_size,
         grad_accum=max(1, s.training.global_batch_size // (s.training.micro_batch_size * dp_size)),

@@ -22,6 +22,8 @@ class Corpus:
 
     tokens: np.ndarray  # uint8 (bytes) or a wider int type for other tokenizers
     doc_starts: np.ndarray  # int64, ascending, first is 0
+    # Optional, per token: does predicting this token count in the loss? (synthetic tasks score only answers)
+    loss_mask: np.ndarray | None = None
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])

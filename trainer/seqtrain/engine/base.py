@@ -21,6 +21,7 @@ from seqtrain.spec.job import SeqTrainJob
 from seqtrain.train.dist import DistContext
 from seqtrain.train.loss import CausalLMLoss
 from seqtrain.train.optim import build_optimizer, build_scheduler
+from seqtrain.train.precision import MixedPrecision
 
 
 @dataclass
@@ -50,6 +51,8 @@ class Engine(ABC):
         self.loss_module = CausalLMLoss(model)
         self.optimizer = build_optimizer(model, job.spec.training.optimizer)
         self.scheduler = build_scheduler(self.optimizer, job.spec.training.schedule, job.spec.training.steps)
+        # autocast + fp32 master weights; fp16 adds the dynamic loss scaler (its state is checkpointed)
+        self.precision = MixedPrecision(job.spec.optimization.precision, ctx.device)
 
     @abstractmethod
     def step(self, micro_batches: list[Batch]) -> StepStats: ...
@@ -74,7 +77,8 @@ class Engine(ABC):
         count = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
         for b in batches:
             b = b.to(self.ctx.device)
-            total += self.loss_module(b.tokens, b.targets, b.doc_ids).double()
+            with self.precision.autocast():
+                total += self.loss_module(b.tokens, b.targets, b.doc_ids).double()
             count += b.num_targets()
         return float(total), int(count)
 
@@ -83,12 +87,15 @@ class Engine(ABC):
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
+            "precision": self.precision.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        if state.get("precision"):
+            self.precision.load_state_dict(state["precision"])
 
     def save(self, directory: str) -> list[str]:
         """Write this rank's share of the engine state into `directory`; return the file names written."""

@@ -1,4 +1,4 @@
-"""The native engine: PyTorch DistributedDataParallel (gloo on CPU, nccl on CUDA), fp32."""
+"""The native engine: PyTorch DistributedDataParallel (gloo on CPU, nccl on CUDA), fp32/bf16/fp16 autocast."""
 
 from __future__ import annotations
 
@@ -51,20 +51,25 @@ class NativeEngine(Engine):
         loss_sum = torch.zeros((), dtype=torch.float64, device=dev)
         for i, b in enumerate(batches):
             with self._sync_context(last=i == len(batches) - 1):
-                ls = self.wrapped(b.tokens, b.targets, b.doc_ids)
-                (ls * scale).backward()
+                with self.precision.autocast():
+                    ls = self.wrapped(b.tokens, b.targets, b.doc_ids)
+                self.precision.backward(ls * scale)  # fp16: x loss scale, so small gradients do not underflow
             loss_sum += ls.detach().double()
+        # fp16: divide the gradients by the loss scale; True if any is inf/NaN (max-reduced over ranks)
+        overflow = self.precision.unscale_and_check(self.model.parameters())
         grad_norm = self._clip()
-        skipped = not math.isfinite(grad_norm)  # host sync: the update decision needs the value
+        # host sync: the update decision needs the value. Skipping keeps inf/NaN out of the weights.
+        skipped = overflow or not math.isfinite(grad_norm)
         if not skipped:
             self.optimizer.step()
+        self.precision.update(skipped)  # fp16: halve the scale after an overflow, grow after a good run
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         totals = torch.stack([loss_sum, torch.tensor(float(sum(b.slots for b in batches)), dtype=torch.float64,
                                                      device=dev)])
         self.ctx.all_reduce(totals, group=self.ctx.dp_group)
         return StepStats(loss_sum=float(totals[0]), target_tokens=int(tokens), slots=int(totals[1]),
-                         grad_norm=grad_norm, skipped=skipped)
+                         grad_norm=grad_norm, skipped=skipped, loss_scale=self.precision.loss_scale)
 
     def _clip(self) -> float:
         params = [p for p in self.model.parameters() if p.grad is not None]

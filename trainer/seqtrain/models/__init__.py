@@ -11,9 +11,11 @@ from torch import nn
 from seqtrain.spec.model import ModelSpec
 
 from .gpt import GPT
+from .gru import GRULM
 from .lstm import LSTMLM
+from .qrnn import QRNNLM
 
-__all__ = ["GPT", "LSTMLM", "build_model", "count_parameters"]
+__all__ = ["GPT", "GRULM", "LSTMLM", "QRNNLM", "build_model", "count_parameters"]
 
 
 def build_model(spec: ModelSpec) -> nn.Module:
@@ -24,7 +26,11 @@ def build_model(spec: ModelSpec) -> nn.Module:
         return GPT(spec)
     if spec.arch == "lstm":
         return LSTMLM(spec)
-    raise ValueError(f"spec.model.arch: {spec.arch!r} is not available yet; use gpt or lstm")
+    if spec.arch == "gru":
+        return GRULM(spec)
+    if spec.arch == "qrnn":
+        return QRNNLM(spec)
+    raise ValueError(f"spec.model.arch: unknown architecture {spec.arch!r}; use gpt, lstm, gru or qrnn")
 
 
 def count_parameters(model: nn.Module, trainable_only: bool = True) -> int:

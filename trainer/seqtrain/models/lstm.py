@@ -11,22 +11,17 @@ from torch import nn
 
 from seqtrain.spec.model import ModelSpec
 
-from .layers import RMSNorm
+from .recurrent import RecurrentLM
 
 
-class LSTMLM(nn.Module):
+class LSTMLM(RecurrentLM):
+    """Packed documents (state reset per document) and time-chunk checkpointing come from `RecurrentLM`."""
+
     def __init__(self, spec: ModelSpec) -> None:
-        super().__init__()
-        assert spec.vocab_size and spec.dim and spec.layers, "resolve() the spec"
-        self.spec = spec
-        self.embed = nn.Embedding(spec.vocab_size, spec.dim)
+        super().__init__(spec)  # embed, drop, norm, lm_head
+        assert spec.dim and spec.layers
         self.layers = nn.ModuleList(nn.LSTM(spec.dim, spec.dim, batch_first=True) for _ in range(spec.layers))
-        self.drop = nn.Dropout(spec.dropout)
-        self.norm = RMSNorm(spec.dim, spec.norm_eps)
-        self.lm_head = None if spec.tie_embeddings else nn.Linear(spec.dim, spec.vocab_size, bias=False)
-        nn.init.normal_(self.embed.weight, 0.0, spec.init_std)
-        if self.lm_head is not None:
-            nn.init.normal_(self.lm_head.weight, 0.0, spec.init_std)
+        self._init_embeddings()
         for layer in self.layers:
             # forget-gate bias 1: remember by default early in training (Jozefowicz et al. 2015)
             for name, p in layer.named_parameters():
@@ -38,18 +33,18 @@ class LSTMLM(nn.Module):
                     with torch.no_grad():
                         p.zero_()
 
-    @property
-    def output_weight(self) -> torch.Tensor:
-        return self.embed.weight if self.lm_head is None else self.lm_head.weight
+    def init_state(self, batch: int, like: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        # per layer: hidden and cell state
+        return tuple(like.new_zeros(batch, self.spec.dim) for _ in range(2 * len(self.layers)))
 
-    def forward(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens [B, T] -> hidden [B, T, D]; every sequence starts from a zero state."""
-        if doc_ids is not None and bool((doc_ids[:, 1:] != doc_ids[:, :-1]).any()):
-            # Resetting the state mid-sequence needs a custom recurrence; until then refuse rather than leak.
-            raise NotImplementedError("packed sequences (several documents per row) are not supported by lstm yet")
-        x = self.drop(self.embed(tokens))
+    def stack(self, x: torch.Tensor, state: tuple[torch.Tensor, ...], reset: torch.Tensor | None
+              ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        new_state: list[torch.Tensor] = []
         for i, layer in enumerate(self.layers):
-            x, _ = layer(x)
+            h, c = state[2 * i], state[2 * i + 1]
+            # nn.LSTM wants [layers, batch, dim]; the carried state keeps the input's dtype under autocast.
+            x, (h_out, c_out) = layer(x, (h.unsqueeze(0).to(x.dtype), c.unsqueeze(0).to(x.dtype)))
+            new_state += [h_out.squeeze(0).to(h.dtype), c_out.squeeze(0).to(c.dtype)]
             if i < len(self.layers) - 1:
                 x = self.drop(x)
-        return self.norm(x)
+        return x, tuple(new_state)

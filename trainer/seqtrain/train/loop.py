@@ -19,6 +19,7 @@ from seqtrain.checkpoint import CheckpointInfo, CheckpointManager
 from seqtrain.data import SequenceBatches, build_train_data
 from seqtrain.engine import Engine, StepStats, build_engine, engine_name
 from seqtrain.models import build_model, count_parameters
+from seqtrain.models.compile import prepare_model
 from seqtrain.spec.job import SeqTrainJob
 from seqtrain.spec.runtime import RuntimeConfig
 
@@ -85,6 +86,8 @@ class Trainer:
             torch.use_deterministic_algorithms(True)
         seed_all(tr.seed)  # the same on every rank: identical initial weights without a broadcast
         self.model = build_model(self.spec.model).to(self.ctx.device)
+        for line in prepare_model(self.model, self.job, self.ctx.device):  # activation checkpointing, compile
+            self.log(line)
         self.engine = build_engine(self.model, self.job, self.ctx)
         self.data = build_train_data(self.job, self.ctx.dp_rank, self.ctx.dp_size)
         self.checkpoints = CheckpointManager(self.runtime.checkpoint_dir, self.spec.checkpoint.keep, self.ctx)

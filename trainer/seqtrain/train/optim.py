@@ -39,7 +39,9 @@ def param_groups(model: nn.Module, spec: OptimizerSpec) -> list[dict[str, Any]]:
 
 def build_optimizer(model: nn.Module, spec: OptimizerSpec) -> torch.optim.Optimizer:
     if spec.name != "adamw":
-        raise ValueError(f"spec.training.optimizer.name: {spec.name!r} is not available yet; use adamw")
+        from .optimizers import make_optimizer  # LAMB, LARS, Adafactor, SGD-momentum
+
+        return make_optimizer(param_groups(model, spec), spec)
     return torch.optim.AdamW(param_groups(model, spec), lr=spec.lr, betas=tuple(spec.betas), eps=spec.eps)
 
 
@@ -58,7 +60,9 @@ def lr_factor(step: int, spec: ScheduleSpec, total_steps: int) -> float:
         span = max(1, total_steps - 1 - warm)
         progress = min(1.0, (step - warm) / span)
         return spec.min_lr_ratio + (1 - spec.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-    raise ValueError(f"spec.training.schedule.name: {spec.name!r} is not available yet; use constant or cosine")
+    from .schedules import after_warmup_factor  # linear, wsd, cyclic
+
+    return after_warmup_factor(step, spec, total_steps)
 
 
 def build_scheduler(
