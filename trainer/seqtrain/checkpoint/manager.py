@@ -15,6 +15,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from seqtrain.train import faults
+
 from .discovery import (
     DELETE_PREFIX,
     META_FILE,
@@ -61,6 +63,7 @@ class CheckpointManager:
         for name in write(tmp):
             _fsync_path(os.path.join(tmp, name))
         self.ctx.barrier()
+        faults.in_save(step, self.ctx.rank)
         final = step_dir(self.directory, step)
         if self.ctx.is_main:
             files = sorted(os.listdir(tmp))

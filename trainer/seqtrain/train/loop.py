@@ -23,6 +23,7 @@ from seqtrain.models.compile import prepare_model
 from seqtrain.spec.job import SeqTrainJob
 from seqtrain.spec.runtime import RuntimeConfig
 
+from . import faults
 from .callbacks import CallbackList
 from .dist import DistContext
 from .metrics import MetricsWriter, peak_memory_mb
@@ -155,6 +156,9 @@ class Trainer:
         stats = self.engine.step(micro_batches)
         self.step += 1
         self.tokens_seen += stats.target_tokens
+        faults.maybe_kill_after_step(self.step, self.ctx.rank)
+        if faults.term_requested_at(self.step):
+            self.terminate_requested = True
         mem_mb = self.agree()
         return self.step_metrics(stats, lr, time.perf_counter() - t0, mem_mb)
 

@@ -1,0 +1,53 @@
+"""Deterministic fault injection for tests and drills, driven by environment variables (all unset normally).
+
+- SEQTRAIN_FAULT_TERM_AT_STEP=N: behave as if SIGTERM arrived during step N (every rank): save, exit 143.
+- SEQTRAIN_FAULT_KILL_AT_STEP=N[:RANK]: the rank (default 0) SIGKILLs itself right after step N, before
+  any checkpoint of that step: a crash at a known point.
+- SEQTRAIN_FAULT_IN_SAVE=crash|sleep:SECONDS [SEQTRAIN_FAULT_SAVE_STEP=N]: inside a checkpoint save, after
+  every rank wrote its files and before rank 0 publishes: rank 0 SIGKILLs itself, or sleeps (a window in which
+  a test kills the gang from outside).
+- SEQTRAIN_FAULT_ATTEMPT=A: inject only in gang incarnation A (the controller sets SEQTRAIN_ATTEMPT for every
+  rank), so a fault fires once and the restarted gang runs clean.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+
+def _int(name: str) -> int | None:
+    raw = os.environ.get(name, "").strip()
+    return int(raw) if raw else None
+
+
+def _armed() -> bool:
+    only = _int("SEQTRAIN_FAULT_ATTEMPT")
+    return only is None or only == _int("SEQTRAIN_ATTEMPT")
+
+
+def term_requested_at(step: int) -> bool:
+    return _armed() and _int("SEQTRAIN_FAULT_TERM_AT_STEP") == step
+
+
+def maybe_kill_after_step(step: int, rank: int) -> None:
+    raw = os.environ.get("SEQTRAIN_FAULT_KILL_AT_STEP", "").strip()
+    if not raw or not _armed():
+        return
+    at, _, who = raw.partition(":")
+    if int(at) == step and int(who or 0) == rank:
+        print(f"seqtrain: fault injection: rank {rank} kills itself after step {step}", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def in_save(step: int, rank: int) -> None:
+    what = os.environ.get("SEQTRAIN_FAULT_IN_SAVE", "").strip()
+    only = _int("SEQTRAIN_FAULT_SAVE_STEP")
+    if not what or rank != 0 or (only is not None and only != step) or not _armed():
+        return
+    print(f"seqtrain: fault injection in checkpoint save of step {step}: {what}", flush=True)
+    if what == "crash":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif what.startswith("sleep:"):
+        time.sleep(float(what.split(":", 1)[1]))
