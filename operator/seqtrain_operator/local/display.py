@@ -47,7 +47,8 @@ class ProgressView:
         """An event line above the bar (suppressed when quiet unless `always`)."""
         if self.quiet and not always:
             return
-        self.console.print(text, highlight=False, markup=False)
+        # soft_wrap: never break a path or a message at the terminal width (logs and pipes keep whole lines).
+        self.console.print(text, highlight=False, markup=False, soft_wrap=True)
 
 
 def plot_loss(metrics_path: str, out_path: str, title: str) -> str | None:

@@ -112,6 +112,27 @@ class MetricsTail:
                         tokens_per_second=_num(tps), updated_at=updated)
 
 
+# What the trainer's progress.json (seqtrain.obs.progress) adds to the metrics.jsonl view of progress.
+_TRAINER_PROGRESS_FIELDS = ("mfu", "val_loss", "val_perplexity", "val_bits_per_byte", "best_val_loss", "best_step",
+                            "stop_reason", "stop_message")
+
+
+def with_trainer_progress(progress: Progress | None, path: str) -> Progress | None:
+    """Overlay MFU, validation figures and the stop reason from `<workdir>/progress.json` (rank 0 writes it
+    atomically) onto the progress read from metrics.jsonl."""
+    if progress is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            extra = Progress.model_validate(json.load(f))
+    except (OSError, ValueError):
+        return progress
+    out = progress.model_copy()
+    for name in _TRAINER_PROGRESS_FIELDS:
+        setattr(out, name, getattr(extra, name))
+    return out
+
+
 def read_metrics(path: str) -> list[dict[str, Any]]:
     out = []
     try:

@@ -34,7 +34,14 @@ from ..controller.conditions import enter_phase
 from ..controller.types import ReplicaObservation
 from ..planner import local_plan
 from .display import ProgressView, plot_loss
-from .files import MetricsTail, atomic_write_text, latest_checkpoint, read_status, write_status
+from .files import (
+    MetricsTail,
+    atomic_write_text,
+    latest_checkpoint,
+    read_status,
+    with_trainer_progress,
+    write_status,
+)
 from .gang import TERM_GRACE_SECONDS, LocalGang, kill_leftovers
 
 EXIT_OK, EXIT_FAILED, EXIT_INVALID, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -96,7 +103,8 @@ class LocalRun:
         job, steps = self.job, self.job.spec.training.steps
         prev = read_status(self.workdir)
         done = prev.progress.step if prev and prev.progress else 0
-        if prev is not None and prev.phase == "Succeeded" and done >= steps:
+        stopped_early = bool(prev and prev.progress and prev.progress.stop_reason)
+        if prev is not None and prev.phase == "Succeeded" and (done >= steps or stopped_early):
             print(f"{job.name}: already finished (Succeeded at step {done}/{steps}"
                   f"{', ' + prev.completion_time if prev.completion_time else ''}); run folder {self.workdir}. "
                   "Nothing to do.")
@@ -145,8 +153,9 @@ class LocalRun:
             for r in replicas:
                 if r.phase == "Failed":
                     self.last_failed = r
+            progress = with_trainer_progress(self.tail.progress(), os.path.join(self.workdir, "progress.json"))
             observed = Observed(replicas=replicas, latest_checkpoint=latest_checkpoint(self.ckpt_dir),
-                                progress=self.tail.progress())
+                                progress=progress)
             d = decide(self.job, status, observed, utcnow())
             if d.status != status:
                 write_status(self.workdir, d.status)
@@ -170,8 +179,9 @@ class LocalRun:
         adir = os.path.join(self.workdir, "attempts", str(action.attempt))
         os.makedirs(adir, exist_ok=True)
         cfg = os.path.join(adir, "config.json")
+        # Ports 0: every rank serves /metrics (rank 0 also progress) on a free port, noted in <workdir>/endpoints/.
         write_trainer_config(cfg, job, RuntimeConfig(workdir=self.workdir, checkpoint_dir=self.ckpt_dir,
-                                                     attempt=action.attempt))
+                                                     attempt=action.attempt, metrics_port=0, progress_port=0))
         res = job.spec.resources
         self.gang = LocalGang.start(action.attempt, job.spec.replicas, res.procs, res.gpus, cfg, adir)
         atomic_write_text(self._gang_file(), self.gang.to_json())

@@ -1,0 +1,250 @@
+"""`seqtrain run` end to end on this machine: real rank processes (gloo), real kills, real restarts.
+
+One tiny GPT job (2 replicas x 1 process, seqLen 32) is run uninterrupted once (the reference) and then interrupted
+in different ways; every interrupted run must end with exactly the reference's per-step losses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+STEPS = 40
+JOB = f"""\
+apiVersion: seqtrain.dev/v1alpha1
+kind: SeqTrainJob
+metadata:
+  name: tiny-local
+spec:
+  replicas: 2
+  resources: {{gpus: 0}}
+  model: {{arch: gpt, preset: tiny}}
+  data: {{source: builtin, seqLen: 32}}
+  training:
+    steps: {STEPS}
+    globalBatchSize: 8
+    microBatchSize: 4
+    optimizer: {{lr: 0.003}}
+    schedule: {{name: cosine, warmupSteps: 5}}
+  checkpoint: {{intervalSteps: 10, keep: 2}}
+  faultTolerance: {{maxRestarts: 2, backoffSeconds: 0.5}}
+"""
+RUN_TIMEOUT = 180  # seconds; a run takes ~10-20 s on 2 cores
+
+
+@pytest.fixture(scope="module")
+def job_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    p = tmp_path_factory.mktemp("job") / "job.yaml"
+    p.write_text(JOB)
+    return p
+
+
+def seqtrain(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    full = dict(os.environ)
+    full.update(env or {})
+    return subprocess.Popen([sys.executable, "-m", "seqtrain_operator.cli", *args], env=full, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def finish(proc: subprocess.Popen) -> tuple[int, str]:
+    try:
+        out, _ = proc.communicate(timeout=RUN_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        pytest.fail(f"seqtrain run did not finish within {RUN_TIMEOUT}s:\n{out}")
+    return proc.returncode, out
+
+
+def run(job: Path, workdir: Path, *sets: str, env: dict[str, str] | None = None) -> tuple[int, str]:
+    args = ["run", str(job), "--workdir", str(workdir), "-q"]
+    for s in sets:
+        args += ["--set", s]
+    return finish(seqtrain(*args, env=env))
+
+
+def wait_for(what: str, cond: Callable[[], Any], proc: subprocess.Popen, timeout: float = 120) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        if proc.poll() is not None:
+            pytest.fail(f"run ended (rc {proc.returncode}) before {what}:\n{proc.stdout.read()}")  # type: ignore[union-attr]
+        time.sleep(0.01)
+    proc.kill()
+    pytest.fail(f"timed out after {timeout}s waiting for {what}")
+
+
+def losses(workdir: Path) -> dict[int, float]:
+    out: dict[int, float] = {}
+    for line in (workdir / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        assert rec["step"] not in out, f"step {rec['step']} appears twice in metrics.jsonl"
+        out[rec["step"]] = rec["loss"]
+    return out
+
+
+def last_step(workdir: Path) -> int:
+    try:
+        lines = (workdir / "metrics.jsonl").read_text().splitlines()
+        return json.loads(lines[-1])["step"] if lines else 0
+    except (OSError, ValueError, KeyError):
+        return 0
+
+
+def status(workdir: Path) -> dict[str, Any]:
+    return json.loads((workdir / "status.json").read_text())
+
+
+def rank_pids(workdir: Path) -> dict[int, int] | None:
+    try:
+        data = json.loads((workdir / "gang.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return {r["rank"]: r["pid"] for r in data["ranks"]}
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie is dead for our purposes
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def complete_steps(workdir: Path) -> list[int]:
+    ck = workdir / "checkpoints"
+    return sorted(int(p.name[5:]) for p in ck.glob("step-*") if (p / "meta.json").is_file())
+
+
+@pytest.fixture(scope="module")
+def reference(job_file: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    wd = tmp_path_factory.mktemp("reference")
+    rc, out = run(job_file, wd)
+    assert rc == 0, out
+    return wd
+
+
+def test_success_path_writes_the_run_folder(reference: Path) -> None:
+    st = status(reference)
+    assert st["phase"] == "Succeeded" and st["restarts"] == 0 and st["worldSize"] == 2
+    assert st["progress"]["step"] == STEPS and st["layout"] == {"dp": 2, "tp": 1, "pp": 1}
+    assert [p["ranks"] for p in st["placement"]] == [[0], [1]]
+    ls = losses(reference)
+    assert sorted(ls) == list(range(1, STEPS + 1))
+    first, last = sum(ls[s] for s in range(1, 6)) / 5, sum(ls[s] for s in range(STEPS - 4, STEPS + 1)) / 5
+    assert last < first - 0.5, f"loss did not fall: {first:.3f} -> {last:.3f}"
+    assert complete_steps(reference) == [STEPS - 10, STEPS]  # keep: 2
+    assert (reference / "loss.png").stat().st_size > 1000
+    assert not (reference / "gang.json").exists()
+
+
+def test_rerun_of_finished_job_says_so(job_file: Path, reference: Path) -> None:
+    before = (reference / "status.json").read_text()
+    rc, out = run(job_file, reference)
+    assert rc == 0 and "already finished" in out
+    assert (reference / "status.json").read_text() == before
+
+
+def test_rank_killed_from_outside_restarts_once_with_identical_losses(job_file: Path, reference: Path,
+                                                                     tmp_path: Path) -> None:
+    proc = seqtrain("run", str(job_file), "--workdir", str(tmp_path), "-q")
+    wait_for("step 12", lambda: last_step(tmp_path) >= 12, proc)
+    pids = rank_pids(tmp_path)
+    assert pids is not None
+    os.kill(pids[1], signal.SIGKILL)
+    rc, out = finish(proc)
+    assert rc == 0, out
+    st = status(tmp_path)
+    assert st["phase"] == "Succeeded" and st["restarts"] == 1 and st["attempt"] == 2, st
+    assert not any(alive(p) for p in pids.values())
+    events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    warning = next(e for e in events if e["type"] == "Warning")
+    assert "SIGKILL" in warning["message"]
+    assert losses(tmp_path) == losses(reference)
+
+
+def test_kill_while_a_checkpoint_is_written_never_publishes_it(job_file: Path, reference: Path,
+                                                               tmp_path: Path) -> None:
+    # Rank 0 sleeps inside the save of step 20 (first attempt only): every rank's files are in .tmp-step-20, meta.json
+    # is not written yet. SIGKILL it there, from outside.
+    hook = {"SEQTRAIN_FAULT_IN_SAVE": "sleep:60", "SEQTRAIN_FAULT_SAVE_STEP": "20", "SEQTRAIN_FAULT_ATTEMPT": "1"}
+    proc = seqtrain("run", str(job_file), "--workdir", str(tmp_path), "-q", env=hook)
+    log0 = tmp_path / "attempts" / "1" / "rank-0.log"
+    wait_for("rank 0 inside the save of step 20",
+             lambda: log0.exists() and "fault injection in checkpoint save of step 20" in log0.read_text(), proc)
+    tmp_ck = tmp_path / "checkpoints" / ".tmp-step-20"
+    assert tmp_ck.is_dir() and any(tmp_ck.iterdir())
+    assert complete_steps(tmp_path) == [10]
+    pids = rank_pids(tmp_path)
+    assert pids is not None
+    os.kill(pids[0], signal.SIGKILL)
+    rc, out = finish(proc)
+    assert rc == 0, out
+    st = status(tmp_path)
+    assert st["phase"] == "Succeeded" and st["restarts"] == 1
+    restarted = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert any(e["reason"] == "Restarted" and "from checkpoint step 10" in e["message"] for e in restarted)
+    assert losses(tmp_path) == losses(reference)
+    assert not (tmp_path / "checkpoints" / ".tmp-step-20").exists()  # cleaned up by a later save
+
+
+def test_ctrl_c_suspends_and_the_next_run_resumes(job_file: Path, reference: Path, tmp_path: Path) -> None:
+    proc = seqtrain("run", str(job_file), "--workdir", str(tmp_path), "-q")
+    wait_for("step 15", lambda: last_step(tmp_path) >= 15, proc)
+    pids = rank_pids(tmp_path)
+    assert pids is not None
+    proc.send_signal(signal.SIGINT)
+    rc, out = finish(proc)
+    assert rc == 130, out
+    st = status(tmp_path)
+    assert st["phase"] == "Suspended" and "resume" in st["message"], st
+    assert not any(alive(p) for p in pids.values())
+    saved = complete_steps(tmp_path)
+    assert saved and saved[-1] >= 15  # the trainer saved on SIGTERM
+    rc, out = run(job_file, tmp_path)
+    assert rc == 0, out
+    st = status(tmp_path)
+    assert st["phase"] == "Succeeded" and st["restarts"] == 0
+    assert losses(tmp_path) == losses(reference)
+
+
+def test_max_restarts_exhausted_fails_with_exit_1(job_file: Path, tmp_path: Path) -> None:
+    # Rank 1 kills itself after step 3 in every attempt: 1 restart allowed, so the second death is final.
+    rc, out = run(job_file, tmp_path, "faultTolerance.maxRestarts=1",
+                  env={"SEQTRAIN_FAULT_KILL_AT_STEP": "3:1"})
+    assert rc == 1, out
+    st = status(tmp_path)
+    assert st["phase"] == "Failed" and st["restarts"] == 1 and st["attempt"] == 2
+    assert "maxRestarts (1) reached" in st["message"]
+    assert "Failed" in out and "rank-1.log" in out
+
+
+def test_invalid_spec_exits_2_and_writes_nothing(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(JOB.replace("replicas: 2", "replicas: 0").replace("seqLen: 32", "seqLen: -4"))
+    wd = tmp_path / "run"
+    rc, out = run(bad, wd)
+    assert rc == 2
+    lines = out.strip().splitlines()
+    assert any(line.startswith(f"{bad}: spec.replicas:") for line in lines), out
+    assert any(line.startswith(f"{bad}: spec.data.seqLen:") for line in lines), out
+    assert "Traceback" not in out
+    assert not wd.exists()
