@@ -151,7 +151,12 @@ def _live_gang(ctx: _Ctx, current: tuple[ReplicaObservation, ...]) -> None:
                                  f"replica {missing[0]} disappeared while the gang was running"))
         return
     if phase == "Succeeded":
-        cond.enter_phase(st, "Succeeded", "TrainingComplete", f"trained {job.spec.training.steps} steps", ctx.now)
+        p = st.progress
+        if p is not None and p.stop_reason:  # the trainer ended early on purpose (e.g. EarlyStopped)
+            cond.enter_phase(st, "Succeeded", p.stop_reason, f"stopped at step {p.step}: {p.stop_message or ''}",
+                             ctx.now)
+        else:
+            cond.enter_phase(st, "Succeeded", "TrainingComplete", f"trained {job.spec.training.steps} steps", ctx.now)
         cond.set_condition(st, "Scheduled", "True", "GangRunning", "", ctx.now)
         st.completion_time = iso(ctx.now)
         st.next_restart_time = None

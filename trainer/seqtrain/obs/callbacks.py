@@ -6,18 +6,43 @@ come first so the consumers (profiler window aside: Prometheus, progress, Tensor
 
 from __future__ import annotations
 
+import json
+import os
+import socket
 from typing import TYPE_CHECKING, Any
 
 from seqtrain.train.callbacks import BaseCallback
 
-from .progress import ProgressReporter
+from .progress import ProgressReporter, write_json_atomic
 
 if TYPE_CHECKING:
     from seqtrain.train.loop import Trainer
 
 
+ENDPOINTS_DIR = "endpoints"
+
+
+def record_endpoint(trainer: Trainer, kind: str, port: int | None) -> None:
+    """Note where this rank serves `kind` ("metrics" / "progress") in `<workdir>/endpoints/rank-<R>.json`, so a
+    port chosen by the OS (runtime port 0, as local runs use) can be found by scrapers and tests."""
+    if port is None:
+        return
+    path = os.path.join(trainer.runtime.workdir, ENDPOINTS_DIR, f"rank-{trainer.ctx.rank}.json")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        if data.get("attempt") != trainer.runtime.attempt:
+            data = {}
+    except (OSError, ValueError):
+        data = {}
+    data |= {"rank": trainer.ctx.rank, "attempt": trainer.runtime.attempt, "host": socket.gethostname(),
+             f"{kind}_port": port}
+    write_json_atomic(path, data)
+
+
 class PrometheusExporter(BaseCallback):
-    """Every rank serves `/metrics` on `runtime.metricsPort + local rank`."""
+    """Every rank serves `/metrics` on `runtime.metricsPort + local rank` (port 0: any free port)."""
 
     def __init__(self, trainer: Trainer, port: int) -> None:
         from .prometheus import TrainerMetrics
@@ -25,10 +50,10 @@ class PrometheusExporter(BaseCallback):
         s = trainer.spec
         info = {"arch": s.model.arch, "world_size": str(trainer.ctx.world_size), "attempt": str(trainer.runtime.attempt)}
         self.metrics = TrainerMetrics(trainer.job.name, trainer.ctx.rank, info)
-        self.port = port + trainer.ctx.local_rank
+        self.port = port + trainer.ctx.local_rank if port else 0
 
     def on_train_start(self, trainer: Trainer) -> None:
-        self.metrics.serve(self.port)
+        record_endpoint(trainer, "metrics", self.metrics.serve(self.port))
 
     def on_step_end(self, trainer: Trainer, step: int, metrics: dict[str, Any]) -> None:
         self.metrics.observe_step(step, metrics)
@@ -47,6 +72,7 @@ class ProgressPublisher(BaseCallback):
         self.reporter = ProgressReporter(trainer.runtime.workdir, trainer.total_steps, port)
 
     def on_train_start(self, trainer: Trainer) -> None:
+        record_endpoint(trainer, "progress", self.reporter.port)
         last = trainer.last_metrics
         # stop fields from a previous attempt's early stop must not stick to this one
         self.reporter.update(step=trainer.step, loss=last.get("loss"), stop_reason=None, stop_message=None)

@@ -47,6 +47,11 @@ class ProgressReporter:
             self._server = self._start(port, addr)
 
     @property
+    def port(self) -> int | None:
+        """The bound port (useful with port 0: any free port), None when not serving."""
+        return int(self._server.server_address[1]) if self._server is not None else None
+
+    @property
     def progress(self) -> Progress:
         with self._lock:
             return self._progress.model_copy()

@@ -84,14 +84,15 @@ class TrainerMetrics:
         if isinstance(m.get("eval_time_s"), (int, float)):
             self.eval_time.labels(**lv).observe(float(m["eval_time_s"]))
 
-    def serve(self, port: int, addr: str = "0.0.0.0") -> bool:
-        """Start the HTTP server; False (with a warning) when the port is taken: training goes on unobserved."""
+    def serve(self, port: int, addr: str = "0.0.0.0") -> int | None:
+        """Start the HTTP server (port 0: any free port); return the bound port, or None (with a warning) when
+        the port is taken: training goes on unobserved rather than failing."""
         try:
             self._server, self._thread = start_http_server(port, addr=addr, registry=self.registry)
         except OSError as exc:
             print(f"seqtrain: warning: cannot serve /metrics on port {port}: {exc}", file=sys.stderr)
-            return False
-        return True
+            return None
+        return int(self._server.server_address[1])
 
     def close(self) -> None:
         if self._server is not None:

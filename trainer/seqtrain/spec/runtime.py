@@ -19,8 +19,14 @@ class RuntimeConfig(SpecModel):
     workdir: str = Field(description="Run folder: metrics.jsonl, status-related files, logs.")
     checkpoint_dir: str = Field(description="Where checkpoints/step-N folders live.")
     attempt: int = Field(1, ge=1, description="Gang incarnation: 1 for the first start, +1 per restart.")
-    progress_port: int | None = Field(None, description="Rank 0 serves progress JSON on this port (None: off).")
-    metrics_port: int | None = Field(None, description="Each rank serves Prometheus /metrics on this port + local rank.")
+    progress_port: int | None = Field(
+        None, ge=0, description="Rank 0 serves progress JSON on this port (None: off; 0: any free port, noted in "
+        "<workdir>/endpoints/rank-0.json)."
+    )
+    metrics_port: int | None = Field(
+        None, ge=0, description="Each rank serves Prometheus /metrics on this port + local rank (None: off; 0: any "
+        "free port, noted in <workdir>/endpoints/rank-<R>.json)."
+    )
 
 
 class TrainerConfig(SpecModel):
