@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from seqtrain.kernels import _alloc
-from seqtrain.kernels.ops.utils import TL_DTYPE, check_launchable, next_pow2, on_cpu
+from seqtrain.kernels.ops.utils import TL_DTYPE, check_launchable, next_pow2, on_cpu, store_dtype
 
 _LOG2E = 1.4426950408889634
 
@@ -242,10 +242,11 @@ class AttentionFunction(torch.autograd.Function):
         has_doc = doc_ids is not None
         doc = doc_ids.contiguous() if has_doc else q
         kv_range = doc_ranges(doc_ids, cfg["BLOCK_M"]) if has_doc else q
-        o = _alloc.empty_like(q)
+        o = _alloc.empty_like(q, dtype=store_dtype(q.dtype, q))
         lse = _alloc.empty(bsz, heads, s_q, dtype=torch.float32, device=q.device)
         _attn_fwd[(n_m, bsz * heads)](q, k, v, o, lse, doc, kv_range, scale * _LOG2E, heads, heads // k.shape[1],
                                       s_q, s_k, d, n_m, CAUSAL=causal, HAS_DOC=has_doc, **cfg)
+        o = o.to(q.dtype)
         ctx.save_for_backward(q, k, v, o, lse, doc_ids)
         ctx.causal, ctx.scale = causal, scale
         return o
@@ -262,10 +263,10 @@ class AttentionFunction(torch.autograd.Function):
         doc = doc_ids.contiguous() if has_doc else q
         delta = (o.float() * do.float()).sum(-1)  # [B, H, Sq]
         # Per query head; grouped heads are summed afterwards, in float32.
-        grad_dtype = q.dtype if group == 1 else torch.float32
+        grad_dtype = store_dtype(q.dtype, q) if group == 1 else torch.float32
         dk = _alloc.empty(bsz, heads, s_k, d, dtype=grad_dtype, device=q.device)
         dv = _alloc.empty(bsz, heads, s_k, d, dtype=grad_dtype, device=q.device)
-        dq = _alloc.empty_like(q)
+        dq = _alloc.empty_like(q, dtype=store_dtype(q.dtype, q))
         n_n = triton.cdiv(s_k, cfg["BLOCK_N"])
         n_m = triton.cdiv(s_q, cfg["BLOCK_M"])
         q_range = doc_ranges(doc_ids, cfg["BLOCK_N"]) if has_doc else q
@@ -277,9 +278,9 @@ class AttentionFunction(torch.autograd.Function):
         _attn_bwd_dq[(n_m, bsz * heads)](q, k, v, do, lse, delta, dq, doc, kv_range, scale_log2, ctx.scale,
                                          heads, group, s_q, s_k, d, n_m, **common)
         if group > 1:
-            dk = dk.view(bsz, kv_heads, group, s_k, d).sum(2).to(k.dtype)
-            dv = dv.view(bsz, kv_heads, group, s_k, d).sum(2).to(v.dtype)
-        return dq, dk, dv, None, None, None
+            dk = dk.view(bsz, kv_heads, group, s_k, d).sum(2)
+            dv = dv.view(bsz, kv_heads, group, s_k, d).sum(2)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from seqtrain.kernels import _alloc
-from seqtrain.kernels.ops.utils import check_launchable, next_pow2
+from seqtrain.kernels.ops.utils import check_launchable, next_pow2, store_dtype
 
 
 @triton.jit
@@ -79,8 +79,12 @@ def ce_rows_with_grad_(logits: torch.Tensor, target: torch.Tensor, scale: torch.
     check_launchable(_ce_fwd, logits)
     loss = _alloc.empty(rows, dtype=torch.float32, device=logits.device)
     lse = _alloc.empty(rows, dtype=torch.float32, device=logits.device)
-    _ce_fwd[(rows,)](logits, logits.stride(0), target, loss, lse, logits, logits.stride(0), scale, n_cols,
+    grad = logits if store_dtype(logits.dtype, logits) == logits.dtype else _alloc.empty(
+        rows, n_cols, dtype=torch.float32, device=logits.device)
+    _ce_fwd[(rows,)](logits, logits.stride(0), target, loss, lse, grad, grad.stride(0), scale, n_cols,
                      ignore_index, WRITE_GRAD=True, BLOCK_V=_block_v(n_cols, logits), num_warps=8)
+    if grad is not logits:
+        logits.copy_(grad)
     return loss
 
 
@@ -106,10 +110,10 @@ class CrossEntropyFunction(torch.autograd.Function):
         x, t, lse, n_valid = ctx.saved_tensors
         rows, n_cols = x.shape
         scale = (grad_out.float() / n_valid).reshape(1)
-        g = _alloc.empty_like(x)
+        g = _alloc.empty_like(x, dtype=store_dtype(x.dtype, x))
         _ce_bwd[(rows,)](x, t, lse, g, scale, n_cols, ctx.ignore_index, BLOCK_V=_block_v(n_cols, x),
                          num_warps=8)
-        return g.view(ctx.shape), None, None
+        return g.to(x.dtype).view(ctx.shape), None, None
 
 
 def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from seqtrain.kernels import _alloc
-from seqtrain.kernels.ops.utils import check_launchable, next_pow2, reduction_programs, row_warps
+from seqtrain.kernels.ops.utils import check_launchable, next_pow2, reduction_programs, row_warps, store_dtype
 
 
 @triton.jit
@@ -84,7 +84,7 @@ class LayerNormFunction(torch.autograd.Function):
         check_launchable(_layer_norm_fwd, x2)
         weight = weight.contiguous() if weight is not None else None
         bias = bias.contiguous() if bias is not None else None
-        y = _alloc.empty(rows, n, dtype=x.dtype, device=x.device)
+        y = _alloc.empty(rows, n, dtype=store_dtype(x.dtype, x), device=x.device)
         mean = _alloc.empty(rows, dtype=torch.float32, device=x.device)
         rstd = _alloc.empty(rows, dtype=torch.float32, device=x.device)
         block = next_pow2(n)
@@ -95,7 +95,7 @@ class LayerNormFunction(torch.autograd.Function):
         ctx.save_for_backward(x2, weight, mean, rstd)
         ctx.has_bias = bias is not None
         ctx.bias_dtype = bias.dtype if bias is not None else None
-        return y.view(x.shape)
+        return y.to(x.dtype).view(x.shape)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
@@ -103,7 +103,7 @@ class LayerNormFunction(torch.autograd.Function):
         rows, n = x2.shape
         has_w, has_b = weight is not None, ctx.has_bias
         programs = reduction_programs(x2, rows)
-        dx = _alloc.empty(rows, n, dtype=x2.dtype, device=x2.device)
+        dx = _alloc.empty(rows, n, dtype=store_dtype(x2.dtype, x2), device=x2.device)
         dw_part = _alloc.empty(programs, n, dtype=torch.float32, device=x2.device) if has_w else x2
         db_part = _alloc.empty(programs, n, dtype=torch.float32, device=x2.device) if has_b else x2
         block = next_pow2(n)
@@ -112,7 +112,7 @@ class LayerNormFunction(torch.autograd.Function):
                                      HAS_W=has_w, HAS_B=has_b, BLOCK=block, num_warps=row_warps(block))
         dw = dw_part.sum(0).to(weight.dtype) if has_w else None
         db = db_part.sum(0).to(ctx.bias_dtype) if has_b else None
-        return dx.view(dy.shape), dw, db, None
+        return dx.to(x2.dtype).view(dy.shape), dw, db, None
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,

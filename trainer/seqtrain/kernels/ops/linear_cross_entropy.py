@@ -4,10 +4,10 @@
 For each chunk of C tokens (C * V logits at a time):
     Z  = H_c W^T                                  (cuBLAS / torch matmul, input dtype)
     G  = (softmax(Z) - onehot(t_c)) / n_valid     (Triton kernel, written over Z in place)
-    dH_c = G W,   dW += G^T H_c                   (float32 accumulator for dW)
+    dH_c = G W,   dW += G^T H_c                 (both float32: one rounding at the end, like autograd)
 The gradients are computed during the forward (the loss needs the same softmax), kept, and scaled
 by the incoming gradient in the backward. Peak extra memory is one [C, V] chunk plus dH [N, hidden]
-and dW [V, hidden] (float32), instead of [N, V] logits and their gradient. By default C is chosen
+and dW [V, hidden] (both float32), instead of [N, V] logits and their gradient. By default C is chosen
 so that C * V is about N * hidden, i.e. the chunk is as large as the hidden states themselves.
 """
 
@@ -18,6 +18,18 @@ import triton
 
 from seqtrain.kernels import _alloc
 from seqtrain.kernels.ops.cross_entropy import ce_rows_with_grad_
+
+
+def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b with a float32 result, without rounding low-precision products to a.dtype first."""
+    if a.dtype == torch.float32:
+        return a @ b
+    if a.is_cuda:
+        try:
+            return torch.mm(a, b, out_dtype=torch.float32)  # cuBLAS: low-precision in, float32 out
+        except (RuntimeError, TypeError):
+            pass
+    return a.float() @ b.float()
 
 
 def default_chunk_size(tokens: int, hidden: int, vocab: int) -> int:
@@ -38,7 +50,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         scale = (1.0 / n_valid.float()).reshape(1)  # inf when nothing is valid; the loss is NaN then
         want_dh = need_grad and ctx.needs_input_grad[0]
         want_dw = need_grad and ctx.needs_input_grad[1]
-        dh = _alloc.empty(n, d, dtype=hidden.dtype, device=hidden.device) if want_dh else None
+        dh = _alloc.empty(n, d, dtype=torch.float32, device=hidden.device) if want_dh else None
         dw = torch.zeros(vocab, d, dtype=torch.float32, device=hidden.device) if want_dw else None
         loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for start in range(0, n, chunk):
@@ -46,23 +58,20 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             logits = h_c @ weight.t()  # [C, V]: the only vocab-sized buffer alive
             loss_sum += ce_rows_with_grad_(logits, t[start:start + chunk], scale, ignore_index).sum()
             if dh is not None:
-                torch.mm(logits, weight, out=dh[start:start + chunk])
+                dh[start:start + chunk] = _mm_f32(logits, weight)
             if dw is not None:
-                if logits.dtype == torch.float32:
-                    dw.addmm_(logits.t(), h_c)
-                else:  # accumulate low-precision chunk products in float32
-                    dw += (logits.t() @ h_c).float()
+                dw += _mm_f32(logits.t(), h_c)
             del logits
         ctx.save_for_backward(dh, dw)
-        ctx.shapes = (hidden.shape, weight.dtype)
+        ctx.shapes = (hidden.shape, hidden.dtype, weight.dtype)
         return (loss_sum * scale[0]).to(hidden.dtype)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         dh, dw = ctx.saved_tensors
-        hidden_shape, w_dtype = ctx.shapes
+        hidden_shape, h_dtype, w_dtype = ctx.shapes
         g = grad_out.float()
-        grad_h = (dh * g.to(dh.dtype)).view(hidden_shape) if dh is not None else None
+        grad_h = (dh * g).to(h_dtype).view(hidden_shape) if dh is not None else None
         grad_w = (dw * g).to(w_dtype) if dw is not None else None
         return grad_h, grad_w, None, None, None, None
 

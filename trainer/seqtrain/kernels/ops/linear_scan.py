@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from seqtrain.kernels import _alloc
-from seqtrain.kernels.ops.utils import check_launchable, next_pow2
+from seqtrain.kernels.ops.utils import check_launchable, next_pow2, store_dtype
 
 
 @triton.jit
@@ -86,9 +86,11 @@ def _scan_bwd(A, H, H0, G, DA, DB, DH0, seq, dim, HAS_H0: tl.constexpr, BLOCK_T:
 
 
 def _blocks(x: torch.Tensor, seq: int, dim: int) -> tuple[int, int]:
-    block_d = min(next_pow2(dim), 32 if x.is_cuda else 64)
-    block_t = min(next_pow2(seq), 256 if x.is_cuda else 64)
-    return block_t, block_d
+    if x.is_cuda:
+        return min(next_pow2(seq), 256), min(next_pow2(dim), 32)
+    # The interpreter runs a generic associative_scan element by element in Python: small tiles
+    # keep the padding (and so the time) down.
+    return min(next_pow2(seq), 32), min(next_pow2(dim), 16)
 
 
 class LinearScanFunction(torch.autograd.Function):
@@ -99,11 +101,12 @@ class LinearScanFunction(torch.autograd.Function):
         check_launchable(_scan_fwd, a)
         bsz, seq, dim = a.shape
         out_dtype = torch.promote_types(a.dtype, b.dtype)
-        h = _alloc.empty(bsz, seq, dim, dtype=out_dtype, device=a.device)
+        h = _alloc.empty(bsz, seq, dim, dtype=store_dtype(out_dtype, a), device=a.device)
         block_t, block_d = _blocks(a, seq, dim)
         grid = (bsz, triton.cdiv(dim, block_d))
         _scan_fwd[grid](a, b, h0c if h0c is not None else a, h, seq, dim, HAS_H0=h0c is not None,
                         BLOCK_T=block_t, BLOCK_D=block_d)
+        h = h.to(out_dtype)
         ctx.save_for_backward(a, h, h0c)
         ctx.b_dtype = b.dtype
         return h
@@ -112,15 +115,15 @@ class LinearScanFunction(torch.autograd.Function):
     def backward(ctx, g: torch.Tensor):
         a, h, h0 = ctx.saved_tensors
         bsz, seq, dim = a.shape
-        da = _alloc.empty_like(a)
-        db = _alloc.empty(bsz, seq, dim, dtype=ctx.b_dtype, device=a.device)
-        dh0 = _alloc.empty_like(h0) if h0 is not None else None
+        da = _alloc.empty_like(a, dtype=store_dtype(a.dtype, a))
+        db = _alloc.empty(bsz, seq, dim, dtype=store_dtype(ctx.b_dtype, a), device=a.device)
+        dh0 = _alloc.empty_like(h0, dtype=store_dtype(h0.dtype, a)) if h0 is not None else None
         block_t, block_d = _blocks(a, seq, dim)
         grid = (bsz, triton.cdiv(dim, block_d))
         _scan_bwd[grid](a, h, h0 if h0 is not None else a, g.contiguous(), da, db,
                         dh0 if dh0 is not None else a, seq, dim, HAS_H0=h0 is not None,
                         BLOCK_T=block_t, BLOCK_D=block_d)
-        return da, db, dh0
+        return da.to(a.dtype), db.to(ctx.b_dtype), dh0.to(h0.dtype) if h0 is not None else None
 
 
 def linear_scan(a: torch.Tensor, b: torch.Tensor, h0: torch.Tensor | None = None) -> torch.Tensor:

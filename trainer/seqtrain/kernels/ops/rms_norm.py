@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from seqtrain.kernels import _alloc
-from seqtrain.kernels.ops.utils import check_launchable, next_pow2, reduction_programs, row_warps
+from seqtrain.kernels.ops.utils import check_launchable, next_pow2, reduction_programs, row_warps, store_dtype
 
 
 @triton.jit
@@ -58,11 +58,11 @@ def _rms_norm_bwd(DY, X, W, RSTD, DX, DW_PART, n_rows, n_cols, rows_per_prog, BL
 def rms_norm_forward(x2: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     rows, n = x2.shape
     check_launchable(_rms_norm_fwd, x2)
-    y = _alloc.empty(rows, n, dtype=x2.dtype, device=x2.device)
+    y = _alloc.empty(rows, n, dtype=store_dtype(x2.dtype, x2), device=x2.device)
     rstd = _alloc.empty(rows, dtype=torch.float32, device=x2.device)
     block = next_pow2(n)
     _rms_norm_fwd[(rows,)](x2, weight, y, rstd, n, eps, BLOCK=block, num_warps=row_warps(block))
-    return y, rstd
+    return y.to(x2.dtype), rstd
 
 
 def rms_norm_backward(
@@ -71,12 +71,12 @@ def rms_norm_backward(
     rows, n = x2.shape
     programs = reduction_programs(x2, rows)
     rows_per_prog = triton.cdiv(rows, programs)
-    dx = _alloc.empty(rows, n, dtype=x2.dtype, device=x2.device)
+    dx = _alloc.empty(rows, n, dtype=store_dtype(x2.dtype, x2), device=x2.device)
     dw_part = _alloc.empty(programs, n, dtype=torch.float32, device=x2.device)
     block = next_pow2(n)
     _rms_norm_bwd[(programs,)](dy2, x2, weight, rstd, dx, dw_part, rows, n, rows_per_prog, BLOCK=block,
                                num_warps=row_warps(block))
-    return dx, dw_part.sum(0).to(weight.dtype)
+    return dx.to(x2.dtype), dw_part.sum(0).to(weight.dtype)
 
 
 class RMSNormFunction(torch.autograd.Function):

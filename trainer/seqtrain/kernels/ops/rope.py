@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from seqtrain.kernels import _alloc
-from seqtrain.kernels.ops.utils import check_launchable, next_pow2
+from seqtrain.kernels.ops.utils import check_launchable, next_pow2, store_dtype
 
 
 @triton.jit
@@ -50,13 +50,13 @@ def _rope_kernel(X, COS, SIN, Y, heads, seq, half, cs_batch_stride, BACKWARD: tl
 def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool) -> torch.Tensor:
     batch, heads, seq, d = x.shape
     check_launchable(_rope_kernel, x)
-    y = _alloc.empty_like(x)
+    y = _alloc.empty_like(x, dtype=store_dtype(x.dtype, x))
     block_s = min(64, next_pow2(seq))
     grid = (triton.cdiv(seq, block_s), batch * heads)
     batch_stride = 0 if cos.shape[0] == 1 else seq * d
     _rope_kernel[grid](x, cos, sin, y, heads, seq, d // 2, batch_stride, BACKWARD=backward,
                        BLOCK_S=block_s, BLOCK_H=next_pow2(d // 2))
-    return y
+    return y.to(x.dtype)
 
 
 class RoPEFunction(torch.autograd.Function):

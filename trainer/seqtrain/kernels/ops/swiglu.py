@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from seqtrain.kernels import _alloc
-from seqtrain.kernels.ops.utils import check_launchable
+from seqtrain.kernels.ops.utils import check_launchable, store_dtype
 
 _BLOCK = 1024
 
@@ -46,19 +46,21 @@ class SwiGLUFunction(torch.autograd.Function):
     def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         gate, up = gate.contiguous(), up.contiguous()
         check_launchable(_swiglu_fwd, gate)
-        y = _alloc.empty_like(gate, dtype=torch.promote_types(gate.dtype, up.dtype))
+        out_dtype = torch.promote_types(gate.dtype, up.dtype)
+        y = _alloc.empty_like(gate, dtype=store_dtype(out_dtype, gate))
         n = gate.numel()
         _swiglu_fwd[(triton.cdiv(n, _BLOCK),)](gate, up, y, n, BLOCK=_BLOCK)
         ctx.save_for_backward(gate, up)
-        return y
+        return y.to(out_dtype)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         gate, up = ctx.saved_tensors
-        dg, du = _alloc.empty_like(gate), _alloc.empty_like(up)
+        dg = _alloc.empty_like(gate, dtype=store_dtype(gate.dtype, gate))
+        du = _alloc.empty_like(up, dtype=store_dtype(up.dtype, up))
         n = gate.numel()
         _swiglu_bwd[(triton.cdiv(n, _BLOCK),)](dy.contiguous(), gate, up, dg, du, n, BLOCK=_BLOCK)
-        return dg, du
+        return dg.to(gate.dtype), du.to(up.dtype)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

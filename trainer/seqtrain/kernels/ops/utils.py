@@ -55,3 +55,14 @@ def reduction_programs(t: torch.Tensor, rows: int) -> int:
 
 def row_warps(block: int) -> int:
     return 4 if block <= 2048 else 8 if block <= 8192 else 16
+
+
+def store_dtype(dtype: torch.dtype, like: torch.Tensor) -> torch.dtype:
+    """The dtype a kernel writes for an output of `dtype`.
+
+    Triton 3.9's interpreter converts float32 to bfloat16 by truncation, not round-to-nearest-even
+    as the GPU does, which doubles the rounding error. On the CPU, bfloat16 outputs are therefore
+    written as float32 and rounded by torch afterwards (`.to(dtype)`); on CUDA they are written
+    directly.
+    """
+    return torch.float32 if dtype == torch.bfloat16 and on_cpu(like) else dtype
