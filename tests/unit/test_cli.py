@@ -1,0 +1,89 @@
+"""CLI argument handling for validate / crd / run (in-process, no rank is started)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from seqtrain_operator import cli
+
+ROOT = Path(__file__).resolve().parents[2]
+QUICKSTART = ROOT / "examples" / "quickstart.yaml"
+
+
+def test_validate_good_file(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["validate", str(QUICKSTART)]) == 0
+    assert "valid (quickstart)" in capsys.readouterr().out
+
+
+def test_validate_reports_every_problem_with_file_and_path(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(QUICKSTART.read_text().replace("replicas: 2", "replicas: -1").replace("steps: 200", "stepz: 200"))
+    assert cli.main(["validate", str(QUICKSTART), str(bad)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert any(line.startswith(f"{bad}: spec.replicas:") for line in err), err
+    assert any(line.startswith(f"{bad}: spec.training.stepz: unknown field; did you mean 'steps'?") for line in err)
+    assert not any(str(QUICKSTART) in line for line in err)
+
+
+def test_validate_unreadable_and_malformed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("spec: [unclosed\n")
+    assert cli.main(["validate", str(tmp_path / "nope.yaml"), str(broken)]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'nope.yaml'}: <file>: cannot read" in err
+    assert f"{broken}: <yaml>: line" in err and "Traceback" not in err
+
+
+def test_validate_set_override_is_validated(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["validate", str(QUICKSTART), "--set", "training.steps=0"]) == 2
+    assert "spec.training.steps" in capsys.readouterr().err
+    assert cli.main(["validate", str(QUICKSTART), "--set", "training.steps"]) == 2
+    assert "--set: 'training.steps' must look like path.to.field=VALUE" in capsys.readouterr().err
+
+
+def test_crd_prints_the_committed_crd(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["crd"]) == 0
+    assert capsys.readouterr().out == (ROOT / "crds" / "seqtrainjob.yaml").read_text()
+
+
+def test_run_invalid_spec_exits_2_and_writes_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    wd = tmp_path / "run"
+    rc = cli.main(["run", str(QUICKSTART), "--workdir", str(wd), "--set", "replicas=0", "--set", "trainng.steps=5"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert f"{QUICKSTART}: spec.replicas: " in err
+    assert f"{QUICKSTART}: spec.trainng: unknown field; did you mean 'training'?" in err
+    assert "Traceback" not in err
+    assert not wd.exists()
+
+
+def test_run_rejects_remote_checkpoint_uri_locally(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    wd = tmp_path / "run"
+    rc = cli.main(["run", str(QUICKSTART), "--workdir", str(wd), "--set", "checkpoint.path=s3://bucket/ck"])
+    assert rc == 2 and "spec.checkpoint.path" in capsys.readouterr().err
+    assert not wd.exists()
+
+
+def test_run_missing_file_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["run", str(tmp_path / "missing.yaml"), "--workdir", str(tmp_path / "w")]) == 2
+    assert "cannot read" in capsys.readouterr().err
+    assert not (tmp_path / "w").exists()
+
+
+def test_run_already_finished_needs_no_gang(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from seqtrain.spec.status import JobStatus, Progress
+    from seqtrain_operator.local.files import write_status
+
+    write_status(str(tmp_path), JobStatus(phase="Succeeded", progress=Progress(step=200, total_steps=200)))
+    assert cli.main(["run", str(QUICKSTART), "--workdir", str(tmp_path)]) == 0
+    assert "already finished" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv", [["run"], ["run", "a.yaml", "--bogus"], ["validate"], ["frobnicate"],
+                                  ["run", "a.yaml", "--workdir"]])
+def test_bad_arguments_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2
+    assert "usage: seqtrain" in capsys.readouterr().err
