@@ -12,10 +12,11 @@ from torch import nn
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / sqrt(mean(x^2) + eps) * weight, computed in fp32 for stability."""
-    xf = x.float()
+    """x / sqrt(mean(x^2) + eps) * weight, computed in at least fp32 for stability."""
+    wide = torch.promote_types(x.dtype, torch.float32)
+    xf = x.to(wide)
     out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (out * weight.float()).to(x.dtype)
+    return (out * weight.to(wide)).to(x.dtype)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
