@@ -107,10 +107,14 @@ def test_status_roundtrip_is_atomic_and_tolerates_garbage(tmp_path: Path) -> Non
 
 
 def test_latest_checkpoint_ignores_partial_ones(tmp_path: Path) -> None:
-    for name, meta in [("step-10", True), ("step-30", False), (".tmp-step-40", True), ("step-20", True)]:
+    # step-30 has no meta.json, step-50's meta lists a file that is missing, .tmp-step-40 is a save in progress
+    for name, meta in [("step-10", True), ("step-30", False), (".tmp-step-40", True), ("step-20", True),
+                       ("step-50", True)]:
         (tmp_path / name).mkdir()
         if meta:
-            (tmp_path / name / "meta.json").write_text("{}")
+            step = int(name.rsplit("-", 1)[1])
+            files = ["model.pt"] if step == 50 else []
+            (tmp_path / name / "meta.json").write_text(json.dumps({"step": step, "files": files}))
     ck = latest_checkpoint(str(tmp_path))
     assert ck is not None and ck.step == 20 and ck.path.endswith("step-20")
     assert latest_checkpoint(str(tmp_path / "missing")) is None

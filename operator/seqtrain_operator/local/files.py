@@ -4,17 +4,15 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import tempfile
 from datetime import datetime, timezone
 from typing import Any
 
 from pydantic import ValidationError
+from seqtrain.checkpoint import discovery
 from seqtrain.spec.status import CheckpointRef, JobStatus, Progress
 
 from ..controller.clock import iso
-
-_STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
 def atomic_write_text(path: str, text: str) -> None:
@@ -48,21 +46,16 @@ def read_status(workdir: str) -> JobStatus | None:
 
 
 def latest_checkpoint(checkpoint_dir: str) -> CheckpointRef | None:
-    """The highest COMPLETE checkpoint: a `step-N` folder holding meta.json. `.tmp-*` folders are never considered."""
-    try:
-        names = os.listdir(checkpoint_dir)
-    except OSError:
+    """The highest COMPLETE checkpoint, by the trainer's own rule (seqtrain.checkpoint.discovery, torch-free): a
+    `step-N` folder whose meta.json names step N and lists only files that exist. `.tmp-*` folders never count."""
+    info = discovery.latest_checkpoint(checkpoint_dir)
+    if info is None:
         return None
-    best: tuple[int, str] | None = None
-    for name in names:
-        m = _STEP_DIR.match(name)
-        path = os.path.join(checkpoint_dir, name)
-        if m and os.path.isfile(os.path.join(path, "meta.json")) and (best is None or int(m.group(1)) > best[0]):
-            best = (int(m.group(1)), path)
-    if best is None:
-        return None
-    mtime = os.path.getmtime(os.path.join(best[1], "meta.json"))
-    return CheckpointRef(step=best[0], path=best[1], time=iso(datetime.fromtimestamp(mtime, timezone.utc)))
+    when = info.time
+    if when is None:
+        mtime = os.path.getmtime(os.path.join(info.path, discovery.META_FILE))
+        when = iso(datetime.fromtimestamp(mtime, timezone.utc))
+    return CheckpointRef(step=info.step, path=info.path, time=when)
 
 
 class MetricsTail:
