@@ -6,6 +6,7 @@ the same on every rank and every run, and a file never lands on both sides.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import sysconfig
@@ -49,6 +50,7 @@ def in_validation(rel_path: str, fraction: float) -> bool:
     return h < fraction
 
 
+@functools.lru_cache(maxsize=4)  # train + validation, read once per process (about 30 MB, read-only arrays)
 def load_builtin(split: str, validation_fraction: float, root: str | None = None) -> Corpus:
     if split not in ("train", "validation"):
         raise ValueError(f"split must be train or validation, not {split!r}")
