@@ -1,0 +1,1 @@
+"""Benchmarks behind `seqtrain bench NAME`: each module has `main(argv) -> int` and writes JSON."""

@@ -1,0 +1,273 @@
+"""`seqtrain bench kernels`: time and peak memory of each kernel against the PyTorch reference.
+
+For every op and a few shapes it runs forward + backward of: the Triton kernel, the PyTorch reference
+and (where it compiles) `torch.compile` of the reference, and reports the median step time, the
+peak memory above the inputs (CUDA allocator on GPU, live torch tensors on CPU: see
+`seqtrain.kernels.memory`) and the ratios kernel/reference. It also records the accuracy of kernel
+and reference against float64 on small shapes. On CUDA this measures the real speedups. On the CPU
+the kernels run in Triton's interpreter (`TRITON_INTERPRET=1`, set here): the times are then those
+of an emulator and say nothing about speed, but the memory columns still reflect each algorithm's
+buffers, and running it keeps the benchmark from rotting.
+
+    seqtrain bench kernels --out kernels.json                     # auto device, its default shapes
+    seqtrain bench kernels --device cpu --ops attention,linear_scan --repeat 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+OPS = ["rms_norm", "layer_norm", "swiglu", "rope", "cross_entropy", "linear_cross_entropy", "attention",
+       "linear_scan"]
+
+# Shapes per op: "small" runs in Triton's CPU interpreter within seconds; "realistic" are GPU
+# training sizes (a 1-8B-parameter transformer layer, 2K-8K tokens per micro-batch).
+SHAPES: dict[str, dict[str, list[dict[str, Any]]]] = {
+    "small": {
+        "rms_norm": [dict(shape=(4, 64, 256))],
+        "layer_norm": [dict(shape=(4, 64, 256))],
+        "swiglu": [dict(shape=(4, 64, 512))],
+        "rope": [dict(batch=1, heads=4, seq=64, dim=32)],
+        "cross_entropy": [dict(rows=(128,), vocab=1000)],
+        "linear_cross_entropy": [dict(rows=(256,), hidden=64, vocab=2000)],
+        "attention": [dict(batch=1, heads=2, kv_heads=2, seq=128, dim=32, causal=True),
+                      dict(batch=1, heads=2, kv_heads=1, seq=128, dim=32, causal=True, docs="packed")],
+        "linear_scan": [dict(batch=2, seq=128, dim=16)],
+    },
+    "realistic": {
+        "rms_norm": [dict(shape=(4, 2048, 4096))],
+        "layer_norm": [dict(shape=(4, 2048, 4096))],
+        "swiglu": [dict(shape=(4, 2048, 11008))],
+        "rope": [dict(batch=4, heads=32, seq=2048, dim=128)],
+        "cross_entropy": [dict(rows=(8192,), vocab=32000)],
+        "linear_cross_entropy": [dict(rows=(8192,), hidden=4096, vocab=32000),
+                                 dict(rows=(4096,), hidden=2048, vocab=128256)],
+        "attention": [dict(batch=4, heads=16, kv_heads=16, seq=2048, dim=64, causal=True),
+                      dict(batch=2, heads=32, kv_heads=8, seq=4096, dim=128, causal=True),
+                      dict(batch=2, heads=32, kv_heads=8, seq=4096, dim=128, causal=True, docs="packed")],
+        "linear_scan": [dict(batch=8, seq=2048, dim=1024), dict(batch=4, seq=8192, dim=512)],
+    },
+}
+ACCURACY_SHAPES = {op: cases[0] for op, cases in SHAPES["small"].items()}
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="seqtrain bench kernels", description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="cuda when available (auto), else cpu through Triton's interpreter")
+    p.add_argument("--ops", default=",".join(OPS), help=f"comma-separated subset of: {','.join(OPS)}")
+    p.add_argument("--shapes", choices=["auto", "small", "realistic"], default="auto",
+                   help="shape preset (auto: realistic on cuda, small on cpu)")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+                   help="input dtype (auto: bfloat16 on cuda, float32 on cpu)")
+    p.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
+                   help="also time torch.compile(reference) (auto: on for cuda, off for cpu)")
+    p.add_argument("--repeat", type=int, default=0, help="timed iterations (default: 20 on cuda, 2 on cpu)")
+    p.add_argument("--warmup", type=int, default=-1, help="untimed iterations first (default: 3 on cuda, 0 on cpu)")
+    p.add_argument("--no-accuracy", action="store_true", help="skip the float64 accuracy check")
+    p.add_argument("--out", type=Path, help="write the results as JSON to this file")
+    args = p.parse_args(argv)
+    unknown = [o for o in args.ops.split(",") if o not in OPS]
+    if unknown:
+        p.error(f"--ops: unknown op(s) {', '.join(unknown)}; choose from {', '.join(OPS)}")
+    return args
+
+
+def _sync(device: str) -> None:
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _step_fn(fn: Callable[..., Any], args: list[Any], grad_pos: tuple[int, ...], kwargs: dict[str, Any]):
+    """A forward + backward closure over fixed inputs; clears the gradients each call."""
+    import torch
+
+    inputs = [a.detach().requires_grad_(i in grad_pos) if isinstance(a, torch.Tensor) else a
+              for i, a in enumerate(args)]
+    grad_out: list[torch.Tensor] = []
+
+    def step() -> None:
+        for i in grad_pos:
+            inputs[i].grad = None
+        out = fn(*inputs, **kwargs)
+        if not grad_out:
+            gen = torch.Generator(device=out.device).manual_seed(0)
+            grad_out.append(torch.randn(out.shape, generator=gen, device=out.device, dtype=out.dtype))
+        out.backward(grad_out[0])
+
+    return step
+
+
+def _time(step: Callable[[], None], device: str, warmup: int, repeat: int) -> float:
+    for _ in range(warmup):
+        step()
+    _sync(device)
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        step()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _bench_impl(step: Callable[[], None], device: str, warmup: int, repeat: int) -> dict[str, Any]:
+    from seqtrain.kernels.memory import peak_bytes
+
+    try:
+        seconds = _time(step, device, warmup, repeat)
+        peak = peak_bytes(step, device)
+    except Exception as exc:  # noqa: BLE001 - one failing implementation must not hide the others
+        return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]}
+    return {"ms": _sig(seconds * 1e3), "peak_mb": _sig(peak / 2**20)}
+
+
+def _bench_case(op: str, shape: dict[str, Any], device: str, dtype: Any, use_compile: bool, warmup: int,
+                repeat: int) -> dict[str, Any]:
+    import torch
+
+    import seqtrain.kernels as K
+    from seqtrain.kernels import accuracy, reference
+
+    args64, _, grad_pos = accuracy.make_inputs(op, device, seed=0, **shape)
+    args = accuracy.cast_args(args64, dtype)
+    del args64
+    row: dict[str, Any] = {"op": op, "shape": shape}
+    row["kernel"] = _bench_impl(_step_fn(getattr(K, op), args, grad_pos, {}), device, warmup, repeat)
+    row["reference"] = _bench_impl(_step_fn(getattr(reference, op), args, grad_pos, {}), device, warmup, repeat)
+    if use_compile:
+        torch._dynamo.reset()
+        compiled = torch.compile(getattr(reference, op), dynamic=False)
+        row["compiled"] = _bench_impl(_step_fn(compiled, args, grad_pos, {}), device, warmup, repeat)
+    ref, ker = row["reference"], row["kernel"]
+    if "ms" in ref and "ms" in ker:
+        row["speedup"] = _sig(ref["ms"] / ker["ms"]) if ker["ms"] else None
+        row["memory_ratio"] = _sig(ker["peak_mb"] / ref["peak_mb"]) if ref["peak_mb"] else None
+    return row
+
+
+def _sig(x: float) -> float:
+    return float(f"{x:.3g}")
+
+
+def _accuracy(op: str, device: str) -> list[dict[str, Any]]:
+    import torch
+
+    from seqtrain.kernels import accuracy, poison_outputs
+
+    out = []
+    for dtype in (torch.float32, torch.bfloat16):
+        with poison_outputs():
+            res = accuracy.measure(op, dtype, device, **ACCURACY_SHAPES[op])
+        out.append({"dtype": res["dtype"], "shape": res["shape"], "kernel": res["kernel"],
+                    "reference": res["reference"], "max_kernel_error": max(res["kernel"].values()),
+                    "max_reference_error": max(res["reference"].values()), "passes": not accuracy.violations(res)})
+    return out
+
+
+def _fmt(impl: dict[str, Any] | None) -> str:
+    if impl is None:
+        return "-"
+    if "error" in impl:
+        return "error"
+    return f"{impl['ms']:.3f} ms / {impl['peak_mb']:.1f} MB"
+
+
+def _print_table(rows: list[dict[str, Any]]) -> None:
+    header = f"{'op':22} {'shape':44} {'kernel':24} {'reference':24} {'compiled':24} {'speedup':>8} {'mem':>7}"
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        shape = ",".join(f"{k}={v}" for k, v in r["shape"].items()).replace(" ", "")
+        print(f"{r['op']:22} {shape[:44]:44} {_fmt(r['kernel']):24} {_fmt(r['reference']):24} "
+              f"{_fmt(r.get('compiled')):24} {r.get('speedup') or '-':>8} {r.get('memory_ratio') or '-':>7}")
+        for name in ("kernel", "reference", "compiled"):
+            if isinstance(r.get(name), dict) and "error" in r[name]:
+                print(f"    {name}: {r[name]['error']}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(list(sys.argv[1:] if argv is None else argv))
+    import torch
+
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        print("seqtrain bench kernels: --device cuda but no CUDA GPU is visible", file=sys.stderr)
+        return 2
+    if device == "cpu":
+        # Must precede the first import of seqtrain.kernels.ops (triton reads it when decorating).
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    import seqtrain.kernels as K
+
+    probe = torch.zeros(1, device=device)
+    try:
+        if K.backend_for(probe) != "triton":
+            raise RuntimeError("the automatic choice is the PyTorch reference")
+    except (RuntimeError, ValueError) as exc:
+        print(f"seqtrain bench kernels: the Triton path cannot run on {device}: {exc}", file=sys.stderr)
+        return 2
+    dtype = getattr(torch, args.dtype) if args.dtype != "auto" else (
+        torch.bfloat16 if device == "cuda" else torch.float32)
+    shapes = args.shapes if args.shapes != "auto" else ("realistic" if device == "cuda" else "small")
+    use_compile = args.compile == "on" or (args.compile == "auto" and device == "cuda")
+    repeat = args.repeat or (20 if device == "cuda" else 2)
+    warmup = args.warmup if args.warmup >= 0 else (3 if device == "cuda" else 0)
+
+    rows, accuracy_rows = [], {}
+    for op in args.ops.split(","):
+        for shape in SHAPES[shapes][op]:
+            rows.append(_bench_case(op, shape, device, dtype, use_compile, warmup, repeat))
+            if device == "cuda":
+                torch.cuda.empty_cache()
+        if not args.no_accuracy:
+            accuracy_rows[op] = _accuracy(op, device)
+    _print_table(rows)
+    if accuracy_rows:
+        print("\naccuracy vs float64 (max relative error over output and gradients, kernel / reference):")
+        for op, accs in accuracy_rows.items():
+            cells = "  ".join(f"{a['dtype']}: {a['max_kernel_error']:.2e} / {a['max_reference_error']:.2e}"
+                              f"{'' if a['passes'] else ' FAIL'}" for a in accs)
+            print(f"  {op:22} {cells}")
+    result = {
+        "benchmark": "kernels",
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": "seqtrain bench kernels " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "device": torch.cuda.get_device_name() if device == "cuda" else f"cpu ({platform.processor() or platform.machine()})",
+        "kernel_runs_on": "triton" if device == "cuda" else "triton interpreter (times are not speeds)",
+        "memory_measure": "cuda max_memory_allocated" if device == "cuda" else "live torch tensors (dispatch mode)",
+        "dtype": str(dtype).replace("torch.", ""), "shapes": shapes, "repeat": repeat, "warmup": warmup,
+        "torch": torch.__version__, "triton": _triton_version(), "results": rows, "accuracy": accuracy_rows,
+    }
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"\nwrote {args.out}")
+    failed = any(not a["passes"] for accs in accuracy_rows.values() for a in accs)
+    errors = any("error" in r.get(k, {}) for r in rows for k in ("kernel", "reference"))
+    return 1 if failed or errors else 0
+
+
+def _triton_version() -> str | None:
+    try:
+        import triton
+    except Exception:  # noqa: BLE001
+        return None
+    return triton.__version__
+
+
+if __name__ == "__main__":
+    sys.exit(main())
