@@ -246,5 +246,6 @@ def test_endpoints_in_process(tmp_path: Path) -> None:
     assert "mfu" not in progress  # CPU: no peak, no invented MFU
     final = json.loads((tmp_path / "progress.json").read_text())
     assert final["step"] == 3 and "stopReason" not in final
+    assert final["lastCheckpoint"]["step"] == 3  # for an operator that cannot list the checkpoint folder
     with pytest.raises(OSError):  # servers are closed with the run
         _get(f"http://127.0.0.1:{json.loads((tmp_path / 'endpoints' / 'rank-0.json').read_text())['metrics_port']}/metrics")

@@ -1,0 +1,58 @@
+"""Goodput (pure): the share of wall time since the job started that produced training progress that was kept.
+
+    goodput = running_time x kept / computed / wall_time
+
+running_time: time the gang spent Running (all attempts; from the Running condition's transitions),
+computed: steps trained including those redone after restarts (progress.step + sum(status.stepsLost)),
+kept: progress.step. Scheduling waits, restart backoff and redone steps all lower it; 1.0 means every second
+since the start went into steps that count.
+
+Only `runningSeconds` (time of Running segments that already ended) is kept in the status between calls; the
+current segment is measured from the Running condition's lastTransitionTime.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from seqtrain.spec.status import JobStatus
+
+from .clock import parse, seconds_between
+from .conditions import get
+
+FIELD = "runningSeconds"  # kept on the status object (extra field, preserved by the CRD's status schema)
+
+
+def running_seconds(status: JobStatus) -> float:
+    extra = status.model_extra or {}
+    try:
+        return float(extra.get(FIELD, 0.0))
+    except (TypeError, ValueError):
+        return 0.0
+
+
+def _running_since(status: JobStatus) -> datetime | None:
+    c = get(status, "Running")
+    return parse(c.last_transition_time) if c is not None and c.status == "True" else None
+
+
+def account(before: JobStatus, after: JobStatus, now: datetime) -> None:
+    """Update `after` (the status a decision returned) in place: close a Running segment that just ended, and
+    recompute goodput."""
+    total = running_seconds(before)
+    since = _running_since(before)
+    if since is not None and _running_since(after) is None:
+        total += max(0.0, seconds_between(since, now))  # the segment ended in this decision
+    setattr(after, FIELD, round(total, 3))
+    start = parse(after.start_time)
+    if start is None:
+        return
+    wall = seconds_between(start, now)
+    if wall <= 0:
+        return
+    current = _running_since(after)
+    running = total + (max(0.0, seconds_between(current, now)) if current is not None else 0.0)
+    kept = after.progress.step if after.progress else 0
+    computed = kept + sum(after.steps_lost)
+    useful = running * (kept / computed) if computed > 0 else 0.0
+    after.goodput = round(min(1.0, useful / wall), 4)

@@ -1,0 +1,198 @@
+"""kopf wiring: one reconcile loop (a kopf daemon) per SeqTrainJob, woken by its pods' and the nodes' changes.
+
+Level-based: every pass reads the cluster and the job's status and calls the shared controller core; an event
+only makes the next pass come sooner. The daemons run only in the active operator (kopf peering freezes the
+others), and kopf stops a job's daemon before its deletion handler runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import kopf
+from seqtrain.spec import API_GROUP, PLURAL, SpecError, parse_job
+
+from . import manifests as m
+from .client import Kube, load_config
+from .metrics import OperatorMetrics
+from .reconcile import Config, cleanup, reconcile
+
+VERSION = "v1alpha1"
+FINALIZER = f"{API_GROUP}/cleanup"
+WEBHOOK_ID = "validate-seqtrainjob"
+log = logging.getLogger("seqtrain.operator")
+
+
+@dataclass
+class WebhookConfig:
+    port: int = 9443
+    certfile: str | None = None
+    keyfile: str | None = None
+    insecure: bool = False  # plain HTTP: tests only
+
+
+@dataclass
+class OperatorState:
+    """Process-wide: configured by `main()` (or a test) before kopf starts; filled in at startup."""
+
+    config: Config = field(default_factory=Config)
+    metrics: OperatorMetrics = field(default_factory=OperatorMetrics)
+    metrics_port: int | None = None
+    webhook: WebhookConfig | None = None
+    kube: Kube | None = None
+    wakeups: dict[tuple[str, str], asyncio.Event] = field(default_factory=dict)
+    nodes_seen: dict[str, Any] = field(default_factory=dict)
+
+    def poke(self, namespace: str | None, name: str | None) -> None:
+        ev = self.wakeups.get((namespace or "", name or ""))
+        if ev is not None:
+            ev.set()
+
+    def poke_all(self) -> None:
+        for ev in self.wakeups.values():
+            ev.set()
+
+
+STATE = OperatorState()
+
+
+@kopf.on.startup()
+async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+    settings.persistence.finalizer = FINALIZER
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=API_GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=API_GROUP)
+    settings.posting.level = logging.WARNING  # our own Events say what happened; kopf's would repeat it
+    settings.watching.server_timeout = 300
+    settings.watching.client_timeout = 330
+    settings.networking.request_timeout = 30
+    if STATE.webhook is not None:
+        w = STATE.webhook
+        settings.admission.server = kopf.WebhookServer(port=w.port, certfile=w.certfile, pkeyfile=w.keyfile,
+                                                       insecure=w.insecure, addr="0.0.0.0" if not w.insecure else "127.0.0.1")
+    STATE.kube = Kube(load_config())
+    STATE.wakeups.clear()
+    STATE.nodes_seen.clear()
+    if STATE.metrics_port:
+        STATE.metrics.serve(STATE.metrics_port)
+
+
+@kopf.on.login()
+def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+    """The pod's service account in a cluster, else the kubeconfig (read when logging in, not at import)."""
+    return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+
+
+def _emit(body: dict[str, Any], type_: str, reason: str, message: str) -> None:
+    kopf.event(body, type=type_, reason=reason, message=message[:1024])
+
+
+@kopf.daemon(API_GROUP, VERSION, PLURAL, id="reconcile", cancellation_timeout=10.0)
+async def reconcile_loop(name: str, namespace: str, stopped: kopf.DaemonStopped, **_: Any) -> None:
+    key = (namespace, name)
+    wake = STATE.wakeups.setdefault(key, asyncio.Event())
+    failures = 0
+    try:
+        while not stopped:
+            wake.clear()
+            started = time.perf_counter()
+            try:
+                assert STATE.kube is not None
+                outcome = await reconcile(STATE.kube, STATE.config, namespace, name, _emit)
+                failures = 0
+                delay = outcome.requeue
+                if outcome.status is not None:
+                    _record(namespace, name, outcome)
+            except Exception as exc:  # noqa: BLE001 - one bad pass must not end the job's loop
+                failures += 1
+                delay = min(30.0, 0.5 * 2 ** min(failures, 6))
+                STATE.metrics.reconcile_errors.labels(error=type(exc).__name__).inc()
+                log.warning("reconcile %s/%s failed (%s: %s); again in %.1fs", namespace, name,
+                            type(exc).__name__, exc, delay)
+            finally:
+                STATE.metrics.reconcile_seconds.observe(time.perf_counter() - started)
+            if delay is None:
+                delay = STATE.config.idle_poll  # gone or invalid: the daemon is stopped on deletion anyway
+            await _sleep(wake, stopped, delay)
+    finally:
+        STATE.wakeups.pop(key, None)
+
+
+_last_counts: dict[tuple[str, str], tuple[int, int]] = {}
+
+
+def _record(namespace: str, name: str, outcome: Any) -> None:
+    st = outcome.status
+    STATE.metrics.job_phase(namespace, name, st.phase)
+    prev = _last_counts.get((namespace, name))
+    if prev is not None:
+        STATE.metrics.restarted(st.restarts - prev[0], st.infra_restarts - prev[1])
+    _last_counts[(namespace, name)] = (st.restarts, st.infra_restarts)
+
+
+async def _sleep(wake: asyncio.Event, stopped: kopf.DaemonStopped, seconds: float) -> None:
+    """Until the job is poked, the daemon is stopped, or `seconds` pass, whichever is first."""
+    async def until_stopped() -> None:
+        await stopped.wait()
+
+    waiters = [asyncio.ensure_future(wake.wait()), asyncio.ensure_future(until_stopped())]
+    try:
+        await asyncio.wait(waiters, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waiters:
+            w.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await w
+
+
+@kopf.on.event("", "v1", "pods", labels={m.LABEL_JOB: kopf.PRESENT})
+async def pod_changed(labels: dict[str, str], namespace: str, **_: Any) -> None:
+    STATE.poke(namespace, labels.get(m.LABEL_JOB))
+
+
+def _node_digest(body: dict[str, Any]) -> Any:
+    status, spec = body.get("status") or {}, body.get("spec") or {}
+    ready = [c.get("status") for c in status.get("conditions") or [] if c.get("type") == "Ready"]
+    return (tuple(ready), spec.get("unschedulable"), repr(spec.get("taints")), repr(status.get("allocatable")),
+            repr(sorted((body.get("metadata") or {}).get("labels", {}).items())))
+
+
+@kopf.on.event("", "v1", "nodes")
+async def node_changed(name: str, type: str, body: dict[str, Any], **_: Any) -> None:  # noqa: A002 (kopf's kwarg)
+    # Heartbeats change nodes all the time; only readiness, cordons, taints, capacity and labels matter here.
+    digest = None if type == "DELETED" else _node_digest(body)
+    if STATE.nodes_seen.get(name) != digest:
+        STATE.nodes_seen[name] = digest
+        STATE.poke_all()
+
+
+@kopf.on.delete(API_GROUP, VERSION, PLURAL, id="cleanup")
+async def job_deleted(name: str, namespace: str, **_: Any) -> None:
+    assert STATE.kube is not None
+    await cleanup(STATE.kube, namespace, name)
+    STATE.metrics.job_phase(namespace, name, None)
+    _last_counts.pop((namespace, name), None)
+
+
+def enable_webhook(config: WebhookConfig) -> None:
+    """Serve the validating webhook. Registered only when configured: kopf refuses to run admission handlers
+    without a server."""
+    STATE.webhook = config
+    registry = kopf.get_default_registry()
+    if not any(h.id == WEBHOOK_ID for h in registry._webhooks.get_all_handlers()):
+        kopf.on.validate(API_GROUP, VERSION, PLURAL, id=WEBHOOK_ID, operations=["CREATE", "UPDATE"])(validate)
+
+
+def validate(body: dict[str, Any], **_: Any) -> None:
+    """The admission webhook: the same validation as `seqtrain validate`, every problem in one answer."""
+    doc = {k: body.get(k) for k in ("apiVersion", "kind", "metadata", "spec") if k in body}
+    meta = doc.get("metadata") or {}
+    doc["metadata"] = {"name": meta.get("name") or meta.get("generateName") or "", "namespace": meta.get("namespace")}
+    try:
+        parse_job(doc)
+    except SpecError as err:
+        raise kopf.AdmissionError("; ".join(str(p) for p in err.problems), code=422) from None

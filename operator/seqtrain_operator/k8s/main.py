@@ -1,0 +1,85 @@
+"""`seqtrain operator [options]`: run the operator against the kubeconfig or the in-cluster service account.
+
+Leader election is kopf peering: operators sharing a peering name see each other through a (Cluster)KopfPeering
+object and only the one with the highest priority acts; the others stand by. Equal priorities would freeze all of
+them, so without --priority each replica draws a random one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import random
+from collections.abc import Sequence
+
+from .manifests import EXTERNAL
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="seqtrain operator", description="Run the SeqTrainJob operator (kopf).")
+    scope = p.add_mutually_exclusive_group()
+    scope.add_argument("-n", "--namespace", action="append", default=[],
+                       help="watch only this namespace (repeatable; globs like team-* work)")
+    scope.add_argument("-A", "--all-namespaces", action="store_true", help="watch every namespace (default)")
+    p.add_argument("--peering", metavar="NAME", help="leader election through this kopf peering object")
+    p.add_argument("--standalone", action="store_true", help="no peering at all (one replica only)")
+    p.add_argument("--priority", type=int, help="peering priority (default: random, so replicas never tie)")
+    p.add_argument("--liveness", metavar="URL", help="kopf liveness endpoint, e.g. http://0.0.0.0:8080/healthz")
+    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
+    p.add_argument("--progress-port", type=int, default=8471,
+                   help="port the trainer serves progress on (0: do not poll progress)")
+    p.add_argument("--master-port", type=int, default=29500, help="rendezvous port of rank 0")
+    p.add_argument("--termination-grace", type=int, default=120,
+                   help="seconds a trainer pod has to checkpoint after SIGTERM")
+    p.add_argument("--node-lost-grace", type=float, default=40.0,
+                   help="seconds a node may be NotReady before its pods count as lost")
+    p.add_argument("--scheduler-name", action="append", default=[], metavar="GANG=NAME",
+                   help=f"schedulerName for an external gang scheduler ({', '.join(EXTERNAL)}), repeatable")
+    p.add_argument("--webhook-port", type=int, default=9443)
+    p.add_argument("--webhook-cert-dir", help="serve the validating webhook with tls.crt/tls.key from here")
+    p.add_argument("-v", "--verbose", action="store_true")
+    p.add_argument("--debug", action="store_true")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(list(argv or []))
+    # The trainer's data paths exist inside the pods, not here: do not check them against this filesystem.
+    os.environ.setdefault("SEQTRAIN_CHECK_PATHS", "0")
+
+    import kopf
+
+    from . import handlers
+    from .manifests import Settings
+    from .reconcile import Config
+
+    schedulers = {}
+    for item in args.scheduler_name:
+        gang, sep, name = item.partition("=")
+        if not sep or gang not in EXTERNAL:
+            build_parser().error(f"--scheduler-name {item!r}: expected GANG=NAME with GANG one of {', '.join(EXTERNAL)}")
+        schedulers[gang] = name
+    settings = Settings(master_port=args.master_port, progress_port=args.progress_port or None,
+                        termination_grace_seconds=args.termination_grace, scheduler_names=schedulers)
+    handlers.STATE.config = Config(settings=settings, node_lost_grace=args.node_lost_grace,
+                                   poll_progress=bool(args.progress_port))
+    handlers.STATE.metrics_port = args.metrics_port
+    if args.webhook_cert_dir:
+        handlers.enable_webhook(handlers.WebhookConfig(
+            port=args.webhook_port, certfile=os.path.join(args.webhook_cert_dir, "tls.crt"),
+            keyfile=os.path.join(args.webhook_cert_dir, "tls.key")))
+
+    kopf.configure(verbose=args.verbose, debug=args.debug)
+    logging.getLogger("seqtrain.operator").setLevel(logging.DEBUG if args.debug else logging.INFO)
+    standalone = args.standalone or not args.peering
+    priority = args.priority if args.priority is not None else random.SystemRandom().randint(1, 2**31 - 1)
+    kopf.run(
+        standalone=standalone,
+        peering_name=None if standalone else args.peering,
+        priority=priority,
+        namespaces=args.namespace or (),
+        clusterwide=not args.namespace,
+        liveness_endpoint=args.liveness,
+    )
+    return 0

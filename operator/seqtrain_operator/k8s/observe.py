@@ -1,0 +1,155 @@
+"""Pods and nodes as the controller core sees them (pure): Kubernetes objects -> ReplicaObservation.
+
+What a pod's status means for the gang:
+- phase Running / Succeeded -> the same; Pending -> Pending, unless a container can never start (a bad image
+  name, a broken config reference: Failed with that reason, which the core treats as permanent);
+- phase Failed -> Failed with the container's exit code; reason OOMKilled (container), Evicted (pod), or the
+  DisruptionTarget condition's reason (PreemptionByScheduler -> Preempted, DeletionByTaintManager -> NodeLost,
+  EvictionByEvictionAPI / TerminationByKubelet -> Evicted);
+- deletionTimestamp set (someone deleted it; we delete only gangs the core already gave up) -> Failed, Deleted;
+- running on a node that is NotReady for longer than a grace period -> Failed, NodeLost (the pod object may stay
+  "Running" for minutes before the node controller evicts it; the gang should not wait that long).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from datetime import datetime
+from typing import Any
+
+from seqtrain.spec.status import CheckpointRef, Progress
+
+from ..controller.clock import parse, seconds_between
+from ..controller.types import ReplicaObservation
+from .manifests import CONTAINER, LABEL_ATTEMPT, LABEL_REPLICA
+
+# Reasons a container cannot start that retrying will not fix (ImagePullBackOff can be a registry blip at first,
+# so only the back-off state, after several pulls failed, counts).
+_NEVER_STARTS = {"InvalidImageName", "CreateContainerConfigError", "ImagePullBackOff", "CreateContainerError"}
+_DISRUPTION = {"PreemptionByScheduler": "Preempted", "DeletionByTaintManager": "NodeLost",
+               "EvictionByEvictionAPI": "Evicted", "TerminationByKubelet": "Evicted"}
+
+
+def _container(pod: Mapping[str, Any]) -> Mapping[str, Any]:
+    statuses = (pod.get("status") or {}).get("containerStatuses") or []
+    return next((c for c in statuses if c.get("name") == CONTAINER), statuses[0] if statuses else {})
+
+
+def _terminated(pod: Mapping[str, Any]) -> Mapping[str, Any]:
+    return (_container(pod).get("state") or {}).get("terminated") or {}
+
+
+def _disruption(pod: Mapping[str, Any]) -> str | None:
+    for c in (pod.get("status") or {}).get("conditions") or []:
+        if c.get("type") == "DisruptionTarget" and c.get("status") == "True":
+            return _DISRUPTION.get(c.get("reason", ""), "Evicted")
+    return None
+
+
+def not_ready_for(node: Mapping[str, Any], now: datetime) -> float | None:
+    """Seconds the node has not been Ready (None: it is Ready or reports no Ready condition yet)."""
+    for c in (node.get("status") or {}).get("conditions") or []:
+        if c.get("type") == "Ready":
+            if c.get("status") == "True":
+                return None
+            since = parse(c.get("lastTransitionTime"))
+            return seconds_between(since, now) if since else float("inf")
+    return None
+
+
+def replica_of(pod: Mapping[str, Any], nodes: Mapping[str, Mapping[str, Any]], now: datetime,
+               node_lost_grace: float = 40.0) -> ReplicaObservation | None:
+    """One pod -> its replica observation (None for a pod without our labels)."""
+    meta = pod.get("metadata") or {}
+    labels = meta.get("labels") or {}
+    try:
+        replica, attempt = int(labels[LABEL_REPLICA]), int(labels[LABEL_ATTEMPT])
+    except (KeyError, ValueError):
+        return None
+    status = pod.get("status") or {}
+    node = (pod.get("spec") or {}).get("nodeName")
+    phase = status.get("phase", "Pending")
+    term = _terminated(pod)
+    code = term.get("exitCode")
+    reason: str | None = None
+    message = status.get("message", "") or ""
+
+    if phase in ("Failed", "Unknown"):
+        phase = "Failed"
+        reason = "OOMKilled" if term.get("reason") == "OOMKilled" else None
+        reason = reason or (status.get("reason") if status.get("reason") in ("Evicted", "Shutdown", "NodeShutdown",
+                                                                             "DeadlineExceeded", "Terminated")
+                            else None) or _disruption(pod)
+        if not message and term.get("message") and not _looks_like_json(term.get("message")):
+            message = term["message"][:300]  # FallbackToLogsOnError: the log tail of a crash
+    elif phase == "Pending":
+        waiting = (_container(pod).get("state") or {}).get("waiting") or {}
+        if waiting.get("reason") in _NEVER_STARTS:
+            phase, reason, message = "Failed", waiting["reason"], waiting.get("message", "")
+    if phase in ("Pending", "Running") and meta.get("deletionTimestamp"):
+        phase, reason = "Failed", "Deleted"
+    if phase in ("Pending", "Running") and node:
+        gone = node not in nodes
+        down = None if gone else not_ready_for(nodes[node], now)
+        if gone or (down is not None and down >= node_lost_grace):
+            phase, reason = "Failed", "NodeLost"
+            message = f"node {node} {'was removed' if gone else 'is NotReady'}"
+    if phase == "Failed" and reason is None and _disruption(pod):
+        reason = _disruption(pod)
+    return ReplicaObservation(replica=replica, attempt=attempt, phase=phase,  # type: ignore[arg-type]
+                              exit_code=code, reason=reason, node=node, message=message)
+
+
+def _looks_like_json(text: str | None) -> bool:
+    return bool(text) and text.lstrip().startswith("{")  # type: ignore[union-attr]
+
+
+def observe_replicas(pods: Iterable[Mapping[str, Any]], nodes: Iterable[Mapping[str, Any]], now: datetime,
+                     node_lost_grace: float = 40.0) -> tuple[ReplicaObservation, ...]:
+    by_name = {n["metadata"]["name"]: n for n in nodes}
+    out = [r for p in pods if (r := replica_of(p, by_name, now, node_lost_grace)) is not None]
+    return tuple(sorted(out, key=lambda r: (r.attempt, r.replica)))
+
+
+def progress_from_json(data: Any) -> tuple[Progress | None, CheckpointRef | None]:
+    """The trainer's progress JSON (GET /progress, or the termination message) -> Progress and, when the trainer
+    reports it (`lastCheckpoint: {step, path, time}`), the latest complete checkpoint."""
+    if not isinstance(data, dict) or "step" not in data:
+        return None, None
+    ck = data.get("lastCheckpoint")
+    try:
+        progress = Progress.model_validate({k: v for k, v in data.items() if k != "lastCheckpoint"})
+    except ValueError:
+        return None, None
+    ref = None
+    if isinstance(ck, dict) and isinstance(ck.get("step"), int):
+        try:
+            ref = CheckpointRef.model_validate(ck)
+        except ValueError:
+            ref = None
+    return progress, ref
+
+
+def final_progress(pods: Iterable[Mapping[str, Any]], attempt: int) -> tuple[Progress | None, CheckpointRef | None]:
+    """Progress rank 0 left in its termination message when it exited (the HTTP server is gone by then)."""
+    for pod in pods:
+        labels = (pod.get("metadata") or {}).get("labels") or {}
+        if labels.get(LABEL_REPLICA) == "0" and labels.get(LABEL_ATTEMPT) == str(attempt):
+            text = _terminated(pod).get("message")
+            if _looks_like_json(text):
+                try:
+                    return progress_from_json(json.loads(text))  # type: ignore[arg-type]
+                except ValueError:
+                    return None, None
+    return None, None
+
+
+def rank0_ip(pods: Iterable[Mapping[str, Any]], attempt: int) -> str | None:
+    for pod in pods:
+        labels = (pod.get("metadata") or {}).get("labels") or {}
+        status = pod.get("status") or {}
+        if (labels.get(LABEL_REPLICA) == "0" and labels.get(LABEL_ATTEMPT) == str(attempt)
+                and status.get("phase") == "Running"):
+            return status.get("podIP")
+    return None

@@ -1,0 +1,236 @@
+"""One reconcile pass of one SeqTrainJob, in stages (read -> decide -> write status -> act -> events).
+
+1. Read the job, its pods and the nodes from the API server (level-based: nothing is remembered in memory, so
+   an operator restarted mid-job continues from exactly what the cluster and the job's status say).
+2. Observe: pods -> ReplicaObservation, rank 0's progress; when no gang exists, gang admission: the native
+   placement over free node capacity, or the presence of the external gang scheduler.
+3. Decide with the shared controller core (`seqtrain_operator.controller.decide`), the same as local runs.
+4. Write the status, with the job's resourceVersion as an optimistic lock: on 409 nothing was done and the pass
+   is repeated on fresh data. Writing it BEFORE acting means a crash between the two never forgets a gang it
+   created: the status already names the attempt, and the core re-creates whatever of it is absent.
+5. Act: delete gangs (pods, ConfigMap, PodGroup of that attempt), create the gang (create-if-absent, so a repeat
+   never duplicates anything: names are deterministic per attempt).
+6. Emit the decision's Kubernetes Events, only after the status write succeeded.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field, replace
+from datetime import datetime
+from typing import Any
+
+from seqtrain.spec import JobStatus, SeqTrainJob, SpecError, parse_job
+from seqtrain.spec.status import TERMINAL_PHASES, ReplicaPlacement
+
+from ..controller import CreateGang, DeleteGang, Event, Observed, RequeueAfter, decide, goodput, utcnow
+from ..controller import conditions as cond
+from ..planner.inventory import inventory
+from ..planner.placement import place
+from ..planner.types import Plan, Unschedulable
+from . import manifests as m
+from .client import Conflict, Kube
+from .observe import final_progress, observe_replicas, rank0_ip
+from .progress import poll_progress
+
+log = logging.getLogger("seqtrain.operator")
+
+EventSink = Callable[[dict[str, Any], str, str, str], None]
+
+
+@dataclass
+class Config:
+    settings: m.Settings = field(default_factory=m.Settings)
+    node_lost_grace: float = 40.0  # a node NotReady this long counts as lost for its pods
+    running_poll: float = 10.0  # look again this often while a gang runs (progress, hangs)
+    idle_poll: float = 60.0  # and this often otherwise (events wake the loop sooner)
+    progress_timeout: float = 2.0
+    poll_progress: bool = True
+
+
+@dataclass
+class Outcome:
+    requeue: float | None  # seconds until the next pass; None: the job is gone
+    status: JobStatus | None = None
+    events: tuple[Event, ...] = ()
+
+
+def _job_from(body: dict[str, Any]) -> SeqTrainJob:
+    doc = {k: body[k] for k in ("apiVersion", "kind", "spec") if k in body}
+    meta = body.get("metadata") or {}
+    doc["metadata"] = {"name": meta.get("name"), "namespace": meta.get("namespace")}
+    return parse_job(doc)
+
+
+async def admission(kube: Kube, job: SeqTrainJob, status: JobStatus, nodes: list[dict]) -> str | None:
+    """Why the whole gang cannot start now (None: it can). Never lets a partial gang start."""
+    gang = job.spec.scheduling.gang
+    if gang == "native":
+        plan = await native_plan(kube, job, status, nodes)
+        return plan.reason if isinstance(plan, Unschedulable) else None
+    info = m.EXTERNAL[gang]
+    if gang == "kueue" and not job.spec.scheduling.queue:
+        return "scheduling.gang kueue needs scheduling.queue (the name of a Kueue LocalQueue in this namespace)"
+    if not await kube.crd_exists(info["crd"]):
+        return (f"scheduling.gang is {gang}, but {gang} is not installed in this cluster (no CustomResourceDefinition "
+                f"{info['crd']}); install it or use gang: native")
+    return None
+
+
+async def native_plan(kube: Kube, job: SeqTrainJob, status: JobStatus, nodes: list[dict],
+                      avoid: tuple[str, ...] | None = None) -> Plan | Unschedulable:
+    # Requests of every pod bound to a node and not finished, cluster-wide (what the scheduler subtracts too).
+    busy = await kube.list_pods(None, field_selector="status.phase!=Succeeded,status.phase!=Failed")
+    return place(job, inventory(nodes, busy), avoid if avoid is not None else tuple(status.failed_nodes))
+
+
+def _status_patch(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """A JSON merge patch (RFC 7386) turning `old` into `new`: vanished keys are nulled at every depth."""
+    patch: dict[str, Any] = {k: None for k in old if k not in new}
+    for k, v in new.items():
+        if isinstance(v, dict) and isinstance(old.get(k), dict):
+            patch[k] = _status_patch(old[k], v)
+        else:
+            patch[k] = v
+    return patch
+
+
+def _keep_plan(before: JobStatus, after: JobStatus) -> None:
+    """The core rebuilds placement from the pods it sees bound to nodes. Pinned pods not bound yet keep their
+    planned node, and every entry keeps the topology domain the plan recorded."""
+    planned = {p.replica: p for p in before.placement}
+    seen = set()
+    for p in after.placement:
+        seen.add(p.replica)
+        old = planned.get(p.replica)
+        if old is not None and old.node == p.node and "domain" in (old.model_extra or {}):
+            p.domain = old.model_extra["domain"]  # type: ignore[index]
+    after.placement = sorted([*after.placement, *(p for r, p in planned.items() if r not in seen)],
+                             key=lambda p: p.replica)
+
+
+async def reconcile(kube: Kube, cfg: Config, namespace: str, name: str, emit: EventSink,
+                    now: datetime | None = None) -> Outcome:
+    now = now or utcnow()
+    body = await kube.get_job(namespace, name)
+    if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
+        return Outcome(requeue=None)
+    rv = body["metadata"]["resourceVersion"]
+    old_status = dict(body.get("status") or {})
+    status = JobStatus.model_validate(old_status)
+    try:
+        job = _job_from(body)
+    except SpecError as err:
+        return await _invalid(kube, body, status, err, emit, now)
+
+    label = f"{m.LABEL_JOB}={name}"
+    pods = await kube.list_pods(namespace, label)
+    nodes = await kube.list_nodes()
+    replicas = observe_replicas(pods, nodes, now, cfg.node_lost_grace)
+    progress, checkpoint = None, None
+    ip = rank0_ip(pods, status.attempt)
+    if cfg.poll_progress and cfg.settings.progress_port and ip:
+        progress, checkpoint = await poll_progress(ip, cfg.settings.progress_port, cfg.progress_timeout)
+    if progress is None:
+        progress, checkpoint = final_progress(pods, status.attempt)
+    observed = Observed(replicas=replicas, latest_checkpoint=checkpoint, progress=progress)
+    if not replicas and status.phase not in TERMINAL_PHASES and not job.spec.suspend:
+        observed = replace(observed, unschedulable=await admission(kube, job, status, nodes))
+
+    decision = decide(job, status, observed, now)
+    new = decision.status
+    creates = decision.of(CreateGang)
+    plan: Plan | None = None
+    if creates and job.spec.scheduling.gang == "native":
+        planned = await native_plan(kube, job, new, nodes, creates[0].avoid_nodes)
+        if isinstance(planned, Unschedulable):  # capacity vanished between admission and now: try again soon
+            return Outcome(requeue=1.0, status=status)
+        plan = planned
+        new.placement = [ReplicaPlacement(replica=a.replica, node=a.node, ranks=list(a.ranks),
+                                          domain=list(a.domain)) for a in plan.replicas]
+    else:
+        _keep_plan(status, new)
+    goodput.account(status, new, now)
+    _storage_condition(job, new, now)
+
+    new_dict = new.to_dict()
+    if new_dict != old_status:
+        try:
+            await kube.write_status(namespace, name, _status_patch(old_status, new_dict), rv)
+        except Conflict:
+            log.info("%s/%s changed while reconciling; again on fresh data", namespace, name)
+            return Outcome(requeue=0.2, status=status)
+
+    owner = m.Owner(name=name, namespace=namespace, uid=body["metadata"]["uid"])
+    for action in decision.actions:
+        if isinstance(action, DeleteGang):
+            await delete_gang(kube, job, owner, action.attempt)
+        elif isinstance(action, CreateGang):
+            await create_gang(kube, job, owner, action.attempt, cfg.settings, plan)
+    for ev in decision.of(Event):
+        emit(body, ev.type, ev.reason, ev.message)
+    return Outcome(requeue=_requeue(decision.of(RequeueAfter), new, cfg), status=new, events=tuple(decision.of(Event)))
+
+
+def _requeue(requeues: list[RequeueAfter], status: JobStatus, cfg: Config) -> float:
+    default = cfg.running_poll if status.phase in ("Running", "Scheduling", "Restarting") else cfg.idle_poll
+    return max(0.05, min([r.seconds for r in requeues] + [default]))
+
+
+def _storage_condition(job: SeqTrainJob, st: JobStatus, now: datetime) -> None:
+    ck = job.spec.checkpoint
+    if ck.pvc or (ck.path and "://" in ck.path):
+        cond.set_condition(st, "CheckpointsPersistent", "True", "Configured",
+                           f"checkpoints on {'PVC ' + ck.pvc if ck.pvc else ck.path}", now)
+    else:
+        cond.set_condition(st, "CheckpointsPersistent", "False", "EmptyDir",
+                           "no checkpoint.pvc: checkpoints live in the pods' emptyDir and a restarted gang starts "
+                           "from scratch; set spec.checkpoint.pvc to a ReadWriteMany claim", now)
+
+
+async def _invalid(kube: Kube, body: dict, status: JobStatus, err: SpecError, emit: EventSink,
+                   now: datetime) -> Outcome:
+    """A spec the webhook would have rejected (installed without it, or an older operator's object)."""
+    if status.phase == "Failed":
+        return Outcome(requeue=None, status=status)
+    msg = "; ".join(str(p) for p in err.problems)[:1000]
+    cond.enter_phase(status, "Failed", "InvalidSpec", msg, now)
+    meta = body["metadata"]
+    try:
+        await kube.write_status(meta["namespace"], meta["name"], status.to_dict(), meta["resourceVersion"])
+    except Conflict:
+        return Outcome(requeue=0.2, status=status)
+    emit(body, "Warning", "InvalidSpec", msg)
+    return Outcome(requeue=None, status=status)
+
+
+async def create_gang(kube: Kube, job: SeqTrainJob, owner: m.Owner, attempt: int, settings: m.Settings,
+                      plan: Plan | None) -> None:
+    """Create what is absent of this attempt's objects; existing ones (a repeat after a crash) are kept."""
+    gang = m.build_gang(job, owner, attempt, settings, plan)
+    await kube.create(m.build_service(owner, settings))
+    await kube.create(gang.configmap)
+    if gang.podgroup is not None:
+        await kube.create(gang.podgroup)
+    for pod in gang.pods:
+        await kube.create(pod)
+
+
+async def delete_gang(kube: Kube, job: SeqTrainJob, owner: m.Owner, attempt: int) -> None:
+    """Delete every pod of an attempt (graceful: the trainer checkpoints on SIGTERM), its ConfigMap, PodGroup."""
+    selector = f"{m.LABEL_JOB}={owner.name},{m.LABEL_ATTEMPT}={attempt}"
+    await kube.delete_pods(owner.namespace, selector)
+    await kube.delete_configmaps(owner.namespace, selector)
+    info = m.EXTERNAL.get(job.spec.scheduling.gang)
+    if info and info["api"]:
+        await kube.delete_custom(info["api"], info["plural"], owner.namespace, m.podgroup_name(owner.name, attempt))
+
+
+async def cleanup(kube: Kube, namespace: str, name: str) -> None:
+    """On deletion of the job (finalizer): stop the pods gracefully now rather than waiting for the garbage
+    collector; everything else goes with the ownerReferences."""
+    await kube.delete_pods(namespace, f"{m.LABEL_JOB}={name}")
+
+
+ReconcileFn = Callable[[], Awaitable[Outcome]]
