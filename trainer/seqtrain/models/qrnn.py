@@ -58,7 +58,8 @@ class QRNNLayer(nn.Module):
         a = f if reset is None else f.masked_fill(reset.unsqueeze(-1), 0.0)
         c = linear_scan(a, (1.0 - f) * torch.tanh(z.float()), c0.float())
         h = torch.sigmoid(o.float()) * c
-        return h.to(x.dtype), x[:, -1], c[:, -1]
+        # clone: a view would keep the whole chunk's x and c alive as the next chunk's (checkpointed) input
+        return h.to(x.dtype), x[:, -1].clone(), c[:, -1].clone()
 
 
 class QRNNLM(RecurrentLM):
