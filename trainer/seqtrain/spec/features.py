@@ -30,8 +30,6 @@ _UNAVAILABLE: list[_Check] = [
      "gradient compression is not available yet; use none"),
     ("spec.optimization.kernels", lambda j: bool(j.spec.optimization.kernels),
      "custom kernels are not wired into the models yet; leave unset or false"),
-    ("spec.scheduling.gang", lambda j: j.spec.scheduling.gang != "native",
-     "external gang schedulers are not available yet; use native"),
 ]
 
 
