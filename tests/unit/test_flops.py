@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from seqtrain.obs.flops import recompute_fraction, token_flops
+from seqtrain.obs.flops import recomputed_flops, token_flops
 from seqtrain.obs.peaks import lookup_peak_tflops, matmul_precision, utilization
 from seqtrain.spec.model import ModelSpec
 from torch import nn
@@ -56,10 +56,11 @@ def test_gpt_formula_matches_flop_counter(name: str) -> None:
     assert f.training * B * T == pytest.approx(_count(model, 256, backward=True), rel=0.03)
 
 
-def test_lstm_formula_matches_flop_counter() -> None:
+@pytest.mark.parametrize("arch", ["lstm", "gru", "qrnn"])
+def test_recurrent_formulas_match_flop_counter(arch: str) -> None:
     from seqtrain.models import build_model
 
-    spec = _spec("lstm", dim=64, layers=2)
+    spec = _spec(arch, dim=64, layers=2)
     model = build_model(spec)
     f = token_flops(spec, T)
     assert f.forward * B * T == pytest.approx(_count(model, 256, backward=False), rel=0.02)
@@ -104,17 +105,29 @@ def test_unresolved_spec_is_rejected() -> None:
         token_flops(ModelSpec(arch="gpt"), T)
 
 
-def test_hardware_flops_count_recomputation() -> None:
-    f = token_flops(GPT_CASES["gpt-mha"], T)
-    assert f.hardware(0.0) == f.training
-    assert f.hardware(1.0) == f.training + f.layers_dense + f.layers_attention  # full AC: one extra forward
-    assert f.hardware(1.0, recompute_attention_only=True) == f.training + f.layers_attention
-    assert recompute_fraction("none", 12) == (0.0, False)
-    assert recompute_fraction("full", 12) == (1.0, False)
-    assert recompute_fraction("every", 12, every=3) == (4 / 12, False)
-    assert recompute_fraction("selective", 12) == (1.0, True)
+@pytest.mark.parametrize(("policy", "every"), [("full", 2), ("every", 2), ("sqrt", 2), ("selective", 2)])
+def test_hardware_flops_match_checkpointed_models(policy: str, every: int) -> None:
+    """HFU's numerator against torch's count of a model with the policy applied (recomputation included)."""
+    from seqtrain.models import build_model
+    from seqtrain.models.checkpointing import apply_activation_checkpointing
+    from seqtrain.spec.optimization import ActivationCheckpointingSpec
+
+    spec = GPT_CASES["gpt-gqa"]  # 3 blocks: "every 2" checkpoints blocks 0 and 2, "sqrt" 2 segments
+    model = build_model(spec)
+    apply_activation_checkpointing(model, ActivationCheckpointingSpec(policy=policy, every=every), T)
+    f = token_flops(spec, T)
+    hardware = f.hardware(recomputed_flops(spec, T, policy, every))
+    assert hardware > f.training
+    assert hardware * B * T == pytest.approx(_count(model, 256, backward=True), rel=0.02)
+
+
+def test_recurrent_models_recompute_the_whole_stack() -> None:
+    spec = _spec("lstm", dim=48, layers=3)
+    f = token_flops(spec, T)
+    assert recomputed_flops(spec, T, "none") == 0.0
+    assert recomputed_flops(spec, T, "every") == f.layers_dense
     with pytest.raises(ValueError, match="activationCheckpointing"):
-        recompute_fraction("bogus", 12)
+        recomputed_flops(GPT_CASES["gpt-mha"], T, "bogus")
 
 
 def test_peak_table_and_mfu() -> None:

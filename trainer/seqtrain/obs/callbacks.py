@@ -11,6 +11,7 @@ import os
 import socket
 from typing import TYPE_CHECKING, Any
 
+from seqtrain.checkpoint.discovery import read_complete, step_dir
 from seqtrain.train.callbacks import BaseCallback
 
 from .progress import ProgressReporter, write_json_atomic
@@ -66,20 +67,32 @@ class PrometheusExporter(BaseCallback):
 
 
 class ProgressPublisher(BaseCallback):
-    """Rank 0: `status.progress`-shaped JSON on `runtime.progressPort` and in `<workdir>/progress.json`."""
+    """Rank 0: `status.progress`-shaped JSON on `runtime.progressPort` and in `<workdir>/progress.json`, plus
+    `lastCheckpoint` ({step, path, time}) for an operator that cannot list the checkpoint folder itself."""
 
     def __init__(self, trainer: Trainer, port: int | None) -> None:
         self.reporter = ProgressReporter(trainer.runtime.workdir, trainer.total_steps, port)
+        self._saving: int | None = None  # a step the loop checkpoints after the callbacks
 
     def on_train_start(self, trainer: Trainer) -> None:
         record_endpoint(trainer, "progress", self.reporter.port)
         last = trainer.last_metrics
         # stop fields from a previous attempt's early stop must not stick to this one
-        self.reporter.update(step=trainer.step, loss=last.get("loss"), stop_reason=None, stop_message=None)
+        self.reporter.update(flush=True, step=trainer.step, loss=last.get("loss"), stop_reason=None, stop_message=None,
+                             **self._checkpoint(trainer, trainer.step) if trainer.resumed_from else {})
 
     def on_step_end(self, trainer: Trainer, step: int, metrics: dict[str, Any]) -> None:
-        self.reporter.update(step=step, loss=metrics.get("loss"), tokens_per_second=metrics.get("tokens_per_s"),
-                             mfu=metrics.get("mfu"))
+        saved = self._checkpoint(trainer, self._saving) if self._saving is not None else {}
+        self._saving = step if trainer.checkpoint_due() else None
+        self.reporter.update(flush=bool(saved), step=step, loss=metrics.get("loss"),
+                             tokens_per_second=metrics.get("tokens_per_s"), mfu=metrics.get("mfu"), **saved)
+
+    @staticmethod
+    def _checkpoint(trainer: Trainer, step: int) -> dict[str, Any]:
+        info = read_complete(step_dir(trainer.runtime.checkpoint_dir, step))
+        if info is None:
+            return {}
+        return {"lastCheckpoint": {"step": info.step, "path": info.path, "time": info.time}}
 
     def on_eval(self, trainer: Trainer, step: int, metrics: dict[str, Any]) -> None:
         fields = {"val_loss": metrics.get("val_loss"), "val_perplexity": metrics.get("val_perplexity"),
@@ -87,9 +100,11 @@ class ProgressPublisher(BaseCallback):
                   "best_step": metrics.get("best_step")}
         if metrics.get("stop_reason"):
             fields |= {"stop_reason": metrics["stop_reason"], "stop_message": metrics.get("stop_message")}
-        self.reporter.update(step=step, **fields)
+        self.reporter.update(flush=True, step=step, **fields)
 
     def on_train_end(self, trainer: Trainer, reason: str) -> None:
+        # the loop's last save (end, stop, SIGTERM) happened after the last on_step_end
+        self.reporter.update(flush=True, **self._checkpoint(trainer, trainer.step))
         self.reporter.finish()
         self.reporter.close()
 

@@ -14,7 +14,8 @@ Conventions (PaLM appendix B, Megatron-LM, torchtitan), documented in docs/user-
   H x H matmul: forward = 2 * g * H * (I + H) per token.
 * QRNN layer (Bradbury et al. 2017): the z, f, o gates come from a convolution of width k over time: forward
   = 2 * 3 * k * I * H; the recurrence itself is elementwise.
-* Hardware FLOPs (HFU) add the forward FLOPs that activation checkpointing recomputes in backward.
+* Hardware FLOPs (HFU) add the forward FLOPs that activation checkpointing recomputes in backward
+  (`recomputed_flops`).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ class TokenFlops:
 
     layers_dense: float  # matmuls inside the blocks / recurrent layers
     layers_attention: float  # T-dependent attention matmuls (0 for recurrent models)
-    head: float  # output projection (never recomputed)
+    head: float  # output projection
 
     @property
     def forward(self) -> float:
@@ -47,11 +48,10 @@ class TokenFlops:
         """Model FLOPs per trained token: forward + backward (the MFU numerator)."""
         return 3.0 * self.forward
 
-    def hardware(self, recompute: float, recompute_attention_only: bool = False) -> float:
-        """FLOPs actually executed per token when `recompute` (0..1) of the layers' forward runs again in
-        backward (activation checkpointing); `recompute_attention_only`: only the attention core is redone."""
-        redo = self.layers_attention if recompute_attention_only else self.layers_dense + self.layers_attention
-        return self.training + recompute * redo
+    def hardware(self, recomputed: float) -> float:
+        """FLOPs actually executed per token when activation checkpointing recomputes `recomputed` forward
+        FLOPs per token in backward (see `recomputed_flops`)."""
+        return self.training + recomputed
 
 
 def token_flops(spec: ModelSpec, seq_len: int) -> TokenFlops:
@@ -78,24 +78,34 @@ def token_flops(spec: ModelSpec, seq_len: int) -> TokenFlops:
     raise ValueError(f"spec.model.arch: no FLOP formula for {spec.arch!r}")
 
 
-def recompute_fraction(policy: str, layers: int, every: int = 2, arch: str = "gpt") -> tuple[float, bool]:
-    """(share of the layers whose forward is recomputed, attention-only?) for an activation-checkpointing policy.
+def recomputed_flops(spec: ModelSpec, seq_len: int, policy: str, every: int = 2) -> float:
+    """Forward FLOPs per token that an activation-checkpointing policy runs again in backward.
 
-    Mirrors `spec.optimization.activationCheckpointing`: full wraps every block; every wraps every k-th block;
-    sqrt wraps about L - sqrt(L) blocks (sqrt(L) stay resident as segment boundaries); selective recomputes the
-    attention core only. Recurrent models checkpoint whole time chunks of the layer stack, so any policy but
-    none recomputes all of their layers' forward.
+    Mirrors `seqtrain.models.checkpointing`: full checkpoints every block; every checkpoints the blocks with
+    index % k == 0; sqrt checkpoints about sqrt(L) consecutive segments covering all blocks; selective
+    checkpoints each block's attention and MLP modules (only norms keep their outputs). torch's non-reentrant
+    checkpoint stops recomputing once the tensors backward needs are back, so the last matmul of each
+    checkpointed region (the MLP down projection; for selective also the attention output projection) is not
+    redone. Recurrent models checkpoint time chunks of the whole layer stack under any policy but none.
     """
-    if policy == "none" or layers <= 0:
-        return 0.0, False
-    if arch != "gpt":
-        return 1.0, False
+    if policy == "none":
+        return 0.0
+    f = token_flops(spec, seq_len)
+    if spec.arch != "gpt":
+        return f.layers_dense + f.layers_attention
+    n_layers = spec.layers or 0
+    layer = (f.layers_dense + f.layers_attention) / n_layers
+    assert spec.dim and spec.ffn_dim and spec.heads
+    down = 2.0 * spec.ffn_dim * spec.dim
+    out_proj = 2.0 * spec.heads * (spec.dim // spec.heads) * spec.dim
     if policy == "full":
-        return 1.0, False
+        return n_layers * (layer - down)
     if policy == "every":
-        return (layers // max(1, every)) / layers, False
+        return len(range(0, n_layers, max(1, every))) * (layer - down)
     if policy == "sqrt":
-        return (layers - int(math.isqrt(layers))) / layers, False
+        n_seg = max(1, round(math.sqrt(n_layers)))
+        size = math.ceil(n_layers / n_seg)
+        return n_layers * layer - len(range(0, n_layers, size)) * down
     if policy == "selective":
-        return 1.0, True
+        return n_layers * (layer - down - out_proj)
     raise ValueError(f"spec.optimization.activationCheckpointing.policy: unknown policy {policy!r}")

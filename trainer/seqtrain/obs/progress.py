@@ -12,6 +12,7 @@ import json
 import os
 import sys
 import threading
+import time
 from datetime import datetime, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -19,6 +20,7 @@ from typing import Any
 from seqtrain.spec.status import Progress
 
 PROGRESS_FILE = "progress.json"
+FILE_INTERVAL_S = 1.0
 # Kubernetes' default terminationMessagePath; only used when it exists (i.e. inside a container).
 TERMINATION_LOG = "/dev/termination-log"
 
@@ -42,6 +44,7 @@ class ProgressReporter:
         self.path = os.path.join(workdir, PROGRESS_FILE)
         self._lock = threading.Lock()
         self._progress = Progress(step=0, total_steps=total_steps)
+        self._written = -FILE_INTERVAL_S
         self._server: ThreadingHTTPServer | None = None
         if port is not None:
             self._server = self._start(port, addr)
@@ -56,18 +59,22 @@ class ProgressReporter:
         with self._lock:
             return self._progress.model_copy()
 
-    def update(self, **fields: Any) -> None:
-        """Set fields of the progress (snake_case names of `Progress`), stamp updatedAt, mirror to disk."""
+    def update(self, flush: bool = False, **fields: Any) -> None:
+        """Set fields of the progress (snake_case names of `Progress`) and stamp updatedAt. The file copy is
+        rewritten at most every `FILE_INTERVAL_S` (a write costs milliseconds on some filesystems, more than
+        the rest of the observability per step), and always with `flush=True` (evaluations, the end)."""
         with self._lock:
-            data = self._progress.model_dump()
-            data.update({k: v for k, v in fields.items()})
-            data["updated_at"] = now_iso()
-            self._progress = Progress.model_validate(data)
-            wire = self._progress.model_dump(by_alias=True, mode="json", exclude_none=True)
-        write_json_atomic(self.path, wire)
+            self._progress = self._progress.model_copy(update={**fields, "updated_at": now_iso()})
+            due = flush or time.monotonic() - self._written >= FILE_INTERVAL_S
+            if due:
+                self._written = time.monotonic()
+                wire = self._progress.model_dump(by_alias=True, mode="json", exclude_none=True)
+        if due:
+            write_json_atomic(self.path, wire)
 
     def finish(self) -> None:
         """Leave the final progress where the operator can read it after the process is gone."""
+        self.update(flush=True)
         if os.path.exists(TERMINATION_LOG) and os.access(TERMINATION_LOG, os.W_OK):
             try:
                 with open(TERMINATION_LOG, "w", encoding="utf-8") as f:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from seqtrain.train.callbacks import BaseCallback
 
-from .flops import recompute_fraction, token_flops
+from .flops import recomputed_flops, token_flops
 from .peaks import device_peak_flops, utilization
 
 if TYPE_CHECKING:
@@ -23,9 +23,8 @@ class Throughput(BaseCallback):
         s = trainer.spec
         flops = token_flops(s.model, s.data.seq_len)
         ac = s.optimization.activation_checkpointing
-        share, attention_only = recompute_fraction(ac.policy, s.model.layers or 0, ac.every, s.model.arch)
         self.model_flops = flops.training
-        self.hardware_flops = flops.hardware(share, attention_only)
+        self.hardware_flops = flops.hardware(recomputed_flops(s.model, s.data.seq_len, ac.policy, ac.every))
         self.peak, self.peak_source = device_peak_flops(s.optimization.precision, s.resources.peak_tflops)
         self.devices = trainer.ctx.world_size
 
