@@ -50,8 +50,9 @@ class Lamb(Optimizer):
                 update = m_hat / (v_hat.sqrt() + group["eps"])
                 if group["weight_decay"]:
                     update.add_(p, alpha=group["weight_decay"])
-                ratio = _trust_ratio(p, update, group["max_trust"]) if group["adapt"] else 1.0
-                p.add_(update.to(p.dtype), alpha=-group["lr"] * ratio)
+                if group["adapt"]:
+                    update.mul_(_trust_ratio(p, update, group["max_trust"]))
+                p.add_(update.to(p.dtype), alpha=-group["lr"])
         return loss
 
 
