@@ -259,8 +259,15 @@ def build_pod(job: SeqTrainJob, owner: Owner, attempt: int, replica: int, settin
     ports = [{"name": "rendezvous", "containerPort": settings.master_port, "protocol": "TCP"}]
     if settings.progress_port:
         ports.append({"name": "progress", "containerPort": settings.progress_port, "protocol": "TCP"})
+    annotations = dict(gang_annotations)
     if settings.metrics_port:
-        ports.append({"name": "metrics", "containerPort": settings.metrics_port, "protocol": "TCP"})
+        # Rank r of the pod serves /metrics on metrics_port + r (seqtrain.obs.prometheus); the annotations let a
+        # Prometheus with the usual pod-annotation scrape config find local rank 0 without a PodMonitor.
+        for r in range(s.resources.procs):
+            ports.append({"name": "metrics" if r == 0 else f"metrics-{r}", "containerPort": settings.metrics_port + r,
+                          "protocol": "TCP"})
+        annotations |= {"prometheus.io/scrape": "true", "prometheus.io/port": str(settings.metrics_port),
+                        "prometheus.io/path": "/metrics"}
     container = {
         "name": CONTAINER,
         "image": s.image,
@@ -317,7 +324,7 @@ def build_pod(job: SeqTrainJob, owner: Owner, attempt: int, replica: int, settin
         spec["affinity"] = affinity
     return {
         "apiVersion": "v1", "kind": "Pod",
-        "metadata": _meta(pod_name(owner.name, attempt, replica), owner, labels, gang_annotations or None),
+        "metadata": _meta(pod_name(owner.name, attempt, replica), owner, labels, annotations or None),
         "spec": spec,
     }
 
