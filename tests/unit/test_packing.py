@@ -7,7 +7,14 @@ import numpy as np
 import pytest
 import torch
 from seqtrain.data import IGNORE_INDEX, Corpus
-from seqtrain.data.packing import DocumentBatches, build_batch, efficiency, pack_rows, plan_rows, split_documents
+from seqtrain.data.packing import (
+    DocumentBatches,
+    build_batch,
+    efficiency,
+    pack_rows,
+    plan_rows,
+    split_documents,
+)
 from seqtrain.models import build_model
 from seqtrain.spec.model import ModelSpec
 

@@ -26,7 +26,7 @@ spec:
   training: {{steps: 5, globalBatchSize: 4, microBatchSize: 2}}
 """
 
-WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex jovial bakers".split()
+WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "seven", "wizards", "quietly", "hex", "jovial", "bakers"]
 
 
 def text(i: int) -> str:
