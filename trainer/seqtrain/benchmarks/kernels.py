@@ -68,6 +68,10 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--ops", default=",".join(OPS), help=f"comma-separated subset of: {','.join(OPS)}")
     p.add_argument("--shapes", choices=["auto", "small", "realistic"], default="auto",
                    help="shape preset (auto: realistic on cuda, small on cpu)")
+    p.add_argument("--shape", type=_shape_arg, action="append", default=[], metavar="JSON",
+                   help='replace the preset shapes with this one (repeatable), e.g. '
+                        '\'{"rows": [4096], "hidden": 512, "vocab": 32000}\' for linear_cross_entropy; '
+                        'keys as in seqtrain.kernels.accuracy (use with a single --ops)')
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
                    help="input dtype (auto: bfloat16 on cuda, float32 on cpu)")
     p.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
@@ -80,7 +84,19 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     unknown = [o for o in args.ops.split(",") if o not in OPS]
     if unknown:
         p.error(f"--ops: unknown op(s) {', '.join(unknown)}; choose from {', '.join(OPS)}")
+    if args.shape and "," in args.ops:
+        p.error("--shape: give exactly one op with --ops (shape keys differ between ops)")
     return args
+
+
+def _shape_arg(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc}); example: '{{\"shape\": [8, 1024]}}'") from exc
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object of shape keywords")
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in value.items()}
 
 
 def _sync(device: str) -> None:
@@ -229,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rows, accuracy_rows = [], {}
     for op in args.ops.split(","):
-        for shape in SHAPES[shapes][op]:
+        for shape in args.shape or SHAPES[shapes][op]:
             rows.append(_bench_case(op, shape, device, dtype, use_compile, warmup, repeat))
             if device == "cuda":
                 torch.cuda.empty_cache()

@@ -222,8 +222,8 @@ def _config(q: torch.Tensor) -> dict:
     block_d = max(16, next_pow2(q.shape[-1]))
     # bf16 tl.dot is wrong in Triton 3.9's interpreter (numpy has no bfloat16): upcast on the CPU.
     dot_dtype = tl.float32 if cpu else TL_DTYPE[q.dtype]
-    # fp32 inputs: IEEE products (TF32 would cost ~1e-3 relative accuracy).
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    # fp32/fp64 inputs: IEEE products (TF32 would cost ~1e-3 relative accuracy); ignored for 16-bit.
+    precision = "tf32" if q.dtype in (torch.float16, torch.bfloat16) else "ieee"
     block = 16 if cpu else (64 if block_d <= 64 else 32)
     return dict(BLOCK_M=block, BLOCK_N=block, BLOCK_D=block_d, DOT_DTYPE=dot_dtype, PRECISION=precision)
 
