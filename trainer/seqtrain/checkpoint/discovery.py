@@ -47,7 +47,8 @@ def read_complete(path: str) -> CheckpointInfo | None:
     if not isinstance(meta, dict) or meta.get("step") != int(m.group(1)):
         return None
     files = meta.get("files", [])
-    if not isinstance(files, list) or not all(os.path.isfile(os.path.join(path, str(name))) for name in files):
+    # entries may be folders: sharded engines (DeepSpeed zero/, FSDP2 DCP fsdp/) write one per checkpoint
+    if not isinstance(files, list) or not all(os.path.exists(os.path.join(path, str(name))) for name in files):
         return None
     return CheckpointInfo(step=int(m.group(1)), path=path, meta=meta)
 

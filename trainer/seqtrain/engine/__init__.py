@@ -28,7 +28,7 @@ def engine_name(job: SeqTrainJob) -> str:
 
 
 def build_engine(model: nn.Module, job: SeqTrainJob, ctx: DistContext) -> Engine:
-    name = engine_name(job)
-    if name not in ENGINES:
-        raise ValueError(f"spec.optimization.engine: {name!r} is not available yet; use native")
-    return ENGINES[name](model, job, ctx)
+    # the layout (tp/pp) and ZeRO stage pick the class: DDP, FSDP2, tensor/pipeline parallel or DeepSpeed
+    from .select import create_engine
+
+    return create_engine(model, job, ctx)

@@ -88,6 +88,19 @@ def parallel_problems(job: SeqTrainJob, m: ModelSpec) -> list[Problem]:
                                f"use {-(-m.vocab_size // tp) * tp} (ids above the tokenizer's are never used)"))
 
     if pp > 1:
+        if m.arch == "qrnn":
+            out.append(Problem("spec.optimization.pipelineParallel",
+                               "pipeline stages split gpt, lstm and gru models; for qrnn use 1"))
+        if s.data.packing:
+            out.append(Problem("spec.data.packing", "packed documents are not supported with pipelineParallel > 1; "
+                                                    "use false"))
+        if opt.precision == "fp16":
+            out.append(Problem("spec.optimization.precision",
+                               "fp16 loss scaling is not wired into the pipeline schedules; use bf16 or fp32"))
+        if m.arch != "gpt" and opt.activation_checkpointing.policy != "none":
+            out.append(Problem("spec.optimization.activationCheckpointing.policy",
+                               "time-chunk checkpointing of recurrent models does not combine with pipeline "
+                               "parallel; use none"))
         chunks = pp * (INTERLEAVED_CHUNKS if opt.pipeline_schedule == "interleaved" else 1)
         if m.layers and m.layers < chunks:
             what = f"{pp} stages x {INTERLEAVED_CHUNKS} chunks" if chunks > pp else f"{pp} stages"

@@ -45,9 +45,9 @@ def param_breakdown(m: ModelSpec) -> ParamBreakdown:
         norms = 2 * d  # RMSNorm weights before attention and MLP
         return ParamBreakdown(emb, attn + mlp + norms, m.layers, d, out, block_tp_split=attn + mlp)
     gates = {"lstm": 4, "gru": 3, "qrnn": 3}[m.arch]
-    # torch.nn.LSTM/GRU layer: W_ih [g*d, d], W_hh [g*d, d], b_ih, b_hh [g*d]; final LayerNorm weight + bias.
+    # torch.nn.LSTM/GRU layer: W_ih [g*d, d], W_hh [g*d, d], b_ih, b_hh [g*d]; final RMSNorm weight.
     block = gates * d * (2 * d + 2)
-    return ParamBreakdown(emb, block, m.layers, 2 * d, out)
+    return ParamBreakdown(emb, block, m.layers, d, out)
 
 
 @dataclass(frozen=True)

@@ -34,4 +34,7 @@ class CausalLMLoss(nn.Module):
         self, tokens: torch.Tensor, targets: torch.Tensor, doc_ids: torch.Tensor | None = None
     ) -> torch.Tensor:
         hidden = self.model(tokens, doc_ids)
+        lm_loss = getattr(self.model, "lm_loss", None)
+        if lm_loss is not None:  # tensor parallel: vocabulary-parallel projection + cross-entropy
+            return lm_loss(hidden, targets)
         return linear_cross_entropy(hidden, self.model.output_weight, targets)

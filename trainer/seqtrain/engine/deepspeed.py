@@ -1,0 +1,151 @@
+"""DeepSpeed ZeRO 0-3 (+ CPU offload) built from the job spec: nothing is configured twice.
+
+Carried over from the spec: the optimizer (the same AdamW parameter groups as the native engine: weight-decay
+exclusions, embedding learning-rate scale; DeepSpeedCPUAdam with the same hyper-parameters when states are
+offloaded), the learning-rate schedule (our LambdaLR, stepped by DeepSpeed at each boundary), gradient
+clipping, gradient accumulation (the loop's micro-batches per step), precision (bf16 / fp16 with dynamic loss
+scaling) and the bucket size. DeepSpeed averages gradients over data-parallel ranks and divides by the
+accumulation count; the loss passed to `backward` is pre-multiplied by both, so the update is the
+global-batch gradient of the token-normalised loss, as in every other engine.
+
+Checkpoints: `save_checkpoint` into `<step dir>/zero/` (per-rank ZeRO shards, resumed on the same dp degree);
+`python -m seqtrain.parallel.consolidate STEP_DIR OUT.pt` turns one into a plain fp32 state dict.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from seqtrain.data import Batch
+from seqtrain.spec.job import SeqTrainJob
+from seqtrain.train.dist import DistContext
+from seqtrain.train.optim import build_scheduler, param_groups
+
+from .base import Engine, StepStats
+
+TAG = "zero"
+
+
+def ds_config(job: SeqTrainJob, ctx: DistContext, accum: int) -> dict[str, Any]:
+    s = job.spec
+    opt = s.optimization
+    tr = s.training
+    zero: dict[str, Any] = {
+        "stage": opt.zero.stage,
+        "reduce_bucket_size": opt.bucket_mb * 2**20 // 4,  # elements (fp32)
+        "allgather_bucket_size": opt.bucket_mb * 2**20 // 4,
+        "overlap_comm": ctx.device.type == "cuda",  # overlap reduction with backward where streams exist
+        "contiguous_gradients": True,
+    }
+    if opt.zero.offload == "cpu":
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": ctx.device.type == "cuda"}
+        if opt.zero.stage == 3:
+            zero["offload_param"] = {"device": "cpu", "pin_memory": ctx.device.type == "cuda"}
+    cfg: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": tr.micro_batch_size,
+        "gradient_accumulation_steps": accum,
+        "train_batch_size": tr.micro_batch_size * accum * ctx.dp_size,
+        "zero_optimization": zero,
+        "zero_allow_untested_optimizer": True,
+        # our own optimizer object is the spec's AdamW; DeepSpeed must not swap it
+        "zero_force_ds_cpu_optimizer": False,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    if tr.grad_clip is not None:
+        cfg["gradient_clipping"] = tr.grad_clip
+    if opt.precision == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    elif opt.precision == "fp16":
+        cfg["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000}
+    return cfg
+
+
+class DeepSpeedEngine(Engine):
+    name = "deepspeed"
+
+    def __init__(self, model: nn.Module, job: SeqTrainJob, ctx: DistContext) -> None:
+        super().__init__(model, job, ctx)
+        import deepspeed
+
+        if ctx.distributed:
+            deepspeed.init_distributed(dist_backend=ctx.backend, auto_mpi_discovery=False)
+        ospec = job.spec.training.optimizer
+        if job.spec.optimization.zero.offload == "cpu" and ctx.device.type == "cuda":
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+            # Offloaded states are updated on the host by DeepSpeed's vectorised CPU Adam (a C++ extension,
+            # compiled on first use into TORCH_EXTENSIONS_DIR). On CPU-only runs the model already lives in host
+            # memory, so the spec's torch AdamW updates the offloaded partition instead (no extra compile).
+            self.optimizer = DeepSpeedCPUAdam(param_groups(model, ospec), lr=ospec.lr, betas=tuple(ospec.betas),
+                                              eps=ospec.eps, weight_decay=ospec.weight_decay, adamw_mode=True)
+            self.scheduler = build_scheduler(self.optimizer, job.spec.training.schedule, job.spec.training.steps)
+        self.accum = job.spec.grad_accum
+        self.ds, _, _, _ = deepspeed.initialize(model=self.loss_module, optimizer=self.optimizer,
+                                                lr_scheduler=self.scheduler, config=ds_config(job, ctx, self.accum),
+                                                dist_init_required=False)
+
+    def step(self, micro_batches: list[Batch]) -> StepStats:
+        dev = self.ctx.device
+        batches = [b.to(dev) for b in micro_batches]
+        if len(batches) != self.ds.gradient_accumulation_steps():
+            self.ds.set_train_batch_size(self.ds.train_micro_batch_size_per_gpu() * len(batches) * self.ctx.dp_size)
+        tokens = torch.stack([b.num_targets() for b in batches]).sum().double()
+        self.ctx.all_reduce(tokens, group=self.ctx.dp_group)
+        # undo DeepSpeed's mean over dp ranks (x dp); scale_wrt_gas=False keeps it from dividing by the accum
+        scale = float(self.ctx.dp_size) / max(1.0, float(tokens))  # host sync: a float for backward
+        loss_sum = torch.zeros((), dtype=torch.float64, device=dev)
+        for b in batches:
+            ls = self.ds(b.tokens, b.targets, b.doc_ids)
+            self.ds.backward(ls * scale, scale_wrt_gas=False)
+            self.ds.step()  # updates only at the accumulation boundary (the last micro-batch)
+            loss_sum += ls.detach().double()
+        norm = self.ds.get_global_grad_norm()
+        grad_norm = float(norm) if norm is not None else float("nan")
+        skipped = bool(getattr(self.ds, "skipped_steps", 0) > getattr(self, "_skipped_before", 0))
+        self._skipped_before = getattr(self.ds, "skipped_steps", 0)
+        totals = torch.stack([loss_sum, torch.tensor(float(sum(b.slots for b in batches)), dtype=torch.float64,
+                                                     device=dev)])
+        self.ctx.all_reduce(totals, group=self.ctx.dp_group)
+        scale_now = None
+        if self.job.spec.optimization.precision == "fp16":
+            scale_now = float(getattr(self.ds.optimizer, "cur_scale", getattr(self.ds.optimizer, "loss_scale", 0)))
+        return StepStats(loss_sum=float(totals[0]), target_tokens=int(tokens), slots=int(totals[1]),
+                         grad_norm=grad_norm,
+                         skipped=skipped, loss_scale=scale_now)
+
+    @property
+    def lr(self) -> float:
+        return float(self.scheduler.get_last_lr()[0])
+
+    def train(self) -> None:
+        self.ds.train()
+
+    def eval(self) -> None:
+        self.ds.eval()
+
+    @torch.no_grad()
+    def eval_loss(self, batches: list[Batch]) -> tuple[float, int]:
+        self.eval()
+        total = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
+        count = 0
+        for b in batches:
+            b = b.to(self.ctx.device)
+            total += self.ds(b.tokens, b.targets, b.doc_ids).double()
+            count += int(b.num_targets())
+        return float(total), count
+
+    def save(self, directory: str) -> list[str]:
+        self.ds.save_checkpoint(directory, tag=TAG, save_latest=False)
+        root = os.path.join(directory, TAG)
+        return [os.path.join(TAG, f) for f in sorted(os.listdir(root))] if self.ctx.is_main else []
+
+    def load(self, directory: str) -> None:
+        path, _ = self.ds.load_checkpoint(directory, tag=TAG, load_optimizer_states=True,
+                                          load_lr_scheduler_states=True)
+        if path is None:
+            raise FileNotFoundError(f"{directory}/{TAG}: no DeepSpeed checkpoint (or saved with another dp degree)")

@@ -1,0 +1,170 @@
+"""Pipeline parallel (torch.distributed.pipelining) with data parallel across pipeline replicas and optional
+tensor parallel inside each stage.
+
+Per step, on every rank of a pipeline: the step's sequences for this data-parallel rank (all of the loop's
+micro-batches, concatenated) are split into `optimization.microBatches` pipeline micro-batches and driven
+through the schedule (GPipe, 1F1B or interleaved 1F1B with two model chunks per rank). The loss function
+returns each micro-batch's loss SUM / the global target-token count (`scale_grads=False`), so the summed
+gradients equal the single-process ones. Afterwards: tied-embedding gradients summed between the first and
+last stage, gradients summed over the data-parallel group (flat buckets), mesh-wide norm and clipping, step.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from seqtrain.data import Batch
+from seqtrain.parallel.compat import pipeline_micro_batches
+from seqtrain.parallel.costs import stage_bounds
+from seqtrain.parallel.grads import all_reduce_grads, clip_grad_norm
+from seqtrain.parallel.pipeline import TIED_COPY, Stage, build_stages, schedule_class
+from seqtrain.parallel.tensor import tp_param_names
+from seqtrain.parallel.topology import INTERLEAVED_CHUNKS
+from seqtrain.spec.job import SeqTrainJob
+from seqtrain.spec.resolve import resolved_model
+from seqtrain.train.dist import DistContext
+
+from .base import Engine, StepStats
+from .sharded import load_shard, save_shard
+
+
+class PipelineEngine(Engine):
+    name = "native-pp"
+
+    def __init__(self, model: nn.Module, job: SeqTrainJob, ctx: DistContext) -> None:
+        from torch.distributed.pipelining import PipelineStage
+
+        opt = job.spec.optimization
+        pp = ctx.pp_size
+        self.chunks = INTERLEAVED_CHUNKS if opt.pipeline_schedule == "interleaved" else 1
+        n_stages = pp * self.chunks
+        bounds = stage_bounds(resolved_model(job), n_stages, job.spec.data.seq_len)
+        # interleaved: rank r holds stages r, r + pp, ... (the schedule's loop order)
+        self.stage_ids = [ctx.pp_rank + k * pp for k in range(self.chunks)]
+        self.stages: list[Stage] = build_stages(model, bounds, self.stage_ids)
+        container = nn.ModuleDict({f"stage{i}": s for i, s in zip(self.stage_ids, self.stages, strict=True)})
+        self.tp_names = {f"stage{i}.{n}" for i in self.stage_ids for n in _stage_tp_names(model, bounds[i])}
+        super().__init__(container, job, ctx)
+        self.first_stage = next((s for s in self.stages if s.first), None)
+        self.last_stage = next((s for s in self.stages if s.last), None)
+        self.n_micro = pipeline_micro_batches(job)
+        self.grad_clip = job.spec.training.grad_clip
+        self.pipe_stages = [PipelineStage(s, i, n_stages, ctx.device, group=ctx.pp_group)
+                            for i, s in zip(self.stage_ids, self.stages, strict=True)]
+        self.schedule_name = opt.pipeline_schedule
+        self._schedules: dict[int, Any] = {}
+        self._scale = 1.0
+        # tied embeddings across stages: first and last stage each hold a copy (see seqtrain.parallel.pipeline)
+        self.tied = pp > 1 and getattr(model, "lm_head", None) is None
+        # the last stage's copy has the same gradient as the first stage's: count it once in the norm
+        self.skip_names = {f"stage{self.stage_ids[-1]}.{TIED_COPY}"} if self.tied and self.last_stage else set()
+
+    # ---- the schedule ------------------------------------------------------------------------------------
+    def _loss_fn(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        assert self.last_stage is not None
+        return self.last_stage.loss_sum(output, target) * self._scale
+
+    def _schedule(self, n_micro: int) -> Any:
+        if n_micro not in self._schedules:
+            cls = schedule_class(self.schedule_name)
+            target = self.pipe_stages if self.chunks > 1 else self.pipe_stages[0]
+            self._schedules[n_micro] = cls(target, n_microbatches=n_micro, loss_fn=self._loss_fn, scale_grads=False)
+        return self._schedules[n_micro]
+
+    def _run(self, tokens: torch.Tensor, targets: torch.Tensor, n_micro: int, train: bool) -> torch.Tensor:
+        """Drive the schedule; return the loss SUM of the step on the last stage's rank (0 elsewhere)."""
+        sched = self._schedule(n_micro)
+        args = (tokens,) if self.first_stage is not None else ()
+        losses: list[torch.Tensor] = []
+        kwargs: dict[str, Any] = {"target": targets, "losses": losses} if self.last_stage is not None else {}
+        with self.precision.autocast():
+            if train:
+                sched.step(*args, **kwargs)
+            else:
+                sched.eval(*args, **kwargs)
+        if not losses:
+            return torch.zeros((), dtype=torch.float64, device=self.ctx.device)
+        # the schedule returns loss_fn's values (sum / global tokens): undo the scale for the report
+        return torch.stack([x.detach().double() for x in losses]).sum() / self._scale
+
+    def step(self, micro_batches: list[Batch]) -> StepStats:
+        dev = self.ctx.device
+        batches = [b.to(dev) for b in micro_batches]
+        if any(b.doc_ids is not None for b in batches):
+            raise ValueError("packed sequences (doc_ids) are not supported with pipeline parallel")
+        tokens = torch.cat([b.tokens for b in batches])
+        targets = torch.cat([b.targets for b in batches])
+        count = torch.stack([b.num_targets() for b in batches]).sum().double()
+        self.ctx.all_reduce(count, group=self.ctx.dp_group)
+        self._scale = 1.0 / max(1.0, float(count))  # host sync: a Python float for the loss function
+        loss_sum = self._run(tokens, targets, self.n_micro, train=True)
+        params = list(self.model.parameters())
+        if self.tied:
+            self._sync_tied()
+        if self.ctx.dp_size > 1:
+            all_reduce_grads(params, self.ctx.dp_group, self.job.spec.optimization.bucket_mb)
+        grad_norm = clip_grad_norm(self.model, self.grad_clip, self.ctx, self.tp_names, self.skip_names)
+        skipped = not math.isfinite(grad_norm)
+        if not skipped:
+            self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum = loss_sum.to(dev)
+        self.ctx.all_reduce(loss_sum, group=self.ctx.pp_group)  # only the last stage has losses
+        totals = torch.stack([loss_sum, torch.tensor(float(sum(b.slots for b in batches)), dtype=torch.float64,
+                                                     device=dev)])
+        self.ctx.all_reduce(totals, group=self.ctx.dp_group)
+        return StepStats(loss_sum=float(totals[0]), target_tokens=int(count), slots=int(totals[1]),
+                         grad_norm=grad_norm, skipped=skipped)
+
+    def _sync_tied(self) -> None:
+        """Sum the tied embedding's gradient between its first-stage and last-stage copies."""
+        if self.first_stage is not None:
+            w = self.first_stage.embed.weight
+        elif self.last_stage is not None:
+            w = self.last_stage.output.weight
+        else:
+            return  # middle stages are not in the embedding group
+        if w.grad is None:
+            w.grad = torch.zeros_like(w)
+        self.ctx.all_reduce(w.grad, group=self.ctx.embed_group)
+
+    # ---- evaluation and checkpoints ----------------------------------------------------------------------
+    @torch.no_grad()
+    def eval_loss(self, batches: list[Batch]) -> tuple[float, int]:
+        self.eval()
+        dev = self.ctx.device
+        batches = [b.to(dev) for b in batches]
+        self._scale = 1.0
+        total = self._run(torch.cat([b.tokens for b in batches]), torch.cat([b.targets for b in batches]),
+                          len(batches), train=False).to(dev)
+        # The caller all-reduces over data parallel; make every stage of this pipeline report the same sum.
+        self.ctx.all_reduce(total, group=self.ctx.pp_group)
+        count = torch.stack([b.num_targets() for b in batches]).sum()
+        return float(total), int(count)
+
+    def save(self, directory: str) -> list[str]:
+        return save_shard(self.ctx, self.state_dict(), directory)
+
+    def load(self, directory: str) -> None:
+        self.load_state_dict(load_shard(self.ctx, directory))
+
+
+def _stage_tp_names(model: nn.Module, bounds: tuple[int, int]) -> set[str]:
+    """Tensor-parallel parameter names of the full model, renamed as they appear inside a Stage."""
+    names = tp_param_names(model)
+    out = set()
+    for n in names:
+        if n.startswith(("blocks.", "layers.")):
+            idx = int(n.split(".")[1])
+            if bounds[0] <= idx < bounds[1]:
+                out.add(n)
+        else:
+            out.add(n)
+    if "embed.weight" in names:
+        out.add(TIED_COPY)
+    return out

@@ -1,0 +1,34 @@
+"""Tensor parallel (+ data parallel over the dp axis with DDP): the native engine with a mesh-wide gradient
+norm and one checkpoint file per tensor-parallel shard."""
+
+from __future__ import annotations
+
+import math
+
+from torch import nn
+
+from seqtrain.parallel.grads import clip_grad_norm
+from seqtrain.parallel.tensor import tp_param_names
+from seqtrain.spec.job import SeqTrainJob
+from seqtrain.train.dist import DistContext
+
+from .native import NativeEngine
+from .sharded import load_shard, save_shard
+
+
+class TensorParallelEngine(NativeEngine):
+    name = "native-tp"
+
+    def __init__(self, model: nn.Module, job: SeqTrainJob, ctx: DistContext) -> None:
+        super().__init__(model, job, ctx)
+        self.tp_names = tp_param_names(model)
+
+    def _clip(self) -> float:
+        return clip_grad_norm(self.model, self.grad_clip if self.grad_clip is not None else math.inf, self.ctx,
+                              self.tp_names)
+
+    def save(self, directory: str) -> list[str]:
+        return save_shard(self.ctx, self.state_dict(), directory)
+
+    def load(self, directory: str) -> None:
+        self.load_state_dict(load_shard(self.ctx, directory))

@@ -1,0 +1,21 @@
+"""Apply the layout to a freshly built model, in torchtitan's order: tensor parallel first (it changes the
+modules), then activation checkpointing / compile (`seqtrain.models.compile.prepare_model`), then the engine
+wraps it (DDP / FSDP2 / pipeline stages / DeepSpeed)."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from seqtrain.spec.job import SeqTrainJob
+from seqtrain.train.dist import DistContext
+
+from .mesh import init_mesh
+from .tensor import apply_tensor_parallel
+
+__all__ = ["init_mesh", "parallelize"]
+
+
+def parallelize(model: nn.Module, job: SeqTrainJob, ctx: DistContext) -> nn.Module:
+    if ctx.tp_size > 1:
+        apply_tensor_parallel(model, ctx.tp_rank, ctx.tp_size, ctx.tp_group)
+    return model

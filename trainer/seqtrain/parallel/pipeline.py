@@ -1,0 +1,102 @@
+"""Pipeline stages cut from a built model: embedding + first blocks | middle blocks | last blocks + norm + head.
+
+Block ranges come from `seqtrain.parallel.costs.stage_bounds` (balanced by forward compute, the same split
+`seqtrain plan` prints). Module names keep the full model's (`blocks.3.attn.q.weight`), so a stage's state
+dict is a slice of the single-process one. With tied embeddings the last stage keeps its own copy of the
+embedding matrix as the output projection; the engine sums the two copies' gradients after each step
+(Megatron's embedding group), so both stay equal to the single-process tied weight.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from seqtrain.data import IGNORE_INDEX
+from seqtrain.train.loss import linear_cross_entropy
+
+from .tensor import copy_to_tp, vocab_parallel_cross_entropy
+
+TIED_COPY = "output.weight"  # name of the last stage's copy of a tied embedding
+
+
+class Stage(nn.Module):
+    """One pipeline stage: forward(x) where x is tokens [B, T] on the first stage, hidden [B, T, D] after."""
+
+    def __init__(self, model: nn.Module, start: int, end: int, first: bool, last: bool) -> None:
+        super().__init__()
+        self.first, self.last = first, last
+        self.is_gpt = hasattr(model, "blocks")
+        self.embed = model.embed if first else None
+        self.drop = model.drop
+        layers = model.blocks if self.is_gpt else model.layers
+        self.num_layers = len(layers)
+        self.block_ids = list(range(start, end))
+        mods = nn.ModuleDict({str(i): layers[i] for i in self.block_ids})
+        if self.is_gpt:
+            self.blocks = mods
+            self.register_buffer("rope_cos", model.rope_cos, persistent=False)
+            self.register_buffer("rope_sin", model.rope_sin, persistent=False)
+        else:
+            self.layers = mods
+        self.norm = model.norm if last else None
+        self.lm_head = model.lm_head if last else None
+        self.output = None
+        if last and model.lm_head is None:
+            if first:
+                self.output = None  # single stage: the embedding itself
+            else:
+                emb = model.embed
+                self.output = nn.Embedding(emb.weight.shape[0], emb.weight.shape[1])
+                with torch.no_grad():
+                    self.output.weight.copy_(emb.weight)
+        self.tp_group = getattr(getattr(model, "lm_loss", None), "group", None)
+        self.vocab_start = getattr(model.embed, "start", 0)
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        if self.lm_head is not None:
+            return self.lm_head.weight
+        if self.output is not None:
+            return self.output.weight
+        assert self.embed is not None
+        return self.embed.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.first:
+            x = self.drop(self.embed(x))
+        if self.is_gpt:
+            t = x.shape[1]
+            cos, sin = self.rope_cos[:t], self.rope_sin[:t]
+            for i in self.block_ids:
+                x = self.blocks[str(i)](x, cos, sin, None)
+        else:
+            for i in self.block_ids:
+                x, _ = self.layers[str(i)](x)  # zero initial state, as the unsplit model without packing
+                if i < self.num_layers - 1:
+                    x = self.drop(x)
+        if self.last:
+            x = self.norm(x)
+        return x
+
+    def loss_sum(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Cross-entropy SUM of the last stage's output (vocabulary-parallel under tensor parallel)."""
+        if self.tp_group is not None:
+            h = copy_to_tp(hidden.reshape(-1, hidden.shape[-1]), self.tp_group)
+            return vocab_parallel_cross_entropy(h @ self.output_weight.t(), targets.reshape(-1), self.vocab_start,
+                                                self.tp_group, IGNORE_INDEX)
+        return linear_cross_entropy(hidden, self.output_weight, targets)
+
+
+def build_stages(model: nn.Module, bounds: list[tuple[int, int]], indices: list[int]) -> list[Stage]:
+    """Stages `indices` (global stage numbers) of a model split at `bounds`."""
+    n = len(bounds)
+    return [Stage(model, bounds[i][0], bounds[i][1], first=i == 0, last=i == n - 1) for i in indices]
+
+
+def schedule_class(name: str) -> Any:
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+    return {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}[name]
