@@ -29,6 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
     p.add_argument("--progress-port", type=int, default=8471,
                    help="port the trainer serves progress on (0: do not poll progress)")
+    p.add_argument("--trainer-metrics-port", type=int, default=0,
+                   help="trainer ranks serve Prometheus /metrics on this port + local rank (0: off)")
     p.add_argument("--master-port", type=int, default=29500, help="rendezvous port of rank 0")
     p.add_argument("--termination-grace", type=int, default=120,
                    help="seconds a trainer pod has to checkpoint after SIGTERM")
@@ -61,6 +63,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             build_parser().error(f"--scheduler-name {item!r}: expected GANG=NAME with GANG one of {', '.join(EXTERNAL)}")
         schedulers[gang] = name
     settings = Settings(master_port=args.master_port, progress_port=args.progress_port or None,
+                        metrics_port=args.trainer_metrics_port or None,
                         termination_grace_seconds=args.termination_grace, scheduler_names=schedulers)
     handlers.STATE.config = Config(settings=settings, node_lost_grace=args.node_lost_grace,
                                    poll_progress=bool(args.progress_port))
