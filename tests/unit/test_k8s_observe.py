@@ -1,0 +1,111 @@
+"""Pods and nodes -> what the controller core sees; goodput accounting; the operator's command line."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timedelta, timezone
+
+import pytest
+from seqtrain.spec.status import Condition, JobStatus, Progress
+from seqtrain_operator.controller import goodput
+from seqtrain_operator.controller.failure_policy import FailureClass, classify
+from seqtrain_operator.k8s.observe import final_progress, observe_replicas, progress_from_json, rank0_ip
+
+NOW = datetime(2026, 11, 22, 12, 0, tzinfo=timezone.utc)
+
+
+def node(name, ready="True", since="2026-11-22T11:59:50Z"):
+    return {"metadata": {"name": name}, "status": {"conditions": [
+        {"type": "Ready", "status": ready, "lastTransitionTime": since}]}}
+
+
+def pod(replica=0, attempt=1, phase="Running", node_name="n1", term=None, waiting=None, reason=None,
+        deleting=False, conditions=None, ip=None):
+    state = {"terminated": term} if term else ({"waiting": waiting} if waiting else {"running": {}})
+    status = {"phase": phase, "containerStatuses": [{"name": "trainer", "state": state}]}
+    if reason:
+        status["reason"] = reason
+    if conditions:
+        status["conditions"] = conditions
+    if ip:
+        status["podIP"] = ip
+    meta = {"name": f"j-{attempt}-{replica}", "labels": {"seqtrain.dev/replica": str(replica),
+                                                         "seqtrain.dev/attempt": str(attempt)}}
+    if deleting:
+        meta["deletionTimestamp"] = "2026-11-22T11:59:00Z"
+    return {"metadata": meta, "spec": {"nodeName": node_name}, "status": status}
+
+
+CASES = [
+    ("running", pod(), "Running", None, None, None),
+    ("pending unscheduled", pod(phase="Pending", node_name=None, waiting={"reason": "ContainerCreating"}),
+     "Pending", None, None, None),
+    ("crash", pod(phase="Failed", term={"exitCode": 1, "reason": "Error"}), "Failed", None, 1, FailureClass.USER),
+    ("invalid config", pod(phase="Failed", term={"exitCode": 3}), "Failed", None, 3, FailureClass.PERMANENT),
+    ("oom", pod(phase="Failed", term={"exitCode": 137, "reason": "OOMKilled"}), "Failed", "OOMKilled", 137,
+     FailureClass.USER),
+    ("evicted", pod(phase="Failed", reason="Evicted"), "Failed", "Evicted", None, FailureClass.INFRASTRUCTURE),
+    ("preempted", pod(phase="Failed", term={"exitCode": 143}, conditions=[
+        {"type": "DisruptionTarget", "status": "True", "reason": "PreemptionByScheduler"}]),
+     "Failed", "Preempted", 143, FailureClass.INFRASTRUCTURE),
+    ("deleted by someone", pod(deleting=True), "Failed", "Deleted", None, FailureClass.INFRASTRUCTURE),
+    ("node not ready long", pod(node_name="down"), "Failed", "NodeLost", None, FailureClass.INFRASTRUCTURE),
+    ("node not ready briefly", pod(node_name="blip"), "Running", None, None, None),
+    ("node removed", pod(node_name="gone"), "Failed", "NodeLost", None, FailureClass.INFRASTRUCTURE),
+    ("bad image", pod(phase="Pending", waiting={"reason": "InvalidImageName"}), "Failed", "InvalidImageName", None,
+     FailureClass.PERMANENT),
+    ("image pull blip", pod(phase="Pending", waiting={"reason": "ErrImagePull"}), "Pending", None, None, None),
+]
+
+
+@pytest.mark.parametrize("name,p,phase,reason,code,cls", CASES, ids=[c[0] for c in CASES])
+def test_pod_to_replica_observation(name, p, phase, reason, code, cls):
+    nodes = [node("n1"), node("down", "False", "2026-11-22T11:58:00Z"), node("blip", "False", "2026-11-22T11:59:50Z")]
+    (r,) = observe_replicas([p], nodes, NOW, node_lost_grace=40)
+    assert (r.phase, r.reason, r.exit_code) == (phase, reason, code)
+    if cls is not None:
+        assert classify(r).cls is cls
+
+
+def test_pods_without_labels_are_ignored_and_order_is_stable():
+    stray = {"metadata": {"name": "x", "labels": {}}, "spec": {}, "status": {}}
+    got = observe_replicas([pod(1, 2), stray, pod(0, 2), pod(0, 1)], [node("n1")], NOW)
+    assert [(r.attempt, r.replica) for r in got] == [(1, 0), (2, 0), (2, 1)]
+
+
+def test_progress_sources():
+    data = {"step": 5, "totalSteps": 9, "loss": 1.5, "lastCheckpoint": {"step": 4, "path": "/c/step-4"}}
+    prog, ck = progress_from_json(data)
+    assert prog.step == 5 and prog.loss == 1.5 and ck.step == 4
+    assert progress_from_json({"nope": 1}) == (None, None)
+    done = pod(phase="Succeeded", term={"exitCode": 0, "message": json.dumps({"step": 9, "loss": 0.5})})
+    prog, ck = final_progress([done], attempt=1)
+    assert prog.step == 9 and ck is None
+    assert final_progress([done], attempt=2) == (None, None)
+    assert rank0_ip([pod(ip="10.0.0.5"), pod(replica=1, ip="10.0.0.6")], 1) == "10.0.0.5"
+
+
+def test_goodput_counts_running_time_and_discounts_redone_steps():
+    start = NOW - timedelta(seconds=100)
+    running = JobStatus(start_time=start.isoformat(), conditions=[
+        Condition(type="Running", status="True", last_transition_time=(NOW - timedelta(seconds=60)).isoformat())],
+        progress=Progress(step=30), steps_lost=[10])
+    after = running.model_copy(deep=True)
+    after.conditions[0].status = "False"  # this decision ended the Running segment
+    goodput.account(running, after, NOW)
+    assert goodput.running_seconds(after) == 60.0
+    # 60 s running of 100 s wall; 30 of 40 computed steps kept
+    assert after.goodput == pytest.approx(0.6 * 30 / 40)
+    later = after.model_copy(deep=True)
+    goodput.account(after, later, NOW + timedelta(seconds=100))  # idle: running time does not grow
+    assert goodput.running_seconds(later) == 60.0 and later.goodput == pytest.approx(0.45 / 2)
+
+
+def test_operator_cli_rejects_bad_scheduler_name(capsys):
+    from seqtrain_operator.k8s.main import build_parser, main
+
+    args = build_parser().parse_args(["-n", "a", "-n", "b", "--peering", "x", "--metrics-port", "9090"])
+    assert args.namespace == ["a", "b"] and args.peering == "x" and args.metrics_port == 9090
+    with pytest.raises(SystemExit):
+        main(["--scheduler-name", "slurm=x"])
+    assert "expected GANG=NAME" in capsys.readouterr().err
