@@ -16,7 +16,7 @@ def _write_run(workdir: Path, with_status: bool = True) -> list[dict]:
         rec = {"step": step, "loss": 5.0 - 0.1 * step + (0.3 if step == 17 else 0.0), "lr": 1e-3 * (1 - step / 40),
                "grad_norm": 1.0, "tokens": 1000 + step, "slots": 1024, "tokens_per_s": 100.0 * step,
                "step_time_s": 0.5 + step / 100, "mem_peak_mb": 300.0 + step, "time": 1000.0 + 2 * step,
-               "mfu": 0.01 * step}
+               "mfu": 0.01 * step, "model_tflops": 0.002 * step}
         if step in (10, 20):
             rec |= {"val_loss": {10: 4.2, 20: 4.4}[step], "val_perplexity": 1.0, "val_bpb": {10: 6.06, 20: 6.35}[step]}
         records.append(rec)
@@ -50,6 +50,8 @@ def test_table_matches_metrics_and_status(tmp_path: Path, capsys: pytest.Capture
     assert s["mean_tokens_per_s"] == pytest.approx(sum(r["tokens"] for r in records)
                                                    / sum(r["step_time_s"] for r in records))
     assert s["mean_mfu"] == pytest.approx(sum(r["mfu"] for r in records) / 20)
+    assert s["mean_model_tflops"] == pytest.approx(sum(r["model_tflops"] * r["step_time_s"] for r in records)
+                                                   / sum(r["step_time_s"] for r in records))
     assert s["peak_mem_mb"] == 320.0 and s["wall_s"] == 38.0
     assert s["phase"] == "Succeeded" and s["reason"] == "TrainingComplete"
 

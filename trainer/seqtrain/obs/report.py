@@ -97,6 +97,9 @@ def summarize(
         # time-weighted: total real tokens over total step time (a per-step mean over-weights fast steps)
         "mean_tokens_per_s": tokens / seconds if seconds > 0 else (sum(tps) / len(tps) if tps else None),
         "mean_mfu": sum(mfus) / len(mfus) if mfus else None,
+        # time-weighted like tokens/s: total model FLOPs over total step time
+        "mean_model_tflops": (sum((_num(r, "model_tflops") or 0.0) * (_num(r, "step_time_s") or 0.0) for r in records)
+                              / seconds if seconds > 0 and _values(records, "model_tflops") else None),
         "peak_mem_mb": max(mems) if mems else None,
         "wall_s": times[-1] - times[0] if len(times) > 1 else None,
     }
@@ -137,6 +140,7 @@ def table_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
         ("goodput", _fmt(s["goodput"], "pct")),
         ("tokens trained", _fmt(s["tokens"], "int")),
         ("mean tokens/s", _fmt(s["mean_tokens_per_s"])),
+        ("mean model TFLOP/s", f"{s['mean_model_tflops']:.4g}" if s["mean_model_tflops"] is not None else "n/a"),
         ("mean MFU", _fmt(s["mean_mfu"], "pct") if s["mean_mfu"] is not None else "n/a (no known peak, e.g. CPU)"),
         ("peak memory", _fmt(s["peak_mem_mb"], "mb")),
         ("wall time of the steps", _fmt(s["wall_s"], "s")),
