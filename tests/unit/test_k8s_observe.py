@@ -109,3 +109,14 @@ def test_operator_cli_rejects_bad_scheduler_name(capsys):
     with pytest.raises(SystemExit):
         main(["--scheduler-name", "slurm=x"])
     assert "expected GANG=NAME" in capsys.readouterr().err
+
+
+def test_operator_modules_do_not_import_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "import seqtrain_operator.k8s.handlers, seqtrain_operator.k8s.main\n"
+            "assert not [m for m in sys.modules if m == 'torch' or m.startswith('torch.')], 'torch imported'\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
