@@ -60,7 +60,10 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             if dh is not None:
                 dh[start:start + chunk] = _mm_f32(logits, weight)
             if dw is not None:
-                dw += _mm_f32(logits.t(), h_c)
+                if logits.dtype == torch.float32:
+                    dw.addmm_(logits.t(), h_c)  # in place: no [V, hidden] temporary per chunk
+                else:
+                    dw += _mm_f32(logits.t(), h_c)
             del logits
         ctx.save_for_backward(dh, dw)
         ctx.shapes = (hidden.shape, hidden.dtype, weight.dtype)
