@@ -146,3 +146,14 @@ def test_synthetic_tasks_score_only_answers(task: str) -> None:
 def test_missing_files_name_the_pattern(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="spec.data.paths"):
         load_source(DataSpec(source="text", paths=[str(tmp_path / "none*.txt")]), "train")
+
+
+def test_spec_rejects_impossible_data_settings() -> None:
+    from seqtrain.spec import SpecError
+
+    data = {"source": "synthetic", "seqLen": 16, "maxTokensPerBatch": 8,
+            "synthetic": {"task": "recall", "length": 40, "vocab": 8}}
+    with pytest.raises(SpecError) as err:
+        job_for(data)
+    paths = [p.path for p in err.value.problems]
+    assert paths.count("spec.data.synthetic.length") == 2 and "spec.data.maxTokensPerBatch" in paths

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from seqtrain.data.builtin import Corpus
 from seqtrain.models import build_model, count_parameters
 from seqtrain.models.checkpointing import SavedActivationMeter, apply_activation_checkpointing
 from seqtrain.spec.model import ModelSpec
@@ -66,7 +67,15 @@ def _measure(model: torch.nn.Module, tokens: torch.Tensor, device: torch.device)
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - t0
     model.zero_grad(set_to_none=True)
-    return {"saved_bytes": saved, "saved_model_bytes": body.bytes, "peak_bytes": peak, "step_s": round(seconds, 4)}
+    out = {"saved_bytes": saved, "saved_model_bytes": body.bytes, "peak_bytes": peak, "step_s": round(seconds, 4)}
+    if hasattr(model, "layers") and hasattr(model, "_run"):
+        # the recurrent stack alone (what time-chunk checkpointing changes): no embedding output, final norm or loss
+        stack = SavedActivationMeter(exclude)
+        with stack.measure():
+            model._run(tokens, None, None).sum().backward()
+        model.zero_grad(set_to_none=True)
+        out["saved_stack_bytes"] = stack.bytes
+    return out
 
 
 def checkpointing_table(name: str, spec: ModelSpec, policies: list[str], seq_lens: list[int], batch: int,
@@ -88,19 +97,41 @@ def checkpointing_table(name: str, spec: ModelSpec, policies: list[str], seq_len
                    "saved_model_ratio": round(m["saved_model_bytes"] / max(1, ref["saved_model_bytes"]), 4),
                    "peak_ratio": round(m["peak_bytes"] / max(1, ref["peak_bytes"]), 4)}
             rows.append(row)
-            print(f"{name:5s} T={t:5d} {policy:9s} saved {m['saved_bytes'] / 2**20:8.2f} MiB "
+            stack = f" stack {m['saved_stack_bytes'] / 2**20:7.2f} MiB" if "saved_stack_bytes" in m else ""
+            print(f"{name:5s} T={t:5d} {policy:9s}{stack} saved {m['saved_bytes'] / 2**20:8.2f} MiB "
                   f"(x{row['saved_ratio']:.3f}) model {m['saved_model_bytes'] / 2**20:8.2f} MiB  peak {m['peak_bytes'] / 2**20:8.2f} MiB (x{row['peak_ratio']:.3f})  "
                   f"{m['step_s']:.3f}s", flush=True)
     return rows
 
 
 def packing_table(seq_lens: list[int], micro: int, steps: int) -> list[dict[str, Any]]:
+    from seqtrain.data.builtin import load_builtin
+
+    files = load_builtin("train", 0.01)
+    rows = []
+    for name, corpus in (("stdlib-files", files), ("stdlib-definitions", split_definitions(files))):
+        rows += _packing_rows(name, corpus, seq_lens, micro, steps)
+    return rows
+
+
+def split_definitions(corpus: Corpus) -> Corpus:
+    """The stdlib sources cut at every top-level `def`/`class`: many short documents of very varied length
+    (like a corpus of code snippets or chat turns), where padding wastes most of each row."""
+    import re
+
     import numpy as np
 
-    from seqtrain.data.builtin import load_builtin
+    data = np.asarray(corpus.tokens).tobytes()
+    cuts = {int(m.start()) + 1 for m in re.finditer(rb"\n(?=def |class |async def )", data)}
+    starts = np.array(sorted(cuts | set(corpus.doc_starts.tolist())), dtype=np.int64)
+    return Corpus(tokens=corpus.tokens, doc_starts=starts)
+
+
+def _packing_rows(name: str, corpus: Corpus, seq_lens: list[int], micro: int, steps: int) -> list[dict[str, Any]]:
+    import numpy as np
+
     from seqtrain.data.packing import DocumentBatches, efficiency, plan_rows
 
-    corpus = load_builtin("train", 0.01)
     doc_len = np.diff(np.append(corpus.doc_starts, len(corpus)))
     rows = []
     for t in seq_lens:
@@ -109,6 +140,7 @@ def packing_table(seq_lens: list[int], micro: int, steps: int) -> list[dict[str,
         bucketed = DocumentBatches(corpus, t, micro, 1, bucketing=True, seed=0)
         plain = DocumentBatches(corpus, t, micro, 1, seed=0)
         row = {
+            "corpus": name,
             "seq_len": t,
             "documents": int(len(doc_len)),
             "doc_len_median": int(np.median(doc_len)),
@@ -121,7 +153,7 @@ def packing_table(seq_lens: list[int], micro: int, steps: int) -> list[dict[str,
             "rows_padded": padded.num_rows,
         }
         rows.append(row)
-        print(f"packing T={t:5d}: packed {row['packing']:.4f}  padded-to-T {row['padding_to_seq_len']:.4f}  "
+        print(f"packing {name:18s} T={t:5d}: packed {row['packing']:.4f}  padded-to-T {row['padding_to_seq_len']:.4f}  "
               f"padded-to-batch-max {row['padding_to_batch_max']:.4f}  bucketing {row['bucketing']:.4f}", flush=True)
     return rows
 
@@ -143,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--packing-seq-lens", default="256,1024,4096")
     p.add_argument("--packing-steps", type=int, default=200, help="micro-batches sampled for padded/bucketed")
     p.add_argument("--skip-packing", action="store_true")
+    p.add_argument("--skip-checkpointing", action="store_true")
     p.add_argument("--out", default=None, help="write the JSON here (default: stdout only)")
     args = p.parse_args(argv)
     device = torch.device(args.device)
@@ -158,9 +191,11 @@ def main(argv: list[str] | None = None) -> int:
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__,
         "command": "seqtrain bench memory " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "checkpointing": checkpointing_table("gpt", gpt, GPT_POLICIES, _ints(args.seq_lens), args.batch, device)
-        + checkpointing_table("lstm", lstm, RNN_POLICIES, _ints(args.rnn_seq_lens), args.batch, device),
     }
+    if not args.skip_checkpointing:
+        result["checkpointing"] = (
+            checkpointing_table("gpt", gpt, GPT_POLICIES, _ints(args.seq_lens), args.batch, device)
+            + checkpointing_table("lstm", lstm, RNN_POLICIES, _ints(args.rnn_seq_lens), args.batch, device))
     if not args.skip_packing:
         result["packing"] = packing_table(_ints(args.packing_seq_lens), micro=8, steps=args.packing_steps)
     text = json.dumps(result, indent=2)

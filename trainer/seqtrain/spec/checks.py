@@ -80,6 +80,21 @@ def check(job: SeqTrainJob) -> list[Problem]:
         out.append(Problem("spec.model.vocabSize", f"{m.vocab_size} is smaller than the tokenizer's {tok_vocab} ids"))
 
     d = s.data
+    if d.max_tokens_per_batch is not None and d.max_tokens_per_batch < d.seq_len:
+        out.append(Problem("spec.data.maxTokensPerBatch",
+                           f"{d.max_tokens_per_batch} cannot hold one sequence of seqLen {d.seq_len}; "
+                           f"use at least {d.seq_len}"))
+    if d.source == "synthetic":
+        syn = d.synthetic
+        example = 2 * syn.length + 3 if syn.task == "copy" else 2 * (syn.length // 2) + 5
+        if example > d.seq_len:
+            out.append(Problem("spec.data.synthetic.length",
+                               f"a {syn.task} example of length {syn.length} takes {example} tokens, more than "
+                               f"seqLen {d.seq_len}; raise data.seqLen to {example} or shorten the task"))
+        if syn.task == "recall" and syn.length // 2 > syn.vocab // 2:
+            out.append(Problem("spec.data.synthetic.length",
+                               f"recall needs distinct keys: {syn.length // 2} pairs do not fit in {syn.vocab // 2} "
+                               f"key symbols; use length <= {syn.vocab // 2 * 2} or a larger synthetic.vocab"))
     if d.source in ("text", "jsonl", "tokens") and not d.paths:
         out.append(Problem("spec.data.paths", f"source {d.source} needs at least one file or glob"))
     if d.tokenizer.type == "file" and not d.tokenizer.path:
