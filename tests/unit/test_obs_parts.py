@@ -106,3 +106,28 @@ def test_trainer_pods_can_be_scraped() -> None:
     assert ports["metrics"] == 9400 and ports["metrics-1"] == 9401  # one per local rank
     plain = m.build_pod(job, m.Owner(name="gpt", namespace="ml", uid="u"), 1, 0, m.Settings(metrics_port=None))
     assert "prometheus.io/scrape" not in plain["metadata"].get("annotations", {})
+
+
+def test_validation_batches_score_what_training_scores() -> None:
+    """Synthetic tasks score only the answers: evaluation must ignore the same positions training does."""
+    from types import SimpleNamespace
+
+    from seqtrain.data import load_corpus
+    from seqtrain.obs.evaluation import Evaluation
+    from seqtrain.spec import load_job, resolve
+
+    job = resolve(load_job("""
+apiVersion: seqtrain.dev/v1alpha1
+kind: SeqTrainJob
+metadata: {name: syn}
+spec:
+  data: {source: synthetic, seqLen: 80, synthetic: {task: copy, length: 16}}
+  training: {globalBatchSize: 4, microBatchSize: 4, eval: {every: 5, batches: 2}}
+"""))
+    trainer = SimpleNamespace(spec=job.spec, job=job, ctx=SimpleNamespace(dp_size=1, dp_rank=0))
+    ev = Evaluation(trainer)  # type: ignore[arg-type]
+    assert not ev.byte_level  # no bits-per-byte for a synthetic vocabulary
+    batches = ev._all_batches(trainer, load_corpus(job, "validation"))  # type: ignore[arg-type]
+    assert len(batches) == 2 and batches[0].tokens.shape[0] == 4  # one example per row
+    scored = sum(int(b.num_targets()) for b in batches)
+    assert 0 < scored < sum(b.targets.numel() for b in batches) // 2  # answers only, not the prompts

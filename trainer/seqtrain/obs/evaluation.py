@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from seqtrain.checkpoint.discovery import read_complete, step_dir
-from seqtrain.data import eval_batches, load_corpus
+from seqtrain.data import Corpus, DocumentBatches, eval_batches, load_corpus
 from seqtrain.train.callbacks import BaseCallback
 
 from .early_stop import EarlyStopper
@@ -66,12 +66,20 @@ class Evaluation(BaseCallback):
     def batches(self, trainer: Trainer) -> list[Batch]:
         """This rank's share of the fixed validation micro-batches (built once: the same every evaluation)."""
         if not self._batches:
-            s = trainer.spec
-            corpus = load_corpus(trainer.job, "validation")
-            every = list(eval_batches(corpus, s.data.seq_len, s.training.micro_batch_size, self.num_batches))
+            every = self._all_batches(trainer, load_corpus(trainer.job, "validation"))
             dp, r = trainer.ctx.dp_size, trainer.ctx.dp_rank
             self._batches = [b for i, b in enumerate(every) if i % dp == r]
         return self._batches
+
+    def _all_batches(self, trainer: Trainer, corpus: Corpus) -> list[Batch]:
+        """The first `batches` micro-batches of the split in corpus order, cut like the training batches:
+        document-aware rows (packing, and only the scored tokens of synthetic tasks) when training uses them,
+        fixed windows otherwise."""
+        d, mbs = trainer.spec.data, trainer.spec.training.micro_batch_size
+        if d.packing or d.bucketing or d.max_tokens_per_batch or corpus.loss_mask is not None:
+            rows = DocumentBatches(corpus, d.seq_len, mbs, grad_accum=1, shuffle=False, packing=d.packing)
+            return [rows.next_step()[0] for _ in range(self.num_batches)]
+        return list(eval_batches(corpus, d.seq_len, mbs, self.num_batches))
 
     # ---- callback hooks ---------------------------------------------------------------------------------
     def on_train_start(self, trainer: Trainer) -> None:
