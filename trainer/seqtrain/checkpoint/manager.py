@@ -51,7 +51,19 @@ class CheckpointManager:
             os.makedirs(directory, exist_ok=True)
 
     def latest(self) -> CheckpointInfo | None:
-        return latest_checkpoint(self.directory)
+        """The checkpoint to resume from, the same on every rank (collective: call it on all ranks).
+
+        Rank 0 decides and broadcasts its choice, so ranks never resume from different steps even if their
+        views of the folder differ (a slow shared filesystem); a rank that cannot read the chosen one fails."""
+        mine = latest_checkpoint(self.directory) if self.ctx.is_main else None
+        path = self.ctx.broadcast_object(mine.path if mine else None)
+        if path is None:
+            return None
+        info = mine if self.ctx.is_main else read_complete(path)
+        if info is None:
+            raise RuntimeError(f"rank {self.ctx.rank}: checkpoint {path} chosen by rank 0 is not complete here; "
+                               "checkpoint.path must be storage that every rank shares")
+        return info
 
     def save(self, step: int, write: Callable[[str], list[str]], meta: dict[str, Any] | None = None) -> CheckpointInfo:
         """Publish checkpoint `step`. `write(tmp_dir)` runs on every rank and returns the file names it wrote."""
