@@ -4,16 +4,12 @@ back its metrics. Shared by the loss-parity tests and the layout benchmark."""
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import yaml
-from seqtrain.spec import RuntimeConfig, apply_overrides, parse_job, resolve, write_trainer_config
+from seqtrain.parallel.launch import free_port, run_ranks  # noqa: F401 - re-exported for the tests
+from seqtrain.spec import apply_overrides, parse_job, resolve
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -36,43 +32,9 @@ spec:
 """
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def job_for(sets: dict[str, Any], base: str = TINY_GPT):
     doc = apply_overrides(yaml.safe_load(base), [f"{k}={json.dumps(v)}" for k, v in sets.items()])
     return resolve(parse_job(doc))
-
-
-def run_ranks(job, workdir: Path, world: int, timeout: float = 240.0, env: dict | None = None) -> list[int]:
-    """Start `world` rank processes for `job` in `workdir`; wait (with a deadline); return their exit codes."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    cfg = workdir / "trainer-config.json"
-    write_trainer_config(str(cfg), job, RuntimeConfig(workdir=str(workdir), checkpoint_dir=str(workdir / "checkpoints")))
-    port = free_port()
-    procs = []
-    for rank in range(world):
-        e = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                 LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                 OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", **(env or {}))
-        e["PYTHONPATH"] = os.pathsep.join([str(ROOT / "trainer"), str(ROOT / "operator"), e.get("PYTHONPATH", "")])
-        log = open(workdir / f"rank{rank}.log", "ab")  # noqa: SIM115 - closed below
-        procs.append((subprocess.Popen([sys.executable, "-m", "seqtrain.train.entry", "--config", str(cfg)],
-                                       env=e, stdout=log, stderr=subprocess.STDOUT, cwd=str(workdir)), log))
-    deadline = time.monotonic() + timeout
-    codes = []
-    for p, log in procs:
-        try:
-            codes.append(p.wait(timeout=max(1.0, deadline - time.monotonic())))
-        except subprocess.TimeoutExpired:
-            for q, _ in procs:
-                q.kill()
-            codes.append(-9)
-        log.close()
-    return codes
 
 
 def losses(workdir: Path) -> dict[int, float]:

@@ -12,6 +12,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from seqtrain.spec.job import SeqTrainJob
 from seqtrain.train.dist import DistContext
 
+from . import watchdog
 from .topology import MeshShape
 
 
@@ -31,6 +32,7 @@ def init_mesh(ctx: DistContext, job: SeqTrainJob) -> DistContext:
     ctx.tp_rank, ctx.tp_size = c.tp, shape.tp
     if not ctx.distributed:
         return ctx
+    watchdog.start(job.spec.optimization.comm_timeout_seconds, ctx.rank)
     mesh = init_device_mesh(ctx.device.type, (shape.dp, shape.pp, shape.tp), mesh_dim_names=("dp", "pp", "tp"))
     ctx.mesh = mesh
     ctx.dp_group = mesh.get_group("dp")

@@ -79,7 +79,7 @@ class Stage(nn.Module):
                     x = self.drop(x)
         if self.last:
             x = self.norm(x)
-        return x
+        return x.contiguous()  # sent to the next stage as is (nn.LSTM's batch-first output is a strided view)
 
     def loss_sum(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Cross-entropy SUM of the last stage's output (vocabulary-parallel under tensor parallel)."""

@@ -92,7 +92,10 @@ def main(config_path: str) -> int:
         traceback.print_exc()
         if is_comm_timeout(exc):
             rank = ctx.rank if ctx else "?"
-            print(f"seqtrain train: rank {rank}: collective communication timed out", file=sys.stderr, flush=True)
+            from seqtrain.parallel.watchdog import current
+
+            print(f"seqtrain train: rank {rank}: collective communication timed out while waiting for "
+                  f"{current() or 'a collective outside the labelled phases'}", file=sys.stderr, flush=True)
             return exitcodes.COMM_TIMEOUT
         return exitcodes.ERROR
     finally:

@@ -21,6 +21,7 @@ from seqtrain.engine import Engine, StepStats, build_engine, engine_name
 from seqtrain.models import build_model, count_parameters
 from seqtrain.models.compile import prepare_model
 from seqtrain.parallel.apply import init_mesh, parallelize
+from seqtrain.parallel.watchdog import waiting
 from seqtrain.spec.job import SeqTrainJob
 from seqtrain.spec.runtime import RuntimeConfig
 
@@ -135,7 +136,8 @@ class Trainer:
             "loss": self.last_metrics.get("loss"),
             "attempt": self.runtime.attempt,
         }
-        return self.checkpoints.save(self.step, self._write_checkpoint, meta)
+        with waiting(f"checkpoint step-{self.step}: shard writes and the publishing barriers"):
+            return self.checkpoints.save(self.step, self._write_checkpoint, meta)
 
     def load_checkpoint(self, info: CheckpointInfo) -> None:
         self.engine.load(info.path)
@@ -156,13 +158,16 @@ class Trainer:
         t0 = time.perf_counter()
         micro_batches = self.data.next_step()
         lr = self.engine.lr  # the rate this step uses (the schedule advances inside engine.step)
-        stats = self.engine.step(micro_batches)
+        with waiting(f"step {self.step + 1}: forward/backward and gradient reduction ({self.engine.name} engine, "
+                     f"dp {self.ctx.dp_size} x pp {self.ctx.pp_size} x tp {self.ctx.tp_size})"):
+            stats = self.engine.step(micro_batches)
         self.step += 1
         self.tokens_seen += stats.target_tokens
         faults.maybe_kill_after_step(self.step, self.ctx.rank)
         if faults.term_requested_at(self.step):
             self.terminate_requested = True
-        mem_mb = self.agree()
+        with waiting(f"step {self.step}: the end-of-step all-reduce (memory peak, stop flags) over all ranks"):
+            mem_mb = self.agree()
         return self.step_metrics(stats, lr, time.perf_counter() - t0, mem_mb)
 
     def agree(self) -> float:

@@ -1,0 +1,45 @@
+"""A peer that stops answering mid-training: the waiting rank reports what it waited for and exits 4."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from parity_util import ROOT, free_port, job_for
+from seqtrain.spec import RuntimeConfig, write_trainer_config
+
+pytestmark = pytest.mark.slow
+
+
+def test_stopped_peer_makes_the_other_rank_exit_4(tmp_path) -> None:
+    job = job_for({"replicas": 2, "training.steps": 200, "optimization.commTimeoutSeconds": 10})
+    cfg = tmp_path / "cfg.json"
+    write_trainer_config(str(cfg), job, RuntimeConfig(workdir=str(tmp_path), checkpoint_dir=str(tmp_path / "ck")))
+    port = free_port()
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "trainer"), str(ROOT / "operator"), env.get("PYTHONPATH", "")])
+        procs.append(subprocess.Popen([sys.executable, "-m", "seqtrain.train.entry", "--config", str(cfg)], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    try:
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+            assert time.monotonic() < deadline, "training never reached step 2"
+            assert procs[0].poll() is None, procs[0].communicate()[0]
+            time.sleep(0.2)
+        os.kill(procs[1].pid, signal.SIGSTOP)  # rank 1 hangs: alive, sockets open, never answers
+        out, _ = procs[0].communicate(timeout=90)
+        assert procs[0].returncode == 4, out
+        assert "rank 0" in out and "timed out while waiting for step" in out or "collective timeout" in out, out
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGKILL)
+                p.wait(timeout=30)

@@ -1,0 +1,30 @@
+"""The collective watchdog: a wait that outlives its deadline logs the label and exits with code 4."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from seqtrain.parallel import watchdog
+
+HANG = """
+import time
+from seqtrain.parallel import watchdog
+watchdog.start(timeout_s=0.5, rank=3, grace_s=0.5)
+with watchdog.waiting("step 7: gradient all-reduce over dp ranks [2, 3]"):
+    time.sleep(60)
+"""
+
+
+def test_hung_wait_exits_4_naming_what_it_waited_for() -> None:
+    p = subprocess.run([sys.executable, "-c", HANG], capture_output=True, text=True, timeout=30)
+    assert p.returncode == 4
+    assert "rank 3: collective timeout" in p.stderr
+    assert "step 7: gradient all-reduce over dp ranks [2, 3]" in p.stderr
+
+
+def test_current_label_is_cleared_after_the_wait() -> None:
+    assert watchdog.current() is None
+    with watchdog.waiting("barrier"):
+        assert watchdog.current() == "barrier"
+    assert watchdog.current() is None
