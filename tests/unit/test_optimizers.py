@@ -66,8 +66,10 @@ def test_schedule_shapes() -> None:
     assert f("linear", 99) == pytest.approx(0.1) and f("linear", 54) == pytest.approx(0.55, abs=0.01)
     assert f("cosine", 99) == pytest.approx(0.1)
     # wsd: flat until the last 20% of steps, then linear to the floor
-    assert f("wsd", 79, decay_fraction=0.2) == 1.0 and f("wsd", 80, decay_fraction=0.2) == 1.0
-    assert f("wsd", 90, decay_fraction=0.2) < 1.0 and f("wsd", 99, decay_fraction=0.2) == pytest.approx(0.1)
+    assert f("wsd", 79, decay_fraction=0.2) == 1.0 and f("wsd", 80, decay_fraction=0.2) == pytest.approx(0.955)
+    assert f("wsd", 99, decay_fraction=0.2) == pytest.approx(0.1)
+    # even a decay of a single step is taken (the last step runs at the floor)
+    assert f("wsd", 98, decay_fraction=0.01) == 1.0 and f("wsd", 99, decay_fraction=0.01) == pytest.approx(0.1)
     # cyclic: peak at each cycle start, floor halfway
     assert f("cyclic", 10, cycle_steps=20) == 1.0 and f("cyclic", 20, cycle_steps=20) == pytest.approx(0.1)
     assert f("cyclic", 30, cycle_steps=20) == 1.0

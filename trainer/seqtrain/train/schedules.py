@@ -22,8 +22,8 @@ def after_warmup_factor(step: int, spec: ScheduleSpec, total_steps: int) -> floa
         decay_start = max(warm, total_steps - decay_steps)
         if step < decay_start:
             return 1.0
-        span = max(1, total_steps - 1 - decay_start)
-        return 1.0 - (1.0 - lo) * min(1.0, (step - decay_start) / span)
+        # the decay steps are decay_start .. total-1; the last one reaches the floor
+        return 1.0 - (1.0 - lo) * min(1.0, (step - decay_start + 1) / (total_steps - decay_start))
     if spec.name == "cyclic":
         phase = ((step - warm) % spec.cycle_steps) / spec.cycle_steps  # 0 .. 1 within the cycle
         return lo + (1.0 - lo) * abs(1.0 - 2.0 * phase)
