@@ -154,6 +154,7 @@ def test_success_path_writes_the_run_folder(reference: Path) -> None:
     assert complete_steps(reference) == [STEPS - 10, STEPS]  # keep: 2
     assert (reference / "loss.png").stat().st_size > 1000
     assert not (reference / "gang.json").exists()
+    assert 0 < st["goodput"] <= 1  # productive time over wall time (start-up counts against it)
 
 
 def test_rerun_of_finished_job_says_so(job_file: Path, reference: Path) -> None:
@@ -179,6 +180,7 @@ def test_rank_killed_from_outside_restarts_once_with_identical_losses(job_file: 
     warning = next(e for e in events if e["type"] == "Warning")
     assert "SIGKILL" in warning["message"]
     assert losses(tmp_path) == losses(reference)
+    assert st["stepsLost"] and st["goodput"] < 1  # redone steps count against goodput
 
 
 def test_kill_while_a_checkpoint_is_written_never_publishes_it(job_file: Path, reference: Path,

@@ -29,7 +29,7 @@ from seqtrain.spec import SeqTrainJob, SpecError, load_job_file, resolve
 from seqtrain.spec.runtime import RuntimeConfig, write_trainer_config
 from seqtrain.spec.status import TERMINAL_PHASES, JobStatus, Layout
 
-from ..controller import CreateGang, DeleteGang, Event, Observed, decide, utcnow
+from ..controller import CreateGang, DeleteGang, Event, Observed, decide, goodput, utcnow
 from ..controller.conditions import enter_phase
 from ..controller.types import ReplicaObservation
 from ..planner import local_plan
@@ -156,7 +156,9 @@ class LocalRun:
             progress = with_trainer_progress(self.tail.progress(), os.path.join(self.workdir, "progress.json"))
             observed = Observed(replicas=replicas, latest_checkpoint=latest_checkpoint(self.ckpt_dir),
                                 progress=progress)
-            d = decide(self.job, status, observed, utcnow())
+            now = utcnow()
+            d = decide(self.job, status, observed, now)
+            goodput.account(status, d.status, now)  # same accounting as the operator's status
             if d.status != status:
                 write_status(self.workdir, d.status)
             status = d.status
