@@ -184,6 +184,10 @@ def test_invalid_config_exits_3_without_starting(tmp_path: Path) -> None:
                          capture_output=True, text=True, timeout=DEADLINE_S)
     assert out.returncode == 3
     assert "spec.replicas" in out.stderr and "Traceback" not in out.stderr
+    wrong_world = subprocess.run([sys.executable, "-m", "seqtrain.train.entry", "--config",
+                                  str(make_run(tmp_path, "world") / "trainer.json")],
+                                 capture_output=True, text=True, timeout=DEADLINE_S, env={**os.environ, "WORLD_SIZE": "1"})
+    assert wrong_world.returncode == 3 and "WORLD_SIZE=1" in wrong_world.stderr
     missing = subprocess.run([sys.executable, "-m", "seqtrain.train.entry", "--config", str(tmp_path / "nope.json")],
                              capture_output=True, text=True, timeout=DEADLINE_S)
     assert missing.returncode == 3 and "cannot read" in missing.stderr

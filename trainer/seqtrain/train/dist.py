@@ -77,9 +77,16 @@ def _env_int(name: str, default: int | None) -> int:
         raise InvalidConfig(f"environment variable {name}={raw!r} must be an integer") from None
 
 
-def init_distributed(use_gpu: bool, timeout_seconds: int = 600) -> DistContext:
-    """Read the environment, pick the device and backend, create the process group (world > 1)."""
+def init_distributed(use_gpu: bool, timeout_seconds: int = 600, expected_world: int | None = None) -> DistContext:
+    """Read the environment, pick the device and backend, create the process group (world > 1).
+
+    `expected_world`: the job's replicas x processesPerReplica; a launcher that disagrees is a config error."""
     world = _env_int("WORLD_SIZE", 1)
+    if expected_world is not None and world != expected_world:
+        raise InvalidConfig(
+            f"WORLD_SIZE={world} but the job needs replicas x processesPerReplica = {expected_world} rank processes; "
+            "start one process per rank with matching RANK/WORLD_SIZE"
+        )
     rank = _env_int("RANK", 0)
     local_rank = _env_int("LOCAL_RANK", rank if world > 1 else 0)
     local_world = _env_int("LOCAL_WORLD_SIZE", world)

@@ -75,7 +75,8 @@ def main(config_path: str) -> int:
         from .loop import Trainer
 
         ctx = init_distributed(use_gpu=job.spec.resources.gpus > 0,
-                               timeout_seconds=job.spec.optimization.comm_timeout_seconds)
+                               timeout_seconds=job.spec.optimization.comm_timeout_seconds,
+                               expected_world=job.spec.world_size)
         trainer = Trainer(job, cfg.runtime, ctx)
         flag.attach(trainer)
         trainer.setup()
