@@ -124,3 +124,15 @@ def test_rnn_time_chunks_identical_gradients_and_sublinear_memory(arch: str) -> 
     assert ratio_none > 3.5, "without checkpointing memory is linear in T"
     assert ratio_ac < 2.6, f"time-chunk checkpointing should grow ~sqrt(T), got x{ratio_ac:.2f} for 4x T"
     assert saved[("ac", 256)] < saved[("none", 256)] / 4
+
+
+def test_compile_falls_back_to_eager_with_a_warning_without_a_backend(gpt_reference, monkeypatch) -> None:
+    import seqtrain.models.compile as comp
+
+    monkeypatch.setattr(comp.shutil, "which", lambda name: None)  # no C++ compiler for the CPU inductor
+    model = copy.deepcopy(gpt_reference[0])
+    with pytest.warns(UserWarning, match="optimization.compile: inductor on CPU needs a C\\+\\+ compiler"):
+        line = comp.maybe_compile(model, torch.device("cpu"))
+    assert "eager" in line and all(getattr(b, "_compiled_call_impl", None) is None for b in model.blocks)
+    rnn = build_model(rnn_spec("lstm"))
+    assert "skipped" in comp.maybe_compile(rnn, torch.device("cpu"))
