@@ -43,9 +43,21 @@ LAYOUTS: dict[str, tuple[dict, int]] = {
 _done: dict[str, Path] = {}
 
 
+def _build_deepspeed_ops_once() -> None:
+    """Compile DeepSpeed's CPU communication op (about a minute on 2 cores) in this process, into the shared
+    TORCH_EXTENSIONS_DIR (conftest: .cache/torch_extensions), before any rank needs it: later runs load it."""
+    if "deepspeed-ops" not in _done:
+        from deepspeed.comm.torch import build_shm_op
+
+        build_shm_op()
+        _done["deepspeed-ops"] = Path()
+
+
 def run(name: str, sets: dict, world: int, root: Path) -> Path:
     """Run a layout once per session (the resume tests reuse the matrix's checkpoints)."""
     if name not in _done:
+        if "optimization.zero.stage" in sets and sets.get("optimization.engine") != "native":
+            _build_deepspeed_ops_once()
         wd = root / name
         codes = run_ranks(job_for({**CKPT, **sets}), wd, world)
         assert codes == [0] * world, f"{name}: exit codes {codes}\n{logs(wd)}"
@@ -126,5 +138,8 @@ def test_consolidated_checkpoint_equals_the_single_process_weights(name: str, ro
     ref = torch.load(run("single", {}, 1, root) / "checkpoints" / "step-4" / "engine.pt", weights_only=True)["model"]
     model = build_model(job_for({}).spec.model)
     model.load_state_dict(got, strict=True)  # every name and shape of the full model
+    # Absolute tolerance on weights: Adam divides by sqrt(v), so an element whose gradient is near zero turns a
+    # 1e-7 reordering difference into up to a few 1e-6 after 4 steps (measured at most 9e-6). A wrong merge or
+    # a lost gradient moves whole tensors by about one step, lr = 3e-3.
     for key, want in ref.items():
-        assert torch.allclose(got[key], want, rtol=1e-4, atol=1e-6), key
+        assert (got[key] - want).abs().max() <= 5e-5, key

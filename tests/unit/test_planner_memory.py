@@ -123,3 +123,13 @@ def test_plan_command_json_and_exit_codes(tmp_path, capsys) -> None:
     assert plan_command(str(f), None, [], False) == 0
     out = capsys.readouterr().out
     assert "memory per rank" in out and "dp groups: [[0, 1]]" in out
+
+
+@pytest.mark.parametrize(("arch", "preset", "tied"), [("gpt", "tiny", True), ("gpt", "mini", False),
+                                                      ("lstm", "tiny", True), ("gru", "mini", False),
+                                                      ("qrnn", "tiny", True)])
+def test_analytic_parameter_count_matches_the_built_model(arch: str, preset: str, tied: bool) -> None:
+    from seqtrain.models import build_model, count_parameters
+
+    m = resolved_model(job(**{"model.arch": arch, "model.preset": preset, "model.tieEmbeddings": tied}))
+    assert param_breakdown(m).total == count_parameters(build_model(m))

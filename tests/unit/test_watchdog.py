@@ -28,3 +28,14 @@ def test_current_label_is_cleared_after_the_wait() -> None:
     with watchdog.waiting("barrier"):
         assert watchdog.current() == "barrier"
     assert watchdog.current() is None
+
+
+def test_label_survives_the_exception_it_ended_with() -> None:
+    try:
+        with watchdog.waiting("step 3: all-reduce"):
+            raise TimeoutError("gloo timed out")
+    except TimeoutError:
+        assert watchdog.current() == "step 3: all-reduce"
+    with watchdog.waiting("next"):
+        pass
+    assert watchdog.current() is None

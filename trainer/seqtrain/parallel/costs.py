@@ -44,10 +44,12 @@ def param_breakdown(m: ModelSpec) -> ParamBreakdown:
         mlp = 3 * d * m.ffn_dim  # SwiGLU: gate, up, down
         norms = 2 * d  # RMSNorm weights before attention and MLP
         return ParamBreakdown(emb, attn + mlp + norms, m.layers, d, out, block_tp_split=attn + mlp)
-    gates = {"lstm": 4, "gru": 3, "qrnn": 3}[m.arch]
-    # torch.nn.LSTM/GRU layer: W_ih [g*d, d], W_hh [g*d, d], b_ih, b_hh [g*d]; final RMSNorm weight.
-    block = gates * d * (2 * d + 2)
-    return ParamBreakdown(emb, block, m.layers, d, out)
+    if m.arch == "qrnn":
+        block = 3 * d * (2 * d + 1)  # one Linear [x_t; x_{t-1}] (2d) -> z, f, o (3d), with bias
+    else:
+        # torch.nn.LSTM/GRU layer: W_ih [g*d, d], W_hh [g*d, d], b_ih, b_hh [g*d]
+        block = {"lstm": 4, "gru": 3}[m.arch] * d * (2 * d + 2)
+    return ParamBreakdown(emb, block, m.layers, d, out)  # final RMSNorm weight
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,19 @@ from .tensor import copy_to_tp, vocab_parallel_cross_entropy
 TIED_COPY = "output.weight"  # name of the last stage's copy of a tied embedding
 
 
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the gradient contiguous: it is sent to the previous stage as is, and
+    nn.LSTM/GRU return strided input gradients."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
 class Stage(nn.Module):
     """One pipeline stage: forward(x) where x is tokens [B, T] on the first stage, hidden [B, T, D] after."""
 
@@ -67,6 +80,8 @@ class Stage(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.first:
             x = self.drop(self.embed(x))
+        elif x.requires_grad:
+            x = _ContiguousGrad.apply(x)
         if self.is_gpt:
             t = x.shape[1]
             cos, sin = self.rope_cos[:t], self.rope_sin[:t]

@@ -25,19 +25,27 @@ _active: dict[str, float] = {}  # label -> monotonic start (the main thread's cu
 _watchdog: Watchdog | None = None
 
 
+_failed: list[str] = []  # the label of the last wait that ended with an exception
+
+
 def current() -> str | None:
-    """What this rank is waiting for right now (None outside any labelled wait)."""
+    """What this rank is waiting for right now, or the wait an exception just came out of (None otherwise)."""
     with _lock:
-        return next(iter(_active), None)
+        return next(iter(_active), None) or (_failed[-1] if _failed else None)
 
 
 @contextlib.contextmanager
 def waiting(label: str) -> Iterator[None]:
     with _lock:
         _active.clear()
+        _failed.clear()
         _active[label] = time.monotonic()
     try:
         yield
+    except BaseException:
+        with _lock:
+            _failed.append(label)  # entry.py reports it when this turns out to be a communication timeout
+        raise
     finally:
         with _lock:
             _active.pop(label, None)
