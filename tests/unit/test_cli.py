@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,9 @@ def test_validate_good_file(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_validate_reports_every_problem_with_file_and_path(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     bad = tmp_path / "bad.yaml"
-    bad.write_text(QUICKSTART.read_text().replace("replicas: 2", "replicas: -1").replace("steps: 200", "stepz: 200"))
+    text = re.sub(r"\n    steps: (\d+)", r"\n    stepz: \1", QUICKSTART.read_text(), count=1)
+    assert "stepz:" in text
+    bad.write_text(text.replace("replicas: 2", "replicas: -1"))
     assert cli.main(["validate", str(QUICKSTART), str(bad)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert any(line.startswith(f"{bad}: spec.replicas:") for line in err), err
@@ -75,7 +78,10 @@ def test_run_already_finished_needs_no_gang(tmp_path: Path, capsys: pytest.Captu
     from seqtrain.spec.status import JobStatus, Progress
     from seqtrain_operator.local.files import write_status
 
-    write_status(str(tmp_path), JobStatus(phase="Succeeded", progress=Progress(step=200, total_steps=200)))
+    from seqtrain.spec import load_job_file
+
+    steps = load_job_file(str(QUICKSTART)).spec.training.steps
+    write_status(str(tmp_path), JobStatus(phase="Succeeded", progress=Progress(step=steps, total_steps=steps)))
     assert cli.main(["run", str(QUICKSTART), "--workdir", str(tmp_path)]) == 0
     assert "already finished" in capsys.readouterr().out
 
