@@ -105,3 +105,25 @@ def test_accumulation_gives_the_gradient_of_one_big_batch() -> None:
     assert split_stats.loss == pytest.approx(math.log(256), rel=0.05)  # untrained: about uniform
     for name in one:
         torch.testing.assert_close(split[name], one[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_resume_with_more_steps_uses_the_new_schedule_from_the_first_step() -> None:
+    """A checkpoint taken under steps=10 and resumed under steps=40 continues on the steps=40 cosine curve."""
+    torch.manual_seed(0)
+    short = job("training.schedule.warmupSteps=2")
+    engine = NativeEngine(build_model(short.spec.model), short, DistContext())
+    for s in range(5):
+        engine.step([batch(s)])
+    state = engine.state_dict()
+
+    longer = job("training.steps=40", "training.schedule.warmupSteps=2")
+    resumed = NativeEngine(build_model(longer.spec.model), longer, DistContext())
+    resumed.load_state_dict(state)
+    expected = longer.spec.training.optimizer.lr * lr_factor(5, longer.spec.training.schedule, 40)
+    assert resumed.optimizer.param_groups[0]["lr"] == pytest.approx(expected)
+    assert expected != pytest.approx(engine.optimizer.param_groups[0]["lr"])  # the two curves differ here
+
+    # the same schedule resumes to exactly the same rate (bit-exact resume is untouched)
+    same = NativeEngine(build_model(short.spec.model), short, DistContext())
+    same.load_state_dict(state)
+    assert [g["lr"] for g in same.optimizer.param_groups] == [g["lr"] for g in engine.optimizer.param_groups]

@@ -94,8 +94,23 @@ class Engine(ABC):
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        self._reapply_schedule()
         if state.get("precision"):
             self.precision.load_state_dict(state["precision"])
+
+    def _reapply_schedule(self) -> None:
+        """Set each group's lr from the *current* schedule at the restored step.
+
+        The optimizer state carries the lr of the schedule it was saved under; a resume with another
+        `training.steps` (or schedule) must use the new one from its first step. Same formula as LambdaLR.step, so
+        an unchanged schedule resumes bit-exactly.
+        """
+        lambdas = getattr(self.scheduler, "lr_lambdas", None)
+        if not lambdas:
+            return
+        for group, base, fn in zip(self.optimizer.param_groups, self.scheduler.base_lrs, lambdas, strict=True):
+            group["lr"] = base * fn(self.scheduler.last_epoch)
+        self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
 
     def save(self, directory: str) -> list[str]:
         """Write this rank's share of the engine state into `directory`; return the file names written."""
