@@ -16,14 +16,16 @@ import shutil
 from pathlib import Path
 
 import pytest
-from parity_util import job_for, logs, losses, run_ranks
+from parity_util import job_for, logs, losses, metrics, run_ranks
 
 pytestmark = pytest.mark.slow
 
 RTOL = 1e-5
 LSTM = {"model.arch": "lstm", "model.dim": 64, "model.layers": 4, "model.heads": None, "model.ffnDim": None}
 NATIVE3 = {"optimization.engine": "native", "optimization.zero.stage": 3}
-CKPT = {"checkpoint.intervalSteps": 2}
+# checkpoints at steps 2 and 4 (the resume tests restart from 2); evaluation after steps 2 and 4 (every
+# engine's eval path; with dp = 1 the validation batches are the single process's, so val_loss must agree too)
+CKPT = {"checkpoint.intervalSteps": 2, "training.eval.every": 2, "training.eval.batches": 2}
 
 # name -> (overrides, processes)
 LAYOUTS: dict[str, tuple[dict, int]] = {
@@ -70,8 +72,13 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("parity")
 
 
-def assert_parity(got: dict[int, float], ref: dict[int, float], rtol: float = RTOL) -> float:
-    assert sorted(got) == sorted(ref) == [1, 2, 3, 4]
+def val_losses(workdir: Path) -> dict[int, float]:
+    return {m["step"]: m["val_loss"] for m in metrics(workdir) if "val_loss" in m}
+
+
+def assert_parity(got: dict[int, float], ref: dict[int, float], rtol: float = RTOL,
+                  steps: list[int] = [1, 2, 3, 4]) -> float:  # noqa: B006 - read only
+    assert sorted(got) == sorted(ref) == steps
     worst = max(abs(got[s] - ref[s]) / abs(ref[s]) for s in ref)
     assert worst <= rtol, f"losses {got} differ from the single-process {ref} by {worst:.2e} > {rtol:.0e}"
     return worst
@@ -84,6 +91,9 @@ def test_gpt_layout_matches_single_process(name: str, root: Path) -> None:
     got = losses(run(name, sets, world, root))
     assert_parity(got, ref)
     assert ref[4] < ref[1]  # it trains
+    if world == sets.get("optimization.tensorParallel", 1) * sets.get("optimization.pipelineParallel", 1):
+        want = val_losses(run("single", {}, 1, root))
+        assert_parity(val_losses(run(name, sets, world, root)), want, steps=[2, 4])
 
 
 def test_lstm_pipeline_matches_single_process(root: Path) -> None:

@@ -136,12 +136,21 @@ class PipelineEngine(Engine):
     # ---- evaluation and checkpoints ----------------------------------------------------------------------
     @torch.no_grad()
     def eval_loss(self, batches: list[Batch]) -> tuple[float, int]:
+        """Forward-only through the training schedule, in groups of one training step's sequences: the stages
+        keep the communication buffers of the training micro-batch shape, so evaluation must reuse it."""
         self.eval()
         dev = self.ctx.device
         batches = [b.to(dev) for b in batches]
+        tokens = torch.cat([b.tokens for b in batches])
+        targets = torch.cat([b.targets for b in batches])
+        step_rows = self.job.spec.training.global_batch_size // self.ctx.dp_size
+        if tokens.shape[0] % step_rows:
+            raise ValueError(f"pipeline evaluation runs in groups of globalBatchSize / dp = {step_rows} sequences; "
+                             f"got {tokens.shape[0]}: make training.eval.batches x microBatchSize a multiple")
         self._scale = 1.0
-        total = self._run(torch.cat([b.tokens for b in batches]), torch.cat([b.targets for b in batches]),
-                          len(batches), train=False).to(dev)
+        total = torch.zeros((), dtype=torch.float64, device=dev)
+        for i in range(0, tokens.shape[0], step_rows):
+            total += self._run(tokens[i:i + step_rows], targets[i:i + step_rows], self.n_micro, train=False).to(dev)
         # The caller all-reduces over data parallel; make every stage of this pipeline report the same sum.
         self.ctx.all_reduce(total, group=self.ctx.pp_group)
         count = torch.stack([b.num_targets() for b in batches]).sum()

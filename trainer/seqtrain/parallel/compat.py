@@ -12,6 +12,8 @@ Every problem names the field to change and a value that would work. The same ta
 
 from __future__ import annotations
 
+import math
+
 from seqtrain.spec.job import SeqTrainJob
 from seqtrain.spec.model import ModelSpec
 from seqtrain.spec.problems import Problem
@@ -62,6 +64,9 @@ def parallel_problems(job: SeqTrainJob, m: ModelSpec) -> list[Problem]:
         out.append(Problem("spec.optimization.gradCompression",
                            f"gradient compression is a DDP communication hook and the {engine} engine has none; "
                            "use none, or optimization.engine: native with zero.stage 0"))
+    if opt.grad_compression == "bf16" and s.resources.gpus == 0:
+        out.append(Problem("spec.optimization.gradCompression",
+                           "the bf16 all-reduce hook needs NCCL (GPUs); on CPU (gloo) use fp16 or none"))
     if opt.sequence_parallel and tp == 1:
         out.append(Problem("spec.optimization.sequenceParallel",
                            "sequence parallel shards along the tensor-parallel group; use tensorParallel > 1, or false"))
@@ -97,6 +102,13 @@ def parallel_problems(job: SeqTrainJob, m: ModelSpec) -> list[Problem]:
         if opt.precision == "fp16":
             out.append(Problem("spec.optimization.precision",
                                "fp16 loss scaling is not wired into the pipeline schedules; use bf16 or fp32"))
+        ev = s.training.eval
+        step_rows = max(1, s.training.global_batch_size // s.dp)
+        if ev.batches and (ev.batches * s.training.micro_batch_size) % step_rows:
+            k = step_rows // math.gcd(step_rows, s.training.micro_batch_size)
+            out.append(Problem("spec.training.eval.batches",
+                               f"with pipeline parallel, evaluation runs in groups of globalBatchSize / dp = "
+                               f"{step_rows} sequences; use a multiple of {k} batches"))
         if m.arch != "gpt" and opt.activation_checkpointing.policy != "none":
             out.append(Problem("spec.optimization.activationCheckpointing.policy",
                                "time-chunk checkpointing of recurrent models does not combine with pipeline "
