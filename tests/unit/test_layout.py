@@ -182,3 +182,10 @@ def test_parallel_traps_are_rejected_with_a_fix(sets: dict, field: str, hint: st
     got = problems(**sets)
     assert field in got, got
     assert hint in got[field]
+
+
+def test_interleaved_ranks_hold_two_chunks() -> None:
+    j = job(replicas=2, **{"optimization.pipelineParallel": 2, "optimization.pipelineSchedule": "interleaved",
+                           "model.layers": 4})
+    table = rank_table(j, local_plan(j))
+    assert [r.blocks for r in table] == [((0, 1), (2, 3)), ((1, 2), (3, 4))]

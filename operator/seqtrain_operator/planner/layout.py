@@ -30,7 +30,7 @@ class RankInfo:
     dp: int
     pp: int
     tp: int
-    blocks: tuple[int, int]  # [start, end) of model.blocks / model.layers on this rank's stage
+    blocks: tuple[tuple[int, int], ...]  # [start, end) ranges of model.blocks / model.layers on this rank
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -38,13 +38,16 @@ class RankInfo:
 
 def rank_table(job: SeqTrainJob, plan: Plan) -> list[RankInfo]:
     mesh = mesh_of(plan.layout)
-    bounds = stage_bounds(resolved_model(job), plan.layout.pp, job.spec.data.seq_len)
+    pp = plan.layout.pp
+    # interleaved 1F1B: each rank holds INTERLEAVED_CHUNKS model chunks, stages r, r + pp, ...
+    v = INTERLEAVED_CHUNKS if pp > 1 and job.spec.optimization.pipeline_schedule == "interleaved" else 1
+    bounds = stage_bounds(resolved_model(job), pp * v, job.spec.data.seq_len)
     out = []
     for rep in plan.replicas:
         for local, rank in enumerate(rep.ranks):
             c = mesh.coord(rank)
             out.append(RankInfo(rank=rank, replica=rep.replica, node=rep.node, local_rank=local,
-                                dp=c.dp, pp=c.pp, tp=c.tp, blocks=bounds[c.pp]))
+                                dp=c.dp, pp=c.pp, tp=c.tp, blocks=tuple(bounds[c.pp + k * pp] for k in range(v))))
     return sorted(out, key=lambda r: r.rank)
 
 

@@ -96,7 +96,7 @@ def render(d: dict) -> str:
     lines.append(f"{'rank':>4} {'replica':>7} {'node':<16} {'local':>5} {'dp':>3} {'pp':>3} {'tp':>3}  blocks")
     for r in d["ranks"]:
         lines.append(f"{r['rank']:>4} {r['replica']:>7} {r['node']:<16} {r['local_rank']:>5} {r['dp']:>3} "
-                     f"{r['pp']:>3} {r['tp']:>3}  [{r['blocks'][0]}, {r['blocks'][1]})")
+                     f"{r['pp']:>3} {r['tp']:>3}  " + " ".join(f"[{a}, {b})" for a, b in r["blocks"]))
     lines.append("")
     for kind in ("tp", "pp", "dp"):
         lines.append(f"{kind} groups: {d['groups'][kind]}")
