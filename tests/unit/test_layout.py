@@ -142,6 +142,8 @@ TABLE = [
     ({"replicas": 2, "optimization.zero.stage": 1, "optimization.gradCompression": "bf16"},
      "spec.optimization.gradCompression"),
     ({"replicas": 2, "optimization.gradCompression": "fp16"}, None),
+    ({"replicas": 2, "optimization.zero.stage": 2, "optimization.precision": "fp16"}, "spec.optimization.precision"),
+    ({"replicas": 2, "optimization.zero.stage": 2, "optimization.precision": "bf16"}, None),
     ({"replicas": 2, "optimization.gradCompression": "bf16"}, "spec.optimization.gradCompression"),
     ({"replicas": 2, "resources.gpus": 1, "optimization.gradCompression": "bf16"}, None),
     ({"optimization.sequenceParallel": True}, "spec.optimization.sequenceParallel"),

@@ -56,6 +56,9 @@ def parallel_problems(job: SeqTrainJob, m: ModelSpec) -> list[Problem]:
                            "the DeepSpeed engine runs data parallel only here; for tensor/pipeline parallel use "
                            "optimization.engine: native (zero.stage 0 = DDP; FSDP2 with zero.stage 3 combines "
                            "with tensorParallel), or set tensorParallel and pipelineParallel to 1"))
+    if engine == "deepspeed" and opt.precision == "fp16" and s.resources.gpus == 0:
+        out.append(Problem("spec.optimization.precision",
+                           "DeepSpeed has no fp16 on CPU; use bf16 or fp32 there, or optimization.engine: native"))
     if engine == "fsdp2" and pp > 1:
         out.append(Problem("spec.optimization.pipelineParallel",
                            "FSDP2 (native, zero.stage 3) does not combine with pipeline parallel here; use "
