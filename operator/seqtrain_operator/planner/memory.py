@@ -10,6 +10,9 @@ Model states for Psi parameters on a rank, data-parallel degree N_d:
     ZeRO-2: optimizer and grads / N_d      ZeRO-3: params, grads and optimizer / N_d
     offload cpu: optimizer states live in host memory (ZeRO-3 offload: the parameter shard too).
 
+DeepSpeed follows this split; the native engines (DDP, FSDP2) keep fp32 weights and gradients under autocast,
+so with bf16/fp16 they are counted 4 + 4 + 8 (the same 16 bytes per parameter).
+
 Psi is what the rank holds after tensor and pipeline parallel took their share: matrices of a block are split
 by tp (norms replicated), the vocabulary by tp, blocks by pipeline stage. Activations follow Korthikanti et al.
 (2022) adapted to this model (SwiGLU MLP, RMSNorm, flash-style attention that stores no seq x seq scores):
@@ -192,7 +195,10 @@ def estimate(job: SeqTrainJob) -> MemoryEstimate:
     stages = []
     for st in range(pp):
         psi = stage_params(p, bounds, st, tp, m.tie_embeddings)
-        ms = model_state_bytes(psi, opt.precision, zstage, dp, opt.zero.offload)
+        # The native engines (DDP, FSDP2) autocast with fp32 weights and gradients: same 16 bytes per
+        # parameter as the paper's mixed-precision Adam, split 4 + 4 + 8 instead of 2 + 2 + 12.
+        ms = model_state_bytes(psi, opt.precision if engine == "deepspeed" else "fp32", zstage, dp,
+                               opt.zero.offload)
         nblocks = bounds[st][1] - bounds[st][0]
         whole, ckpt = stored_blocks(ac.policy, ac.every, nblocks)
         per_block = block_activation_elems(m, tp, opt.sequence_parallel)
