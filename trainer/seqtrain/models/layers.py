@@ -1,7 +1,10 @@
 """Building blocks of the GPT decoder, each a small function with a module around it.
 
-The functions (`rms_norm`, `swiglu`, `rope`, `attention`) have the signatures of `seqtrain.kernels`, so a
-fused kernel replaces one by changing the single call site here, not the model code.
+The functions (`rms_norm`, `swiglu`, `rope`, `attention`) are the reference path and have the signatures of
+`seqtrain.kernels`. Each module below has a `use_kernels` flag (False by default; set per instance by
+`seqtrain.models.dispatch.apply_kernels` when `optimization.kernels` resolves to on): with it the module calls
+the `seqtrain.kernels` function instead (Triton on CUDA or under TRITON_INTERPRET=1, chosen per call).
+Importing `seqtrain.kernels` never imports triton.
 """
 
 from __future__ import annotations
@@ -9,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from seqtrain import kernels as K
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -40,6 +45,14 @@ def rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[torch.Tensor
     return angles.cos().float(), angles.sin().float()
 
 
+def kernel_rope_tables(cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's half tables ([T, Dh/2], or [B, 1, T, Dh/2] per packed document) in the layout of
+    `seqtrain.kernels.rope` ([T, Dh] or [B, T, Dh], both halves repeated), cast to `dtype` like `rope` does."""
+    if cos.dim() == 4:
+        cos, sin = cos[:, 0], sin[:, 0]
+    return torch.cat((cos, cos), dim=-1).to(dtype), torch.cat((sin, sin), dim=-1).to(dtype)
+
+
 def document_mask(doc_ids: torch.Tensor) -> torch.Tensor:
     """Boolean [B, 1, T, T] mask: position i may attend to j when j <= i and both lie in the same document."""
     t = doc_ids.shape[-1]
@@ -63,17 +76,23 @@ def attention(
 
 
 class RMSNorm(nn.Module):
+    use_kernels = False  # per instance: seqtrain.models.dispatch.apply_kernels
+
     def __init__(self, dim: int, eps: float = 1e-5) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_kernels:
+            return K.rms_norm(x, self.weight, self.eps)
         return rms_norm(x, self.weight, self.eps)
 
 
 class SwiGLU(nn.Module):
     """LLaMA-style MLP: down(silu(gate(x)) * up(x))."""
+
+    use_kernels = False
 
     def __init__(self, dim: int, hidden: int) -> None:
         super().__init__()
@@ -82,10 +101,13 @@ class SwiGLU(nn.Module):
         self.down = nn.Linear(hidden, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(swiglu(self.gate(x), self.up(x)))
+        act = K.swiglu if self.use_kernels else swiglu
+        return self.down(act(self.gate(x), self.up(x)))
 
 
 class CausalSelfAttention(nn.Module):
+    use_kernels = False  # kernels: fused RoPE and flash attention (doc_ids: no [T, T] mask is built)
+
     def __init__(self, dim: int, heads: int, kv_heads: int) -> None:
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
@@ -101,8 +123,13 @@ class CausalSelfAttention(nn.Module):
         q = self.q(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
         k = self.k(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        q, k = rope(q, cos, sin), rope(k, cos, sin)
-        y = attention(q, k, v, causal=True, doc_ids=doc_ids)
+        if self.use_kernels:
+            cos_k, sin_k = kernel_rope_tables(cos, sin, q.dtype)
+            q, k = K.rope(q, cos_k, sin_k), K.rope(k, cos_k, sin_k)
+            y = K.attention(q, k, v, causal=True, doc_ids=doc_ids)
+        else:
+            q, k = rope(q, cos, sin), rope(k, cos, sin)
+            y = attention(q, k, v, causal=True, doc_ids=doc_ids)
         return self.out(y.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
 
 

@@ -4,8 +4,9 @@ Per layer, from the input x_t and the previous input x_{t-1} (a width-2 causal c
     z_t = tanh(W_z [x_t; x_{t-1}]),  f_t = sigmoid(W_f [...]),  o_t = sigmoid(W_o [...])
     c_t = f_t * c_{t-1} + (1 - f_t) * z_t        (fo-pooling: a first-order linear recurrence)
     h_t = o_t * c_t
-The pooling is exactly `linear_scan(a=f, b=(1-f)*z, h0=c_{-1})`, `h_t = a_t h_{t-1} + b_t`, so the custom scan
-kernel in `seqtrain.kernels` replaces it with no model change. At a document start (packing) the convolution
+The pooling is exactly `linear_scan(a=f, b=(1-f)*z, h0=c_{-1})`, `h_t = a_t h_{t-1} + b_t`: with
+`optimization.kernels` on (`QRNNLayer.use_kernels`) it runs as `seqtrain.kernels.linear_scan` (Triton), otherwise
+as the reference scan below. At a document start (packing) the convolution
 sees a zero x_{t-1} and a_t = 0 drops c_{t-1}: the state resets with plain masks, no regrouping needed.
 """
 
@@ -31,16 +32,20 @@ def reference_linear_scan(a: torch.Tensor, b: torch.Tensor, h0: torch.Tensor | N
     return b
 
 
-def linear_scan(a: torch.Tensor, b: torch.Tensor, h0: torch.Tensor | None = None) -> torch.Tensor:
-    """`seqtrain.kernels.linear_scan` when the kernels package provides it, else the reference above."""
-    try:
-        from seqtrain.kernels import linear_scan as kernel_scan
-    except ImportError:
-        return reference_linear_scan(a, b, h0)
-    return kernel_scan(a, b, h0)
+def linear_scan(
+    a: torch.Tensor, b: torch.Tensor, h0: torch.Tensor | None = None, *, kernels: bool = False
+) -> torch.Tensor:
+    """`seqtrain.kernels.linear_scan` (dispatching per call) with `kernels`, else the reference above."""
+    if kernels:
+        from seqtrain.kernels import linear_scan as kernel_scan  # never imports triton by itself
+
+        return kernel_scan(a, b, h0)
+    return reference_linear_scan(a, b, h0)
 
 
 class QRNNLayer(nn.Module):
+    use_kernels = False  # per instance: seqtrain.models.dispatch.apply_kernels
+
     def __init__(self, dim: int) -> None:
         super().__init__()
         self.dim = dim
@@ -56,7 +61,7 @@ class QRNNLayer(nn.Module):
         # The scan runs in fp32 even under autocast: a product of many gates underflows quickly in half.
         f = torch.sigmoid(f.float())
         a = f if reset is None else f.masked_fill(reset.unsqueeze(-1), 0.0)
-        c = linear_scan(a, (1.0 - f) * torch.tanh(z.float()), c0.float())
+        c = linear_scan(a, (1.0 - f) * torch.tanh(z.float()), c0.float(), kernels=self.use_kernels)
         h = torch.sigmoid(o.float()) * c
         # clone: a view would keep the whole chunk's x and c alive as the next chunk's (checkpointed) input
         return h.to(x.dtype), x[:, -1].clone(), c[:, -1].clone()

@@ -66,6 +66,7 @@ class Stage(nn.Module):
                 with torch.no_grad():
                     self.output.weight.copy_(emb.weight)
         self.tp_group = getattr(getattr(model, "lm_loss", None), "group", None)
+        self.use_kernels = getattr(model, "use_kernels", False)  # fused loss (seqtrain.models.dispatch)
         self.vocab_start = getattr(model.embed, "start", 0)
 
     @property
@@ -102,7 +103,7 @@ class Stage(nn.Module):
             h = copy_to_tp(hidden.reshape(-1, hidden.shape[-1]), self.tp_group)
             return vocab_parallel_cross_entropy(h @ self.output_weight.t(), targets.reshape(-1), self.vocab_start,
                                                 self.tp_group, IGNORE_INDEX)
-        return linear_cross_entropy(hidden, self.output_weight, targets)
+        return linear_cross_entropy(hidden, self.output_weight, targets, kernels=self.use_kernels)
 
 
 def build_stages(model: nn.Module, bounds: list[tuple[int, int]], indices: list[int]) -> list[Stage]:

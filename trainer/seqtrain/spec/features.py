@@ -16,8 +16,6 @@ _Check = tuple[str, Callable[[SeqTrainJob], bool], str]
 _UNAVAILABLE: list[_Check] = [
     ("spec.optimization.sequenceParallel", lambda j: j.spec.optimization.sequence_parallel,
      "sequence parallelism is not available yet; use false"),
-    ("spec.optimization.kernels", lambda j: bool(j.spec.optimization.kernels),
-     "custom kernels are not wired into the models yet; leave unset or false"),
 ]
 
 

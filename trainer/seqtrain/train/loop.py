@@ -20,6 +20,7 @@ from seqtrain.data import SequenceBatches, build_train_data
 from seqtrain.engine import Engine, StepStats, build_engine, engine_name
 from seqtrain.models import build_model, count_parameters
 from seqtrain.models.compile import prepare_model
+from seqtrain.models.dispatch import setup_kernels
 from seqtrain.parallel.apply import init_mesh, parallelize
 from seqtrain.parallel.watchdog import waiting
 from seqtrain.spec.job import SeqTrainJob
@@ -91,6 +92,7 @@ class Trainer:
         init_mesh(self.ctx, self.job)  # dp/pp/tp groups; data shards by the dp rank from here on
         self.model = build_model(self.spec.model).to(self.ctx.device)
         self.model = parallelize(self.model, self.job, self.ctx)  # tensor parallel (before AC / compile)
+        self.log(setup_kernels(self.model, self.job, self.ctx.device))  # optimization.kernels -> model and loss
         for line in prepare_model(self.model, self.job, self.ctx.device):  # activation checkpointing, compile
             self.log(line)
         self.engine = build_engine(self.model, self.job, self.ctx)

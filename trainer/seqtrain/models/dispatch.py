@@ -1,0 +1,86 @@
+"""`optimization.kernels`: decide once per run whether the models call `seqtrain.kernels`, and switch them.
+
+Resolution (`resolve_kernels`), in order:
+1. `SEQTRAIN_KERNELS=torch` forces the reference, whatever the spec says.
+2. `optimization.kernels: false` -> reference.
+3. Unset -> on iff the device is CUDA (a CPU run with the field unset never imports triton).
+4. On (true, or unset on CUDA) -> the Triton path where it can run on this device (CUDA, or the CPU with
+   `TRITON_INTERPRET=1`, and triton imports); otherwise the reference, with the reason in the log line.
+   `SEQTRAIN_KERNELS=triton` where Triton cannot run is an error, not a fallback.
+
+`apply_kernels` sets `use_kernels` on the modules that have a kernel path: `RMSNorm` (rms_norm), `SwiGLU`
+(swiglu), `CausalSelfAttention` (rope + flash attention, doc_ids for packing), `QRNNLayer` (linear_scan for
+fo-pooling) and the model itself (the loss: fused linear + cross-entropy). It is a per-instance attribute, so
+it survives tensor parallel's class swap, pipeline stages (which reuse the modules), activation checkpointing
+(recomputation calls the same forward) and FSDP2/DeepSpeed wrapping. Two combinations keep a reference piece:
+- tensor parallel: the loss stays the vocabulary-parallel cross-entropy (the fused kernel needs the whole
+  vocabulary on one rank); the blocks use the kernels on their local heads and hidden units.
+- torch.compile: compiled transformer blocks keep the reference ops, which inductor fuses itself (the kernels'
+  autograd Functions are not traced through); the final norm and the loss, outside the blocks, use the kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from seqtrain.kernels._runtime import (
+    ENV_BACKEND,
+    backend_for,
+    forced_backend,
+    interpret_requested,
+    triton_import_error,
+)
+from seqtrain.spec.job import SeqTrainJob
+
+from .compile import compile_backend_problem
+
+
+def resolve_kernels(setting: bool | None, device: torch.device) -> tuple[bool, str]:
+    """(use the kernels, why) for `optimization.kernels` = `setting` on `device`."""
+    if forced_backend() == "torch":
+        return False, f"off ({ENV_BACKEND}=torch forces the PyTorch reference)"
+    if setting is False:
+        return False, "off (optimization.kernels: false)"
+    if setting is None and device.type != "cuda":
+        return False, "off (default on the CPU; optimization.kernels: true with TRITON_INTERPRET=1 runs them here)"
+    source = "optimization.kernels: true" if setting else "default on CUDA"
+    # backend_for raises for SEQTRAIN_KERNELS=triton where Triton cannot run. It imports triton only when the
+    # probe is on CUDA or TRITON_INTERPRET=1 is set.
+    if backend_for(torch.empty(0, device=device)) == "triton":
+        mode = "Triton interpreter" if device.type == "cpu" else "Triton"
+        return True, f"on ({source}; {mode})"
+    if device.type == "cpu" and not interpret_requested():
+        why = "TRITON_INTERPRET=1 is not set on this CPU run"
+    else:
+        why = f"triton cannot be imported: {triton_import_error()}"
+    return False, f"off ({source}, but {why}; using the PyTorch reference)"
+
+
+def apply_kernels(model: nn.Module, enabled: bool, *, skip_blocks: bool = False) -> list[str]:
+    """Set `use_kernels` on every module with a kernel path (and on the model, for the loss); returns the names
+    of the switched modules. `skip_blocks`: leave `model.blocks` on the reference (torch.compile fuses them)."""
+    skipped: set[int] = set()
+    if skip_blocks:
+        skipped = {id(m) for m in getattr(model, "blocks", nn.ModuleList()).modules()}
+    switched = []
+    for name, module in model.named_modules():
+        if hasattr(type(module), "use_kernels") and id(module) not in skipped:
+            module.use_kernels = enabled
+            switched.append(name)
+    model.use_kernels = enabled  # read by the loss (CausalLMLoss, pipeline stages)
+    return switched
+
+
+def setup_kernels(model: nn.Module, job: SeqTrainJob, device: torch.device) -> str:
+    """Resolve `optimization.kernels` for this run and switch the model; returns the log line."""
+    opt = job.spec.optimization
+    enabled, why = resolve_kernels(opt.kernels, device)
+    compiled = enabled and opt.compile and hasattr(model, "blocks") and compile_backend_problem(device) is None
+    apply_kernels(model, enabled, skip_blocks=compiled)
+    line = f"kernels: {why}"
+    if enabled and getattr(model, "lm_loss", None) is not None:
+        line += "; loss: vocabulary-parallel reference (tensor parallel)"
+    if compiled:
+        line += "; compiled blocks: torch.compile's own fusion"
+    return line
