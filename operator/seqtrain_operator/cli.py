@@ -63,9 +63,23 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
+    if args.nproc_per_node > 1:  # several ranks in this pod: our launcher keeps their exit codes (torchrun does not)
+        from seqtrain.train.launch import main as launch_main
+
+        return launch_main(args.config, args.nproc_per_node)
     from seqtrain.train.entry import main as train_main
 
     return train_main(args.config)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
@@ -114,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("train", help="per-rank trainer entrypoint (pods and local processes run this)")
     t.add_argument("--config", required=True, help="resolved trainer config (JSON)")
+    t.add_argument("--nproc-per-node", type=_positive_int, default=1, metavar="N",
+                   help="start N rank processes here (RANK = NODE_RANK*N + local rank) and exit with their most "
+                        "specific exit code (default 1: this process is the rank)")
     t.set_defaults(func=_cmd_train)
 
     pl = sub.add_parser("plan", help="print the resolved plan: layout, placement, memory per rank")

@@ -73,13 +73,18 @@ def test_security_context_is_restricted():
     assert pod["spec"]["automountServiceAccountToken"] is False
 
 
-def test_multi_process_pods_use_torchrun_argv_without_shell():
+def test_multi_process_pods_use_the_seqtrain_launcher_argv_without_shell():
     j = job(replicas=3, resources={"gpus": 4, "cpu": "8", "memory": "64Gi"}, image="reg/x:1; rm -rf /")
     pod = m.build_pod(j, OWNER, 2, 2, SETTINGS, "n1")
     c = pod["spec"]["containers"][0]
-    assert c["command"][0] == "torchrun" and "--node-rank=2" in c["command"] and "--nproc-per-node=4" in c["command"]
-    assert "sh" not in c["command"] and "-c" not in c["command"]
-    assert "RANK" not in env_of(pod) and env_of(pod)["WORLD_SIZE"] == "12"
+    # Our launcher, not torchrun: torchrun exits 1 for any failed rank, hiding exit code 3 (invalid config).
+    assert c["command"] == ["seqtrain", "train", "--config", "/etc/seqtrain/config.json", "--nproc-per-node=4"]
+    env = env_of(pod)
+    assert "RANK" not in env and "LOCAL_RANK" not in env  # the launcher sets them per process
+    assert (env["WORLD_SIZE"], env["NODE_RANK"], env["LOCAL_WORLD_SIZE"]) == ("12", "2", "4")
+    assert env["MASTER_ADDR"] == "gpt-0.gpt.ml.svc" and env["MASTER_PORT"] == "29500"
+    # The launcher gives up on its ranks before the kubelet's SIGKILL at terminationGracePeriodSeconds.
+    assert int(env["SEQTRAIN_TERM_GRACE_SECONDS"]) < pod["spec"]["terminationGracePeriodSeconds"]
     assert c["resources"]["limits"]["nvidia.com/gpu"] == "4" and c["resources"]["requests"]["nvidia.com/gpu"] == "4"
     assert c["image"] == "reg/x:1; rm -rf /"  # passed verbatim as data, never interpreted
 

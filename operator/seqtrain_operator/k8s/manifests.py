@@ -5,8 +5,9 @@ the resolved trainer config, one pod per replica, and for an external gang sched
 Every object carries an ownerReference to the SeqTrainJob, so deleting the job garbage-collects all of them, and
 the labels `seqtrain.dev/job` / `seqtrain.dev/attempt` / `seqtrain.dev/replica` the operator selects them by.
 
-Pods run `seqtrain train --config ...` (one rank) or `torchrun ... seqtrain train --config ...` (several ranks per
-pod), always as an argv list: no user string ever reaches a shell.
+Pods run `seqtrain train --config ...` (one rank) or `seqtrain train --config ... --nproc-per-node N` (several ranks
+per pod: seqtrain.train.launch, which keeps the ranks' exit codes), always as an argv list: no user string ever
+reaches a shell.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ CONTAINER = "trainer"
 CONFIG_DIR = "/etc/seqtrain"
 CONFIG_FILE = "config.json"
 CHECKPOINT_MOUNT = "/checkpoints"
+# A multi-rank pod's launcher stops waiting for its ranks this long before the kubelet's SIGKILL, so it can still
+# kill them itself and exit with a code that says what happened.
+TERM_GRACE_MARGIN_SECONDS = 5
 
 # The external gang schedulers: the CRD that proves one is installed, its PodGroup API, its scheduler name.
 EXTERNAL = {
@@ -166,11 +170,10 @@ def _command(job: SeqTrainJob, owner: Owner, replica: int, settings: Settings) -
     procs = job.spec.resources.procs
     if procs == 1:
         return ["seqtrain", "train", "--config", config]
-    # Several ranks per pod: torchrun starts them with RANK/LOCAL_RANK/WORLD_SIZE set; static rendezvous on rank
-    # 0's pod, and no restarts of its own (the operator restarts the whole gang).
-    return ["torchrun", f"--nnodes={job.spec.replicas}", f"--nproc-per-node={procs}", f"--node-rank={replica}",
-            f"--master-addr={master_addr(owner)}", f"--master-port={settings.master_port}", "--max-restarts=0",
-            "--no-python", "seqtrain", "train", "--config", config]
+    # Several ranks per pod: our launcher (seqtrain.train.launch) gives them RANK = NODE_RANK*N + local rank from the
+    # env below and exits with their most specific code (torchrun would turn an invalid config's 3 into 1). No
+    # restarts of its own: the operator restarts the whole gang.
+    return ["seqtrain", "train", "--config", config, f"--nproc-per-node={procs}"]
 
 
 def _env(job: SeqTrainJob, owner: Owner, attempt: int, replica: int, settings: Settings) -> list[dict[str, Any]]:
@@ -192,8 +195,11 @@ def _env(job: SeqTrainJob, owner: Owner, attempt: int, replica: int, settings: S
         {"name": "TRITON_CACHE_DIR", "value": "/tmp/triton"},
         {"name": "TORCH_EXTENSIONS_DIR", "value": "/tmp/torch_extensions"},
     ]
-    if procs == 1:  # torchrun sets these itself when it starts several ranks
+    if procs == 1:
         env[3:3] = [{"name": "RANK", "value": str(replica)}, {"name": "LOCAL_RANK", "value": "0"}]
+    else:  # the launcher sets RANK/LOCAL_RANK per process; it SIGKILLs its ranks a little before the kubelet would
+        grace = max(1, settings.termination_grace_seconds - TERM_GRACE_MARGIN_SECONDS)
+        env.append({"name": "SEQTRAIN_TERM_GRACE_SECONDS", "value": str(grace)})
     return env
 
 

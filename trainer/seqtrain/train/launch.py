@@ -1,0 +1,265 @@
+"""`seqtrain train --config F --nproc-per-node N`: start one pod's N rank processes and keep their exit codes.
+
+Why not torchrun: it exits 1 whenever a child fails, so the trainer's exit codes (exitcodes.py: 3 invalid config =
+permanent, 4 collective timeout, 143 SIGTERM after a checkpoint) never reach the pod's container status, and the
+operator would restart a gang whose config can never work. This launcher is pure Python (no torch), so it adds
+nothing to the image and starts in milliseconds.
+
+What it does, in order:
+- reads the pod's bootstrap environment (WORLD_SIZE, NODE_RANK, MASTER_ADDR, MASTER_PORT; `rank_envs`) and gives
+  child `local` RANK = NODE_RANK * N + local, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT;
+  CUDA_VISIBLE_DEVICES is left alone (each rank takes cuda:LOCAL_RANK);
+- starts every child in its own session (process group), so a signal reaches the child and anything it spawned;
+- forwards SIGTERM/SIGINT to every child and waits up to SEQTRAIN_TERM_GRACE_SECONDS (the manifests set it a little
+  below the pod's terminationGracePeriodSeconds) before SIGKILL;
+- when a child exits non-zero, SIGTERMs the others and SIGKILLs them after FAILURE_GRACE_SECONDS;
+- exits with `launcher_exit_code` of the children's codes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from types import FrameType
+
+from . import exitcodes
+
+GRACE_ENV = "SEQTRAIN_TERM_GRACE_SECONDS"
+DEFAULT_TERM_GRACE_SECONDS = 30.0  # SIGTERM -> SIGKILL when the pod is stopped (the trainer checkpoints within it)
+# SIGTERM -> SIGKILL for the surviving ranks after one failed: their gang is broken, so they cannot finish a step or
+# a collective checkpoint; a rank blocked in NCCL only leaves by SIGKILL.
+FAILURE_GRACE_SECONDS = 10.0
+POLL_SECONDS = 0.05
+_FORWARDED = (signal.SIGTERM, signal.SIGINT)
+
+
+class LaunchError(Exception):
+    """The pod's bootstrap environment cannot give N ranks an identity; the message names the variable. Exits 3."""
+
+
+# ---- pure parts ------------------------------------------------------------------------------------------------
+
+
+def normalize(returncode: int) -> int:
+    """Popen's returncode -> a shell-style exit code: killed by signal N is 128 + N (what a container status says)."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def launcher_exit_code(codes: Sequence[int]) -> int:
+    """The pod's exit code from its ranks' exit codes, listed in the order the ranks ended (normalized, 0 = ok).
+
+    The most specific code wins, because it decides how the operator classifies the failure: 3 (invalid config,
+    permanent) if any rank exited 3, else 4 (collective timeout) if any exited 4, else the first failing rank's code
+    (the cause; later ones are mostly ranks this launcher stopped). 0 only when every rank exited 0."""
+    if exitcodes.INVALID_CONFIG in codes:
+        return exitcodes.INVALID_CONFIG
+    if exitcodes.COMM_TIMEOUT in codes:
+        return exitcodes.COMM_TIMEOUT
+    return next((c for c in codes if c != 0), exitcodes.OK)
+
+
+def _int_env(environ: Mapping[str, str], name: str, default: int | None, why: str) -> int:
+    raw = environ.get(name, "")
+    if raw == "":
+        if default is None:
+            raise LaunchError(f"environment variable {name} is required {why}")
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise LaunchError(f"environment variable {name}={raw!r} must be an integer") from None
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def rank_envs(nproc: int, environ: Mapping[str, str]) -> list[dict[str, str]]:
+    """The variables each of the `nproc` children gets on top of `environ` (index = local rank).
+
+    WORLD_SIZE unset means this pod is the whole job (then NODE_RANK defaults to 0 and the rendezvous to a free
+    loopback port). NODE_RANK falls back to SEQTRAIN_REPLICA, the replica index the manifests also set."""
+    if nproc < 1:
+        raise LaunchError(f"--nproc-per-node={nproc} must be at least 1")
+    world = _int_env(environ, "WORLD_SIZE", nproc, "")
+    local_world = _int_env(environ, "LOCAL_WORLD_SIZE", nproc, "")
+    if local_world != nproc:
+        raise LaunchError(f"LOCAL_WORLD_SIZE={local_world} disagrees with --nproc-per-node={nproc}; "
+                          "set both to resources.processesPerReplica")
+    if world % nproc:
+        raise LaunchError(f"WORLD_SIZE={world} is not a multiple of --nproc-per-node={nproc}")
+    node_var = "SEQTRAIN_REPLICA" if not environ.get("NODE_RANK") and environ.get("SEQTRAIN_REPLICA") else "NODE_RANK"
+    node_rank = _int_env(environ, node_var, None if world > nproc else 0,
+                         "(or SEQTRAIN_REPLICA) when WORLD_SIZE is larger than --nproc-per-node")
+    if not 0 <= node_rank < world // nproc:
+        raise LaunchError(f"{node_var}={node_rank} must be in [0, WORLD_SIZE / --nproc-per-node = {world // nproc})")
+    if world > nproc:
+        addr = environ.get("MASTER_ADDR", "")
+        port = str(_int_env(environ, "MASTER_PORT", None, "when WORLD_SIZE > --nproc-per-node"))
+        if not addr:
+            raise LaunchError("environment variable MASTER_ADDR is required when WORLD_SIZE > --nproc-per-node "
+                              "(the address of node rank 0)")
+    else:  # the whole job is in this pod: rendezvous on loopback unless told otherwise
+        addr = environ.get("MASTER_ADDR") or "127.0.0.1"
+        port = environ.get("MASTER_PORT") or str(free_port())
+    threads = environ.get("OMP_NUM_THREADS") or str(max(1, cpu_budget() // nproc))
+    return [{"RANK": str(node_rank * nproc + local), "LOCAL_RANK": str(local), "WORLD_SIZE": str(world),
+             "LOCAL_WORLD_SIZE": str(nproc), "NODE_RANK": str(node_rank), "MASTER_ADDR": addr, "MASTER_PORT": port,
+             "OMP_NUM_THREADS": threads} for local in range(nproc)]
+
+
+def cpu_budget(cpu_max: str = "/sys/fs/cgroup/cpu.max") -> int:
+    """CPUs this container may use: the affinity mask, capped by the cgroup v2 CPU limit (a pod's limits.cpu), so
+    the ranks share the pod's CPUs instead of each starting a thread per core of the node."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    with contextlib.suppress(OSError, ValueError):
+        with open(cpu_max, encoding="ascii") as f:
+            quota, period = f.read().split()[:2]
+        if quota != "max":
+            cpus = min(cpus, max(1, -(-int(quota) // int(period))))
+    return cpus
+
+
+# ---- processes -------------------------------------------------------------------------------------------------
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, sig)  # start_new_session: the child's pgid is its pid
+
+
+def _say(text: str) -> None:
+    print(f"seqtrain launch: {text}", file=sys.stderr, flush=True)
+
+
+def launch(command: Sequence[str], nproc: int, environ: Mapping[str, str] | None = None,
+           term_grace: float = DEFAULT_TERM_GRACE_SECONDS, failure_grace: float = FAILURE_GRACE_SECONDS) -> int:
+    """Run `command` as `nproc` rank processes; return the pod's exit code (`launcher_exit_code`).
+
+    Installs SIGTERM/SIGINT handlers for the duration (main thread only) and restores the previous ones."""
+    base = dict(os.environ if environ is None else environ)
+    try:
+        envs = rank_envs(nproc, base)
+    except LaunchError as exc:
+        _say(f"invalid config: {exc}")
+        return exitcodes.INVALID_CONFIG
+    procs: list[subprocess.Popen] = []
+    received: list[int] = []
+
+    def forward(signum: int, frame: FrameType | None) -> None:
+        received.append(signum)
+        for p in procs:
+            if p.returncode is None:  # not reaped yet (no waitpid in a handler: it may interrupt poll())
+                _signal_group(p, signum)
+
+    codes: list[int] = []
+    previous = {sig: signal.signal(sig, forward) for sig in _FORWARDED}
+    try:
+        for local, extra in enumerate(envs):
+            if received:  # stopped while starting: start no more ranks
+                break
+            try:
+                procs.append(subprocess.Popen(list(command), env={**base, **extra}, stdin=subprocess.DEVNULL,
+                                              start_new_session=True))
+            except OSError as exc:
+                _say(f"cannot start local rank {local}: {exc}")
+                codes.append(exitcodes.ERROR)  # counts as the first failure: _wait stops the ranks started
+                break
+        codes = _wait(procs, codes, term_grace, failure_grace, received)
+    finally:
+        for p in procs:  # anything a rank left behind in its group
+            _signal_group(p, signal.SIGKILL)
+        for p in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=10)  # reaped; one even SIGKILL cannot stop is left to the OS rather than hang us
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    code = launcher_exit_code(codes)
+    if code:
+        _say(f"exit codes of local ranks, in the order they ended: {codes}; exiting {code}")
+    return code
+
+
+def _wait(procs: list[subprocess.Popen], codes: list[int], term_grace: float, failure_grace: float,
+          received: list[int]) -> list[int]:
+    """Poll until every child ended; returns their normalized codes in the order they ended (appended to `codes`).
+
+    The first non-zero exit (or a signal to the launcher) starts the stop: SIGTERM to the rest, SIGKILL at the
+    deadline: `failure_grace` after a rank failure, `term_grace` after a stop request."""
+    running = dict(enumerate(procs))
+    deadline: float | None = None if not codes else time.monotonic() + failure_grace
+    if codes:
+        for p in running.values():
+            _signal_group(p, signal.SIGTERM)
+    while running:
+        for local, p in list(running.items()):
+            rc = p.poll()
+            if rc is None:
+                continue
+            del running[local]
+            codes.append(normalize(rc))
+            if codes[-1] != 0 and deadline is None:
+                _say(f"local rank {local} exited with code {codes[-1]}; stopping the other {len(running)} rank(s)")
+                deadline = time.monotonic() + failure_grace
+                for q in running.values():
+                    _signal_group(q, signal.SIGTERM)
+        if received and deadline is None:
+            deadline = time.monotonic() + term_grace  # the handler already forwarded the signal
+        if deadline is not None and time.monotonic() >= deadline and running:
+            _say(f"local ranks {sorted(running)} still running at the deadline; SIGKILL")
+            for p in running.values():
+                _signal_group(p, signal.SIGKILL)
+            for local, p in list(running.items()):
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    p.wait(timeout=10)
+                if p.returncode is not None:
+                    del running[local]
+                    codes.append(normalize(p.returncode))
+            if running:  # unkillable (uninterruptible I/O): report it as killed rather than wait forever
+                codes.extend(128 + signal.SIGKILL for _ in running)
+                running.clear()
+        if running:
+            time.sleep(POLL_SECONDS)
+    return codes
+
+
+def term_grace_from(environ: Mapping[str, str]) -> float:
+    raw = environ.get(GRACE_ENV, "")
+    if raw == "":
+        return DEFAULT_TERM_GRACE_SECONDS
+    try:
+        value = float(raw)
+    except ValueError:
+        raise LaunchError(f"environment variable {GRACE_ENV}={raw!r} must be a number of seconds") from None
+    if value < 0:
+        raise LaunchError(f"environment variable {GRACE_ENV}={raw!r} must be >= 0")
+    return value
+
+
+def main(config: str, nproc: int) -> int:
+    """`seqtrain train --config F --nproc-per-node N` with N > 1: every child runs `seqtrain train --config F`."""
+    try:
+        grace = term_grace_from(os.environ)
+    except LaunchError as exc:
+        _say(f"invalid config: {exc}")
+        return exitcodes.INVALID_CONFIG
+    return launch([sys.executable, "-m", "seqtrain.train.entry", "--config", config], nproc, term_grace=grace)
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m seqtrain.train.launch",
+                                 description="start N rank processes of `seqtrain train` (see the module doc)")
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--nproc-per-node", type=int, required=True)
+    a = ap.parse_args()
+    sys.exit(main(a.config, a.nproc_per_node))
