@@ -3,12 +3,13 @@
 Why not torchrun: it exits 1 whenever a child fails, so the trainer's exit codes (exitcodes.py: 3 invalid config =
 permanent, 4 collective timeout, 143 SIGTERM after a checkpoint) never reach the pod's container status, and the
 operator would restart a gang whose config can never work. This launcher is pure Python (no torch), so it adds
-nothing to the image and starts in milliseconds.
+nothing to the image and never loads torch itself.
 
 What it does, in order:
 - reads the pod's bootstrap environment (WORLD_SIZE, NODE_RANK, MASTER_ADDR, MASTER_PORT; `rank_envs`) and gives
   child `local` RANK = NODE_RANK * N + local, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT;
-  CUDA_VISIBLE_DEVICES is left alone (each rank takes cuda:LOCAL_RANK);
+  CUDA_VISIBLE_DEVICES is left alone (each rank takes cuda:LOCAL_RANK); OMP_NUM_THREADS, unless set, is the
+  container's CPUs (`cpu_budget`) divided by N;
 - starts every child in its own session (process group), so a signal reaches the child and anything it spawned;
 - forwards SIGTERM/SIGINT to every child and waits up to SEQTRAIN_TERM_GRACE_SECONDS (the manifests set it a little
   below the pod's terminationGracePeriodSeconds) before SIGKILL;
