@@ -11,6 +11,7 @@ from typing import Any
 
 import kopf
 from k8sfake import Cluster, FakeKubernetes, wait_for
+
 from seqtrain.spec.crd import crd
 from seqtrain_operator.k8s import handlers
 from seqtrain_operator.k8s.manifests import Settings

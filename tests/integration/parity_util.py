@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
 from seqtrain.parallel.launch import free_port, run_ranks  # noqa: F401 - re-exported for the tests
 from seqtrain.spec import apply_overrides, parse_job, resolve
 

@@ -10,6 +10,7 @@ import time
 
 import pytest
 from parity_util import ROOT, free_port, job_for
+
 from seqtrain.spec import RuntimeConfig, write_trainer_config
 
 pytestmark = pytest.mark.slow

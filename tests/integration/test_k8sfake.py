@@ -14,6 +14,7 @@ import pytest
 from k8sfake import Cluster, FakeKubernetes
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
+
 from seqtrain.spec.crd import crd as seqtrain_crd
 
 

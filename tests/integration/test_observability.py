@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+
 from seqtrain.data import eval_batches, load_corpus
 from seqtrain.models import build_model
 from seqtrain.spec import RuntimeConfig, load_job, resolve

@@ -138,6 +138,7 @@ def test_fsdp2_resumes_into_a_different_data_parallel_degree(root: Path) -> None
 def test_consolidated_checkpoint_equals_the_single_process_weights(name: str, root: Path, tmp_path: Path) -> None:
     """`python -m seqtrain.parallel.consolidate` turns each engine's shards into the single-process state dict."""
     import torch
+
     from seqtrain.models import build_model
     from seqtrain.parallel.consolidate import main as consolidate_main
 

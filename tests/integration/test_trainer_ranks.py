@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from seqtrain.checkpoint import latest_checkpoint, list_checkpoints
 from seqtrain.spec import RuntimeConfig, load_job, resolve, write_trainer_config
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
+
 from seqtrain.data import Batch, Corpus
 from seqtrain.data.packing import build_batch, plan_rows
 from seqtrain.engine.native import NativeEngine

@@ -7,6 +7,7 @@ import copy
 
 import pytest
 import torch
+
 from seqtrain.models import build_model
 from seqtrain.models.checkpointing import SavedActivationMeter, apply_activation_checkpointing, segments
 from seqtrain.spec.model import ModelSpec

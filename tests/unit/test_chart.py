@@ -9,6 +9,7 @@ import subprocess
 
 import pytest
 import yaml
+
 from seqtrain.spec.crd import crd_yaml
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

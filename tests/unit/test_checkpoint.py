@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
+
 from seqtrain.checkpoint import CheckpointManager, latest_checkpoint, latest_step, list_checkpoints
 from seqtrain.spec import RuntimeConfig, load_job, resolve
 from seqtrain.train.dist import DistContext

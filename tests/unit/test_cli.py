@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
+
 from seqtrain_operator import cli
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -75,10 +76,9 @@ def test_run_missing_file_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[
 
 
 def test_run_already_finished_needs_no_gang(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from seqtrain.spec import load_job_file
     from seqtrain.spec.status import JobStatus, Progress
     from seqtrain_operator.local.files import write_status
-
-    from seqtrain.spec import load_job_file
 
     steps = load_job_file(str(QUICKSTART)).spec.training.steps
     write_status(str(tmp_path), JobStatus(phase="Succeeded", progress=Progress(step=steps, total_steps=steps)))

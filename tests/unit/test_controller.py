@@ -8,6 +8,7 @@ from datetime import datetime, timedelta, timezone
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as hs
+
 from seqtrain.spec import SeqTrainJob
 from seqtrain.spec.status import CheckpointRef, JobStatus, Progress
 from seqtrain_operator.controller import (

@@ -6,6 +6,7 @@ import os
 
 import numpy as np
 import pytest
+
 from seqtrain.data import ByteTokenizer, Corpus, SequenceBatches, eval_batches, load_builtin, window_batch
 from seqtrain.data.builtin import in_validation, stdlib_files, stdlib_root
 

@@ -5,12 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from seqtrain.obs.flops import recomputed_flops, token_flops
-from seqtrain.obs.peaks import lookup_peak_tflops, matmul_precision, utilization
-from seqtrain.spec.model import ModelSpec
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
+
+from seqtrain.obs.flops import recomputed_flops, token_flops
+from seqtrain.obs.peaks import lookup_peak_tflops, matmul_precision, utilization
+from seqtrain.spec.model import ModelSpec
 
 B, T = 2, 64
 

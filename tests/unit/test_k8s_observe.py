@@ -6,6 +6,7 @@ import json
 from datetime import datetime, timedelta, timezone
 
 import pytest
+
 from seqtrain.spec.status import Condition, JobStatus, Progress
 from seqtrain_operator.controller import goodput
 from seqtrain_operator.controller.failure_policy import FailureClass, classify

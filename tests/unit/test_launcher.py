@@ -13,6 +13,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
+
 from seqtrain.spec import SeqTrainJob
 from seqtrain.train import launch as L
 from seqtrain_operator import cli

@@ -8,6 +8,7 @@ import pytest
 import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from seqtrain.parallel.compat import engine_of, pipeline_micro_batches
 from seqtrain.parallel.costs import stage_bounds
 from seqtrain.parallel.topology import Coord, MeshShape, balanced_split, bubble_fraction

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from seqtrain.spec.status import JobStatus
 from seqtrain_operator.local.files import MetricsTail, latest_checkpoint, read_status, write_status
 from seqtrain_operator.local.gang import LocalGang

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from seqtrain.spec import SeqTrainJob, TrainerConfig
 from seqtrain_operator.k8s import manifests as m
 from seqtrain_operator.planner.types import Layout, Plan, ReplicaAssignment

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from seqtrain.models import GPT, LSTMLM, build_model, count_parameters
 from seqtrain.models.layers import document_positions, rms_norm, rope, rope_tables
 from seqtrain.spec import load_job, resolve

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from seqtrain.obs.early_stop import EarlyStopper
 from seqtrain.obs.progress import ProgressReporter
 from seqtrain.obs.prometheus import TrainerMetrics

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+
 from seqtrain.data import IGNORE_INDEX, Batch
 from seqtrain.engine import NativeEngine
 from seqtrain.models import build_model

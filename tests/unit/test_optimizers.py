@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from seqtrain.models import build_model
 from seqtrain.spec.model import ModelSpec
 from seqtrain.spec.training import OptimizerSpec, ScheduleSpec

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+
 from seqtrain.data import IGNORE_INDEX, Corpus
 from seqtrain.data.packing import (
     DocumentBatches,

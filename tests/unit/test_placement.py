@@ -7,6 +7,7 @@ from collections import Counter
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from seqtrain.spec import SeqTrainJob
 from seqtrain.spec.cluster import Toleration
 from seqtrain_operator.planner.inventory import (

@@ -6,6 +6,7 @@ import json
 
 import pytest
 import yaml
+
 from seqtrain.parallel.costs import param_breakdown
 from seqtrain.spec import apply_overrides, parse_job
 from seqtrain.spec.resolve import resolved_model

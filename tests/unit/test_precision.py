@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+
 from seqtrain.data import build_train_data
 from seqtrain.engine.native import NativeEngine
 from seqtrain.models import build_model

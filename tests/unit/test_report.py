@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from seqtrain.obs.report import read_metrics, read_progress, report_command, summarize, table_rows
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from seqtrain.data.packing import DocumentBatches
 from seqtrain.data.synthetic import load_synthetic
 from seqtrain.models import build_model, count_parameters

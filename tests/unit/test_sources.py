@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
 from seqtrain.data import build_train_data, load_corpus
 from seqtrain.data.sources import ConcatTokens, FileTokenizer, load_source
 from seqtrain.data.synthetic import generate, special_ids

@@ -17,8 +17,9 @@ from typing import Any
 
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
-from seqtrain.spec import API_GROUP, API_VERSION, PLURAL
 from urllib3.exceptions import HTTPError as Urllib3Error
+
+from seqtrain.spec import API_GROUP, API_VERSION, PLURAL
 
 log = logging.getLogger("seqtrain.operator")
 _VERSION = API_VERSION.split("/")[1]

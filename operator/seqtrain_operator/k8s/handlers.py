@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import kopf
+
 from seqtrain.spec import API_GROUP, PLURAL, SpecError, parse_job
 
 from . import manifests as m

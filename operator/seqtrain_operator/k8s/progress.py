@@ -8,6 +8,7 @@ import asyncio
 import json
 
 import aiohttp
+
 from seqtrain.spec.status import CheckpointRef, Progress
 
 from .observe import progress_from_json

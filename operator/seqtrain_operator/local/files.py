@@ -9,6 +9,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from pydantic import ValidationError
+
 from seqtrain.checkpoint import discovery
 from seqtrain.spec.status import CheckpointRef, JobStatus, Progress
 

@@ -7,6 +7,7 @@ import sys
 from collections.abc import Sequence
 
 import yaml
+
 from seqtrain.spec import SeqTrainJob, SpecError, load_job_file
 from seqtrain.spec.resolve import resolved_model
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
 from seqtrain.kernels import accuracy
 
 DTYPES = [torch.float32, torch.bfloat16]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from seqtrain.kernels import poison_outputs
 
 HAS_CUDA = torch.cuda.is_available()

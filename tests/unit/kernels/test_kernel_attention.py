@@ -4,9 +4,10 @@ equivalent boolean mask: causal, packed documents (doc_ids), grouped-query heads
 from __future__ import annotations
 
 import pytest
-import seqtrain.kernels as K
 import torch
 from _kernel_checks import DTYPE_IDS, DTYPES, assert_accurate
+
+import seqtrain.kernels as K
 
 CASES = [
     # batch, heads, kv_heads, seq, head_dim, causal, docs

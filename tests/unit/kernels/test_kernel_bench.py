@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+
 from seqtrain.benchmarks import kernels as bench
 
 

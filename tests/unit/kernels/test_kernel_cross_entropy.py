@@ -4,10 +4,11 @@ fused linear + cross entropy (no [tokens, vocab] buffer)."""
 from __future__ import annotations
 
 import pytest
-import seqtrain.kernels as K
 import torch
 import torch.nn.functional as F
 from _kernel_checks import DTYPE_IDS, DTYPES, assert_accurate
+
+import seqtrain.kernels as K
 from seqtrain.kernels.memory import LiveTensorBytes
 
 

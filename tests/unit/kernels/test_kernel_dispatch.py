@@ -8,8 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
-import seqtrain.kernels as K
 import torch
+
+import seqtrain.kernels as K
 from seqtrain.kernels import _alloc, reference
 
 TRAINER = Path(__file__).resolve().parents[3] / "trainer"

@@ -4,9 +4,10 @@
 from __future__ import annotations
 
 import pytest
-import seqtrain.kernels as K
 import torch
 from _kernel_checks import assert_accurate
+
+import seqtrain.kernels as K
 from seqtrain.kernels.memory import peak_bytes
 
 pytestmark = [pytest.mark.gpu,

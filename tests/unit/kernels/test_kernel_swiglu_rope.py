@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pytest
-import seqtrain.kernels as K
 import torch
 from _kernel_checks import DTYPE_IDS, DTYPES, assert_accurate
+
+import seqtrain.kernels as K
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
