@@ -87,3 +87,17 @@ def test_linear_cross_entropy_never_allocates_full_logits():
     assert ref_largest >= logits_bytes  # the reference does hold [tokens, vocab]
     assert largest < logits_bytes / 4, f"largest kernel allocation {largest} B vs logits {logits_bytes} B"
     assert peak < ref_peak / 4, f"kernel peak {peak} B vs reference peak {ref_peak} B"
+
+
+def test_linear_cross_entropy_under_autocast_reports_a_float32_loss(device):
+    """Like F.cross_entropy under autocast: the loss is float32, not rounded to bf16 (what metrics.jsonl shows)."""
+    torch.manual_seed(0)
+    hidden = torch.randn(2, 7, 16, device=device, dtype=torch.bfloat16)
+    weight = torch.randn(40, 16, device=device, dtype=torch.bfloat16)
+    target = torch.randint(0, 40, (2, 7), device=device)
+    with torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16):
+        fused = K.linear_cross_entropy(hidden, weight, target)
+        ref = F.cross_entropy((hidden @ weight.t()).reshape(-1, 40), target.reshape(-1))
+    assert fused.dtype == ref.dtype == torch.float32
+    exact = F.cross_entropy((hidden.double() @ weight.double().t()).reshape(-1, 40), target.reshape(-1))
+    assert abs(fused.double() - exact) <= 2 * abs(ref.double() - exact) + 1e-6

@@ -67,7 +67,10 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             del logits
         ctx.save_for_backward(dh, dw)
         ctx.shapes = (hidden.shape, hidden.dtype, weight.dtype)
-        return (loss_sum * scale[0]).to(hidden.dtype)
+        # Under autocast cross-entropy is a float32 op (as F.cross_entropy is there): keep the float32 loss instead
+        # of rounding the reported value to bf16/fp16. Outside autocast follow the input dtype like the reference.
+        out_dtype = torch.float32 if torch.is_autocast_enabled(hidden.device.type) else hidden.dtype
+        return (loss_sum * scale[0]).to(out_dtype)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
