@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from seqtrain import kernels as K
 from seqtrain.data import Batch
 from seqtrain.models import build_model
@@ -34,7 +36,6 @@ from seqtrain.spec.features import unavailable
 from seqtrain.spec.optimization import ActivationCheckpointingSpec
 from seqtrain.train.dist import DistContext
 from seqtrain.train.loss import CausalLMLoss, linear_cross_entropy
-from torch.utils._python_dispatch import TorchDispatchMode
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
