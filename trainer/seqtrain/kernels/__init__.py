@@ -5,8 +5,9 @@ the Triton kernel (`seqtrain.kernels.ops.<op>`, imported on first use) when the 
 `TRITON_INTERPRET=1` is set, the PyTorch reference (`seqtrain.kernels.reference`) otherwise.
 `SEQTRAIN_KERNELS=torch|triton` forces one. Importing this package never imports triton.
 
-Models choose once with `select(optimization.kernels)`: it returns this module (dispatching) when
-kernels are on, and `reference` when they are off.
+The models do not call this module directly: `seqtrain.models.dispatch` resolves `optimization.kernels` once per
+run and sets a per-module flag (see docs/kernels.md). `select(enabled)` remains for callers that want the whole
+namespace: this module (dispatching) when kernels are on, `reference` when they are off.
 """
 
 from __future__ import annotations
