@@ -49,6 +49,7 @@ lint: install
 crd: install
 	$(BIN)/seqtrain crd > crds/seqtrainjob.yaml
 	cp crds/seqtrainjob.yaml charts/seqtrain/crds/seqtrainjob.yaml
+	$(PY) -m seqtrain.spec.reference > docs/spec-reference.md
 
 verify-crd: install
 	$(BIN)/seqtrain crd | diff -u crds/seqtrainjob.yaml -

@@ -72,11 +72,17 @@ class FaultToleranceSpec(SpecModel):
 
 
 class Toleration(SpecModel):
-    key: str | None = None
-    operator: Literal["Exists", "Equal"] = "Equal"
-    value: str | None = None
-    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
-    toleration_seconds: int | None = None
+    """A Kubernetes pod toleration (same fields and meaning as core/v1 Toleration)."""
+
+    key: str | None = Field(None, description="Taint key to tolerate; unset with operator Exists tolerates every taint.")
+    operator: Literal["Exists", "Equal"] = Field("Equal", description="Equal: key and value must match; Exists: key only.")
+    value: str | None = Field(None, description="Taint value to match (operator Equal).")
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
+        None, description="Taint effect to match; unset matches all effects."
+    )
+    toleration_seconds: int | None = Field(
+        None, ge=0, description="NoExecute only: how long the pod stays bound after the taint appears."
+    )
 
 
 class TopologySpec(SpecModel):
