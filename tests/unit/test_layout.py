@@ -148,6 +148,14 @@ TABLE = [
     ({"replicas": 2, "optimization.gradCompression": "bf16"}, "spec.optimization.gradCompression"),
     ({"replicas": 2, "resources.gpus": 1, "optimization.gradCompression": "bf16"}, None),
     ({"optimization.sequenceParallel": True}, "spec.optimization.sequenceParallel"),
+    ({"resources.processesPerReplica": 2, "optimization.tensorParallel": 2, "optimization.sequenceParallel": True},
+     None),
+    ({"replicas": 2, "resources.processesPerReplica": 2, "optimization.tensorParallel": 2,
+      "optimization.pipelineParallel": 2, "optimization.sequenceParallel": True}, None),
+    ({"replicas": 2, "resources.processesPerReplica": 2, "optimization.zero.stage": 3, "optimization.engine": "native",
+      "optimization.tensorParallel": 2, "optimization.sequenceParallel": True}, None),
+    ({"resources.processesPerReplica": 2, "optimization.tensorParallel": 2, "optimization.sequenceParallel": True,
+      "data.seqLen": 33}, "spec.data.seqLen"),
 ]
 
 
@@ -179,6 +187,8 @@ def test_compatibility_table(sets: dict, field: str | None) -> None:
           "model.preset": "tiny"}, "spec.optimization.tensorParallel", "pipelineParallel"),
         ({"replicas": 2, "optimization.pipelineParallel": 2, "optimization.pipelineSchedule": "interleaved"},
          "spec.optimization.pipelineParallel", "at most 1"),
+        ({"resources.processesPerReplica": 2, "optimization.tensorParallel": 2, "optimization.sequenceParallel": True,
+          "data.seqLen": 33}, "spec.data.seqLen", "32 or 34"),
     ],
 )
 def test_parallel_traps_are_rejected_with_a_fix(sets: dict, field: str, hint: str) -> None:

@@ -74,6 +74,21 @@ def test_tiny_gpt_single_rank_estimate_by_hand() -> None:
     assert r.total == 16 * psi + per_tok * 256
 
 
+def test_sequence_parallel_shards_every_activation_term_by_hand() -> None:
+    sets = {"resources.processesPerReplica": 2, "optimization.tensorParallel": 2}
+    h, f, v = 64, 176, 256
+    tp_only = estimate(job(**sets)).stages[0].activations
+    sp = estimate(job(**sets, **{"optimization.sequenceParallel": "true"})).stages[0].activations
+    # tp alone: norms (4h) and the stage input (h) replicated; sp: every block term and the input / 2
+    assert tp_only == (4 * (2 * (4 * h + (h + 2 * h + h + 4 * f) / 2) + h) + 2 * 4 * v / 2) * 8 * 32
+    assert sp == (4 * (2 * (4 * h + h + 2 * h + h + 4 * f) / 2 + h / 2) + 2 * 4 * v / 2) * 8 * 32
+    full = {**sets, "optimization.sequenceParallel": "true", "optimization.activationCheckpointing.policy": "full"}
+    # full checkpointing: both blocks keep their input (h / 2 each with sp), one is recomputed whole at a time,
+    # plus the stage input (h / 2)
+    assert estimate(job(**full)).stages[0].activations == (
+        (4 * ((4 * h + h + 2 * h + h + 4 * f) / 2 + 2 * h / 2 + h / 2) + 2 * 4 * v / 2) * 8 * 32)
+
+
 def test_tp2_pp2_mini_split_by_hand() -> None:
     j = job(**{"model.preset": "mini", "data.seqLen": 128, "replicas": 4, "optimization.tensorParallel": 2,
                "optimization.pipelineParallel": 2, "resources.processesPerReplica": 2,

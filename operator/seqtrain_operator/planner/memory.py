@@ -20,7 +20,9 @@ values below are elements per token per block, times bytes of the compute precis
 
     GPT block:  attention 2h (norm in/out) + h + 2 kv (q, k, v) + h (attention out)
                 MLP       2h (norm in/out) + 4 f (gate, up, activation, product)
-                tensor parallel divides the q/k/v/out and f terms by tp, sequence parallel the norm terms too.
+                tensor parallel divides the q/k/v/out and f terms by tp, sequence parallel the norm terms too
+                (and the residual-stream inputs checkpointing keeps): every block term / tp, as measured by
+                `python -m seqtrain.benchmarks.seqpar`.
     LSTM layer: 7h (input, 4 gates, cell, hidden); GRU/QRNN 5h.
     head:       fp32 logits and their gradient, 2 x 4 bytes x vocab / tp per token (0 with fused kernels).
 
@@ -202,12 +204,15 @@ def estimate(job: SeqTrainJob) -> MemoryEstimate:
         nblocks = bounds[st][1] - bounds[st][0]
         whole, ckpt = stored_blocks(ac.policy, ac.every, nblocks)
         per_block = block_activation_elems(m, tp, opt.sequence_parallel)
+        # Sequence parallel also shards what checkpointed blocks keep (their residual-stream inputs, and the
+        # norm outputs with selective) and the stage's input: each rank holds T / tp positions of them.
+        shard = tp if opt.sequence_parallel else 1
         if ac.policy == "selective" and m.arch == "gpt":
-            per_tok = whole * per_block + ckpt * 2 * h
+            per_tok = whole * per_block + ckpt * 2 * h / shard
         else:
-            per_tok = whole * per_block + ckpt * h
+            per_tok = whole * per_block + ckpt * h / shard
         per_tok *= act_bytes
-        per_tok += h * act_bytes  # the stage's input (embedding output or the previous stage's activations)
+        per_tok += h * act_bytes / shard  # the stage's input (embedding output or the previous stage's output)
         if st == pp - 1 and not fused_loss:
             per_tok += 2 * 4 * (m.vocab_size or 0) / tp
         acts = per_tok * mb * seq * in_flight(opt.pipeline_schedule, pp, n_micro, st)

@@ -119,10 +119,18 @@ class CausalSelfAttention(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, doc_ids: torch.Tensor | None = None
     ) -> torch.Tensor:
-        b, t, _ = x.shape
-        q = self.q(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
-        k = self.k(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        return self.attend(self.q(x), self.k(x), self.v(x), cos, sin, doc_ids)
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+        doc_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Projected q [B, T, heads*Dh], k/v [B, T, kv_heads*Dh] -> RoPE, attention, output projection. Split
+        from `forward` so sequence parallel can compute the three projections in one fused function."""
+        b, t, _ = q.shape
+        q = q.view(b, t, self.heads, self.head_dim).transpose(1, 2)
+        k = k.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         if self.use_kernels:
             cos_k, sin_k = kernel_rope_tables(cos, sin, q.dtype)
             q, k = K.rope(q, cos_k, sin_k), K.rope(k, cos_k, sin_k)

@@ -10,6 +10,7 @@ from seqtrain.spec.job import SeqTrainJob
 from seqtrain.train.dist import DistContext
 
 from .mesh import init_mesh
+from .sequence import apply_sequence_parallel
 from .tensor import apply_tensor_parallel
 
 __all__ = ["init_mesh", "parallelize"]
@@ -18,4 +19,6 @@ __all__ = ["init_mesh", "parallelize"]
 def parallelize(model: nn.Module, job: SeqTrainJob, ctx: DistContext) -> nn.Module:
     if ctx.tp_size > 1:
         apply_tensor_parallel(model, ctx.tp_rank, ctx.tp_size, ctx.tp_group)
+        if job.spec.optimization.sequence_parallel:
+            apply_sequence_parallel(model, ctx.tp_size, ctx.tp_group)
     return model

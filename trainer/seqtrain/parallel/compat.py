@@ -8,6 +8,8 @@ Every problem names the field to change and a value that would work. The same ta
 | DDP (native, zero.stage 0)            | ok | ok       | ok | ok      | ok      | ok      |
 | FSDP2 (native, zero.stage 3)          | ok | ok       | no | ok      | no      | no      |
 | DeepSpeed ZeRO 0-3 (+ offload at 1-3) | ok | no       | no | no      | no      | no      |
+
+sequenceParallel goes wherever tp > 1 goes (DDP, FSDP2, pipelines); it needs tp > 1 and seqLen divisible by tp.
 """
 
 from __future__ import annotations
@@ -73,6 +75,10 @@ def parallel_problems(job: SeqTrainJob, m: ModelSpec) -> list[Problem]:
     if opt.sequence_parallel and tp == 1:
         out.append(Problem("spec.optimization.sequenceParallel",
                            "sequence parallel shards along the tensor-parallel group; use tensorParallel > 1, or false"))
+    if opt.sequence_parallel and tp > 1 and s.data.seq_len % tp:
+        out.append(Problem("spec.data.seqLen",
+                           f"sequence parallel splits each sequence over tensorParallel {tp}; use a multiple of "
+                           f"{tp} (e.g. {_multiples(s.data.seq_len, tp)})"))
 
     if tp > 1:
         if m.arch != "gpt":

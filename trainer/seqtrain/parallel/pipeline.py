@@ -17,6 +17,7 @@ from torch import nn
 from seqtrain.data import IGNORE_INDEX
 from seqtrain.train.loss import linear_cross_entropy
 
+from .sequence import gather_rows
 from .tensor import copy_to_tp, vocab_parallel_cross_entropy
 
 TIED_COPY = "output.weight"  # name of the last stage's copy of a tied embedding
@@ -66,6 +67,7 @@ class Stage(nn.Module):
                 with torch.no_grad():
                     self.output.weight.copy_(emb.weight)
         self.tp_group = getattr(getattr(model, "lm_loss", None), "group", None)
+        self.sp_size = getattr(model, "sp_size", 1)  # sequence parallel: activations are [B, T / sp_size, D]
         self.use_kernels = getattr(model, "use_kernels", False)  # fused loss (seqtrain.models.dispatch)
         self.vocab_start = getattr(model.embed, "start", 0)
 
@@ -84,7 +86,7 @@ class Stage(nn.Module):
         elif x.requires_grad:
             x = _ContiguousGrad.apply(x)
         if self.is_gpt:
-            t = x.shape[1]
+            t = x.shape[1] * self.sp_size  # RoPE tables for the whole sequence (attention sees all of it)
             cos, sin = self.rope_cos[:t], self.rope_sin[:t]
             for i in self.block_ids:
                 x = self.blocks[str(i)](x, cos, sin, None)
@@ -100,7 +102,10 @@ class Stage(nn.Module):
     def loss_sum(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Cross-entropy SUM of the last stage's output (vocabulary-parallel under tensor parallel)."""
         if self.tp_group is not None:
-            h = copy_to_tp(hidden.reshape(-1, hidden.shape[-1]), self.tp_group)
+            if self.sp_size > 1:
+                h = gather_rows(hidden, targets, self.tp_group, self.sp_size)
+            else:
+                h = copy_to_tp(hidden.reshape(-1, hidden.shape[-1]), self.tp_group)
             return vocab_parallel_cross_entropy(h @ self.output_weight.t(), targets.reshape(-1), self.vocab_start,
                                                 self.tp_group, IGNORE_INDEX)
         return linear_cross_entropy(hidden, self.output_weight, targets, kernels=self.use_kernels)

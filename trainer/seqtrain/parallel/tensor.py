@@ -114,11 +114,14 @@ class VocabParallelEmbedding(nn.Embedding):
         self.scale_grad_by_freq, self.sparse = False, False
         self.weight = nn.Parameter(full.weight.detach()[self.start:self.end].clone())
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def partial(self, tokens: torch.Tensor) -> torch.Tensor:
+        """This shard's rows, zeros for the other ranks' tokens: one of the tp terms whose sum is the embedding."""
         outside = (tokens < self.start) | (tokens >= self.end)
         local = (tokens - self.start).masked_fill(outside, 0)
-        out = F.embedding(local, self.weight).masked_fill(outside[..., None], 0.0)
-        return reduce_from_tp(out, self.group)
+        return F.embedding(local, self.weight).masked_fill(outside[..., None], 0.0)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return reduce_from_tp(self.partial(tokens), self.group)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -167,9 +170,14 @@ class VocabParallelLMLoss(nn.Module):
         self.start, self.group = start, group
         self._model = [model]  # not a submodule: the projection weight belongs to the model
 
+    def rows(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """hidden -> the [B*T, D] rows every tp rank projects onto its vocabulary shard (f: identity forward,
+        all-reduce backward; sequence parallel gathers the sequence shards instead)."""
+        return copy_to_tp(hidden.reshape(-1, hidden.shape[-1]), self.group)
+
     def forward(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         weight = self._model[0].output_weight
-        h = copy_to_tp(hidden.reshape(-1, hidden.shape[-1]), self.group)
+        h = self.rows(hidden, targets)
         return vocab_parallel_cross_entropy(h @ weight.t(), targets.reshape(-1), self.start, self.group)
 
 

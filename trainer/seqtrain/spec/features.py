@@ -14,8 +14,6 @@ from .problems import Problem
 _Check = tuple[str, Callable[[SeqTrainJob], bool], str]
 
 _UNAVAILABLE: list[_Check] = [
-    ("spec.optimization.sequenceParallel", lambda j: j.spec.optimization.sequence_parallel,
-     "sequence parallelism is not available yet; use false"),
 ]
 
 
