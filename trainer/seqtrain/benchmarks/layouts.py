@@ -30,6 +30,7 @@ from seqtrain.parallel.launch import run_ranks
 from seqtrain.spec import apply_overrides, parse_job, resolve
 
 _NATIVE3 = {"optimization.engine": "native", "optimization.zero.stage": 3}
+_SP = {"optimization.sequenceParallel": True}
 # name -> (overrides, processes)
 LAYOUTS: dict[str, tuple[dict[str, Any], int]] = {
     "single": ({}, 1),
@@ -50,6 +51,13 @@ LAYOUTS: dict[str, tuple[dict[str, Any], int]] = {
                  "optimization.pipelineParallel": 2}, 4),
     "fsdp2-dp2xtp2": ({"replicas": 2, "resources.processesPerReplica": 2, "optimization.tensorParallel": 2,
                        **_NATIVE3}, 4),
+    # sequence parallel (optimization.sequenceParallel) on each tensor-parallel layout
+    "tp2-sp": ({"resources.processesPerReplica": 2, "optimization.tensorParallel": 2, **_SP}, 2),
+    "dp2xtp2-sp": ({"replicas": 2, "resources.processesPerReplica": 2, "optimization.tensorParallel": 2, **_SP}, 4),
+    "tp2xpp2-sp": ({"replicas": 2, "resources.processesPerReplica": 2, "optimization.tensorParallel": 2,
+                    "optimization.pipelineParallel": 2, **_SP}, 4),
+    "fsdp2-dp2xtp2-sp": ({"replicas": 2, "resources.processesPerReplica": 2, "optimization.tensorParallel": 2,
+                          **_NATIVE3, **_SP}, 4),
 }
 
 
