@@ -14,6 +14,12 @@ os.environ.setdefault("MKL_NUM_THREADS", "1")
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))
 os.environ.setdefault("TRITON_CACHE_DIR", str(ROOT / ".cache" / "triton"))
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
+# Triton kernels run on the CPU through Triton's interpreter, which must be switched on before triton is first
+# imported (torch imports it lazily, e.g. when an optimizer is built): once imported without it, the interpreter
+# fails with "Cannot call @triton.jit'd outside of the scope of a kernel". Models keep the PyTorch reference on the
+# CPU unless a test asks for kernels, so this only changes the tests that do.
+if not os.environ.get("CUDA_VISIBLE_DEVICES") and not os.path.exists("/dev/nvidiactl"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 # Rank processes import the packages from the source roots, installed or not.
 _pp = [str(ROOT / "trainer"), str(ROOT / "operator")]
 os.environ["PYTHONPATH"] = os.pathsep.join(_pp + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
