@@ -156,6 +156,10 @@ TABLE = [
       "optimization.tensorParallel": 2, "optimization.sequenceParallel": True}, None),
     ({"resources.processesPerReplica": 2, "optimization.tensorParallel": 2, "optimization.sequenceParallel": True,
       "data.seqLen": 33}, "spec.data.seqLen"),
+    # dropout on the replicated residual stream would draw different masks per tp rank
+    ({"resources.processesPerReplica": 2, "optimization.tensorParallel": 2, "model.dropout": 0.1}, "spec.model.dropout"),
+    ({"resources.processesPerReplica": 2, "optimization.tensorParallel": 2, "model.dropout": 0.1,
+      "optimization.sequenceParallel": True}, None),
 ]
 
 

@@ -80,6 +80,12 @@ def parallel_problems(job: SeqTrainJob, m: ModelSpec) -> list[Problem]:
                            f"sequence parallel splits each sequence over tensorParallel {tp}; use a multiple of "
                            f"{tp} (e.g. {_multiples(s.data.seq_len, tp)})"))
 
+    if tp > 1 and m.dropout > 0 and not opt.sequence_parallel:
+        # The residual stream is replicated over the tp group, but each rank draws its own dropout mask there, so
+        # the copies would drift apart. Sequence parallel shards that stream, where per-rank masks are correct.
+        out.append(Problem("spec.model.dropout",
+                           f"dropout {m.dropout} with tensorParallel {tp} needs sequenceParallel: true (replicated "
+                           "activations would get different masks on each rank); or use dropout 0"))
     if tp > 1:
         if m.arch != "gpt":
             out.append(Problem("spec.optimization.tensorParallel",
