@@ -38,7 +38,7 @@ demo: install
 # The whole suite, slow tests included (what CI runs).
 test: install tools
 	$(BIN)/ruff check .
-	$(PY) -m pytest -q --durations=25 tests
+	PATH="$(CURDIR)/$(BIN):$(CURDIR)/.tools/bin:$$PATH" $(PY) -m pytest -q --durations=25 tests
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow" tests
