@@ -17,7 +17,6 @@ BENCHMARKS = {
     "kernels": "seqtrain.benchmarks.kernels",
     "memory": "seqtrain.benchmarks.memory",
     "layouts": "seqtrain.benchmarks.layouts",
-    "throughput": "seqtrain.benchmarks.throughput",
 }
 
 
@@ -95,6 +94,11 @@ def _cmd_operator(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
+    if args.name is None:
+        args.bench_parser.print_help(sys.stdout if args.help else sys.stderr)
+        return 0 if args.help else 2
+    if args.help:  # `seqtrain bench NAME --help` shows the benchmark's own options
+        rest = ["--help", *rest]
     module = importlib.import_module(BENCHMARKS[args.name])
     return int(module.main(rest) or 0)
 
@@ -143,9 +147,11 @@ def build_parser() -> argparse.ArgumentParser:
     o = sub.add_parser("operator", help="run the Kubernetes operator (extra options go to kopf)", add_help=False)
     o.set_defaults(func=_cmd_operator, passthrough=True)
 
-    b = sub.add_parser("bench", help="run a benchmark and write JSON (extra options go to the benchmark)")
-    b.add_argument("name", choices=sorted(BENCHMARKS))
-    b.set_defaults(func=_cmd_bench, passthrough=True)
+    b = sub.add_parser("bench", help="run a benchmark and write JSON (extra options go to the benchmark)",
+                       add_help=False)
+    b.add_argument("name", nargs="?", choices=sorted(BENCHMARKS), help="benchmark; NAME --help lists its options")
+    b.add_argument("-h", "--help", action="store_true", help="show this help message and exit")
+    b.set_defaults(func=_cmd_bench, passthrough=True, bench_parser=b)
 
     rp = sub.add_parser("report", help="write a one-page summary of a run folder and print its table")
     rp.add_argument("workdir", metavar="WORKDIR")
