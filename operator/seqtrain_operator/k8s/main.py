@@ -25,6 +25,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--peering", metavar="NAME", help="leader election through this kopf peering object")
     p.add_argument("--standalone", action="store_true", help="no peering at all (one replica only)")
     p.add_argument("--priority", type=int, help="peering priority (default: random, so replicas never tie)")
+    p.add_argument("--peering-lifetime", type=int, default=60, metavar="SECONDS",
+                   help="how long a replica's keep-alive counts: a crashed active replica is replaced after "
+                        "at most this (kopf's default 60)")
     p.add_argument("--liveness", metavar="URL", help="kopf liveness endpoint, e.g. http://0.0.0.0:8080/healthz")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
     p.add_argument("--progress-port", type=int, default=8471,
@@ -77,7 +80,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.getLogger("seqtrain.operator").setLevel(logging.DEBUG if args.debug else logging.INFO)
     standalone = args.standalone or not args.peering
     priority = args.priority if args.priority is not None else random.SystemRandom().randint(1, 2**31 - 1)
+    if args.peering_lifetime < 2:
+        build_parser().error(f"--peering-lifetime {args.peering_lifetime}: must be at least 2 seconds (keep-alives "
+                             "go out every second at best)")
+    kopf_settings = kopf.OperatorSettings()
+    kopf_settings.peering.lifetime = args.peering_lifetime
     kopf.run(
+        settings=kopf_settings,
         standalone=standalone,
         peering_name=None if standalone else args.peering,
         priority=priority,

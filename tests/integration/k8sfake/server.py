@@ -50,6 +50,7 @@ class Request:
     query: dict[str, str]
     status: int = 0
     body: Any = None
+    user: str = ""  # the bearer token: tells apart clients given different kubeconfigs (operator replicas)
 
 
 @dataclass
@@ -111,11 +112,12 @@ class FakeKubernetes:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def kubeconfig(self, path: str) -> str:
-        """Write a kubeconfig pointing at this server (no auth: loopback only) and return its path."""
+    def kubeconfig(self, path: str, token: str = "fake-token") -> str:
+        """Write a kubeconfig pointing at this server and return its path. Tokens are not checked (loopback only),
+        only recorded in `requests[].user`, so tests can tell which client sent what."""
         cfg = {"apiVersion": "v1", "kind": "Config", "current-context": "fake",
                "clusters": [{"name": "fake", "cluster": {"server": self.url}}],
-               "users": [{"name": "fake", "user": {"token": "fake-token"}}],
+               "users": [{"name": "fake", "user": {"token": token}}],
                "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "fake", "namespace": "default"}}]}
         with open(path, "w", encoding="utf-8") as f:
             json.dump(cfg, f)
@@ -129,10 +131,10 @@ class FakeKubernetes:
         self.faults.append(fault)
         return fault
 
-    def count(self, method: str, path_regex: str, status: int | None = None) -> int:
+    def count(self, method: str, path_regex: str, status: int | None = None, user: str | None = None) -> int:
         pat = re.compile(path_regex)
         return sum(1 for r in list(self.requests) if r.method == method and pat.search(r.path)
-                   and (status is None or r.status == status))
+                   and (status is None or r.status == status) and (user is None or r.user == user))
 
     # ---- watch wake-ups --------------------------------------------------------------------------------------
 
@@ -149,7 +151,8 @@ class FakeKubernetes:
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         path = request.path
-        rec = Request(request.method, path, dict(request.query))
+        auth = request.headers.get("Authorization", "")
+        rec = Request(request.method, path, dict(request.query), user=auth.removeprefix("Bearer ").strip())
         self.requests.append(rec)
         for fault in self.faults:
             if fault.matches(request.method, path):
