@@ -191,3 +191,12 @@ def test_two_replicas_one_acts_and_the_other_takes_over(tmp_path):
     assert set(creates.values()) == {1}
     assert len(pods_of(cluster, "ha", "j", 3)) == 2
     assert "Traceback" not in logs[standby], logs[standby][-3000:]
+
+
+def test_peering_lifetime_too_short_is_refused(capsys):
+    from seqtrain_operator.k8s.main import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--peering=seqtrain", "--peering-lifetime=1"])
+    assert exc.value.code == 2
+    assert "--peering-lifetime 1: must be at least 2 seconds" in capsys.readouterr().err

@@ -50,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(list(argv or []))
+    if args.peering_lifetime < 2:
+        build_parser().error(f"--peering-lifetime {args.peering_lifetime}: must be at least 2 seconds (keep-alives "
+                             "go out every second at best)")
     # The trainer's data paths exist inside the pods, not here: do not check them against this filesystem.
     os.environ.setdefault("SEQTRAIN_CHECK_PATHS", "0")
 
@@ -80,9 +83,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.getLogger("seqtrain.operator").setLevel(logging.DEBUG if args.debug else logging.INFO)
     standalone = args.standalone or not args.peering
     priority = args.priority if args.priority is not None else random.SystemRandom().randint(1, 2**31 - 1)
-    if args.peering_lifetime < 2:
-        build_parser().error(f"--peering-lifetime {args.peering_lifetime}: must be at least 2 seconds (keep-alives "
-                             "go out every second at best)")
     kopf_settings = kopf.OperatorSettings()
     kopf_settings.peering.lifetime = args.peering_lifetime
     kopf.run(
