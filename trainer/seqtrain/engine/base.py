@@ -8,8 +8,10 @@ file from rank 0 (replicated data parallel). Sharded engines (FSDP, ZeRO) overri
 
 from __future__ import annotations
 
+import math
 import os
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,6 +58,54 @@ class Engine(ABC):
 
     @abstractmethod
     def step(self, micro_batches: list[Batch]) -> StepStats: ...
+
+    # ---- the step skeleton shared by the data-parallel engines (native/DDP, FSDP2) -----------------------------
+
+    def _accumulate(self, micro_batches: list[Batch], forward: Callable[[Batch], torch.Tensor],
+                    before_micro: Callable[[bool], Any]) -> StepStats:
+        """Forward/backward every micro-batch with the global-batch loss normalisation, then `_update`.
+
+        `forward(batch)` returns the micro-batch's loss SUM; `before_micro(last)` returns a context manager that
+        controls gradient synchronisation (sync only on the last micro-batch).
+        """
+        dev = self.ctx.device
+        batches = [b.to(dev) for b in micro_batches]
+        # The global target-token count is the loss denominator, so it is all-reduced before any backward.
+        tokens = torch.stack([b.num_targets() for b in batches]).sum().double()
+        self.ctx.all_reduce(tokens, group=self.ctx.dp_group)
+        # DDP and FSDP average gradients over dp ranks; x dp_size turns that average back into the global sum.
+        scale = (self.ctx.dp_size / tokens.clamp(min=1)).float()
+        loss_sum = torch.zeros((), dtype=torch.float64, device=dev)
+        for i, b in enumerate(batches):
+            with before_micro(i == len(batches) - 1):
+                with self.precision.autocast():
+                    ls = forward(b)
+                self.precision.backward(ls * scale)  # fp16: x loss scale, so small gradients do not underflow
+            loss_sum += ls.detach().double()
+        return self._update(batches, loss_sum, tokens)
+
+    def _clip(self) -> float:
+        """Global gradient L2 norm before clipping (clipped in place to training.gradClip)."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        clip = self.job.spec.training.grad_clip
+        return float(torch.nn.utils.clip_grad_norm_(params, clip if clip is not None else math.inf))
+
+    def _update(self, batches: list[Batch], loss_sum: torch.Tensor, tokens: torch.Tensor) -> StepStats:
+        # fp16: divide the gradients by the loss scale; True if any is inf/NaN (max-reduced over ranks)
+        overflow = self.precision.unscale_and_check(self.model.parameters())
+        grad_norm = self._clip()
+        # host sync: the update decision needs the value. Skipping keeps inf/NaN out of the weights.
+        skipped = overflow or not math.isfinite(grad_norm)
+        if not skipped:
+            self.optimizer.step()
+        self.precision.update(skipped)  # fp16: halve the scale after an overflow, grow after a good run
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        slots = torch.tensor(float(sum(b.slots for b in batches)), dtype=torch.float64, device=self.ctx.device)
+        totals = torch.stack([loss_sum, slots])
+        self.ctx.all_reduce(totals, group=self.ctx.dp_group)
+        return StepStats(loss_sum=float(totals[0]), target_tokens=int(tokens), slots=int(totals[1]),
+                         grad_norm=grad_norm, skipped=skipped, loss_scale=self.precision.loss_scale)
 
     @property
     def lr(self) -> float:

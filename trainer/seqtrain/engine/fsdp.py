@@ -9,7 +9,7 @@ checkpoint can be loaded into a different data-parallel degree (elastic resume; 
 
 from __future__ import annotations
 
-import math
+import contextlib
 import os
 from typing import Any
 
@@ -55,33 +55,16 @@ class FSDPEngine(Engine):
         self.grad_clip = job.spec.training.grad_clip
 
     def step(self, micro_batches: list[Batch]) -> StepStats:
-        dev = self.ctx.device
-        batches = [b.to(dev) for b in micro_batches]
-        tokens = torch.stack([b.num_targets() for b in batches]).sum().double()
-        self.ctx.all_reduce(tokens, group=self.ctx.dp_group)
-        # reduce-scatter averages over dp ranks; x dp_size turns the average back into the global sum
-        scale = (self.ctx.dp_size / tokens.clamp(min=1)).float()
-        loss_sum = torch.zeros((), dtype=torch.float64, device=dev)
-        for i, b in enumerate(batches):
-            if self.sharding:  # accumulate unsharded; reduce-scatter once, on the last micro-batch
-                self.loss_module.set_requires_gradient_sync(i == len(batches) - 1)
-            with self.precision.autocast():
-                ls = self.loss_module(b.tokens, b.targets, b.doc_ids)
-            self.precision.backward(ls * scale)
-            loss_sum += ls.detach().double()
-        overflow = self.precision.unscale_and_check(self.model.parameters())  # fp16 only; max over all ranks
-        grad_norm = clip_grad_norm(self.model, self.grad_clip, self.ctx, self.tp_names)
-        skipped = overflow or not math.isfinite(grad_norm)
-        if not skipped:
-            self.optimizer.step()
-        self.precision.update(skipped)
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        totals = torch.stack([loss_sum, torch.tensor(float(sum(b.slots for b in batches)), dtype=torch.float64,
-                                                     device=dev)])
-        self.ctx.all_reduce(totals, group=self.ctx.dp_group)
-        return StepStats(loss_sum=float(totals[0]), target_tokens=int(tokens), slots=int(totals[1]),
-                         grad_norm=grad_norm, skipped=skipped, loss_scale=self.precision.loss_scale)
+        return self._accumulate(micro_batches, lambda b: self.loss_module(b.tokens, b.targets, b.doc_ids),
+                                self._sync_on_last)
+
+    def _sync_on_last(self, last: bool) -> contextlib.AbstractContextManager:
+        if self.sharding:  # accumulate unsharded; reduce-scatter once, on the last micro-batch
+            self.loss_module.set_requires_gradient_sync(last)
+        return contextlib.nullcontext()
+
+    def _clip(self) -> float:
+        return clip_grad_norm(self.model, self.grad_clip, self.ctx, self.tp_names)
 
     # ---- checkpoints: DCP, resharded on load ---------------------------------------------------------------
     def _dcp_dir(self, directory: str) -> str:
