@@ -27,23 +27,7 @@ def load_corpus(job: SeqTrainJob, split: str) -> Corpus:
 def build_train_data(job: SeqTrainJob, dp_rank: int, dp_size: int) -> SequenceBatches | DocumentBatches:
     s = job.spec
     corpus = load_corpus(job, "train")
-    if s.data.packing or s.data.bucketing or s.data.max_tokens_per_batch or corpus.loss_mask is not None:
-        # Document-aware rows (packing / one document per row); synthetic tasks always (only answers are scored).
-        return DocumentBatches(
-            corpus,
-            seq_len=s.data.seq_len,
-            micro_batch_size=s.training.micro_batch_size,
-            grad_accum=max(1, s.training.global_batch_size // (s.training.micro_batch_size * dp_size)),
-            dp_rank=dp_rank,
-            dp_size=dp_size,
-            seed=s.training.seed,
-            shuffle=s.data.shuffle,
-            packing=s.data.packing,
-            bucketing=s.data.bucketing,
-            max_tokens_per_batch=s.data.max_tokens_per_batch,
-        )
-    return SequenceBatches(
-        corpus,
+    common = dict(
         seq_len=s.data.seq_len,
         micro_batch_size=s.training.micro_batch_size,
         grad_accum=max(1, s.training.global_batch_size // (s.training.micro_batch_size * dp_size)),
@@ -52,3 +36,8 @@ def build_train_data(job: SeqTrainJob, dp_rank: int, dp_size: int) -> SequenceBa
         seed=s.training.seed,
         shuffle=s.data.shuffle,
     )
+    if s.data.packing or s.data.bucketing or s.data.max_tokens_per_batch or corpus.loss_mask is not None:
+        # Document-aware rows (packing / one document per row); synthetic tasks always (only answers are scored).
+        return DocumentBatches(corpus, packing=s.data.packing, bucketing=s.data.bucketing,
+                               max_tokens_per_batch=s.data.max_tokens_per_batch, **common)
+    return SequenceBatches(corpus, **common)
