@@ -18,8 +18,7 @@ from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "testbed"))
-import node_agent as na  # noqa: E402
+from testbed import node_agent as na
 
 # ---- pure parts -------------------------------------------------------------------------------------------------
 
