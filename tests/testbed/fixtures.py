@@ -83,7 +83,11 @@ def wait(what: str, probe: Callable[[], T], timeout: float, interval: float = 1.
 
 @dataclass
 class Testbed:
+    __test__ = False  # not a test class (pytest collects names starting with "Test")
+
     """The running control plane, with helpers that talk to it as the admin."""
+
+    __test__ = False  # a fixture's type, not a test class (pytest collects classes named Test*)
 
     kubeconfig: Path
     env: dict[str, str] = field(default_factory=dict)
@@ -215,9 +219,12 @@ class Operator:
         certs.mkdir(exist_ok=True)
         shutil.copy(TB / "pki" / "webhook.crt", certs / "tls.crt")
         shutil.copy(TB / "pki" / "webhook.key", certs / "tls.key")
-        # The same arguments as the chart's Deployment (templates/deployment.yaml), webhook on loopback.
+        # The same arguments as the chart's Deployment (templates/deployment.yaml), webhook on loopback. Every pod
+        # here shares the host's network: free ports for rendezvous and progress keep two testbeds on one machine
+        # (two clones) apart.
         argv = [str(ROOT / ".venv" / "bin" / "seqtrain"), "operator", "--all-namespaces", "--peering=seqtrain",
-                "--progress-port=8471", "--master-port=29500", "--termination-grace=30", "--node-lost-grace=40",
+                f"--progress-port={free_port()}", f"--master-port={free_port()}", "--termination-grace=30",
+                "--node-lost-grace=40",
                 f"--webhook-port={self.webhook_port}", f"--webhook-cert-dir={certs}", "--verbose"]
         env = {**os.environ, "KUBECONFIG": str(self.kubeconfig),
                "PYTHONPATH": f"{ROOT / 'trainer'}:{ROOT / 'operator'}"}
