@@ -21,9 +21,23 @@ CACHE_ROOT=${SEQTRAIN_K8S_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/seqtrain/k8s}
 DEST="$CACHE_ROOT/kubernetes-$K8S_VERSION-kwok-$KWOK_VERSION"
 BINARIES=(etcd kube-apiserver kube-controller-manager kube-scheduler kwok)
 
-complete() {
+# kwok's default "fast" stages (nodes initialize and renew their Lease; pods become ready, complete, are deleted):
+# kwok runs nothing without stages, and its binary does not embed them.
+STAGES=(node/fast/node-initialize.yaml node/heartbeat-with-lease/node-heartbeat-with-lease.yaml
+        pod/fast/pod-ready.yaml pod/fast/pod-complete.yaml pod/fast/pod-delete.yaml)
+
+have_binaries() {
     local b
     for b in "${BINARIES[@]}"; do [[ -x "$DEST/$b" ]] || return 1; done
+}
+complete() { have_binaries && [[ -s $DEST/kwok-stages.yaml ]]; }
+
+kwok_stages() {  # from the kwok module (the Go module cache; downloaded if missing)
+    local dir f
+    dir=$(cd / && GOFLAGS= go mod download -json "sigs.k8s.io/kwok@$KWOK_VERSION" \
+        | python3 -c 'import json,sys; print(json.load(sys.stdin)["Dir"])')
+    for f in "${STAGES[@]}"; do echo "---"; cat "$dir/kustomize/stage/$f"; done >"$DEST/kwok-stages.yaml.tmp"
+    mv "$DEST/kwok-stages.yaml.tmp" "$DEST/kwok-stages.yaml"
 }
 
 if [[ ${1:-} == --check ]]; then
@@ -39,9 +53,10 @@ fi
 
 # One build at a time per machine (parallel pytest sessions, two clones).
 mkdir -p "$CACHE_ROOT"
-exec 9>"$CACHE_ROOT/.lock"
+exec 9>"$DEST.lock"  # per version: other caches under $CACHE_ROOT build independently
 flock 9
 if complete; then echo "$DEST"; exit 0; fi
+if have_binaries; then kwok_stages; echo "$DEST"; exit 0; fi
 
 WORK=$(mktemp -d "$CACHE_ROOT/.build-XXXXXX")
 trap 'rm -rf "$WORK"' EXIT
@@ -84,5 +99,6 @@ GOBIN="$WORK/out" go install -trimpath -ldflags "$LDFLAGS" "sigs.k8s.io/kwok/cmd
 
 mkdir -p "$DEST"
 for b in "${BINARIES[@]}"; do install -m 0755 "out/$b" "$DEST/$b"; done
+kwok_stages
 echo "k8s-binaries: done" >&2
 echo "$DEST"

@@ -214,7 +214,7 @@ up() {
         --authentication-kubeconfig "$TB/scheduler.kubeconfig" --authorization-kubeconfig "$TB/scheduler.kubeconfig" \
         --leader-elect=false --secure-port 0 --profiling=false
     # kwok manages only its nodes (label type=kwok), never the agent's.
-    start kwok "$bin/kwok" --kubeconfig "$TB/kubeconfig" --manage-all-nodes=false \
+    start kwok "$bin/kwok" --kubeconfig "$TB/kubeconfig" --config "$bin/kwok-stages.yaml" \
         --manage-nodes-with-label-selector type=kwok --cidr 10.244.0.0/16 --node-ip 10.0.0.1 \
         --server-address "127.0.0.1:$KWOK_PORT"
     local agent_args=()
