@@ -18,6 +18,7 @@ import asyncio
 import base64
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -185,12 +186,20 @@ def fast_config(**settings: Any) -> Config:
                   node_lost_grace=grace, running_poll=0.3, idle_poll=1.0, progress_timeout=1.0)
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 class OperatorThread:
     """`kopf.operator()` in its own thread and event loop (what kopf.testing.KopfRunner does), stoppable."""
 
-    def __init__(self, config: Config, namespaces: tuple[str, ...] = ()):
+    def __init__(self, config: Config, namespaces: tuple[str, ...] = (), webhook: bool = False):
         self.config = config
         self.namespaces = namespaces
+        self.webhook = webhook
+        self.webhook_port = 0
         self.stop_flag = threading.Event()
         self.ready_flag = threading.Event()
         self.thread: threading.Thread | None = None
@@ -199,6 +208,9 @@ class OperatorThread:
     def start(self) -> OperatorThread:
         handlers.STATE.config = self.config
         handlers.STATE.webhook = None
+        if self.webhook:  # the admission webhook over plain HTTP on loopback (the chart serves TLS)
+            self.webhook_port = free_port()
+            handlers.enable_webhook(handlers.WebhookConfig(port=self.webhook_port, insecure=True))
 
         def run() -> None:
             try:
@@ -227,6 +239,9 @@ class OperatorThread:
 def namespace(cp: ControlPlane, name: str) -> str:
     """A fresh namespace for one test (a leftover of an earlier run is deleted first)."""
     try:
+        for j in cp.custom.list_namespaced_custom_object(GROUP, VERSION, name, PLURAL)["items"]:
+            # no operator may be running to release the finalizer of an interrupted run's job
+            patch_job(cp, name, j["metadata"]["name"], {"metadata": {"finalizers": None}})
         cp.core.delete_namespace(name)
         wait_for(lambda: _absent(lambda: cp.core.read_namespace(name)), 120, what=f"old namespace {name} gone")
     except ApiException as exc:
@@ -237,6 +252,28 @@ def namespace(cp: ControlPlane, name: str) -> str:
     wait_for(lambda: not _absent(lambda: cp.core.read_namespaced_service_account("default", name)), 30,
              what=f"default ServiceAccount in {name}")
     return name
+
+
+def teardown(cp: ControlPlane, namespaces: list[str]) -> None:
+    """Delete the tests' jobs while their operator still runs (it releases the finalizers), then the namespaces
+    and the nodes of their pools."""
+    for ns in namespaces:
+        for j in jobs(cp, ns):
+            with _suppress_404():
+                delete_job(cp, ns, j["metadata"]["name"])
+    for ns in namespaces:
+        wait_for(lambda ns=ns: not jobs(cp, ns), 60, what=f"jobs of {ns} deleted")
+        with _suppress_404():
+            cp.core.delete_namespace(ns)
+        delete_nodes(cp, ns)
+
+
+class _suppress_404:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, typ: Any, exc: Any, tb: Any) -> bool:
+        return isinstance(exc, ApiException) and exc.status == 404
 
 
 def _absent(read: Callable[[], Any]) -> bool:

@@ -13,6 +13,8 @@ Rules, checked in the order they were added, make chosen requests (method, path 
 - `gone=True` (watches): answered 200 with the single `ERROR` event (a `Status` with code 410, reason Expired) that
   the apiserver sends when the requested resourceVersion is older than its watch cache, then ended.
 
+`drop_watches()` cuts the watch streams that are open now (an apiserver restart), whatever the rules.
+
 A rule applies to `times` matching requests (None: all of them), skipping the first `after`; its `hits` count
 how often it fired. `count()` counts recorded requests by method, path, status and watch.
 
@@ -122,6 +124,7 @@ class FaultProxy:
     _thread: threading.Thread | None = None
     _stop: asyncio.Event | None = None
     _error: BaseException | None = None
+    _streams: dict[int, tuple[str, asyncio.Transport]] = field(default_factory=dict)
 
     # ---- rules and counts -----------------------------------------------------------------------------------
 
@@ -155,6 +158,17 @@ class FaultProxy:
     def count(self, method: str | None = None, path: str | None = None, *, status: int | None = None,
               watch: bool | None = None, since: float | None = None) -> int:
         return len(self.requests(method, path, status=status, watch=watch, since=since))
+
+    def drop_watches(self, path: str | None = None) -> int:
+        """Cut the watch streams open now (whose path matches), as an apiserver restart does; returns how many.
+        New watches go on unhindered (unless a rule says otherwise)."""
+        pat = re.compile(path) if path else None
+        with self._lock:
+            victims = [t for p, t in self._streams.values() if pat is None or pat.search(p)]
+        if self._loop is not None:
+            for t in victims:
+                self._loop.call_soon_threadsafe(t.abort)
+        return len(victims)
 
     def kubeconfig(self, path: str, token: str, namespace: str = "default") -> str:
         """A kubeconfig that sends `token` to this proxy; returns `path`."""
@@ -288,7 +302,15 @@ class FaultProxy:
                 if request.transport is not None:
                     request.transport.abort()
                 return resp
-            async for chunk in upstream.content.iter_any():
-                await resp.write(chunk)
-            await resp.write_eof()
+            key = id(resp)
+            if rec.watch and request.transport is not None:
+                with self._lock:
+                    self._streams[key] = (request.path, request.transport)  # type: ignore[assignment]
+            try:
+                async for chunk in upstream.content.iter_any():
+                    await resp.write(chunk)
+                await resp.write_eof()
+            finally:
+                with self._lock:
+                    self._streams.pop(key, None)
             return resp

@@ -176,6 +176,24 @@ def test_watch_streams_pass_through_dropped_watches_and_410_gone(env):
     assert proxy.count("GET", r"/pods$", watch=True) == 3 and proxy.count("GET", r"/pods$", watch=False) == 1
 
 
+def test_drop_watches_cuts_the_open_streams_only(env):
+    _, proxy = env
+    out: dict[str, tuple[list[dict], str]] = {}
+    t = threading.Thread(target=lambda: out.setdefault("w", _watch_lines(
+        proxy, "/api/v1/namespaces/a/pods?watch=1", read_timeout=20)))
+    t.start()
+    wait = time.monotonic() + 10
+    while proxy.count("GET", r"/pods$", watch=True) < 1 or proxy.drop_watches("/nodes") != 0:
+        assert time.monotonic() < wait
+        time.sleep(0.05)
+    time.sleep(0.3)  # the three events are through
+    assert proxy.drop_watches(r"/pods$") == 1
+    t.join(10)
+    events, how = out["w"]
+    assert len(events) == 3 and how == "cut"
+    assert proxy.drop_watches() == 0  # nothing open any more
+
+
 def test_rules_are_checked_and_a_kubeconfig_points_at_the_proxy(env, tmp_path: Path):
     import yaml
 
