@@ -77,8 +77,7 @@ def _node(name: str, cpu: int, memory_gi: int) -> dict[str, Any]:
                          "labels": {"type": "kwok", "kubernetes.io/hostname": name, "kubernetes.io/os": "linux",
                                     POOL: "bench"}},
             "spec": {},
-            "status": {"capacity": capacity, "allocatable": capacity,
-                       "nodeInfo": {"architecture": "amd64", "operatingSystem": "linux", "kubeletVersion": "fake"}}}
+            "status": {"capacity": capacity, "allocatable": capacity}}
 
 
 def _job(name: str, replicas: int) -> dict[str, Any]:
@@ -144,8 +143,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     import yaml
     from kubernetes import client, config
 
-    sys.path.insert(0, str(ROOT / "tests" / "testbed"))
-    from faultproxy import FaultProxy  # test infrastructure of the checkout
+    sys.path.insert(0, str(ROOT / "tests"))
+    from testbed.faultproxy import FaultProxy  # test infrastructure of the checkout
 
     started: list[bool] = []
     kubeconfig = _testbed(started)

@@ -1,27 +1,24 @@
 """The real kopf operator (our handlers) against the real control plane of `scripts/testbed.sh`, through the
 fault proxy (tests/testbed/faultproxy.py).
 
-The operator authenticates as the chart's ServiceAccount (a token from the TokenRequest API) after a real
-`helm install`, so it has exactly the chart's permissions; its kubeconfig points at a `FaultProxy` in front of
-the apiserver, which records every request and injects the faults a test asks for. The test itself is the
-cluster admin (the testbed's kubeconfig) and plays the kubelet of kwok's simulated nodes where it needs a pod to
-fail a particular way: it writes the pod's status the way a kubelet does (`pods/status`), and kwok, which runs
-every pod it is given, leaves a terminated pod alone.
+The chart is installed by the testbed's `seqtrain_operator` fixture (a real `helm install`, the webhook pointed at
+127.0.0.1 over TLS); a module here stops that fixture's operator process and runs its own operators instead,
+authenticated with a TokenRequest token of the chart's ServiceAccount (exactly the chart's RBAC), with a kubeconfig
+that points at a `FaultProxy` in front of the apiserver: it records every request and injects the faults a test
+asks for. These operators serve the chart's webhook (same port, same certificate), so every job a test creates
+passes the real admission chain. At the end of the module the fixture's operator is started again.
 
-Each test works in its own namespace and on its own kwok nodes (a label only its jobs select), so it neither
-sees nor disturbs the testbed's other nodes and jobs.
+The test itself is the cluster admin and plays the kubelet of kwok's simulated nodes where it needs a pod to end a
+particular way: it writes the pod's status the way a kubelet does (`pods/status`); kwok, which runs every pod bound
+to its nodes, leaves a terminated pod alone and confirms deletions. Each test works in its own namespace and on its
+own kwok nodes (a label only its jobs select), so it neither sees nor disturbs the testbed's other nodes and jobs.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import os
-import shutil
 import socket
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -30,22 +27,17 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import kopf
-import pytest
-import yaml
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests" / "testbed"))
-from faultproxy import FaultProxy  # noqa: E402
+from seqtrain_operator.k8s import handlers
+from seqtrain_operator.k8s.manifests import Settings
+from seqtrain_operator.k8s.reconcile import Config
+from testbed.faultproxy import FaultProxy
+from testbed.fixtures import TB, Operator
 
-from seqtrain_operator.k8s import handlers  # noqa: E402
-from seqtrain_operator.k8s.manifests import Settings  # noqa: E402
-from seqtrain_operator.k8s.reconcile import Config  # noqa: E402
-
+__all__ = ["FaultProxy"]
 GROUP, VERSION, PLURAL = "seqtrain.dev", "v1alpha1", "seqtrainjobs"
-RELEASE, RELEASE_NS = "seqtrain", "seqtrain-system"
-SERVICE_ACCOUNT = f"{RELEASE}-seqtrain"
 POOL_LABEL = "seqtrain.test/pool"
 T = TypeVar("T")
 
@@ -82,98 +74,44 @@ class ControlPlane:
         return client.CustomObjectsApi(self.api)
 
 
-def _testbed_kubeconfig() -> str | None:
-    env = os.environ.get("SEQTRAIN_TESTBED_KUBECONFIG")
-    if env:
-        return env
-    path = ROOT / ".testbed" / "kubeconfig"
-    return str(path) if path.exists() else None
-
-
-def control_plane() -> ControlPlane:
-    """The running testbed; skipped with the command that starts one (a failure under CI=true)."""
-    path = _testbed_kubeconfig()
-    reason = None
-    if path is None:
-        reason = "no test control plane (.testbed/kubeconfig): start one with `scripts/testbed.sh up`"
-    else:
-        try:
-            api = config.new_client_from_config(config_file=path)
-            client.VersionApi(api).get_code(_request_timeout=5)
-        except Exception as exc:  # noqa: BLE001 - reported as the reason
-            reason = f"test control plane at {path} does not answer ({exc}): `scripts/testbed.sh up`"
-    if reason:
-        if os.environ.get("CI") == "true":
-            pytest.fail(reason)
-        pytest.skip(reason)
-    cfg = yaml.safe_load(Path(path).read_text())
-    ctx = next(c["context"] for c in cfg["contexts"] if c["name"] == cfg["current-context"])
-    cluster = next(c["cluster"] for c in cfg["clusters"] if c["name"] == ctx["cluster"])
-    ca = cluster.get("certificate-authority")
-    if ca is None:
-        fd, ca = tempfile.mkstemp(prefix="testbed-ca-", suffix=".crt")
-        os.write(fd, base64.b64decode(cluster["certificate-authority-data"]))
-        os.close(fd)
-    elif not os.path.isabs(ca):
-        ca = str(Path(path).parent / ca)
-    return ControlPlane(kubeconfig=path, server=cluster["server"], ca_file=ca, api=api)
-
-
-def install_chart(cp: ControlPlane) -> None:
-    """`helm upgrade --install` of charts/seqtrain (idempotent): the CRDs, the ServiceAccount and its RBAC. No
-    operator Deployment (the tests run the operator here) and no webhook (no operator in the cluster to serve it;
-    the webhook is tested by the testbed's own scenarios)."""
-    helm = shutil.which("helm") or str(ROOT / ".tools" / "bin" / "helm")
-    subprocess.run([helm, "upgrade", "--install", RELEASE, str(ROOT / "charts" / "seqtrain"), "-n", RELEASE_NS,
-                    "--create-namespace", "--kubeconfig", cp.kubeconfig, "--set", "replicaCount=0",
-                    "--set", "webhook.enabled=false", "--set", "metrics.enabled=false", "--wait", "--timeout", "120s"],
-                   check=True, capture_output=True, timeout=180)
-    wait_for(lambda: _crd_established(cp), 60, what="SeqTrainJob CRD established")
-
-
-def _crd_established(cp: ControlPlane) -> bool:
-    try:
-        crd = client.ApiextensionsV1Api(cp.api).read_custom_resource_definition(f"{PLURAL}.{GROUP}")
-    except ApiException:
-        return False
-    return any(c.type == "Established" and c.status == "True" for c in (crd.status.conditions or []))
-
-
-def service_account_token(cp: ControlPlane, seconds: int = 3600) -> str:
-    """A token of the chart's ServiceAccount (TokenRequest API), as the in-cluster operator would hold."""
-    req = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": {"expirationSeconds": seconds}}
-    out = cp.core.create_namespaced_service_account_token(SERVICE_ACCOUNT, RELEASE_NS, req)
-    return out.status.token
-
-
 @dataclass
 class Bed:
-    """What one test module works with: the control plane, the proxy the operator goes through, its token."""
+    """What one test module works with: the control plane (as admin), the proxy the operator goes through, the
+    ServiceAccount's token, the operator's kubeconfig, and the chart's webhook (port, certificate folder)."""
 
     cp: ControlPlane
     proxy: FaultProxy
     token: str
-    kubeconfig: str  # the operator's: the proxy, the ServiceAccount's token
+    kubeconfig: str
+    webhook_port: int
+    webhook_certs: Path
+
+    def webhook(self) -> handlers.WebhookConfig:
+        return handlers.WebhookConfig(port=self.webhook_port, certfile=str(self.webhook_certs / "tls.crt"),
+                                      keyfile=str(self.webhook_certs / "tls.key"))
 
 
-def bed(tmp: Path) -> Iterator[Bed]:
-    """Generator for a module fixture: chart installed, a fresh proxy, KUBECONFIG pointing at it."""
+def bed(fixture_operator: Operator, tmp: Path) -> Iterator[Bed]:
+    """Generator for a module fixture (see the module's docstring)."""
     os.environ.setdefault("SEQTRAIN_CHECK_PATHS", "0")
-    cp = control_plane()
-    install_chart(cp)
-    token = service_account_token(cp)
+    tb = fixture_operator.tb
+    cp = ControlPlane(str(tb.kubeconfig), tb.server(), str(TB / "pki" / "ca.crt"),
+                      config.new_client_from_config(config_file=str(tb.kubeconfig)))
+    token = fixture_operator.token()
+    fixture_operator.stop()
     proxy = FaultProxy(upstream=cp.server, ca_file=cp.ca_file).start()
     kc = proxy.kubeconfig(str(tmp / "operator.kubeconfig"), token=token)
     old = os.environ.get("KUBECONFIG")
     os.environ["KUBECONFIG"] = kc
     try:
-        yield Bed(cp, proxy, token, kc)
+        yield Bed(cp, proxy, token, kc, fixture_operator.webhook_port, TB / "webhook-certs")
     finally:
         proxy.stop()
         if old is None:
             os.environ.pop("KUBECONFIG", None)
         else:
             os.environ["KUBECONFIG"] = old
+        fixture_operator.start()
 
 
 # ---- the operator -------------------------------------------------------------------------------------------
@@ -192,14 +130,22 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _listening(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
 class OperatorThread:
     """`kopf.operator()` in its own thread and event loop (what kopf.testing.KopfRunner does), stoppable."""
 
-    def __init__(self, config: Config, namespaces: tuple[str, ...] = (), webhook: bool = False):
+    def __init__(self, config: Config, webhook: handlers.WebhookConfig | None = None,
+                 namespaces: tuple[str, ...] = ()):
         self.config = config
         self.namespaces = namespaces
         self.webhook = webhook
-        self.webhook_port = 0
         self.stop_flag = threading.Event()
         self.ready_flag = threading.Event()
         self.thread: threading.Thread | None = None
@@ -208,9 +154,8 @@ class OperatorThread:
     def start(self) -> OperatorThread:
         handlers.STATE.config = self.config
         handlers.STATE.webhook = None
-        if self.webhook:  # the admission webhook over plain HTTP on loopback (the chart serves TLS)
-            self.webhook_port = free_port()
-            handlers.enable_webhook(handlers.WebhookConfig(port=self.webhook_port, insecure=True))
+        if self.webhook is not None:
+            handlers.enable_webhook(self.webhook)
 
         def run() -> None:
             try:
@@ -224,6 +169,9 @@ class OperatorThread:
         self.thread.start()
         if not self.ready_flag.wait(60):
             raise RuntimeError(f"operator did not become ready: {self.error}")
+        if self.webhook is not None:
+            wait_for(lambda: self.error is None and _listening(self.webhook.port), 60,
+                     what=f"the operator's webhook on port {self.webhook.port} (error: {self.error})")
         return self
 
     def stop(self) -> None:
@@ -297,8 +245,7 @@ def add_node(cp: ControlPlane, name: str, *, pool: str, cpu: str = "8", memory: 
                          "labels": {"kubernetes.io/hostname": name, "kubernetes.io/os": "linux", "type": "kwok",
                                     POOL_LABEL: pool, **(labels or {})}},
             "spec": {},
-            "status": {"capacity": capacity, "allocatable": capacity,
-                       "nodeInfo": {"architecture": "amd64", "operatingSystem": "linux", "kubeletVersion": "fake"}}}
+            "status": {"capacity": capacity, "allocatable": capacity}}
     with_retry_absent(cp, name)
     cp.core.create_node(node)
     wait_for(lambda: _node_ready(cp, name), 60, what=f"kwok node {name} Ready")

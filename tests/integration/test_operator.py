@@ -40,10 +40,10 @@ pytestmark = pytest.mark.timeout(180)
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    gen = bed(tmp_path_factory.mktemp("kube"))
+def env(seqtrain_operator, tmp_path_factory):
+    gen = bed(seqtrain_operator, tmp_path_factory.mktemp("kube"))
     b = next(gen)
-    op = OperatorThread(fast_config()).start()
+    op = OperatorThread(fast_config(), b.webhook()).start()
     pools: list[str] = []
     try:
         yield b, pools

@@ -53,7 +53,7 @@ def peers(b: Bed) -> dict[str, Any]:
 class Replica:
     """One `seqtrain operator` process behind its own fault proxy; its log goes to a file the test reads."""
 
-    def __init__(self, b: Bed, tmp: Path, ident: str):
+    def __init__(self, b: Bed, tmp: Path, ident: str, webhook: bool):
         self.ident = ident
         self.log = tmp / f"{ident}.log"
         self.proxy = FaultProxy(upstream=b.cp.server, ca_file=b.cp.ca_file).start()
@@ -62,6 +62,8 @@ class Replica:
                "PYTHONPATH": os.pathsep.join([str(ROOT / "trainer"), str(ROOT / "operator")])}
         args = [sys.executable, "-m", "seqtrain_operator.cli", "operator", "--all-namespaces", "--peering=seqtrain",
                 f"--peering-lifetime={LIFETIME}", "--progress-port=0", "--node-lost-grace=0"]
+        if webhook:  # one port: one replica serves the chart's webhook (the test creates its job while it lives)
+            args += [f"--webhook-port={b.webhook_port}", f"--webhook-cert-dir={b.webhook_certs}"]
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
 
@@ -99,8 +101,8 @@ def paused(log: str) -> bool | None:
 
 
 @pytest.fixture
-def ha_bed(tmp_path):
-    gen = bed(tmp_path)
+def ha_bed(seqtrain_operator, tmp_path):
+    gen = bed(seqtrain_operator, tmp_path)
     b = next(gen)
     try:
         yield b
@@ -114,7 +116,8 @@ def test_two_replicas_one_acts_and_the_other_takes_over(ha_bed, tmp_path):
     cp = b.cp
     ns = namespace(cp, "ha")
     add_node(cp, "ha-0", pool=ns)
-    replicas = {r.ident: r for r in (Replica(b, tmp_path, "op-a"), Replica(b, tmp_path, "op-b"))}
+    replicas = {r.ident: r for r in (Replica(b, tmp_path, "op-a", webhook=True),
+                                          Replica(b, tmp_path, "op-b", webhook=False))}
     took = None
     try:
         # Both keep-alives are in the peering object; one more keep-alive of the leader after that, so the

@@ -278,8 +278,10 @@ class FaultProxy:
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
         url = self.upstream.rstrip("/") + request.rel_url.raw_path_qs
         try:
+            # No Content-Type invented for a body that came without one (aiohttp would say octet-stream, which the
+            # apiserver refuses; without one it reads JSON).
             upstream = await self._session.request(request.method, url, headers=headers, data=body or None,
-                                                   allow_redirects=False)
+                                                   allow_redirects=False, skip_auto_headers=("Content-Type",))
         except (aiohttp.ClientError, OSError) as exc:
             rec.status = 502
             return web.json_response(status_body(502, f"proxy: upstream unreachable: {exc}", "ServiceUnavailable"),

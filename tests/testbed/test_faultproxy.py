@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import requests
 from aiohttp import web
-from faultproxy import FaultProxy
+
+from testbed.faultproxy import FaultProxy
 
 pytestmark = pytest.mark.timeout(60)
 
