@@ -88,7 +88,7 @@ EOF
 start() {  # name command...
     local name=$1; shift
     # setsid: its own session, so a Ctrl-C in the shell that ran `up` does not reach it; `down` stops it by pid.
-    setsid "$@" >"$LOGS/$name.log" 2>&1 </dev/null &
+    setsid "$@" >"$LOGS/$name.log" 2>&1 </dev/null 8>&- &  # 8>&-: the children must not hold up's lock
     echo $! >"$PIDS/$name"
 }
 

@@ -46,6 +46,9 @@ app.kubernetes.io/component: operator
 - apiGroups: ["seqtrain.dev"]
   resources: ["seqtrainjobs/status"]
   verbs: ["get", "patch"]
+- apiGroups: ["seqtrain.dev"]  # ownerReferences with blockOwnerDeletion (OwnerReferencesPermissionEnforcement)
+  resources: ["seqtrainjobs/finalizers"]
+  verbs: ["update"]
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["get", "list", "watch", "create", "delete", "deletecollection"]

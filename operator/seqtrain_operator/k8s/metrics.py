@@ -18,7 +18,7 @@ class OperatorMetrics:
         self.restarts = PromCounter("seqtrain_gang_restarts", "Gang restarts by failure class.", ["kind"],
                                     registry=self.registry)
         self.reconcile_seconds = Histogram("seqtrain_reconcile_seconds", "Time of one reconcile pass.",
-                                           buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+                                           buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
                                            registry=self.registry)
         self.reconcile_errors = PromCounter("seqtrain_reconcile_errors", "Reconcile passes that raised.",
                                             ["error"], registry=self.registry)

@@ -1,0 +1,298 @@
+"""`seqtrain bench operator`: the operator at scale on the test control plane (scripts/testbed.sh) with kwok nodes.
+
+Creates `--nodes` kwok nodes (simulated: kwok keeps them Ready and runs every pod bound to them), runs the
+operator as its own process (`seqtrain operator`, authenticated as the chart's ServiceAccount after a real
+`helm install`) behind the fault proxy of tests/testbed (no faults: it only counts the operator's requests), applies
+`--jobs` SeqTrainJobs of `--replicas` pods each, and reports:
+
+- seconds from the first apply to all pods created, to all pods Running, and to every job's status Running;
+- the operator process's CPU seconds and peak RSS (from /proc), over the whole run;
+- API requests per job per minute at steady state (everything Running, over `--steady-seconds`), by verb/resource;
+- p50/p99 of one reconcile pass, from the operator's `seqtrain_reconcile_seconds` histogram (interpolated within
+  its buckets), over the whole run and over the steady window.
+
+Needs a source checkout (scripts/testbed.sh, charts/, tests/testbed/). Uses a running testbed, else starts one
+and stops it at the end.
+
+    seqtrain bench operator --out operator.json                      # 1000 jobs x 8 pods on 500 nodes
+    seqtrain bench operator --jobs 50 --nodes 50 --steady-seconds 60 --out quick.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections import Counter
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+NAMESPACE = "seqtrain-bench"
+POOL = "seqtrain.bench/pool"
+GROUP, VERSION, PLURAL = "seqtrain.dev", "v1alpha1", "seqtrainjobs"
+RELEASE, RELEASE_NS, SERVICE_ACCOUNT = "seqtrain", "seqtrain-system", "seqtrain-seqtrain"
+
+
+def _log(msg: str) -> None:
+    print(f"[bench operator {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def _wait(fn: Callable[[], Any], timeout: float, what: str, interval: float = 2.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        out = fn()
+        if out:
+            return out
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"gave up after {timeout:.0f}s waiting for {what}")
+        time.sleep(interval)
+
+
+def _testbed(started: list[bool]) -> str:
+    script = ROOT / "scripts" / "testbed.sh"
+    if not script.exists():
+        raise SystemExit("seqtrain bench operator needs a source checkout (scripts/testbed.sh, charts/, tests/testbed/)")
+    if subprocess.run([str(script), "status"], capture_output=True).returncode != 0:
+        _log("starting the testbed (scripts/testbed.sh up)")
+        subprocess.run([str(script), "up"], check=True, stdout=subprocess.DEVNULL)
+        started.append(True)
+    return str(ROOT / ".testbed" / "kubeconfig")
+
+
+def _node(name: str, cpu: int, memory_gi: int) -> dict[str, Any]:
+    capacity = {"cpu": str(cpu), "memory": f"{memory_gi}Gi", "pods": "110", "ephemeral-storage": "500Gi"}
+    return {"apiVersion": "v1", "kind": "Node",
+            "metadata": {"name": name, "annotations": {"kwok.x-k8s.io/node": "fake", "node.alpha.kubernetes.io/ttl": "0"},
+                         "labels": {"type": "kwok", "kubernetes.io/hostname": name, "kubernetes.io/os": "linux",
+                                    POOL: "bench"}},
+            "spec": {},
+            "status": {"capacity": capacity, "allocatable": capacity}}
+
+
+def _job(name: str, replicas: int) -> dict[str, Any]:
+    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "SeqTrainJob", "metadata": {"name": name, "namespace": NAMESPACE},
+            "spec": {"replicas": replicas, "resources": {"gpus": 0, "cpu": "1", "memory": "1Gi"},
+                     "training": {"steps": 1000000, "globalBatchSize": replicas, "microBatchSize": 1},
+                     "scheduling": {"topology": {"policy": "none"}, "nodeSelector": {POOL: "bench"}}}}
+
+
+def _proc_cpu_rss(pid: int) -> tuple[float, float]:
+    """(CPU seconds user+system, peak RSS MiB) of a live process."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    ticks = os.sysconf("SC_CLK_TCK")
+    cpu = (int(fields[11]) + int(fields[12])) / ticks
+    hwm = next(int(line.split()[1]) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+               if line.startswith("VmHWM:"))
+    return cpu, hwm / 1024
+
+
+def _histogram(url: str) -> list[tuple[float, float]]:
+    """The cumulative buckets (upper bound, count) of seqtrain_reconcile_seconds."""
+    text = urllib.request.urlopen(url, timeout=30).read().decode()
+    out = []
+    for m in re.finditer(r'^seqtrain_reconcile_seconds_bucket\{le="([^"]+)"\} ([0-9.e+]+)$', text, re.M):
+        out.append((float(m.group(1)), float(m.group(2))))
+    return sorted(out)
+
+
+def quantile(buckets: list[tuple[float, float]], q: float) -> float | None:
+    """The q-quantile of a cumulative Prometheus histogram, linear within the bucket (as histogram_quantile)."""
+    total = buckets[-1][1] if buckets else 0
+    if total <= 0:
+        return None
+    rank, lo, below = q * total, 0.0, 0.0
+    for le, count in buckets:
+        if count >= rank:
+            if le == float("inf"):
+                return lo  # beyond the largest finite bucket: its bound is all that is known
+            return lo + (le - lo) * ((rank - below) / (count - below) if count > below else 1.0)
+        lo, below = le, count
+    return lo
+
+
+def _minus(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    before = dict(b)
+    return [(le, c - before.get(le, 0.0)) for le, c in a]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="seqtrain bench operator", description=__doc__.splitlines()[0])
+    p.add_argument("--jobs", type=int, default=1000)
+    p.add_argument("--replicas", type=int, default=8, help="pods per job")
+    p.add_argument("--nodes", type=int, default=500, help="kwok nodes (32 CPU, 256 GiB each)")
+    p.add_argument("--steady-seconds", type=float, default=180.0, help="window for the steady-state request rate")
+    p.add_argument("--timeout", type=float, default=7200.0, help="give up waiting for pods after this many seconds")
+    p.add_argument("--keep", action="store_true", help="leave the jobs and nodes in the cluster")
+    p.add_argument("--out", help="write the JSON here (default: stdout)")
+    args = p.parse_args(list(argv) if argv is not None else None)
+    for name in ("jobs", "replicas", "nodes"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be at least 1")
+
+    import yaml
+    from kubernetes import client, config
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from testbed.faultproxy import FaultProxy  # test infrastructure of the checkout
+
+    started: list[bool] = []
+    kubeconfig = _testbed(started)
+    api = config.new_client_from_config(config_file=kubeconfig)
+    core, custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
+    tmp = Path(tempfile.mkdtemp(prefix="seqtrain-bench-operator-"))
+    result: dict[str, Any] = {"benchmark": "operator", "command": "seqtrain bench operator " + " ".join(argv or []),
+                              "date": dt.date.today().isoformat(), "machine": {
+                                  "cpus": os.cpu_count(), "platform": platform.platform(),
+                                  "python": platform.python_version()},
+                              "jobs": args.jobs, "replicas": args.replicas, "pods": args.jobs * args.replicas,
+                              "nodes": args.nodes}
+    op = proxy = None
+    try:
+        helm = str(ROOT / ".tools" / "bin" / "helm") if (ROOT / ".tools" / "bin" / "helm").exists() else "helm"
+        subprocess.run([helm, "upgrade", "--install", RELEASE, str(ROOT / "charts" / "seqtrain"), "-n", RELEASE_NS,
+                        "--create-namespace", "--kubeconfig", kubeconfig, "--set", "replicaCount=0",
+                        "--set", "webhook.enabled=false", "--set", "metrics.enabled=false", "--wait"],
+                       check=True, capture_output=True)
+        with ThreadPoolExecutor(8) as pool:
+            _log(f"creating {args.nodes} kwok nodes")
+            existing = {n.metadata.name for n in core.list_node(label_selector=f"{POOL}=bench").items}
+            list(pool.map(lambda i: core.create_node(_node(f"bench-{i:04d}", 32, 256)),
+                          [i for i in range(args.nodes) if f"bench-{i:04d}" not in existing]))
+            _wait(lambda: sum(any(c.type == "Ready" and c.status == "True" for c in n.status.conditions or [])
+                              for n in core.list_node(label_selector=f"{POOL}=bench").items) >= args.nodes,
+                  600, "kwok nodes Ready")
+            try:
+                core.create_namespace({"metadata": {"name": NAMESPACE}})
+            except client.ApiException as exc:
+                if exc.status != 409:
+                    raise
+            _wait(lambda: core.list_namespaced_service_account(NAMESPACE).items, 60, "default ServiceAccount")
+
+            cp_cfg = yaml.safe_load(Path(kubeconfig).read_text())
+            server = cp_cfg["clusters"][0]["cluster"]["server"]
+            ca = cp_cfg["clusters"][0]["cluster"].get("certificate-authority")
+            proxy = FaultProxy(upstream=server, ca_file=ca).start()
+            token = core.create_namespaced_service_account_token(SERVICE_ACCOUNT, RELEASE_NS, {
+                "spec": {"expirationSeconds": 86400}}).status.token
+            metrics_port = _free_port()
+            env = {**os.environ, "KUBECONFIG": proxy.kubeconfig(str(tmp / "operator.kubeconfig"), token=token),
+                   "PYTHONPATH": os.pathsep.join([str(ROOT / "trainer"), str(ROOT / "operator")])}
+            log = open(tmp / "operator.log", "wb")  # noqa: SIM115 - closed with the process
+            op = subprocess.Popen([sys.executable, "-m", "seqtrain_operator.cli", "operator", "--standalone", "-A",
+                                   "--progress-port=0", f"--metrics-port={metrics_port}"], env=env, stdout=log,
+                                  stderr=subprocess.STDOUT)
+            metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+            _wait(lambda: _try(lambda: _histogram(metrics_url)) is not None, 120, "operator metrics endpoint", 0.5)
+            _log(f"operator pid {op.pid}, log {tmp / 'operator.log'}; applying {args.jobs} jobs")
+
+            t0 = time.monotonic()
+            list(pool.map(lambda i: custom.create_namespaced_custom_object(
+                GROUP, VERSION, NAMESPACE, PLURAL, _job(f"j{i:05d}", args.replicas)), range(args.jobs)))
+            result["apply_s"] = round(time.monotonic() - t0, 1)
+            want = args.jobs * args.replicas
+            marks: dict[str, float] = {}
+
+            def progress() -> bool:
+                pods = _pods(api, NAMESPACE)
+                running = sum(1 for ph in pods if ph == "Running")
+                now = time.monotonic() - t0
+                if len(pods) >= want and "all_pods_created_s" not in marks:
+                    marks["all_pods_created_s"] = now
+                if running >= want and "all_pods_running_s" not in marks:
+                    marks["all_pods_running_s"] = now
+                phases = Counter((j.get("status") or {}).get("phase", "-") for j in custom.list_namespaced_custom_object(
+                    GROUP, VERSION, NAMESPACE, PLURAL)["items"])
+                if phases.get("Running", 0) >= args.jobs and "all_jobs_running_s" not in marks:
+                    marks["all_jobs_running_s"] = now
+                _log(f"t={now:.0f}s pods {len(pods)}/{want}, running {running}; jobs {dict(phases)}")
+                return len(marks) == 3
+
+            _wait(progress, args.timeout, "every pod Running and every job Running", interval=5.0)
+            result.update({k: round(v, 1) for k, v in marks.items()})
+
+            _log(f"steady state for {args.steady_seconds:.0f}s")
+            h0, since = _histogram(metrics_url), time.monotonic()
+            time.sleep(args.steady_seconds)
+            window = time.monotonic() - since
+            h1 = _histogram(metrics_url)
+            reqs = proxy.requests(since=since)
+            kinds = Counter(f"{r.method}{' watch' if r.watch else ''} {_resource(r.path)}" for r in reqs)
+            result["steady"] = {"window_s": round(window, 1), "requests": len(reqs),
+                                "requests_per_job_per_minute": round(len(reqs) / args.jobs / (window / 60), 2),
+                                "by_request": dict(kinds.most_common())}
+            steady = _minus(h1, h0)
+            result["reconcile_seconds"] = {
+                "whole_run": {"passes": int(h1[-1][1]) if h1 else 0, "p50": quantile(h1, 0.5), "p99": quantile(h1, 0.99)},
+                "steady": {"passes": int(steady[-1][1]) if steady else 0, "p50": quantile(steady, 0.5),
+                           "p99": quantile(steady, 0.99)},
+                "buckets": [le for le, _ in h1]}
+            cpu, rss = _proc_cpu_rss(op.pid)
+            result["operator"] = {"cpu_seconds": round(cpu, 1), "peak_rss_mib": round(rss, 1),
+                                  "requests_total": proxy.count()}
+        if not args.keep:
+            _log("deleting the jobs (the operator releases their finalizers), the namespace and the nodes")
+            custom.delete_collection_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL)
+            _wait(lambda: not custom.list_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL)["items"],
+                  1800, "jobs deleted", 5.0)
+            core.delete_namespace(NAMESPACE)
+            core.delete_collection_node(label_selector=f"{POOL}=bench")
+    finally:
+        if op is not None:
+            op.terminate()
+            try:
+                op.wait(30)
+            except subprocess.TimeoutExpired:
+                op.kill()
+        if proxy is not None:
+            proxy.stop()
+        if started and not args.keep:
+            subprocess.run([str(ROOT / "scripts" / "testbed.sh"), "down"], check=False, stdout=subprocess.DEVNULL)
+    text = json.dumps(result, indent=2)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    print(text)
+    return 0
+
+
+def _pods(api: Any, namespace: str) -> list[str]:
+    """Phases of the namespace's pods (one LIST, decoded without building client objects)."""
+    from kubernetes import client
+
+    resp = client.CoreV1Api(api).list_namespaced_pod(namespace, _preload_content=False, _request_timeout=120)
+    return [(p.get("status") or {}).get("phase", "") for p in json.loads(resp.data)["items"]]
+
+
+def _resource(path: str) -> str:
+    """/api/v1/namespaces/x/pods/y/status -> pods/status; /apis/g/v/namespaces/x/kind -> kind."""
+    parts = [p for p in path.split("/") if p]
+    parts = parts[2:] if parts[:1] == ["api"] else parts[3:]
+    if parts[:1] == ["namespaces"] and len(parts) >= 3:
+        parts = parts[2:]
+    return "/".join([parts[0], *parts[2:]]) if parts else path
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _try(fn: Callable[[], Any]) -> Any:
+    try:
+        return fn()
+    except OSError:
+        return None
+

@@ -1,0 +1,33 @@
+"""The pure parts of `seqtrain bench operator`: histogram quantiles and request classification."""
+
+from __future__ import annotations
+
+import pytest
+
+from seqtrain_operator.benchmark import _minus, _resource, quantile
+
+INF = float("inf")
+
+
+def test_quantile_interpolates_within_the_bucket_like_histogram_quantile():
+    b = [(0.01, 10.0), (0.1, 90.0), (1.0, 100.0), (INF, 100.0)]
+    assert quantile(b, 0.5) == pytest.approx(0.055)  # rank 50 is half-way through the (0.01, 0.1] bucket
+    assert quantile(b, 0.99) == pytest.approx(0.91)
+    assert quantile(b, 0.05) == pytest.approx(0.005)
+    assert quantile([(1.0, 0.0), (INF, 5.0)], 0.5) == 1.0  # past the largest finite bound: that bound
+    assert quantile([(1.0, 0.0), (INF, 0.0)], 0.5) is None  # no observation
+
+
+def test_steady_window_is_the_difference_of_two_scrapes():
+    assert _minus([(0.1, 5.0), (INF, 9.0)], [(0.1, 2.0), (INF, 3.0)]) == [(0.1, 3.0), (INF, 6.0)]
+
+
+@pytest.mark.parametrize("path, resource", [
+    ("/api/v1/namespaces/x/pods/y/status", "pods/status"),
+    ("/api/v1/namespaces/x/pods", "pods"),
+    ("/api/v1/nodes", "nodes"),
+    ("/apis/seqtrain.dev/v1alpha1/namespaces/x/seqtrainjobs/j", "seqtrainjobs"),
+    ("/apis/kopf.dev/v1/clusterkopfpeerings/seqtrain", "clusterkopfpeerings"),
+])
+def test_requests_are_counted_by_resource(path, resource):
+    assert _resource(path) == resource
