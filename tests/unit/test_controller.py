@@ -211,6 +211,46 @@ def test_infrastructure_failure_uses_its_own_budget_and_avoids_the_node() -> Non
     assert d3.of(CreateGang)[0].avoid_nodes == ()
 
 
+def lost(replica: int, attempt: int = 1, *, terminating: bool = True) -> ReplicaObservation:
+    """A replica whose node died: NotReady past the grace, its pod stuck with a deletionTimestamp."""
+    return ReplicaObservation(replica=replica, attempt=attempt, phase="Failed", reason="NodeLost",
+                              node=f"node-{replica}", terminating=terminating, node_lost=True)
+
+
+def test_dead_node_force_deletes_charges_infrastructure_avoids_the_node_and_restarts() -> None:
+    job = make_job(max_restarts=0)
+    st = run_to_running(job)
+    alive = ReplicaObservation(replica=0, attempt=1, phase="Running", node="node-0")
+    d = decide(job, st, Observed(replicas=(alive, lost(1, terminating=False))), T0)
+    assert d.of(DeleteGang) == [DeleteGang(1, "NodeLost", force_nodes=("node-1",))]
+    assert d.status.phase == "Restarting" and d.status.infra_restarts == 1 and d.status.restarts == 0
+    assert "node-1" in d.status.failed_nodes
+    # The pod on the dead node keeps its deletionTimestamp (no kubelet confirms): keep forcing, never wait forever.
+    stuck = Observed(replicas=(lost(1),))
+    for dt in (5, 60, 3600):
+        d2 = decide(job, d.status, stuck, T0 + timedelta(seconds=dt))
+        assert d2.of(DeleteGang) == [DeleteGang(1, "TearingDown", force_nodes=("node-1",))]
+        assert d2.status.infra_restarts == 1 and not d2.of(CreateGang)
+    d3 = decide(job, d.status, Observed(latest_checkpoint=ck(20)), T0 + timedelta(seconds=10))
+    assert d3.of(CreateGang) == [CreateGang(attempt=2, resume_from_step=20, avoid_nodes=("node-1",))]
+
+
+def test_teardown_the_operator_ordered_is_never_charged() -> None:
+    job = make_job(pending_grace=60)
+    st = decide(job, JobStatus(), Observed(), T0).status
+    d = decide(job, st, Observed(replicas=gang(1, "Running", "Pending")), T0 + timedelta(seconds=61))
+    assert d.of(DeleteGang) == [DeleteGang(1, "PendingTimeout")]
+    # Our own deletion in progress: the bound pod is terminating (read as Deleted) or already exited on SIGTERM.
+    dying = (ReplicaObservation(0, 1, "Failed", reason="Deleted", node="node-0", terminating=True),
+             ReplicaObservation(1, 1, "Failed", exit_code=143, node="node-1"))
+    d2 = decide(job, d.status, Observed(replicas=dying), T0 + timedelta(seconds=62))
+    assert d2.status.infra_restarts == 0 and d2.status.restarts == 0 and d2.status.failed_nodes == {}
+    assert d2.of(DeleteGang) and not d2.of(CreateGang) and d2.status.phase == "Scheduling"
+    d3 = decide(job, d2.status, Observed(), T0 + timedelta(seconds=63))
+    assert d3.of(CreateGang) == [CreateGang(attempt=2, resume_from_step=None)]
+    assert d3.status.infra_restarts == 0 and d3.status.restarts == 0
+
+
 def test_gang_vanishing_while_running_is_an_infrastructure_failure() -> None:
     job = make_job()
     d = decide(job, run_to_running(job), Observed(), T0)

@@ -68,6 +68,17 @@ def test_pod_to_replica_observation(name, p, phase, reason, code, cls):
         assert classify(r).cls is cls
 
 
+def test_pod_on_a_dead_node_is_lost_even_while_terminating():
+    nodes = [node("n1"), node("down", "Unknown", "2026-11-22T11:58:00Z"), node("blip", "Unknown",
+                                                                               "2026-11-22T11:59:50Z")]
+    (r,) = observe_replicas([pod(node_name="down", deleting=True)], nodes, NOW, node_lost_grace=40)
+    assert (r.phase, r.reason, r.terminating, r.node_lost) == ("Failed", "NodeLost", True, True)
+    (r,) = observe_replicas([pod(node_name="blip", deleting=True)], nodes, NOW, node_lost_grace=40)
+    assert (r.phase, r.reason, r.terminating, r.node_lost) == ("Failed", "Deleted", True, False)
+    (r,) = observe_replicas([pod(node_name="gone", phase="Failed", term={"exitCode": 137})], nodes, NOW)
+    assert r.node_lost and r.exit_code == 137
+
+
 def test_pods_without_labels_are_ignored_and_order_is_stable():
     stray = {"metadata": {"name": "x", "labels": {}}, "spec": {}, "status": {}}
     got = observe_replicas([pod(1, 2), stray, pod(0, 2), pod(0, 1)], [node("n1")], NOW)

@@ -45,6 +45,11 @@ class _Ctx:
     def event(self, type_: str, reason: str, message: str) -> None:
         self.actions.append(Event(type_, reason, message))  # type: ignore[arg-type]
 
+    def delete(self, attempt: int, reason: str) -> None:
+        """Delete every replica of `attempt`; force it on nodes that are lost (see DeleteGang.force_nodes)."""
+        lost = sorted({r.node for r in self.observed.replicas if r.attempt == attempt and r.node_lost and r.node})
+        self.actions.append(DeleteGang(attempt, reason, tuple(lost)))
+
 
 def decide(job: SeqTrainJob, status: JobStatus, observed: Observed, now: datetime) -> Decision:
     """Decide what the backend must do next.
@@ -66,12 +71,12 @@ def decide(job: SeqTrainJob, status: JobStatus, observed: Observed, now: datetim
 
     gv = gang_policy.view(observed, st.attempt)
     for stale in gv.stale:
-        ctx.actions.append(DeleteGang(stale, "StaleIncarnation"))
+        ctx.delete(stale, "StaleIncarnation")
 
     if st.phase in TERMINAL_PHASES:
         # Terminal phases stay terminal; only stop replicas that still run (e.g. a rank hanging after a peer failed).
         if any(r.phase in ("Pending", "Running") for r in gv.current):
-            ctx.actions.append(DeleteGang(st.attempt, f"Job{st.phase}"))
+            ctx.delete(st.attempt, f"Job{st.phase}")
         return Decision(tuple(ctx.actions), st)
 
     if job.spec.suspend:
@@ -123,7 +128,7 @@ def _suspend(ctx: _Ctx, current: tuple[ReplicaObservation, ...]) -> None:
     st = ctx.st
     if current:
         # Graceful delete: the trainer saves a checkpoint on SIGTERM, so resuming loses at most the current step.
-        ctx.actions.append(DeleteGang(st.attempt, "Suspended"))
+        ctx.delete(st.attempt, "Suspended")
     if st.phase != "Suspended":
         cond.enter_phase(st, "Suspended", "Suspended", "spec.suspend is true: gang stopped; set it to false to resume",
                          ctx.now)
@@ -133,9 +138,10 @@ def _suspend(ctx: _Ctx, current: tuple[ReplicaObservation, ...]) -> None:
 
 def _live_gang(ctx: _Ctx, current: tuple[ReplicaObservation, ...]) -> None:
     st, job = ctx.st, ctx.job
-    if st.phase in ("Restarting", "Suspended"):
+    if st.phase in ("Restarting", "Suspended") or _tearing_down(st):
         # We already decided to tear this gang down (or Ctrl-C/suspend left it dying): keep deleting, then wait.
-        ctx.actions.append(DeleteGang(st.attempt, "TearingDown"))
+        # Its replicas now fail or vanish because WE asked: that is never a failure to charge (nor a node to avoid).
+        ctx.delete(st.attempt, "TearingDown")
         ctx.actions.append(RequeueAfter(POLL_SECONDS))
         return
     _placement(ctx, current)
@@ -181,13 +187,19 @@ def _live_gang(ctx: _Ctx, current: tuple[ReplicaObservation, ...]) -> None:
     waited = seconds_between(created, ctx.now) if created else 0.0
     if waited > grace:
         # A partly started gang holds resources others need: tear it down and re-plan from scratch.
-        ctx.actions.append(DeleteGang(st.attempt, "PendingTimeout"))
+        ctx.delete(st.attempt, "PendingTimeout")
         cond.set_condition(st, "Scheduled", "False", "PendingTimeout",
                            f"replicas still pending after {grace}s; re-planning", ctx.now)
         ctx.event("Warning", "PendingTimeout", f"attempt {st.attempt}: replicas pending for {waited:.0f}s")
         st.phase = "Scheduling"
         return
     ctx.actions.append(RequeueAfter(max(1.0, grace - waited)))
+
+
+def _tearing_down(st: JobStatus) -> bool:
+    """The operator itself gave up the live attempt without a failure (pending timeout: re-plan)."""
+    c = cond.get(st, "Scheduled")
+    return st.phase == "Scheduling" and c is not None and c.reason == "PendingTimeout"
 
 
 def _hang(ctx: _Ctx) -> Failure | None:
@@ -281,7 +293,7 @@ def _avoid(ctx: _Ctx) -> tuple[str, ...]:
 
 def _on_failure(ctx: _Ctx, failure: Failure) -> None:
     st, ft = ctx.st, ctx.job.spec.fault_tolerance
-    ctx.actions.append(DeleteGang(st.attempt, failure.reason))
+    ctx.delete(st.attempt, failure.reason)
     done = st.progress.step if st.progress else 0
     ck = _resume_step(ctx) or 0
     if failure.cls is FailureClass.PERMANENT:

@@ -24,6 +24,9 @@ class ReplicaObservation:
     exit_code: the first non-zero exit code of a rank (128+N for signal N), or 0 / None.
     reason: what the backend knows beyond the code: OOMKilled, Evicted, Preempted, NodeLost, Deleted, Signal ...
     node: where it runs (None while unscheduled). message: free text for the status/event.
+    terminating: the object is being deleted (deletionTimestamp set), by us or by someone else.
+    node_lost: its node has been NotReady/unreachable (or removed) for longer than the backend's grace period:
+    no kubelet will ever confirm its deletion, so deleting it must be forced.
     """
 
     replica: int
@@ -33,6 +36,8 @@ class ReplicaObservation:
     reason: str | None = None
     node: str | None = None
     message: str = ""
+    terminating: bool = False
+    node_lost: bool = False
 
 
 @dataclass(frozen=True)
@@ -70,10 +75,13 @@ class CreateGang:
 @dataclass(frozen=True)
 class DeleteGang:
     """Stop and remove every replica of `attempt` (graceful: SIGTERM, the trainer saves, then SIGKILL after a
-    deadline). Idempotent: the core repeats it while replicas of that attempt are still observed."""
+    deadline). Idempotent: the core repeats it while replicas of that attempt are still observed.
+    force_nodes: nodes lost for good (no kubelet will confirm a graceful deletion): pods of this attempt there are
+    deleted with gracePeriodSeconds 0, otherwise their deletionTimestamp stays forever and no new gang can start."""
 
     attempt: int
     reason: str
+    force_nodes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -145,8 +145,16 @@ class Kube:
                 return False
             raise
 
-    async def delete_pods(self, namespace: str, label_selector: str) -> None:
-        await self._call(self.core.delete_collection_namespaced_pod, namespace, label_selector=label_selector)
+    async def delete_pods(self, namespace: str, label_selector: str, *, node: str | None = None,
+                          force: bool = False) -> None:
+        """Delete the selected pods (gracefully, or at once with `force`: gracePeriodSeconds 0, for pods whose
+        node is gone and whose kubelet will never confirm). `node` narrows it to the pods bound to that node."""
+        kw: dict[str, Any] = {"label_selector": label_selector}
+        if node is not None:
+            kw["field_selector"] = f"spec.nodeName={node}"
+        if force:
+            kw["grace_period_seconds"] = 0
+        await self._call(self.core.delete_collection_namespaced_pod, namespace, **kw)
 
     async def delete_configmaps(self, namespace: str, label_selector: str) -> None:
         await self._call(self.core.delete_collection_namespaced_config_map, namespace, label_selector=label_selector)

@@ -6,9 +6,11 @@ What a pod's status means for the gang:
 - phase Failed -> Failed with the container's exit code; reason OOMKilled (container), Evicted (pod), or the
   DisruptionTarget condition's reason (PreemptionByScheduler -> Preempted, DeletionByTaintManager -> NodeLost,
   EvictionByEvictionAPI / TerminationByKubelet -> Evicted);
-- deletionTimestamp set (someone deleted it; we delete only gangs the core already gave up) -> Failed, Deleted;
-- running on a node that is NotReady for longer than a grace period -> Failed, NodeLost (the pod object may stay
-  "Running" for minutes before the node controller evicts it; the gang should not wait that long).
+- deletionTimestamp set -> Failed, Deleted, terminating (the core knows whether it asked for the deletion: a
+  teardown it ordered is never charged);
+- on a node that is NotReady/unreachable for longer than a grace period, or removed -> Failed, NodeLost,
+  node_lost (the pod object may stay "Running" for minutes before the node controller evicts it, and once deleted
+  it keeps its deletionTimestamp forever: no kubelet confirms; the core then force-deletes it).
 """
 
 from __future__ import annotations
@@ -87,18 +89,22 @@ def replica_of(pod: Mapping[str, Any], nodes: Mapping[str, Mapping[str, Any]], n
         waiting = (_container(pod).get("state") or {}).get("waiting") or {}
         if waiting.get("reason") in _NEVER_STARTS:
             phase, reason, message = "Failed", waiting["reason"], waiting.get("message", "")
-    if phase in ("Pending", "Running") and meta.get("deletionTimestamp"):
+    terminating = bool(meta.get("deletionTimestamp"))
+    if phase in ("Pending", "Running") and terminating:
         phase, reason = "Failed", "Deleted"
-    if phase in ("Pending", "Running") and node:
+    node_lost = False
+    if node:
         gone = node not in nodes
         down = None if gone else not_ready_for(nodes[node], now)
-        if gone or (down is not None and down >= node_lost_grace):
+        node_lost = gone or (down is not None and down >= node_lost_grace)
+        if node_lost and (phase in ("Pending", "Running") or reason == "Deleted"):
             phase, reason = "Failed", "NodeLost"
-            message = f"node {node} {'was removed' if gone else 'is NotReady'}"
+            message = f"node {node} {'was removed' if gone else f'has not been Ready for {down:.0f}s'}"
     if phase == "Failed" and reason is None and _disruption(pod):
         reason = _disruption(pod)
     return ReplicaObservation(replica=replica, attempt=attempt, phase=phase,  # type: ignore[arg-type]
-                              exit_code=code, reason=reason, node=node, message=message)
+                              exit_code=code, reason=reason, node=node, message=message, terminating=terminating,
+                              node_lost=node_lost)
 
 
 def _looks_like_json(text: str | None) -> bool:

@@ -165,7 +165,7 @@ async def reconcile(kube: Kube, cfg: Config, namespace: str, name: str, emit: Ev
     owner = m.Owner(name=name, namespace=namespace, uid=body["metadata"]["uid"])
     for action in decision.actions:
         if isinstance(action, DeleteGang):
-            await delete_gang(kube, job, owner, action.attempt)
+            await delete_gang(kube, job, owner, action.attempt, action.force_nodes)
         elif isinstance(action, CreateGang):
             await create_gang(kube, job, owner, action.attempt, cfg.settings, plan)
     for ev in decision.of(Event):
@@ -217,9 +217,13 @@ async def create_gang(kube: Kube, job: SeqTrainJob, owner: m.Owner, attempt: int
         await kube.create(pod)
 
 
-async def delete_gang(kube: Kube, job: SeqTrainJob, owner: m.Owner, attempt: int) -> None:
-    """Delete every pod of an attempt (graceful: the trainer checkpoints on SIGTERM), its ConfigMap, PodGroup."""
+async def delete_gang(kube: Kube, job: SeqTrainJob, owner: m.Owner, attempt: int,
+                      force_nodes: tuple[str, ...] = ()) -> None:
+    """Delete every pod of an attempt (graceful: the trainer checkpoints on SIGTERM), its ConfigMap, PodGroup.
+    Pods on lost nodes are force-deleted first: no kubelet there will ever confirm a graceful deletion."""
     selector = f"{m.LABEL_JOB}={owner.name},{m.LABEL_ATTEMPT}={attempt}"
+    for node in force_nodes:
+        await kube.delete_pods(owner.namespace, selector, node=node, force=True)
     await kube.delete_pods(owner.namespace, selector)
     await kube.delete_configmaps(owner.namespace, selector)
     info = m.EXTERNAL.get(job.spec.scheduling.gang)
