@@ -78,7 +78,7 @@ def test_derived_degrees():
         ("- 1\n- 2\n", "<document>: expected a mapping"),
         (BASE.replace("seqtrain.dev/v1alpha1", "batch/v1"), "apiVersion: must be seqtrain.dev/v1alpha1"),
         (BASE.replace("kind: SeqTrainJob", "kind: Job"), "kind: must be SeqTrainJob"),
-        (BASE.replace("name: t", "name: Not_Valid"), "metadata.name: 'Not_Valid' must be a DNS-1123 label"),
+        (BASE.replace("name: t", "name: Not_Valid"), "metadata.name: 'Not_Valid' cannot name the job's Service: it must be a DNS-1035 label"),
         (BASE.replace("replicas: 2", "replicas: 0"), "spec.replicas: Input should be greater than or equal to 1 (got 0)"),
         (BASE.replace("replicas: 2", "replicas: -3"), "spec.replicas: Input should be greater than or equal to 1"),
         (BASE.replace("replicas: 2", "replica: 2"), "spec.replica: unknown field; did you mean 'replicas'?"),

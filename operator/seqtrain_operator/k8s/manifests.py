@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from seqtrain.spec import API_VERSION, KIND, RuntimeConfig, SeqTrainJob, TrainerConfig, resolve
+from seqtrain.spec.names import configmap_name, hostname, pod_name, podgroup_name, service_name
 
 from ..planner.inventory import GPU_PRODUCT_LABEL, GPU_RESOURCE
 from ..planner.types import Plan
@@ -76,30 +77,7 @@ class Owner:
                 "controller": True, "blockOwnerDeletion": True}
 
 
-# ---- names -----------------------------------------------------------------------------------------------------
-
-
-def service_name(job: str) -> str:
-    return job
-
-
-def configmap_name(job: str, attempt: int) -> str:
-    return f"{job}-config-{attempt}"
-
-
-def pod_name(job: str, attempt: int, replica: int) -> str:
-    # The attempt is in the name so a new gang never waits for the old pods' names to be released.
-    return f"{job}-{attempt}-{replica}"
-
-
-def hostname(job: str, replica: int) -> str:
-    # Stable across attempts: <job>-<replica>.<job> is the DNS name peers use (job names are <= 50 characters).
-    return f"{job}-{replica}"
-
-
-def podgroup_name(job: str, attempt: int) -> str:
-    return f"{job}-{attempt}"
-
+# ---- names (seqtrain.spec.names: spec validation checks every name a job will generate) ----------------------
 
 def master_addr(owner: Owner) -> str:
     return f"{hostname(owner.name, 0)}.{service_name(owner.name)}.{owner.namespace}.svc"
