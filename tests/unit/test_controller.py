@@ -121,7 +121,12 @@ def test_pending_longer_than_grace_tears_the_gang_down() -> None:
     (4, None, FailureClass.USER),
     (137, "OOMKilled", FailureClass.USER),
     (3, None, FailureClass.PERMANENT),
-    (1, "ErrImagePull", FailureClass.PERMANENT),
+    (None, "InvalidImageName", FailureClass.PERMANENT),
+    (None, "OutOfnvidia.com/gpu", FailureClass.INFRASTRUCTURE),
+    (None, "OutOfpods", FailureClass.INFRASTRUCTURE),
+    (None, "UnexpectedAdmissionError", FailureClass.INFRASTRUCTURE),
+    (None, "NodeAffinity", FailureClass.INFRASTRUCTURE),
+    (5, None, FailureClass.INFRASTRUCTURE),
     (143, "Evicted", FailureClass.INFRASTRUCTURE),
     (None, "NodeLost", FailureClass.INFRASTRUCTURE),
     (137, "Preempted", FailureClass.INFRASTRUCTURE),
@@ -129,6 +134,42 @@ def test_pending_longer_than_grace_tears_the_gang_down() -> None:
 def test_failure_classification(exit_code: int | None, reason: str | None, klass: FailureClass) -> None:
     r = ReplicaObservation(replica=0, attempt=1, phase="Failed", exit_code=exit_code, reason=reason)
     assert classify(r).cls is klass
+
+
+def test_oom_is_the_users_with_the_reason_and_the_fix_in_status() -> None:
+    job = make_job()
+    d = decide(job, run_to_running(job), Observed(replicas=gang(1, "Running", "Failed", exit_code=137,
+                                                                reason="OOMKilled")), T0)
+    assert d.status.restarts == 1 and d.status.infra_restarts == 0 and d.status.failed_nodes == {}
+    restarting = next(c for c in d.status.conditions if c.type == "Restarting")
+    assert restarting.reason == "OOMKilled" and "spec.resources.memory" in restarting.message
+
+
+@pytest.mark.parametrize(("exit_code", "reason", "why"), [
+    (5, None, "GPUUnavailable"), (None, "OutOfnvidia.com/gpu", "KubeletRejected"),
+    (None, "UnexpectedAdmissionError", "KubeletRejected")])
+def test_node_faults_are_infrastructure_and_avoid_the_node(exit_code: int | None, reason: str | None,
+                                                           why: str) -> None:
+    job = make_job(max_restarts=0)
+    d = decide(job, run_to_running(job), Observed(replicas=gang(1, "Running", "Failed", exit_code=exit_code,
+                                                                reason=reason)), T0)
+    assert d.status.phase == "Restarting" and d.status.infra_restarts == 1 and d.status.restarts == 0
+    assert "node-1" in d.status.failed_nodes and d.status.message.startswith("replica 1 on node-1")
+    assert next(c for c in d.status.conditions if c.type == "Restarting").reason == why
+
+
+def test_failing_image_pull_is_transient_with_its_own_deadline() -> None:
+    job = make_job(pending_grace=60)  # imagePullTimeoutSeconds defaults to 900
+    st = decide(job, JobStatus(), Observed(), T0).status
+    pulling = (ReplicaObservation(0, 1, "Running", node="node-0"),
+               ReplicaObservation(1, 1, "Pending", reason="ImagePullBackOff", node="node-1",
+                                  message="Back-off pulling image"))
+    d = decide(job, st, Observed(replicas=pulling), T0 + timedelta(seconds=600))  # past the pending grace
+    assert not d.of(DeleteGang) and d.status.phase == "Scheduling" and "ImagePullBackOff" in d.status.message
+    assert d.status.restarts == 0
+    d = decide(job, d.status, Observed(replicas=pulling), T0 + timedelta(seconds=901))
+    assert d.status.phase == "Failed" and d.of(DeleteGang)
+    assert "imagePullTimeoutSeconds" in d.status.message and "Back-off pulling image" in d.status.message
 
 
 def test_root_cause_prefers_the_cause_over_its_echo() -> None:

@@ -55,7 +55,16 @@ CASES = [
     ("node removed", pod(node_name="gone"), "Failed", "NodeLost", None, FailureClass.INFRASTRUCTURE),
     ("bad image", pod(phase="Pending", waiting={"reason": "InvalidImageName"}), "Failed", "InvalidImageName", None,
      FailureClass.PERMANENT),
-    ("image pull blip", pod(phase="Pending", waiting={"reason": "ErrImagePull"}), "Pending", None, None, None),
+    ("image pull blip", pod(phase="Pending", waiting={"reason": "ErrImagePull"}), "Pending", "ErrImagePull", None,
+     None),
+    ("image pull backoff", pod(phase="Pending", waiting={"reason": "ImagePullBackOff"}), "Pending",
+     "ImagePullBackOff", None, None),
+    ("kubelet rejected gpu", pod(phase="Failed", reason="OutOfnvidia.com/gpu"), "Failed", "OutOfnvidia.com/gpu",
+     None, FailureClass.INFRASTRUCTURE),
+    ("kubelet admission error", pod(phase="Failed", reason="UnexpectedAdmissionError"), "Failed",
+     "UnexpectedAdmissionError", None, FailureClass.INFRASTRUCTURE),
+    ("no cuda", pod(phase="Failed", term={"exitCode": 5, "reason": "Error"}), "Failed", None, 5,
+     FailureClass.INFRASTRUCTURE),
 ]
 
 

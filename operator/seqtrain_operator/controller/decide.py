@@ -27,7 +27,7 @@ from . import conditions as cond
 from . import gang_policy
 from .backoff import backoff_seconds
 from .clock import iso, parse, seconds_between
-from .failure_policy import Failure, FailureClass, hang_failure, root_cause
+from .failure_policy import IMAGE_PULL_REASONS, Failure, FailureClass, hang_failure, root_cause
 from .types import Action, CreateGang, Decision, DeleteGang, Event, Observed, ReplicaObservation, RequeueAfter
 
 # How often to look again while waiting for capacity or for a dying gang to disappear.
@@ -185,6 +185,20 @@ def _live_gang(ctx: _Ctx, current: tuple[ReplicaObservation, ...]) -> None:
     created = parse((c := cond.get(st, "Scheduled")) and c.last_transition_time)
     grace = job.spec.scheduling.pending_grace_seconds
     waited = seconds_between(created, ctx.now) if created else 0.0
+    pulling = [r for r in current if r.phase == "Pending" and r.reason in IMAGE_PULL_REASONS]
+    if pulling:
+        # A failing pull is transient (registry hiccups on a large image): its own deadline replaces the pending
+        # grace, since tearing down and re-planning would only pull again from scratch.
+        r, limit = pulling[0], job.spec.fault_tolerance.image_pull_timeout_seconds
+        where = f"replica {r.replica}" + (f" on {r.node}" if r.node else "")
+        if waited > limit:
+            ctx.delete(st.attempt, r.reason or "ErrImagePull")
+            _fail(ctx, r.reason or "ErrImagePull", f"{where} could not pull image {job.spec.image} for "
+                  f"{waited:.0f}s (faultTolerance.imagePullTimeoutSeconds = {limit}): {r.message}")
+            return
+        st.message = f"attempt {st.attempt}: {where} is retrying the image pull ({r.reason}): {r.message}"[:1000]
+        ctx.actions.append(RequeueAfter(max(1.0, min(POLL_SECONDS * 6, limit - waited))))
+        return
     if waited > grace:
         # A partly started gang holds resources others need: tear it down and re-plan from scratch.
         ctx.delete(st.attempt, "PendingTimeout")

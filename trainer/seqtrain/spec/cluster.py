@@ -69,6 +69,11 @@ class FaultToleranceSpec(SpecModel):
         None, ge=1, description="Treat the gang as failed when no step completes for this long."
     )
     node_avoid_seconds: int = Field(600, ge=0, description="Avoid a node that failed for this long.")
+    image_pull_timeout_seconds: int = Field(
+        900, ge=1, description="How long replicas may keep failing to pull the image (ErrImagePull, "
+        "ImagePullBackOff: often a registry hiccup on a large image) before the job fails; counted from the gang's "
+        "creation, and it replaces scheduling.pendingGraceSeconds while a pull is failing."
+    )
 
 
 class Toleration(SpecModel):
