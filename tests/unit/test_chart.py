@@ -150,3 +150,14 @@ def test_operator_pod_is_hardened_and_wired():
     assert hook["rules"][0]["resources"] == ["seqtrainjobs"]
     svc = [s for s in by_kind(docs, "Service") if s["metadata"]["name"].endswith("-metrics")]
     assert svc and svc[0]["spec"]["ports"][0]["port"] == 9090
+
+
+def test_webhook_certificate_is_looked_up_and_kept_across_upgrades():
+    """Rendered without a cluster (no lookup) the chart generates one CA and uses it in both places; the template
+    reuses the existing Secret when there is one (exercised on the real control plane by a helm upgrade)."""
+    docs = render()
+    secret = next(d for d in by_kind(docs, "Secret") if d["metadata"]["name"].endswith("-webhook-tls"))
+    hook = by_kind(docs, "ValidatingWebhookConfiguration")[0]
+    assert hook["webhooks"][0]["clientConfig"]["caBundle"] == secret["data"]["ca.crt"]
+    text = (CHART / "templates" / "webhook.yaml").read_text()
+    assert 'lookup "v1" "Secret" .Release.Namespace (printf "%s-tls" $svc)' in text

@@ -188,8 +188,19 @@ def enable_webhook(config: WebhookConfig) -> None:
         kopf.on.validate(API_GROUP, VERSION, PLURAL, id=WEBHOOK_ID, operations=["CREATE", "UPDATE"])(validate)
 
 
-def validate(body: dict[str, Any], **_: Any) -> None:
-    """The admission webhook: the same validation as `seqtrain validate`, every problem in one answer."""
+def validate(body: dict[str, Any], operation: str | None = None, old: dict[str, Any] | None = None,
+             **_: Any) -> None:
+    """The admission webhook: the same validation as `seqtrain validate`, every problem in one answer.
+
+    Updates that leave the spec unchanged (kopf's finalizer and annotation patches, labels, kubectl annotate) and
+    updates of an object being deleted are always allowed: otherwise a stored job that fails today's rules (an
+    older operator's object) could never lose its finalizer, hence never be deleted."""
+    if operation == "UPDATE" and old is not None:
+        if (body.get("metadata") or {}).get("deletionTimestamp") or (old.get("metadata") or {}).get(
+                "deletionTimestamp"):
+            return
+        if old.get("spec") == body.get("spec"):
+            return
     doc = {k: body.get(k) for k in ("apiVersion", "kind", "metadata", "spec") if k in body}
     meta = doc.get("metadata") or {}
     doc["metadata"] = {"name": meta.get("name") or meta.get("generateName") or "", "namespace": meta.get("namespace")}
