@@ -24,6 +24,7 @@ from seqtrain_operator.controller import (
     parse,
 )
 from seqtrain_operator.controller.failure_policy import FailureClass, classify, root_cause
+from seqtrain_operator.planner.types import Node
 
 T0 = datetime(2026, 11, 22, 12, 0, 0, tzinfo=timezone.utc)
 
@@ -505,3 +506,65 @@ def test_random_histories_keep_the_invariants(events: list, replicas: int, max_r
         assert len(attempts) <= 1
         if not lose_write:
             st = new
+
+
+# ---- admission, progress, generation, goodput: all decided in the core ---------------------------------------------
+
+
+def free_node(name: str, gpus: int = 8, **labels: str) -> Node:
+    return Node(name=name, gpus=gpus, cpu_millis=64_000, memory_bytes=512 * 2**30, labels=labels)
+
+
+def gpu_job(replicas: int = 2, gpus: int = 4) -> SeqTrainJob:
+    job = make_job(replicas)
+    job.spec.resources.gpus = gpus
+    return job
+
+
+def test_native_admission_places_the_gang_in_the_core_and_the_plan_travels_in_the_create_action() -> None:
+    job = gpu_job()
+    d = decide(job, JobStatus(), Observed(capacity=(free_node("a"), free_node("b", gpus=2))), T0)
+    (create,) = d.of(CreateGang)
+    assert create.plan is not None and [a.node for a in create.plan.replicas] == ["a", "a"]
+    assert [(p.replica, p.node) for p in d.status.placement] == [(0, "a"), (1, "a")]
+    # the pods are created but not observed yet: re-create on the same nodes, whatever the capacity says now
+    d2 = decide(job, d.status, Observed(capacity=()), T0 + timedelta(seconds=1))
+    assert [a.node for a in d2.of(CreateGang)[0].plan.replicas] == ["a", "a"]
+
+
+def test_insufficient_capacity_says_so_in_a_condition_and_one_event() -> None:
+    job = gpu_job(replicas=3)
+    short = Observed(capacity=(free_node("a", gpus=8),))
+    d = decide(job, JobStatus(), short, T0)
+    assert not d.of(CreateGang) and d.status.phase == "Scheduling" and d.status.attempt == 0
+    sched = next(c for c in d.status.conditions if c.type == "Scheduled")
+    assert (sched.status, sched.reason) == ("False", "Unschedulable") and "need 3 replicas" in sched.message
+    assert [e.reason for e in d.of(Event)] == ["Unschedulable"]
+    d2 = decide(job, d.status, short, T0 + timedelta(seconds=5))
+    assert not d2.of(Event)  # said once, not every pass
+
+
+def test_unreachable_progress_endpoint_is_progress_unknown_not_a_hang() -> None:
+    job = make_job(hang=60)
+    st = run_to_running(job)
+    blind = Observed(replicas=gang(1, "Running", "Running"), progress_unreachable="GET .../progress timed out")
+    d = decide(job, st, blind, T0 + timedelta(seconds=600))
+    assert d.status.phase == "Running" and d.status.restarts == 0 and not d.of(DeleteGang)
+    progressing = next(c for c in d.status.conditions if c.type == "Progressing")
+    assert (progressing.status, progressing.reason) == ("Unknown", "ProgressUnknown")
+    assert [e.reason for e in d.of(Event)] == ["ProgressUnknown"]
+    # once it answers again with a stale step, hang detection resumes
+    stale = Observed(replicas=gang(1, "Running", "Running"), progress=Progress(step=5, updated_at=iso(T0)))
+    assert decide(job, d.status, stale, T0 + timedelta(seconds=601)).status.phase == "Restarting"
+
+
+def test_observed_generation_and_goodput_come_from_the_core() -> None:
+    job = make_job()
+    st = run_to_running(job)
+    d = decide(job, st, Observed(replicas=gang(1, "Running", "Running"), generation=7), T0 + timedelta(seconds=50))
+    assert d.status.observed_generation == 7
+    assert d.status.goodput is not None
+    d2 = decide(job, d.status, Observed(replicas=gang(1, "Running", "Failed", exit_code=1)),
+                T0 + timedelta(seconds=100))
+    assert d2.status.running_seconds == 100.0
+    assert "runningSeconds" in d2.status.to_dict() and d2.status.model_extra == {}

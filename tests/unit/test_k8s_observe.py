@@ -141,3 +141,12 @@ def test_operator_modules_do_not_import_torch():
             "assert not [m for m in sys.modules if m == 'torch' or m.startswith('torch.')], 'torch imported'\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_status_is_written_only_on_change_goodput_alone_is_not_a_change():
+    from seqtrain_operator.k8s.reconcile import _changed
+
+    old = {"phase": "Running", "goodput": 0.5, "progress": {"step": 3}}
+    assert not _changed(old, {**old, "goodput": 0.51})
+    assert _changed(old, {**old, "progress": {"step": 4}, "goodput": 0.51})
+    assert _changed(old, {**old, "phase": "Restarting"})

@@ -115,7 +115,9 @@ def test_scheduling_fields_pass_through():
     pod = m.build_pod(j, OWNER, 1, 0, SETTINGS)
     assert pod["spec"]["priorityClassName"] == "high"
     assert pod["spec"]["nodeSelector"] == {"pool": "a", "nvidia.com/gpu.product": "NVIDIA-H100"}
-    assert pod["spec"]["tolerations"] == [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    # the user's, then the one ExtendedResourceToleration adds to GPU pods (carried explicitly)
+    assert pod["spec"]["tolerations"] == [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"},
+                                          {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
 
 
 @pytest.mark.parametrize("gang,api,pod_key,where,scheduler", [

@@ -23,8 +23,9 @@ from datetime import datetime, timedelta
 from seqtrain.spec import SeqTrainJob
 from seqtrain.spec.status import TERMINAL_PHASES, JobStatus, Progress, ReplicaPlacement
 
+from ..planner.types import Unschedulable
 from . import conditions as cond
-from . import gang_policy
+from . import gang_policy, goodput
 from .backoff import backoff_seconds
 from .clock import iso, parse, seconds_between
 from .failure_policy import IMAGE_PULL_REASONS, Failure, FailureClass, hang_failure, root_cause
@@ -66,6 +67,8 @@ def decide(job: SeqTrainJob, status: JobStatus, observed: Observed, now: datetim
     ctx = _Ctx(job, status.model_copy(deep=True), observed, now)
     st = ctx.st
     st.world_size = job.spec.world_size
+    if observed.generation is not None:
+        st.observed_generation = observed.generation
     _record_progress(ctx)
     _prune_failed_nodes(ctx)
 
@@ -77,14 +80,13 @@ def decide(job: SeqTrainJob, status: JobStatus, observed: Observed, now: datetim
         # Terminal phases stay terminal; only stop replicas that still run (e.g. a rank hanging after a peer failed).
         if any(r.phase in ("Pending", "Running") for r in gv.current):
             ctx.delete(st.attempt, f"Job{st.phase}")
-        return Decision(tuple(ctx.actions), st)
-
-    if job.spec.suspend:
+    elif job.spec.suspend:
         _suspend(ctx, gv.current)
     elif gv.current:
         _live_gang(ctx, gv.current)
     else:
         _no_gang(ctx)
+    goodput.account(status, st, now)
     return Decision(tuple(ctx.actions), st)
 
 
@@ -114,11 +116,21 @@ def _prune_failed_nodes(ctx: _Ctx) -> None:
 
 
 def _placement(ctx: _Ctx, current: tuple[ReplicaObservation, ...]) -> None:
+    """Where the replicas are: the node each pod is bound to; a replica not bound yet keeps its planned node, and
+    an entry keeps the topology domain the plan recorded while the pod is on the planned node."""
     procs = ctx.job.spec.resources.procs
-    ctx.st.placement = [
-        ReplicaPlacement(replica=r.replica, node=r.node, ranks=list(range(r.replica * procs, (r.replica + 1) * procs)))
-        for r in sorted(current, key=lambda r: r.replica) if r.node
-    ]
+    planned = {p.replica: p for p in ctx.st.placement}
+    out = {}
+    for r in sorted(current, key=lambda r: r.replica):
+        if not r.node:
+            continue
+        old = planned.get(r.replica)
+        out[r.replica] = ReplicaPlacement(replica=r.replica, node=r.node,
+                                          ranks=list(range(r.replica * procs, (r.replica + 1) * procs)),
+                                          domain=list(old.domain) if old is not None and old.node == r.node else [])
+    for replica, p in planned.items():
+        out.setdefault(replica, p)
+    ctx.st.placement = [out[r] for r in sorted(out)]
 
 
 # ---- the three situations -------------------------------------------------------------------------------------------
@@ -228,7 +240,21 @@ def _hang(ctx: _Ctx) -> Failure | None:
     if ref is None:
         return None
     idle = seconds_between(ref, ctx.now)
-    return hang_failure(idle, limit) if idle > limit else None
+    unreachable = ctx.observed.progress_unreachable
+    if unreachable:
+        # No progress seen because it cannot be read, not because training stopped: never fail a job on that.
+        prev = cond.get(ctx.st, "Progressing")
+        if idle > limit and (prev is None or prev.status != "Unknown"):
+            msg = (f"no progress seen for {idle:.0f}s, but the progress endpoint is unreachable ({unreachable}); "
+                   f"hang detection (faultTolerance.hangTimeoutSeconds) is paused until it answers")
+            cond.set_condition(ctx.st, "Progressing", "Unknown", "ProgressUnknown", msg, ctx.now)
+            ctx.event("Warning", "ProgressUnknown", msg)
+        return None
+    if idle > limit:
+        return hang_failure(idle, limit)
+    if ctx.observed.progress is not None:
+        cond.set_condition(ctx.st, "Progressing", "True", "StepsCompleting", "", ctx.now)
+    return None
 
 
 def _no_gang(ctx: _Ctx) -> None:
@@ -246,14 +272,16 @@ def _no_gang(ctx: _Ctx) -> None:
             return
     scheduled = cond.get(st, "Scheduled")
     if st.phase == "Scheduling" and scheduled is not None and scheduled.reason == "GangCreated" and st.attempt > 0:
-        # Created but not observed yet (a lagging cache, or the create failed half-way): create what is absent.
-        ctx.actions.append(CreateGang(st.attempt, _resume_step(ctx), _avoid(ctx)))
+        # Created but not observed yet (a lagging cache, or the create failed half-way): create what is absent,
+        # on the nodes the status says it was planned on.
+        plan = gang_policy.plan_of(job, st.placement) if obs.capacity is not None else None
+        ctx.actions.append(CreateGang(st.attempt, _resume_step(ctx), _avoid(ctx), plan))
         ctx.actions.append(RequeueAfter(POLL_SECONDS))
         return
 
-    refusal = gang_policy.admission_refusal(job, obs)
-    if refusal is not None:
-        _unschedulable(ctx, refusal)
+    admitted = gang_policy.admit(job, obs, _avoid(ctx))
+    if isinstance(admitted, Unschedulable):
+        _unschedulable(ctx, admitted.reason)
         return
     restarting = st.phase == "Restarting"
     st.attempt += 1
@@ -261,7 +289,8 @@ def _no_gang(ctx: _Ctx) -> None:
     if st.start_time is None:
         st.start_time = iso(ctx.now)
     resume = _resume_step(ctx)
-    ctx.actions.append(CreateGang(st.attempt, resume, _avoid(ctx)))
+    ctx.actions.append(CreateGang(st.attempt, resume, _avoid(ctx), admitted))
+    st.placement = gang_policy.placement_of(admitted) if admitted is not None else []
     cond.set_condition(st, "Scheduled", "False", "GangCreated", f"attempt {st.attempt} created", ctx.now)
     where = f"from checkpoint step {resume}" if resume is not None else "from scratch"
     cond.enter_phase(st, "Scheduling", "GangCreated", f"attempt {st.attempt}: starting {where}", ctx.now)

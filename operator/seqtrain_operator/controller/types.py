@@ -11,6 +11,8 @@ from typing import Literal
 
 from seqtrain.spec.status import CheckpointRef, JobStatus, Progress
 
+from ..planner.types import Node, Plan
+
 ReplicaPhase = Literal["Pending", "Running", "Succeeded", "Failed"]
 
 
@@ -48,14 +50,24 @@ class Observed:
     that are still being deleted too, so the core never creates a second gang next to a dying one.
     latest_checkpoint: the highest COMPLETE checkpoint (step-N with meta.json), or None.
     progress: the trainer's latest step/loss/throughput (updated_at = time of the last completed step, ISO-8601).
-    unschedulable: set by the backend when the planner cannot place the whole gang now (gang admission refused);
-    the text is shown in the Scheduled condition.
+    unschedulable: set by the backend when the gang cannot be admitted for a reason of its own (an external gang
+    scheduler that is not installed); the text is shown in the Scheduled condition.
+    capacity: the free capacity of every node (after the requests of every pod bound or pinned to it), when the
+    core itself places the gang (native gang scheduling on Kubernetes); None: the backend places it (local runs,
+    external gang schedulers). Read only when a gang is to be created.
+    progress_unreachable: why the backend could not read the trainer's progress (e.g. the progress endpoint did not
+    answer: a NetworkPolicy, a service mesh, an operator outside the cluster); None: it could, or it does not try.
+    Hang detection then says ProgressUnknown instead of failing a job that may be healthy.
+    generation: metadata.generation of the spec the backend read (status.observedGeneration).
     """
 
     replicas: tuple[ReplicaObservation, ...] = ()
     latest_checkpoint: CheckpointRef | None = None
     progress: Progress | None = None
     unschedulable: str | None = None
+    capacity: tuple[Node, ...] | None = None
+    progress_unreachable: str | None = None
+    generation: int | None = None
 
 
 # ---- actions: executed by the backend in the order given ----------------------------------------------------------
@@ -65,11 +77,14 @@ class Observed:
 class CreateGang:
     """Start every replica of incarnation `attempt` together (all or none). Ranks resume from the latest complete
     checkpoint by themselves; resume_from_step is the step the core expects (None: from scratch), for logs/events.
-    avoid_nodes: nodes that failed recently (placement should skip them while others fit)."""
+    avoid_nodes: nodes that failed recently (placement should skip them while others fit).
+    plan: where each replica goes, when the core placed the gang (Observed.capacity given); None: the backend's
+    scheduler places it."""
 
     attempt: int
     resume_from_step: int | None = None
     avoid_nodes: tuple[str, ...] = ()
+    plan: Plan | None = None
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from seqtrain.spec import API_VERSION, KIND, RuntimeConfig, SeqTrainJob, Trainer
 from seqtrain.spec.names import configmap_name, hostname, pod_name, podgroup_name, service_name
 
 from ..planner.inventory import GPU_PRODUCT_LABEL, GPU_RESOURCE
+from ..planner.placement import pod_tolerations
 from ..planner.types import Plan
 
 GROUP = "seqtrain.dev"
@@ -185,6 +186,8 @@ def _resources(job: SeqTrainJob) -> dict[str, Any]:
     r = job.spec.resources
     requests: dict[str, Any] = {"cpu": r.cpu, "memory": r.memory}
     limits: dict[str, Any] = {"memory": r.memory}
+    if r.ephemeral_storage:
+        requests["ephemeral-storage"] = r.ephemeral_storage
     if r.gpus:
         requests[GPU_RESOURCE] = str(r.gpus)
         limits[GPU_RESOURCE] = str(r.gpus)
@@ -298,8 +301,8 @@ def build_pod(job: SeqTrainJob, owner: Owner, attempt: int, replica: int, settin
     }
     if node_selector:
         spec["nodeSelector"] = node_selector
-    if s.scheduling.tolerations:
-        spec["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in s.scheduling.tolerations]
+    if tolerations := pod_tolerations(job):  # the user's, and nvidia.com/gpu on GPU pods (ExtendedResourceToleration)
+        spec["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in tolerations]
     if s.scheduling.priority_class_name:
         spec["priorityClassName"] = s.scheduling.priority_class_name
     if (scheduler := settings.scheduler_for(s.scheduling.gang)) is not None:

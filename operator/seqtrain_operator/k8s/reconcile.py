@@ -15,6 +15,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
@@ -22,13 +24,12 @@ from datetime import datetime
 from typing import Any
 
 from seqtrain.spec import JobStatus, SeqTrainJob, SpecError, parse_job
-from seqtrain.spec.status import TERMINAL_PHASES, ReplicaPlacement
+from seqtrain.spec.status import TERMINAL_PHASES
 
-from ..controller import CreateGang, DeleteGang, Event, Observed, RequeueAfter, decide, goodput, utcnow
+from ..controller import CreateGang, DeleteGang, Event, Observed, RequeueAfter, decide, utcnow
 from ..controller import conditions as cond
 from ..planner.inventory import inventory
-from ..planner.placement import place
-from ..planner.types import Plan, Unschedulable
+from ..planner.types import Node, Plan
 from . import manifests as m
 from .client import Conflict, Kube
 from .observe import final_progress, observe_replicas, rank0_ip
@@ -63,12 +64,10 @@ def _job_from(body: dict[str, Any]) -> SeqTrainJob:
     return parse_job(doc)
 
 
-async def admission(kube: Kube, job: SeqTrainJob, status: JobStatus, nodes: list[dict]) -> str | None:
-    """Why the whole gang cannot start now (None: it can). Never lets a partial gang start."""
+async def admission(kube: Kube, job: SeqTrainJob) -> str | None:
+    """Why an external gang scheduler cannot take the gang (None: it can). Native gangs are admitted by the core
+    from Observed.capacity."""
     gang = job.spec.scheduling.gang
-    if gang == "native":
-        plan = await native_plan(kube, job, status, nodes)
-        return plan.reason if isinstance(plan, Unschedulable) else None
     info = m.EXTERNAL[gang]
     if gang == "kueue" and not job.spec.scheduling.queue:
         return "scheduling.gang kueue needs scheduling.queue (the name of a Kueue LocalQueue in this namespace)"
@@ -78,11 +77,16 @@ async def admission(kube: Kube, job: SeqTrainJob, status: JobStatus, nodes: list
     return None
 
 
-async def native_plan(kube: Kube, job: SeqTrainJob, status: JobStatus, nodes: list[dict],
-                      avoid: tuple[str, ...] | None = None) -> Plan | Unschedulable:
-    # Requests of every pod bound to a node and not finished, cluster-wide (what the scheduler subtracts too).
+async def capacity(kube: Kube, nodes: list[dict]) -> tuple[Node, ...]:
+    """Free capacity per node: allocatable minus the requests of every non-terminated pod bound or pinned to it,
+    cluster-wide (what kube-scheduler subtracts too; pods created but not bound yet included)."""
     busy = await kube.list_pods(None, field_selector="status.phase!=Succeeded,status.phase!=Failed")
-    return place(job, inventory(nodes, busy), avoid if avoid is not None else tuple(status.failed_nodes))
+    return tuple(inventory(nodes, busy))
+
+
+# One admission at a time in this operator: two jobs planned concurrently would both see the same free GPUs
+# before either's pods exist. Held from reading the capacity until the gang's pods are created.
+_ADMISSION = asyncio.Lock()
 
 
 def _status_patch(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
@@ -96,18 +100,10 @@ def _status_patch(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     return patch
 
 
-def _keep_plan(before: JobStatus, after: JobStatus) -> None:
-    """The core rebuilds placement from the pods it sees bound to nodes. Pinned pods not bound yet keep their
-    planned node, and every entry keeps the topology domain the plan recorded."""
-    planned = {p.replica: p for p in before.placement}
-    seen = set()
-    for p in after.placement:
-        seen.add(p.replica)
-        old = planned.get(p.replica)
-        if old is not None and old.node == p.node and "domain" in (old.model_extra or {}):
-            p.domain = old.model_extra["domain"]  # type: ignore[index]
-    after.placement = sorted([*after.placement, *(p for r, p in planned.items() if r not in seen)],
-                             key=lambda p: p.replica)
+def _changed(old: dict[str, Any], new: dict[str, Any]) -> bool:
+    """Whether the status is worth a write: goodput alone drifts every pass while a gang runs; it rides along with
+    the next real change (progress, a condition, a phase) instead of costing one API write per job per pass."""
+    return {k: v for k, v in new.items() if k != "goodput"} != {k: v for k, v in old.items() if k != "goodput"}
 
 
 async def reconcile(kube: Kube, cfg: Config, namespace: str, name: str, emit: EventSink,
@@ -116,7 +112,6 @@ async def reconcile(kube: Kube, cfg: Config, namespace: str, name: str, emit: Ev
     body = await kube.get_job(namespace, name)
     if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
         return Outcome(requeue=None)
-    rv = body["metadata"]["resourceVersion"]
     old_status = dict(body.get("status") or {})
     status = JobStatus.model_validate(old_status)
     try:
@@ -128,34 +123,37 @@ async def reconcile(kube: Kube, cfg: Config, namespace: str, name: str, emit: Ev
     pods = await kube.list_pods(namespace, label)
     nodes = await kube.list_nodes()
     replicas = observe_replicas(pods, nodes, now, cfg.node_lost_grace)
-    progress, checkpoint = None, None
+    progress, checkpoint, unreachable = None, None, None
     ip = rank0_ip(pods, status.attempt)
     if cfg.poll_progress and cfg.settings.progress_port and ip:
         progress, checkpoint = await poll_progress(ip, cfg.settings.progress_port, cfg.progress_timeout)
+        if progress is None:
+            unreachable = f"GET http://{ip}:{cfg.settings.progress_port}/progress did not answer"
     if progress is None:
         progress, checkpoint = final_progress(pods, status.attempt)
-    observed = Observed(replicas=replicas, latest_checkpoint=checkpoint, progress=progress)
-    if not replicas and status.phase not in TERMINAL_PHASES and not job.spec.suspend:
-        observed = replace(observed, unschedulable=await admission(kube, job, status, nodes))
+    observed = Observed(replicas=replicas, latest_checkpoint=checkpoint, progress=progress,
+                        progress_unreachable=unreachable, generation=body["metadata"].get("generation"))
+    admitting = not replicas and status.phase not in TERMINAL_PHASES and not job.spec.suspend
+    async with _ADMISSION if admitting else contextlib.nullcontext():
+        if admitting:
+            if job.spec.scheduling.gang == "native":
+                observed = replace(observed, capacity=await capacity(kube, nodes))
+            else:
+                observed = replace(observed, unschedulable=await admission(kube, job))
+        return await _decide_and_act(kube, cfg, body, job, status, observed, emit, now)
 
+
+async def _decide_and_act(kube: Kube, cfg: Config, body: dict[str, Any], job: SeqTrainJob, status: JobStatus,
+                          observed: Observed, emit: EventSink, now: datetime) -> Outcome:
+    meta = body["metadata"]
+    namespace, name, rv = meta["namespace"], meta["name"], meta["resourceVersion"]
+    old_status = dict(body.get("status") or {})
     decision = decide(job, status, observed, now)
     new = decision.status
-    creates = decision.of(CreateGang)
-    plan: Plan | None = None
-    if creates and job.spec.scheduling.gang == "native":
-        planned = await native_plan(kube, job, new, nodes, creates[0].avoid_nodes)
-        if isinstance(planned, Unschedulable):  # capacity vanished between admission and now: try again soon
-            return Outcome(requeue=1.0, status=status)
-        plan = planned
-        new.placement = [ReplicaPlacement(replica=a.replica, node=a.node, ranks=list(a.ranks),
-                                          domain=list(a.domain)) for a in plan.replicas]
-    else:
-        _keep_plan(status, new)
-    goodput.account(status, new, now)
     _storage_condition(job, new, now)
 
     new_dict = new.to_dict()
-    if new_dict != old_status:
+    if _changed(old_status, new_dict):
         try:
             await kube.write_status(namespace, name, _status_patch(old_status, new_dict), rv)
         except Conflict:
@@ -167,7 +165,7 @@ async def reconcile(kube: Kube, cfg: Config, namespace: str, name: str, emit: Ev
         if isinstance(action, DeleteGang):
             await delete_gang(kube, job, owner, action.attempt, action.force_nodes)
         elif isinstance(action, CreateGang):
-            await create_gang(kube, job, owner, action.attempt, cfg.settings, plan)
+            await create_gang(kube, job, owner, action.attempt, cfg.settings, action.plan)
     for ev in decision.of(Event):
         emit(body, ev.type, ev.reason, ev.message)
     return Outcome(requeue=_requeue(decision.of(RequeueAfter), new, cfg), status=new, events=tuple(decision.of(Event)))
