@@ -568,3 +568,39 @@ def test_observed_generation_and_goodput_come_from_the_core() -> None:
                 T0 + timedelta(seconds=100))
     assert d2.status.running_seconds == 100.0
     assert "runningSeconds" in d2.status.to_dict() and d2.status.model_extra == {}
+
+
+def test_partial_gang_refused_by_the_api_is_torn_down_reported_and_retried_with_backoff() -> None:
+    from seqtrain_operator.controller import create_failed
+
+    job = make_job(backoff=5.0)
+    st = decide(job, JobStatus(), Observed(), T0).status  # attempt 1 created (status written first)
+    quota = 'pods "t-1-1" is forbidden: exceeded quota: q, requested: pods=1, used: pods=1, limited: pods=1'
+    d = create_failed(job, st, 1, quota, T0)
+    assert d.of(DeleteGang) == [DeleteGang(1, "CreateFailed")] and d.of(RequeueAfter) == [RequeueAfter(5.0)]
+    sched = next(c for c in d.status.conditions if c.type == "Scheduled")
+    assert (sched.status, sched.reason) == ("False", "CreateFailed") and quota in sched.message
+    assert [e.reason for e in d.of(Event)] == ["CreateFailed"] and quota in d.of(Event)[0].message
+    assert d.status.restarts == 0 and d.status.infra_restarts == 0 and d.status.create_failures == 1
+    # the partial gang is still being deleted: nothing new; then the backoff; then a new attempt
+    left = Observed(replicas=(ReplicaObservation(0, 1, "Failed", reason="Deleted", terminating=True),))
+    dying = decide(job, d.status, left, T0 + timedelta(seconds=1))
+    assert not dying.of(CreateGang) and dying.of(DeleteGang)
+    assert dying.status.infra_restarts == 0 and dying.status.phase == "Scheduling"
+    waiting = decide(job, d.status, Observed(), T0 + timedelta(seconds=2))
+    assert not waiting.of(CreateGang) and waiting.of(RequeueAfter)[0].seconds == pytest.approx(3.0)
+    again = decide(job, d.status, Observed(), T0 + timedelta(seconds=6))
+    assert again.of(CreateGang) == [CreateGang(attempt=2, resume_from_step=None)]
+    # refused again: the delay doubles
+    assert create_failed(job, again.status, 2, quota, T0 + timedelta(seconds=6)).of(RequeueAfter) == [
+        RequeueAfter(10.0)]
+
+
+def test_api_message_is_the_apiservers_own() -> None:
+    from kubernetes.client.rest import ApiException
+
+    from seqtrain_operator.k8s.client import api_message
+
+    exc = ApiException(status=403, reason="Forbidden")
+    exc.body = '{"kind":"Status","reason":"Forbidden","message":"pods \\"x\\" is forbidden: exceeded quota: q"}'
+    assert api_message(exc) == '403 Forbidden: pods "x" is forbidden: exceeded quota: q'

@@ -182,6 +182,7 @@ def _live_gang(ctx: _Ctx, current: tuple[ReplicaObservation, ...]) -> None:
         return
     if phase == "Running":
         if st.phase != "Running":
+            st.create_failures = 0
             cond.set_condition(st, "Scheduled", "True", "GangRunning", f"{len(current)} replica(s) running", ctx.now)
             cond.enter_phase(st, "Running", "GangRunning", f"attempt {st.attempt}: all replicas running", ctx.now)
             ctx.event("Normal", "Running", f"attempt {st.attempt}: all {len(current)} replica(s) running")
@@ -223,9 +224,10 @@ def _live_gang(ctx: _Ctx, current: tuple[ReplicaObservation, ...]) -> None:
 
 
 def _tearing_down(st: JobStatus) -> bool:
-    """The operator itself gave up the live attempt without a failure (pending timeout: re-plan)."""
+    """The operator itself gave up the live attempt without a failure (pending timeout: re-plan; the API server
+    refused part of the gang)."""
     c = cond.get(st, "Scheduled")
-    return st.phase == "Scheduling" and c is not None and c.reason == "PendingTimeout"
+    return st.phase == "Scheduling" and c is not None and c.reason in ("PendingTimeout", "CreateFailed")
 
 
 def _hang(ctx: _Ctx) -> Failure | None:
@@ -265,12 +267,12 @@ def _no_gang(ctx: _Ctx) -> None:
     if st.phase == "Running":
         _on_failure(ctx, Failure(FailureClass.INFRASTRUCTURE, "Deleted", "the gang disappeared while running"))
         return
-    if st.phase == "Restarting":
+    scheduled = cond.get(st, "Scheduled")
+    if st.phase == "Restarting" or (scheduled is not None and scheduled.reason == "CreateFailed"):
         due = parse(st.next_restart_time)
         if due is not None and due > ctx.now:
             ctx.actions.append(RequeueAfter(seconds_between(ctx.now, due)))
             return
-    scheduled = cond.get(st, "Scheduled")
     if st.phase == "Scheduling" and scheduled is not None and scheduled.reason == "GangCreated" and st.attempt > 0:
         # Created but not observed yet (a lagging cache, or the create failed half-way): create what is absent,
         # on the nodes the status says it was planned on.
@@ -320,6 +322,27 @@ def _unschedulable(ctx: _Ctx, reason: str) -> None:
         _fail(ctx, "SchedulingTimeout", f"gang could not be scheduled within {sched.timeout_seconds}s: {reason}")
         return
     ctx.actions.append(RequeueAfter(POLL_SECONDS))
+
+
+def create_failed(job: SeqTrainJob, status: JobStatus, attempt: int, message: str, now: datetime) -> Decision:
+    """The API server refused part of gang `attempt` while the backend created it (a 403 from a ResourceQuota, a
+    422 from an admission plugin): tear down what was created (never leave a partial gang), say why with the API's
+    own message in the Scheduled condition and an Event, and try again after a backoff. Not a training failure:
+    no restart budget is charged."""
+    ctx = _Ctx(job, status.model_copy(deep=True), Observed(), now)
+    st = ctx.st
+    st.create_failures += 1
+    delay = backoff_seconds(job.spec.fault_tolerance, st.create_failures)
+    st.next_restart_time = iso(now + timedelta(seconds=delay))
+    msg = f"attempt {attempt}: the API server refused the gang: {message}; torn down, retrying in {delay:g}s"[:1000]
+    cond.set_condition(st, "Scheduled", "False", "CreateFailed", msg, now)
+    st.phase = "Scheduling"
+    st.message = msg
+    st.placement = []
+    ctx.actions.append(DeleteGang(attempt, "CreateFailed"))
+    ctx.actions.append(RequeueAfter(delay))
+    ctx.event("Warning", "CreateFailed", msg)
+    return Decision(tuple(ctx.actions), st)
 
 
 def _resume_step(ctx: _Ctx) -> int | None:

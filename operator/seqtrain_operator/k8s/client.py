@@ -33,6 +33,17 @@ class Unavailable(Exception):
     """The API server kept failing after every retry."""
 
 
+def api_message(exc: ApiException) -> str:
+    """The apiserver's own explanation (Status.message), e.g. `exceeded quota: q, requested: pods=1, ...`."""
+    try:
+        body = json.loads(exc.body or "")
+        if isinstance(body, dict) and body.get("message"):
+            return f"{exc.status} {body.get('reason') or exc.reason}: {body['message']}"
+    except (TypeError, ValueError):
+        pass
+    return f"{exc.status} {exc.reason}"
+
+
 def load_config() -> client.ApiClient:
     """In-cluster service account when running in a pod, else the kubeconfig (KUBECONFIG or ~/.kube/config)."""
     try:

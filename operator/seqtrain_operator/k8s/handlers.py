@@ -116,8 +116,9 @@ async def reconcile_loop(name: str, namespace: str, stopped: kopf.DaemonStopped,
                             type(exc).__name__, exc, delay)
             finally:
                 STATE.metrics.reconcile_seconds.observe(time.perf_counter() - started)
-            if delay is None:
-                delay = STATE.config.idle_poll  # gone or invalid: the daemon is stopped on deletion anyway
+            # None: nothing to poll for (a finished job, an invalid spec, a job being deleted): only a change of
+            # its pods or nodes, or of the job itself (kopf restarts nothing; the job's own watch event pokes it),
+            # wakes the loop.
             await _sleep(wake, stopped, delay)
     finally:
         STATE.wakeups.pop(key, None)
@@ -135,8 +136,8 @@ def _record(namespace: str, name: str, outcome: Any) -> None:
     _last_counts[(namespace, name)] = (st.restarts, st.infra_restarts)
 
 
-async def _sleep(wake: asyncio.Event, stopped: kopf.DaemonStopped, seconds: float) -> None:
-    """Until the job is poked, the daemon is stopped, or `seconds` pass, whichever is first."""
+async def _sleep(wake: asyncio.Event, stopped: kopf.DaemonStopped, seconds: float | None) -> None:
+    """Until the job is poked, the daemon is stopped, or `seconds` pass (None: no timeout), whichever is first."""
     async def until_stopped() -> None:
         await stopped.wait()
 
@@ -148,6 +149,14 @@ async def _sleep(wake: asyncio.Event, stopped: kopf.DaemonStopped, seconds: floa
             w.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await w
+
+
+@kopf.on.event(API_GROUP, VERSION, PLURAL, id="spec-changed")
+async def job_changed(name: str, namespace: str, body: dict[str, Any], **_: Any) -> None:
+    # A spec change (suspend, an edit) wakes the job's loop at once; our own status writes do not (the status
+    # already carries the generation they were computed from).
+    if (body.get("metadata") or {}).get("generation") != (body.get("status") or {}).get("observedGeneration"):
+        STATE.poke(namespace, name)
 
 
 @kopf.on.event("", "v1", "pods", labels={m.LABEL_JOB: kopf.PRESENT})

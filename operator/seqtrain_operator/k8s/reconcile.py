@@ -23,15 +23,18 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any
 
+from kubernetes.client.rest import ApiException
+
 from seqtrain.spec import JobStatus, SeqTrainJob, SpecError, parse_job
 from seqtrain.spec.status import TERMINAL_PHASES
 
-from ..controller import CreateGang, DeleteGang, Event, Observed, RequeueAfter, decide, utcnow
+from ..controller import CreateGang, DeleteGang, Event, Observed, RequeueAfter, create_failed, decide, utcnow
 from ..controller import conditions as cond
+from ..controller.types import Decision
 from ..planner.inventory import inventory
 from ..planner.types import Node, Plan
 from . import manifests as m
-from .client import Conflict, Kube
+from .client import Conflict, Kube, api_message
 from .observe import final_progress, observe_replicas, rank0_ip
 from .progress import poll_progress
 
@@ -165,13 +168,45 @@ async def _decide_and_act(kube: Kube, cfg: Config, body: dict[str, Any], job: Se
         if isinstance(action, DeleteGang):
             await delete_gang(kube, job, owner, action.attempt, action.force_nodes)
         elif isinstance(action, CreateGang):
-            await create_gang(kube, job, owner, action.attempt, cfg.settings, action.plan)
+            try:
+                await create_gang(kube, job, owner, action.attempt, cfg.settings, action.plan)
+            except GangRefused as refused:
+                return await _create_failed(kube, cfg, body, job, owner, new, action.attempt, str(refused), emit,
+                                            now)
     for ev in decision.of(Event):
         emit(body, ev.type, ev.reason, ev.message)
-    return Outcome(requeue=_requeue(decision.of(RequeueAfter), new, cfg), status=new, events=tuple(decision.of(Event)))
+    return Outcome(requeue=_requeue(decision, new, cfg), status=new, events=tuple(decision.of(Event)))
 
 
-def _requeue(requeues: list[RequeueAfter], status: JobStatus, cfg: Config) -> float:
+async def _create_failed(kube: Kube, cfg: Config, body: dict[str, Any], job: SeqTrainJob, owner: m.Owner,
+                         status: JobStatus, attempt: int, message: str, emit: EventSink, now: datetime) -> Outcome:
+    """Part of the gang was refused: the core says what to do (tear down, condition, Event, backoff)."""
+    log.warning("%s/%s: gang attempt %d refused: %s", owner.namespace, owner.name, attempt, message)
+    decision = create_failed(job, status, attempt, message, now)
+    for action in decision.of(DeleteGang):
+        await delete_gang(kube, job, owner, action.attempt)
+    written = dict(body.get("status") or {})
+    try:
+        fresh = await kube.get_job(owner.namespace, owner.name)
+        if fresh is None:
+            return Outcome(requeue=None)
+        written = dict(fresh.get("status") or {})
+        await kube.write_status(owner.namespace, owner.name, _status_patch(written, decision.status.to_dict()),
+                                fresh["metadata"]["resourceVersion"])
+    except Conflict:
+        return Outcome(requeue=0.2, status=status)
+    for ev in decision.of(Event):
+        emit(body, ev.type, ev.reason, ev.message)
+    return Outcome(requeue=_requeue(decision, decision.status, cfg), status=decision.status,
+                   events=tuple(decision.of(Event)))
+
+
+def _requeue(decision: Decision, status: JobStatus, cfg: Config) -> float | None:
+    """Seconds until the next pass; None: only an event (a pod or node change) wakes the job again. A finished
+    job with nothing left to delete is not polled at all."""
+    requeues = decision.of(RequeueAfter)
+    if status.phase in TERMINAL_PHASES and not requeues and not decision.of(DeleteGang):
+        return None
     default = cfg.running_poll if status.phase in ("Running", "Scheduling", "Restarting") else cfg.idle_poll
     return max(0.05, min([r.seconds for r in requeues] + [default]))
 
@@ -203,16 +238,25 @@ async def _invalid(kube: Kube, body: dict, status: JobStatus, err: SpecError, em
     return Outcome(requeue=None, status=status)
 
 
+class GangRefused(Exception):
+    """The API server refused an object of the gang for good (403 Forbidden: quota or RBAC; 422 Invalid: an
+    admission plugin or validation; 400). The message is the API's own."""
+
+
 async def create_gang(kube: Kube, job: SeqTrainJob, owner: m.Owner, attempt: int, settings: m.Settings,
                       plan: Plan | None) -> None:
-    """Create what is absent of this attempt's objects; existing ones (a repeat after a crash) are kept."""
+    """Create what is absent of this attempt's objects; existing ones (a repeat after a crash) are kept. Raises
+    GangRefused when the API server refuses one: the caller tears the partial gang down."""
     gang = m.build_gang(job, owner, attempt, settings, plan)
-    await kube.create(m.build_service(owner, settings))
-    await kube.create(gang.configmap)
-    if gang.podgroup is not None:
-        await kube.create(gang.podgroup)
-    for pod in gang.pods:
-        await kube.create(pod)
+    objects = [m.build_service(owner, settings), gang.configmap, *([gang.podgroup] if gang.podgroup else []),
+               *gang.pods]
+    for obj in objects:
+        try:
+            await kube.create(obj)
+        except ApiException as exc:
+            if exc.status in (400, 403, 422):
+                raise GangRefused(f"{obj['kind']} {obj['metadata']['name']}: {api_message(exc)}") from exc
+            raise
 
 
 async def delete_gang(kube: Kube, job: SeqTrainJob, owner: m.Owner, attempt: int,

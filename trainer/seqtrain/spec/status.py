@@ -83,6 +83,8 @@ class JobStatus(_StatusModel):
                                    "(goodput's numerator; the current segment runs from the Running condition).")
     observed_generation: int | None = Field(None, description="metadata.generation of the spec this status was "
                                             "computed from.")
+    create_failures: int = Field(0, description="Consecutive gang creations the API server refused part-way "
+                                 "(quota, admission); retried with backoff, reset once a gang runs.")
 
     def to_dict(self) -> dict:
         return self.model_dump(by_alias=True, mode="json", exclude_none=True)
