@@ -72,6 +72,7 @@ def test_security_context_is_restricted():
     assert csc == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "runAsNonRoot": True,
                    "capabilities": {"drop": ["ALL"]}}
     assert pod["spec"]["automountServiceAccountToken"] is False
+    assert psc["fsGroupChangePolicy"] == "OnRootMismatch"  # no recursive chown of the checkpoint claim per restart
 
 
 def test_multi_process_pods_use_the_seqtrain_launcher_argv_without_shell():

@@ -294,6 +294,9 @@ def build_pod(job: SeqTrainJob, owner: Owner, attempt: int, replica: int, settin
             "runAsUser": settings.run_as_user,
             "runAsGroup": settings.run_as_user,
             "fsGroup": settings.run_as_user,
+            # Re-chown the checkpoint volume only when its root does not match: a recursive chown of a large
+            # checkpoint claim on every gang restart can take minutes.
+            "fsGroupChangePolicy": "OnRootMismatch",
             "seccompProfile": {"type": "RuntimeDefault"},
         },
         "containers": [container],
