@@ -604,3 +604,13 @@ def test_api_message_is_the_apiservers_own() -> None:
     exc = ApiException(status=403, reason="Forbidden")
     exc.body = '{"kind":"Status","reason":"Forbidden","message":"pods \\"x\\" is forbidden: exceeded quota: q"}'
     assert api_message(exc) == '403 Forbidden: pods "x" is forbidden: exceeded quota: q'
+
+
+def test_waiting_for_capacity_looks_again_less_often_the_longer_it_waits() -> None:
+    job = gpu_job(replicas=3)
+    short = Observed(capacity=(free_node("a", gpus=8),))
+    d = decide(job, JobStatus(), short, T0)
+    delays = []
+    for dt in (1, 40, 100, 1000):
+        delays.append(decide(job, d.status, short, T0 + timedelta(seconds=dt)).of(RequeueAfter)[0].seconds)
+    assert delays == [5.0, 10.0, 25.0, 60.0]

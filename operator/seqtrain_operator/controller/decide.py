@@ -33,6 +33,7 @@ from .types import Action, CreateGang, Decision, DeleteGang, Event, Observed, Re
 
 # How often to look again while waiting for capacity or for a dying gang to disappear.
 POLL_SECONDS = 5.0
+MAX_CAPACITY_POLL_SECONDS = 60.0
 
 
 @dataclass
@@ -321,7 +322,9 @@ def _unschedulable(ctx: _Ctx, reason: str) -> None:
     if sched.timeout_seconds is not None and waited > sched.timeout_seconds and sched.on_timeout == "fail":
         _fail(ctx, "SchedulingTimeout", f"gang could not be scheduled within {sched.timeout_seconds}s: {reason}")
         return
-    ctx.actions.append(RequeueAfter(POLL_SECONDS))
+    # Looking again costs the backend a cluster-wide read; the longer the wait, the rarer the look (node changes
+    # wake the job at once anyway).
+    ctx.actions.append(RequeueAfter(min(MAX_CAPACITY_POLL_SECONDS, max(POLL_SECONDS, waited / 4))))
 
 
 def create_failed(job: SeqTrainJob, status: JobStatus, attempt: int, message: str, now: datetime) -> Decision:

@@ -1,5 +1,11 @@
 """kopf wiring: one reconcile loop (a kopf daemon) per SeqTrainJob, woken by its pods' and the nodes' changes.
 
+Load: pods are watched with a server-side label selector (only the operator's pods reach it), and every pass reads
+its job's pods and the nodes from in-memory kopf indexes fed by those watches (kopf fills every index before any
+daemon starts, so a fresh operator never mistakes an unfilled cache for a vanished gang) instead of LISTing them.
+Only gang admission LISTs pods cluster-wide (every tenant's pods take node capacity), and a job waiting for capacity
+does so less often the longer it waits (node changes wake it at once).
+
 Level-based: every pass reads the cluster and the job's status and calls the shared controller core; an event
 only makes the next pass come sooner. The daemons run only in the active operator (kopf peering freezes the
 others), and kopf stops a job's daemon before its deletion handler runs.
@@ -71,6 +77,8 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
     settings.networking.request_timeout = 30
+    # Server-side filtering: the apiserver sends only pods that carry the job label, not every pod in the cluster.
+    settings.watching.label_selectors["v1", "pods"] = m.LABEL_JOB
     if STATE.webhook is not None:
         w = STATE.webhook
         settings.admission.server = kopf.WebhookServer(port=w.port, certfile=w.certfile, pkeyfile=w.keyfile,
@@ -92,8 +100,34 @@ def _emit(body: dict[str, Any], type_: str, reason: str, message: str) -> None:
     kopf.event(body, type=type_, reason=reason, message=message[:1024])
 
 
+@kopf.index("", "v1", "pods", labels={m.LABEL_JOB: kopf.PRESENT})
+def job_pods(namespace: str, labels: dict[str, str], body: kopf.Body, **_: Any) -> dict[tuple[str, str], dict]:
+    """(namespace, job) -> its pods (kopf keeps the index current from the label-selected pod watch)."""
+    return {(namespace, labels[m.LABEL_JOB]): dict(body)}
+
+
+@kopf.index("", "v1", "nodes")
+def cluster_nodes(name: str, body: kopf.Body, **_: Any) -> dict[str, dict]:
+    return {name: dict(body)}
+
+
+@dataclass
+class IndexViews:
+    """reconcile.Views over the kopf indexes."""
+
+    pods_index: Any
+    nodes_index: Any
+
+    def pods(self, namespace: str, job: str) -> list[dict]:
+        return list(self.pods_index.get((namespace, job), ()))
+
+    def nodes(self) -> list[dict]:
+        return [body for bodies in self.nodes_index.values() for body in bodies]
+
+
 @kopf.daemon(API_GROUP, VERSION, PLURAL, id="reconcile", cancellation_timeout=10.0)
-async def reconcile_loop(name: str, namespace: str, stopped: kopf.DaemonStopped, **_: Any) -> None:
+async def reconcile_loop(name: str, namespace: str, stopped: kopf.DaemonStopped, job_pods: Any = None,
+                         cluster_nodes: Any = None, **_: Any) -> None:
     key = (namespace, name)
     wake = STATE.wakeups.setdefault(key, asyncio.Event())
     failures = 0
@@ -103,7 +137,9 @@ async def reconcile_loop(name: str, namespace: str, stopped: kopf.DaemonStopped,
             started = time.perf_counter()
             try:
                 assert STATE.kube is not None
-                outcome = await reconcile(STATE.kube, STATE.config, namespace, name, _emit)
+                views = IndexViews(job_pods, cluster_nodes) if job_pods is not None and cluster_nodes is not None \
+                    else None
+                outcome = await reconcile(STATE.kube, STATE.config, namespace, name, _emit, views=views)
                 failures = 0
                 delay = outcome.requeue
                 if outcome.status is not None:

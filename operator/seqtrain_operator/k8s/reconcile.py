@@ -21,7 +21,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from datetime import datetime
-from typing import Any
+from typing import Any, Protocol
 
 from kubernetes.client.rest import ApiException
 
@@ -109,8 +109,16 @@ def _changed(old: dict[str, Any], new: dict[str, Any]) -> bool:
     return {k: v for k, v in new.items() if k != "goodput"} != {k: v for k, v in old.items() if k != "goodput"}
 
 
+class Views(Protocol):
+    """Where a pass reads its job's pods and the nodes: the operator's in-memory kopf indexes (no LIST per pass)."""
+
+    def pods(self, namespace: str, job: str) -> list[dict]: ...
+
+    def nodes(self) -> list[dict]: ...
+
+
 async def reconcile(kube: Kube, cfg: Config, namespace: str, name: str, emit: EventSink,
-                    now: datetime | None = None) -> Outcome:
+                    now: datetime | None = None, views: Views | None = None) -> Outcome:
     now = now or utcnow()
     body = await kube.get_job(namespace, name)
     if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
@@ -122,9 +130,10 @@ async def reconcile(kube: Kube, cfg: Config, namespace: str, name: str, emit: Ev
     except SpecError as err:
         return await _invalid(kube, body, status, err, emit, now)
 
-    label = f"{m.LABEL_JOB}={name}"
-    pods = await kube.list_pods(namespace, label)
-    nodes = await kube.list_nodes()
+    if views is not None:
+        pods, nodes = views.pods(namespace, name), views.nodes()
+    else:  # no indexes (a one-off pass): read the API
+        pods, nodes = await kube.list_pods(namespace, f"{m.LABEL_JOB}={name}"), await kube.list_nodes()
     replicas = observe_replicas(pods, nodes, now, cfg.node_lost_grace)
     progress, checkpoint, unreachable = None, None, None
     ip = rank0_ip(pods, status.attempt)
