@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta, timezone
 
 import pytest
@@ -614,3 +614,30 @@ def test_waiting_for_capacity_looks_again_less_often_the_longer_it_waits() -> No
     for dt in (1, 40, 100, 1000):
         delays.append(decide(job, d.status, short, T0 + timedelta(seconds=dt)).of(RequeueAfter)[0].seconds)
     assert delays == [5.0, 10.0, 25.0, 60.0]
+
+
+def test_a_peer_failing_first_after_its_node_died_is_charged_to_the_node_not_the_user() -> None:
+    """The dead node's pod still looks Running; its peer fails at once (connection reset). Wait, then NodeLost."""
+    job = make_job(max_restarts=0)
+    st = run_to_running(job)
+    echo = ReplicaObservation(0, 1, "Failed", exit_code=1, node="node-0", finished_at=iso(T0))
+    dead = ReplicaObservation(1, 1, "Running", node="node-1")
+    d = decide(job, st, Observed(replicas=(echo, dead)), T0 + timedelta(seconds=2))  # node not NotReady yet
+    assert not d.of(DeleteGang) and d.status.phase == "Running" and d.of(RequeueAfter)[0].seconds == 13.0
+    unready = replace(dead, node_unready=True)
+    d = decide(job, st, Observed(replicas=(echo, unready)), T0 + timedelta(seconds=30))  # NotReady, not lost
+    assert not d.of(DeleteGang) and d.status.restarts == 0
+    lost_ = replace(dead, phase="Failed", reason="NodeLost", node_unready=True, node_lost=True)
+    d = decide(job, st, Observed(replicas=(echo, lost_)), T0 + timedelta(seconds=60))
+    assert d.status.phase == "Restarting" and d.status.infra_restarts == 1 and d.status.restarts == 0
+    assert list(d.status.failed_nodes) == ["node-1"]
+
+
+def test_a_user_failure_is_charged_after_the_settle_time_or_once_nothing_runs() -> None:
+    job = make_job()
+    st = run_to_running(job)
+    crash = ReplicaObservation(0, 1, "Failed", exit_code=1, node="node-0", finished_at=iso(T0))
+    alive = ReplicaObservation(1, 1, "Running", node="node-1")
+    assert decide(job, st, Observed(replicas=(crash, alive)), T0 + timedelta(seconds=16)).status.restarts == 1
+    both = (crash, replace(alive, phase="Failed", exit_code=4))
+    assert decide(job, st, Observed(replicas=both), T0 + timedelta(seconds=1)).status.restarts == 1

@@ -34,6 +34,11 @@ from .types import Action, CreateGang, Decision, DeleteGang, Event, Observed, Re
 # How often to look again while waiting for capacity or for a dying gang to disappear.
 POLL_SECONDS = 5.0
 MAX_CAPACITY_POLL_SECONDS = 60.0
+# When a node dies its pods' peers often fail first (a reset connection) while the dead node still looks Ready (the
+# node controller marks it NotReady only after its monitor grace period). Charging that echo to the user would use up
+# the wrong budget and avoid the wrong node: a user-class failure is acted on only after this long, or at once when
+# nothing of the gang runs any more; a replica on a NotReady node is waited for until it is lost or back.
+FAILURE_SETTLE_SECONDS = 15.0
 
 
 @dataclass
@@ -162,6 +167,9 @@ def _live_gang(ctx: _Ctx, current: tuple[ReplicaObservation, ...]) -> None:
     if phase == "Failed":
         failure = root_cause(current)
         assert failure is not None
+        if failure.cls is FailureClass.USER and (wait := _settling(ctx, current)) is not None:
+            ctx.actions.append(RequeueAfter(wait))
+            return
         _on_failure(ctx, failure)
         return
     missing = gang_policy.missing(job, current)
@@ -222,6 +230,20 @@ def _live_gang(ctx: _Ctx, current: tuple[ReplicaObservation, ...]) -> None:
         st.phase = "Scheduling"
         return
     ctx.actions.append(RequeueAfter(max(1.0, grace - waited)))
+
+
+def _settling(ctx: _Ctx, current: tuple[ReplicaObservation, ...]) -> float | None:
+    """Seconds to wait before charging a user-class failure, or None to act now (see FAILURE_SETTLE_SECONDS)."""
+    alive = [r for r in current if r.phase in ("Pending", "Running")]
+    if not alive:
+        return None
+    if any(r.node_unready for r in alive):
+        return POLL_SECONDS  # lost (infrastructure) or back (then the failure is the user's) soon
+    ends = [t for r in current if r.phase == "Failed" and (t := parse(r.finished_at)) is not None]
+    if not ends:
+        return None
+    left = FAILURE_SETTLE_SECONDS - seconds_between(min(ends), ctx.now)
+    return max(1.0, left) if left > 0 else None
 
 
 def _tearing_down(st: JobStatus) -> bool:

@@ -29,6 +29,8 @@ class ReplicaObservation:
     terminating: the object is being deleted (deletionTimestamp set), by us or by someone else.
     node_lost: its node has been NotReady/unreachable (or removed) for longer than the backend's grace period:
     no kubelet will ever confirm its deletion, so deleting it must be forced.
+    node_unready: its node is not Ready right now (for any time; node_lost once past the grace period).
+    finished_at: when it terminated (ISO-8601; None while it runs or when the backend cannot tell).
     """
 
     replica: int
@@ -40,6 +42,8 @@ class ReplicaObservation:
     message: str = ""
     terminating: bool = False
     node_lost: bool = False
+    node_unready: bool = False
+    finished_at: str | None = None
 
 
 @dataclass(frozen=True)

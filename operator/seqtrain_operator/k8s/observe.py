@@ -99,11 +99,12 @@ def replica_of(pod: Mapping[str, Any], nodes: Mapping[str, Mapping[str, Any]], n
     terminating = bool(meta.get("deletionTimestamp"))
     if phase in ("Pending", "Running") and terminating:
         phase, reason = "Failed", "Deleted"
-    node_lost = False
+    node_lost = node_unready = False
     if node:
         gone = node not in nodes
         down = None if gone else not_ready_for(nodes[node], now)
         node_lost = gone or (down is not None and down >= node_lost_grace)
+        node_unready = gone or down is not None
         if node_lost and (phase in ("Pending", "Running") or reason == "Deleted"):
             phase, reason = "Failed", "NodeLost"
             message = f"node {node} {'was removed' if gone else f'has not been Ready for {down:.0f}s'}"
@@ -111,7 +112,7 @@ def replica_of(pod: Mapping[str, Any], nodes: Mapping[str, Mapping[str, Any]], n
         reason = _disruption(pod)
     return ReplicaObservation(replica=replica, attempt=attempt, phase=phase,  # type: ignore[arg-type]
                               exit_code=code, reason=reason, node=node, message=message, terminating=terminating,
-                              node_lost=node_lost)
+                              node_lost=node_lost, node_unready=node_unready, finished_at=term.get("finishedAt"))
 
 
 def _looks_like_json(text: str | None) -> bool:
