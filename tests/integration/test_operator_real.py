@@ -263,3 +263,32 @@ def test_cel_rules_refuse_changing_a_running_gang_and_the_apiserver_agrees_on_qu
         assert refused.returncode != 0 and "resources.cpu" in refused.stderr, refused.stderr
     finally:
         delete_job(testbed, ns, "frozen")
+
+
+def test_the_documented_crd_upgrade_path_upgrades_the_schema(testbed: Testbed, seqtrain_operator: Operator,
+                                                             ns: str) -> None:
+    """docs/user-guide.md "Upgrading the CRD": Helm never upgrades crds/, so an older CRD prunes new fields until
+    `kubectl apply --server-side --force-conflicts -f charts/seqtrain/crds/seqtrainjob.yaml` before `helm upgrade`."""
+    current = ROOT / "charts" / "seqtrain" / "crds" / "seqtrainjob.yaml"
+    old = yaml.safe_load(current.read_text())
+    schema = old["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    del schema["properties"]["spec"]["properties"]["faultTolerance"]["properties"]["imagePullTimeoutSeconds"]
+    job = gpu_job("crd-upgrade", gpus=1)
+    job["spec"]["faultTolerance"] = {"imagePullTimeoutSeconds": 1234}
+    try:
+        testbed.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-", input=yaml.safe_dump(old))
+        testbed.apply(job, ns)
+        stored = testbed.get("seqtrainjob", "crd-upgrade", ns)["spec"].get("faultTolerance", {})
+        assert "imagePullTimeoutSeconds" not in stored  # pruned by the older schema: why the step matters
+        delete_job(testbed, ns, "crd-upgrade")
+    finally:
+        # The documented path, exactly.
+        testbed.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(current))
+        testbed.helm("upgrade", RELEASE, str(ROOT / "charts" / "seqtrain"), "--namespace", RELEASE_NS,
+                     *seqtrain_operator.values(), "--wait", "--timeout", "180s", timeout=300)
+    testbed.apply(job, ns)
+    try:
+        stored = testbed.get("seqtrainjob", "crd-upgrade", ns)["spec"]["faultTolerance"]
+        assert stored["imagePullTimeoutSeconds"] == 1234
+    finally:
+        delete_job(testbed, ns, "crd-upgrade")
