@@ -11,6 +11,7 @@ import copy
 import json
 import os
 import signal
+import sys
 from typing import Any
 
 import pytest
@@ -210,3 +211,50 @@ def test_helm_upgrade_then_uninstall_leave_nothing_behind(testbed: Testbed, seqt
         op.install()  # the session's operator comes back for whatever runs next
         op.start()
     assert before  # the job was reconciled before the upgrade
+
+
+def test_up_is_idempotent_and_status_says_what_runs(testbed: Testbed) -> None:
+    again = testbed.run(str(ROOT / "scripts" / "testbed.sh"), "up", timeout=300)
+    assert f"KUBECONFIG={testbed.kubeconfig}" in again.stdout
+    status = testbed.run(str(ROOT / "scripts" / "testbed.sh"), "status").stdout
+    for component in ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok", "node-agent"):
+        assert f"{component} running" in status
+    nodes = {n["metadata"]["name"]: n for n in testbed.get("nodes")}
+    assert {"cpu-0", "cpu-1", "gpu-a-0", "gpu-t-0"} <= set(nodes)
+    assert nodes["gpu-t-0"]["spec"]["taints"] == [{"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}]
+    assert nodes["gpu-a-0"]["status"]["allocatable"]["nvidia.com/gpu"] == "8"
+
+
+def test_node_down_leaves_its_pod_terminating_until_node_up(testbed: Testbed) -> None:
+    """A dead node: NotReady by the node lifecycle controller, its pod evicted but never confirmed gone (no kubelet
+    answers); back up, the agent confirms the deletion."""
+    name = testbed.namespace("node")
+    testbed.apply({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "sleeper"},
+                   "spec": {"nodeSelector": {"kubernetes.io/hostname": "cpu-1"}, "restartPolicy": "Never",
+                            "terminationGracePeriodSeconds": 5,
+                            "containers": [{"name": "c", "image": "none",
+                                            "command": [sys.executable, "-c", "import time; time.sleep(900)"]}]}},
+                  name)
+    pod = wait("sleeper Running", lambda: (p := testbed.get("pod", "sleeper", name)) and
+               p["status"].get("phase") == "Running" and p, 180)
+    pid = testbed.pod_pid(pod["metadata"]["uid"])
+    assert pid is not None
+    testbed.node_down("cpu-1")
+    try:
+        with pytest.raises(ProcessLookupError):  # its processes died with it
+            os.killpg(pid, 0)
+
+        def unreachable() -> bool:
+            node = testbed.get("node", "cpu-1")
+            ready = {c["type"]: c["status"] for c in node["status"]["conditions"]}["Ready"]
+            taints = {t["key"] for t in node["spec"].get("taints") or []}
+            return ready == "Unknown" and "node.kubernetes.io/unreachable" in taints
+        wait("cpu-1 unreachable (node lifecycle controller)", unreachable, 180)
+        evicted = wait("sleeper evicted", lambda: (p := testbed.get("pod", "sleeper", name))
+                       and p["metadata"].get("deletionTimestamp") and p, 180)
+        assert evicted["metadata"]["uid"] == pod["metadata"]["uid"]  # still there: nobody confirms on a dead node
+    finally:
+        testbed.node_up("cpu-1")
+    wait("sleeper's deletion confirmed after node-up", lambda: testbed.get("pod", "sleeper", name) is None, 180)
+    wait("cpu-1 Ready again", lambda: {c["type"]: c["status"] for c in testbed.get("node", "cpu-1")["status"][
+        "conditions"]}["Ready"] == "True", 180)

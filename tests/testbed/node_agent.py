@@ -326,11 +326,12 @@ class Agent:
             if name in marked and name not in self.down:
                 LOG.info("node %s down: heartbeats stop, its processes are killed", name)
                 self.down.add(name)
-                for proc in list(self.procs.values()):
-                    if proc.extra.get("node") == name:
+                for proc in self.procs.values():
+                    if proc is not None and proc.extra.get("node") == name:
+                        # Killed with the node; reported (exit 137) only if the node comes back, like a kubelet
+                        # that restarts and finds its containers gone.
                         kill_group(proc.popen.pid, signal.SIGKILL)
                         proc.popen.wait()
-                        del self.procs[proc.uid]  # a dead node reports nothing about its pods
             elif name not in marked and name in self.down:
                 LOG.info("node %s up again", name)
                 self.down.discard(name)

@@ -241,6 +241,12 @@ def test_a_dead_node_kills_its_processes_and_reports_nothing_more(agent: Any) ->
     for _ in range(5):
         a.sync()
     assert len(core.statuses) == reported and core.confirmed == [] and "n" in core.pods  # stuck Terminating
+    (a.state / "down" / "cpu-0").unlink()  # node-up: the agent finds the container gone and confirms
+    a.heartbeat = lambda name, first=False: None
+    run_until(a, lambda: "n" not in core.pods)
+    assert core.confirmed == [("n", 0)]
+    term = [s for n, s in core.statuses if n == "n"][-1]["containerStatuses"][0]["state"]["terminated"]
+    assert (term["exitCode"], term["reason"]) == (137, "Error")
 
 
 def test_a_pod_it_cannot_run_says_why(tmp_path: Path) -> None:
