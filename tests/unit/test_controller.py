@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta, timezone
 
 import pytest
@@ -24,6 +24,7 @@ from seqtrain_operator.controller import (
     parse,
 )
 from seqtrain_operator.controller.failure_policy import FailureClass, classify, root_cause
+from seqtrain_operator.planner.types import Node
 
 T0 = datetime(2026, 11, 22, 12, 0, 0, tzinfo=timezone.utc)
 
@@ -121,7 +122,12 @@ def test_pending_longer_than_grace_tears_the_gang_down() -> None:
     (4, None, FailureClass.USER),
     (137, "OOMKilled", FailureClass.USER),
     (3, None, FailureClass.PERMANENT),
-    (1, "ErrImagePull", FailureClass.PERMANENT),
+    (None, "InvalidImageName", FailureClass.PERMANENT),
+    (None, "OutOfnvidia.com/gpu", FailureClass.INFRASTRUCTURE),
+    (None, "OutOfpods", FailureClass.INFRASTRUCTURE),
+    (None, "UnexpectedAdmissionError", FailureClass.INFRASTRUCTURE),
+    (None, "NodeAffinity", FailureClass.INFRASTRUCTURE),
+    (5, None, FailureClass.INFRASTRUCTURE),
     (143, "Evicted", FailureClass.INFRASTRUCTURE),
     (None, "NodeLost", FailureClass.INFRASTRUCTURE),
     (137, "Preempted", FailureClass.INFRASTRUCTURE),
@@ -129,6 +135,42 @@ def test_pending_longer_than_grace_tears_the_gang_down() -> None:
 def test_failure_classification(exit_code: int | None, reason: str | None, klass: FailureClass) -> None:
     r = ReplicaObservation(replica=0, attempt=1, phase="Failed", exit_code=exit_code, reason=reason)
     assert classify(r).cls is klass
+
+
+def test_oom_is_the_users_with_the_reason_and_the_fix_in_status() -> None:
+    job = make_job()
+    d = decide(job, run_to_running(job), Observed(replicas=gang(1, "Running", "Failed", exit_code=137,
+                                                                reason="OOMKilled")), T0)
+    assert d.status.restarts == 1 and d.status.infra_restarts == 0 and d.status.failed_nodes == {}
+    restarting = next(c for c in d.status.conditions if c.type == "Restarting")
+    assert restarting.reason == "OOMKilled" and "spec.resources.memory" in restarting.message
+
+
+@pytest.mark.parametrize(("exit_code", "reason", "why"), [
+    (5, None, "GPUUnavailable"), (None, "OutOfnvidia.com/gpu", "KubeletRejected"),
+    (None, "UnexpectedAdmissionError", "KubeletRejected")])
+def test_node_faults_are_infrastructure_and_avoid_the_node(exit_code: int | None, reason: str | None,
+                                                           why: str) -> None:
+    job = make_job(max_restarts=0)
+    d = decide(job, run_to_running(job), Observed(replicas=gang(1, "Running", "Failed", exit_code=exit_code,
+                                                                reason=reason)), T0)
+    assert d.status.phase == "Restarting" and d.status.infra_restarts == 1 and d.status.restarts == 0
+    assert "node-1" in d.status.failed_nodes and d.status.message.startswith("replica 1 on node-1")
+    assert next(c for c in d.status.conditions if c.type == "Restarting").reason == why
+
+
+def test_failing_image_pull_is_transient_with_its_own_deadline() -> None:
+    job = make_job(pending_grace=60)  # imagePullTimeoutSeconds defaults to 900
+    st = decide(job, JobStatus(), Observed(), T0).status
+    pulling = (ReplicaObservation(0, 1, "Running", node="node-0"),
+               ReplicaObservation(1, 1, "Pending", reason="ImagePullBackOff", node="node-1",
+                                  message="Back-off pulling image"))
+    d = decide(job, st, Observed(replicas=pulling), T0 + timedelta(seconds=600))  # past the pending grace
+    assert not d.of(DeleteGang) and d.status.phase == "Scheduling" and "ImagePullBackOff" in d.status.message
+    assert d.status.restarts == 0
+    d = decide(job, d.status, Observed(replicas=pulling), T0 + timedelta(seconds=901))
+    assert d.status.phase == "Failed" and d.of(DeleteGang)
+    assert "imagePullTimeoutSeconds" in d.status.message and "Back-off pulling image" in d.status.message
 
 
 def test_root_cause_prefers_the_cause_over_its_echo() -> None:
@@ -209,6 +251,46 @@ def test_infrastructure_failure_uses_its_own_budget_and_avoids_the_node() -> Non
     # after nodeAvoidSeconds (600) the node is usable again
     d3 = decide(job, d.status, Observed(), T0 + timedelta(seconds=601))
     assert d3.of(CreateGang)[0].avoid_nodes == ()
+
+
+def lost(replica: int, attempt: int = 1, *, terminating: bool = True) -> ReplicaObservation:
+    """A replica whose node died: NotReady past the grace, its pod stuck with a deletionTimestamp."""
+    return ReplicaObservation(replica=replica, attempt=attempt, phase="Failed", reason="NodeLost",
+                              node=f"node-{replica}", terminating=terminating, node_lost=True)
+
+
+def test_dead_node_force_deletes_charges_infrastructure_avoids_the_node_and_restarts() -> None:
+    job = make_job(max_restarts=0)
+    st = run_to_running(job)
+    alive = ReplicaObservation(replica=0, attempt=1, phase="Running", node="node-0")
+    d = decide(job, st, Observed(replicas=(alive, lost(1, terminating=False))), T0)
+    assert d.of(DeleteGang) == [DeleteGang(1, "NodeLost", force_nodes=("node-1",))]
+    assert d.status.phase == "Restarting" and d.status.infra_restarts == 1 and d.status.restarts == 0
+    assert "node-1" in d.status.failed_nodes
+    # The pod on the dead node keeps its deletionTimestamp (no kubelet confirms): keep forcing, never wait forever.
+    stuck = Observed(replicas=(lost(1),))
+    for dt in (5, 60, 3600):
+        d2 = decide(job, d.status, stuck, T0 + timedelta(seconds=dt))
+        assert d2.of(DeleteGang) == [DeleteGang(1, "TearingDown", force_nodes=("node-1",))]
+        assert d2.status.infra_restarts == 1 and not d2.of(CreateGang)
+    d3 = decide(job, d.status, Observed(latest_checkpoint=ck(20)), T0 + timedelta(seconds=10))
+    assert d3.of(CreateGang) == [CreateGang(attempt=2, resume_from_step=20, avoid_nodes=("node-1",))]
+
+
+def test_teardown_the_operator_ordered_is_never_charged() -> None:
+    job = make_job(pending_grace=60)
+    st = decide(job, JobStatus(), Observed(), T0).status
+    d = decide(job, st, Observed(replicas=gang(1, "Running", "Pending")), T0 + timedelta(seconds=61))
+    assert d.of(DeleteGang) == [DeleteGang(1, "PendingTimeout")]
+    # Our own deletion in progress: the bound pod is terminating (read as Deleted) or already exited on SIGTERM.
+    dying = (ReplicaObservation(0, 1, "Failed", reason="Deleted", node="node-0", terminating=True),
+             ReplicaObservation(1, 1, "Failed", exit_code=143, node="node-1"))
+    d2 = decide(job, d.status, Observed(replicas=dying), T0 + timedelta(seconds=62))
+    assert d2.status.infra_restarts == 0 and d2.status.restarts == 0 and d2.status.failed_nodes == {}
+    assert d2.of(DeleteGang) and not d2.of(CreateGang) and d2.status.phase == "Scheduling"
+    d3 = decide(job, d2.status, Observed(), T0 + timedelta(seconds=63))
+    assert d3.of(CreateGang) == [CreateGang(attempt=2, resume_from_step=None)]
+    assert d3.status.infra_restarts == 0 and d3.status.restarts == 0
 
 
 def test_gang_vanishing_while_running_is_an_infrastructure_failure() -> None:
@@ -424,3 +506,138 @@ def test_random_histories_keep_the_invariants(events: list, replicas: int, max_r
         assert len(attempts) <= 1
         if not lose_write:
             st = new
+
+
+# ---- admission, progress, generation, goodput: all decided in the core ---------------------------------------------
+
+
+def free_node(name: str, gpus: int = 8, **labels: str) -> Node:
+    return Node(name=name, gpus=gpus, cpu_millis=64_000, memory_bytes=512 * 2**30, labels=labels)
+
+
+def gpu_job(replicas: int = 2, gpus: int = 4) -> SeqTrainJob:
+    job = make_job(replicas)
+    job.spec.resources.gpus = gpus
+    return job
+
+
+def test_native_admission_places_the_gang_in_the_core_and_the_plan_travels_in_the_create_action() -> None:
+    job = gpu_job()
+    d = decide(job, JobStatus(), Observed(capacity=(free_node("a"), free_node("b", gpus=2))), T0)
+    (create,) = d.of(CreateGang)
+    assert create.plan is not None and [a.node for a in create.plan.replicas] == ["a", "a"]
+    assert [(p.replica, p.node) for p in d.status.placement] == [(0, "a"), (1, "a")]
+    # the pods are created but not observed yet: re-create on the same nodes, whatever the capacity says now
+    d2 = decide(job, d.status, Observed(capacity=()), T0 + timedelta(seconds=1))
+    assert [a.node for a in d2.of(CreateGang)[0].plan.replicas] == ["a", "a"]
+
+
+def test_insufficient_capacity_says_so_in_a_condition_and_one_event() -> None:
+    job = gpu_job(replicas=3)
+    short = Observed(capacity=(free_node("a", gpus=8),))
+    d = decide(job, JobStatus(), short, T0)
+    assert not d.of(CreateGang) and d.status.phase == "Scheduling" and d.status.attempt == 0
+    sched = next(c for c in d.status.conditions if c.type == "Scheduled")
+    assert (sched.status, sched.reason) == ("False", "Unschedulable") and "need 3 replicas" in sched.message
+    assert [e.reason for e in d.of(Event)] == ["Unschedulable"]
+    d2 = decide(job, d.status, short, T0 + timedelta(seconds=5))
+    assert not d2.of(Event)  # said once, not every pass
+
+
+def test_unreachable_progress_endpoint_is_progress_unknown_not_a_hang() -> None:
+    job = make_job(hang=60)
+    st = run_to_running(job)
+    blind = Observed(replicas=gang(1, "Running", "Running"), progress_unreachable="GET .../progress timed out")
+    d = decide(job, st, blind, T0 + timedelta(seconds=600))
+    assert d.status.phase == "Running" and d.status.restarts == 0 and not d.of(DeleteGang)
+    progressing = next(c for c in d.status.conditions if c.type == "Progressing")
+    assert (progressing.status, progressing.reason) == ("Unknown", "ProgressUnknown")
+    assert [e.reason for e in d.of(Event)] == ["ProgressUnknown"]
+    # once it answers again with a stale step, hang detection resumes
+    stale = Observed(replicas=gang(1, "Running", "Running"), progress=Progress(step=5, updated_at=iso(T0)))
+    assert decide(job, d.status, stale, T0 + timedelta(seconds=601)).status.phase == "Restarting"
+
+
+def test_observed_generation_and_goodput_come_from_the_core() -> None:
+    job = make_job()
+    st = run_to_running(job)
+    d = decide(job, st, Observed(replicas=gang(1, "Running", "Running"), generation=7), T0 + timedelta(seconds=50))
+    assert d.status.observed_generation == 7
+    assert d.status.goodput is not None
+    d2 = decide(job, d.status, Observed(replicas=gang(1, "Running", "Failed", exit_code=1)),
+                T0 + timedelta(seconds=100))
+    assert d2.status.running_seconds == 100.0
+    assert "runningSeconds" in d2.status.to_dict() and d2.status.model_extra == {}
+
+
+def test_partial_gang_refused_by_the_api_is_torn_down_reported_and_retried_with_backoff() -> None:
+    from seqtrain_operator.controller import create_failed
+
+    job = make_job(backoff=5.0)
+    st = decide(job, JobStatus(), Observed(), T0).status  # attempt 1 created (status written first)
+    quota = 'pods "t-1-1" is forbidden: exceeded quota: q, requested: pods=1, used: pods=1, limited: pods=1'
+    d = create_failed(job, st, 1, quota, T0)
+    assert d.of(DeleteGang) == [DeleteGang(1, "CreateFailed")] and d.of(RequeueAfter) == [RequeueAfter(5.0)]
+    sched = next(c for c in d.status.conditions if c.type == "Scheduled")
+    assert (sched.status, sched.reason) == ("False", "CreateFailed") and quota in sched.message
+    assert [e.reason for e in d.of(Event)] == ["CreateFailed"] and quota in d.of(Event)[0].message
+    assert d.status.restarts == 0 and d.status.infra_restarts == 0 and d.status.create_failures == 1
+    # the partial gang is still being deleted: nothing new; then the backoff; then a new attempt
+    left = Observed(replicas=(ReplicaObservation(0, 1, "Failed", reason="Deleted", terminating=True),))
+    dying = decide(job, d.status, left, T0 + timedelta(seconds=1))
+    assert not dying.of(CreateGang) and dying.of(DeleteGang)
+    assert dying.status.infra_restarts == 0 and dying.status.phase == "Scheduling"
+    waiting = decide(job, d.status, Observed(), T0 + timedelta(seconds=2))
+    assert not waiting.of(CreateGang) and waiting.of(RequeueAfter)[0].seconds == pytest.approx(3.0)
+    again = decide(job, d.status, Observed(), T0 + timedelta(seconds=6))
+    assert again.of(CreateGang) == [CreateGang(attempt=2, resume_from_step=None)]
+    # refused again: the delay doubles
+    assert create_failed(job, again.status, 2, quota, T0 + timedelta(seconds=6)).of(RequeueAfter) == [
+        RequeueAfter(10.0)]
+
+
+def test_api_message_is_the_apiservers_own() -> None:
+    from kubernetes.client.rest import ApiException
+
+    from seqtrain_operator.k8s.client import api_message
+
+    exc = ApiException(status=403, reason="Forbidden")
+    exc.body = '{"kind":"Status","reason":"Forbidden","message":"pods \\"x\\" is forbidden: exceeded quota: q"}'
+    assert api_message(exc) == '403 Forbidden: pods "x" is forbidden: exceeded quota: q'
+
+
+def test_waiting_for_capacity_looks_again_less_often_the_longer_it_waits() -> None:
+    job = gpu_job(replicas=3)
+    short = Observed(capacity=(free_node("a", gpus=8),))
+    d = decide(job, JobStatus(), short, T0)
+    delays = []
+    for dt in (1, 40, 100, 1000):
+        delays.append(decide(job, d.status, short, T0 + timedelta(seconds=dt)).of(RequeueAfter)[0].seconds)
+    assert delays == [5.0, 10.0, 25.0, 60.0]
+
+
+def test_a_peer_failing_first_after_its_node_died_is_charged_to_the_node_not_the_user() -> None:
+    """The dead node's pod still looks Running; its peer fails at once (connection reset). Wait, then NodeLost."""
+    job = make_job(max_restarts=0)
+    st = run_to_running(job)
+    echo = ReplicaObservation(0, 1, "Failed", exit_code=1, node="node-0", finished_at=iso(T0))
+    dead = ReplicaObservation(1, 1, "Running", node="node-1")
+    d = decide(job, st, Observed(replicas=(echo, dead)), T0 + timedelta(seconds=2))  # node not NotReady yet
+    assert not d.of(DeleteGang) and d.status.phase == "Running" and d.of(RequeueAfter)[0].seconds == 13.0
+    unready = replace(dead, node_unready=True)
+    d = decide(job, st, Observed(replicas=(echo, unready)), T0 + timedelta(seconds=30))  # NotReady, not lost
+    assert not d.of(DeleteGang) and d.status.restarts == 0
+    lost_ = replace(dead, phase="Failed", reason="NodeLost", node_unready=True, node_lost=True)
+    d = decide(job, st, Observed(replicas=(echo, lost_)), T0 + timedelta(seconds=60))
+    assert d.status.phase == "Restarting" and d.status.infra_restarts == 1 and d.status.restarts == 0
+    assert list(d.status.failed_nodes) == ["node-1"]
+
+
+def test_a_user_failure_is_charged_after_the_settle_time_or_once_nothing_runs() -> None:
+    job = make_job()
+    st = run_to_running(job)
+    crash = ReplicaObservation(0, 1, "Failed", exit_code=1, node="node-0", finished_at=iso(T0))
+    alive = ReplicaObservation(1, 1, "Running", node="node-1")
+    assert decide(job, st, Observed(replicas=(crash, alive)), T0 + timedelta(seconds=16)).status.restarts == 1
+    both = (crash, replace(alive, phase="Failed", exit_code=4))
+    assert decide(job, st, Observed(replicas=both), T0 + timedelta(seconds=1)).status.restarts == 1

@@ -55,7 +55,16 @@ CASES = [
     ("node removed", pod(node_name="gone"), "Failed", "NodeLost", None, FailureClass.INFRASTRUCTURE),
     ("bad image", pod(phase="Pending", waiting={"reason": "InvalidImageName"}), "Failed", "InvalidImageName", None,
      FailureClass.PERMANENT),
-    ("image pull blip", pod(phase="Pending", waiting={"reason": "ErrImagePull"}), "Pending", None, None, None),
+    ("image pull blip", pod(phase="Pending", waiting={"reason": "ErrImagePull"}), "Pending", "ErrImagePull", None,
+     None),
+    ("image pull backoff", pod(phase="Pending", waiting={"reason": "ImagePullBackOff"}), "Pending",
+     "ImagePullBackOff", None, None),
+    ("kubelet rejected gpu", pod(phase="Failed", reason="OutOfnvidia.com/gpu"), "Failed", "OutOfnvidia.com/gpu",
+     None, FailureClass.INFRASTRUCTURE),
+    ("kubelet admission error", pod(phase="Failed", reason="UnexpectedAdmissionError"), "Failed",
+     "UnexpectedAdmissionError", None, FailureClass.INFRASTRUCTURE),
+    ("no cuda", pod(phase="Failed", term={"exitCode": 5, "reason": "Error"}), "Failed", None, 5,
+     FailureClass.INFRASTRUCTURE),
 ]
 
 
@@ -66,6 +75,17 @@ def test_pod_to_replica_observation(name, p, phase, reason, code, cls):
     assert (r.phase, r.reason, r.exit_code) == (phase, reason, code)
     if cls is not None:
         assert classify(r).cls is cls
+
+
+def test_pod_on_a_dead_node_is_lost_even_while_terminating():
+    nodes = [node("n1"), node("down", "Unknown", "2026-11-22T11:58:00Z"), node("blip", "Unknown",
+                                                                               "2026-11-22T11:59:50Z")]
+    (r,) = observe_replicas([pod(node_name="down", deleting=True)], nodes, NOW, node_lost_grace=40)
+    assert (r.phase, r.reason, r.terminating, r.node_lost) == ("Failed", "NodeLost", True, True)
+    (r,) = observe_replicas([pod(node_name="blip", deleting=True)], nodes, NOW, node_lost_grace=40)
+    assert (r.phase, r.reason, r.terminating, r.node_lost) == ("Failed", "Deleted", True, False)
+    (r,) = observe_replicas([pod(node_name="gone", phase="Failed", term={"exitCode": 137})], nodes, NOW)
+    assert r.node_lost and r.exit_code == 137
 
 
 def test_pods_without_labels_are_ignored_and_order_is_stable():
@@ -121,3 +141,12 @@ def test_operator_modules_do_not_import_torch():
             "assert not [m for m in sys.modules if m == 'torch' or m.startswith('torch.')], 'torch imported'\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_status_is_written_only_on_change_goodput_alone_is_not_a_change():
+    from seqtrain_operator.k8s.reconcile import _changed
+
+    old = {"phase": "Running", "goodput": 0.5, "progress": {"step": 3}}
+    assert not _changed(old, {**old, "goodput": 0.51})
+    assert _changed(old, {**old, "progress": {"step": 4}, "goodput": 0.51})
+    assert _changed(old, {**old, "phase": "Restarting"})

@@ -53,6 +53,7 @@ CODES = [  # (name, codes in the order the ranks ended, pod exit code)
     ("collective timeout wins over a SIGKILL", [137, 4, 143], 4),
     ("invalid config wins over a collective timeout", [4, 3], 3),
     ("OOM-killed rank first", [137, 1], 137),
+    ("no CUDA device (node fault) wins over the collective timeouts it causes", [4, 5, 143], 5),
     ("first failing rank, not the largest code", [2, 1], 2),
     ("finished ranks do not hide a later failure", [0, 0, 1], 1),
     ("pod stopped: ranks checkpointed and exited 143", [0, 143, 143], 143),
@@ -291,3 +292,18 @@ def test_an_invalid_config_through_the_cli_exits_3(tmp_path, monkeypatch, capfd)
     err = capfd.readouterr().err
     # The first rank to fail says why; the other may be stopped (143) before it gets that far.
     assert "seqtrain train: invalid config" in err and "exiting 3" in err
+
+
+def test_gpu_job_without_cuda_is_a_device_fault_not_an_invalid_config(monkeypatch):
+    """Exit code 5 (the operator: infrastructure, avoid the node), not 3 (permanent)."""
+    import torch
+
+    from seqtrain.train import dist
+    from seqtrain.train.exitcodes import DeviceUnavailable
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("NODE_NAME", "gpu-7")
+    with pytest.raises(DeviceUnavailable, match="gpu-7"):
+        dist.init_distributed(use_gpu=True)

@@ -72,6 +72,7 @@ def test_security_context_is_restricted():
     assert csc == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "runAsNonRoot": True,
                    "capabilities": {"drop": ["ALL"]}}
     assert pod["spec"]["automountServiceAccountToken"] is False
+    assert psc["fsGroupChangePolicy"] == "OnRootMismatch"  # no recursive chown of the checkpoint claim per restart
 
 
 def test_multi_process_pods_use_the_seqtrain_launcher_argv_without_shell():
@@ -115,7 +116,9 @@ def test_scheduling_fields_pass_through():
     pod = m.build_pod(j, OWNER, 1, 0, SETTINGS)
     assert pod["spec"]["priorityClassName"] == "high"
     assert pod["spec"]["nodeSelector"] == {"pool": "a", "nvidia.com/gpu.product": "NVIDIA-H100"}
-    assert pod["spec"]["tolerations"] == [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    # the user's, then the one ExtendedResourceToleration adds to GPU pods (carried explicitly)
+    assert pod["spec"]["tolerations"] == [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"},
+                                          {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
 
 
 @pytest.mark.parametrize("gang,api,pod_key,where,scheduler", [
@@ -161,3 +164,34 @@ def test_objects_pass_kubernetes_schema():
                          "tolerationSeconds": 30}]}), OWNER, 1, SETTINGS, None)
     for obj in (plain.configmap, *plain.pods, *multi.pods, m.build_service(OWNER, SETTINGS)):
         kubernetes_validate.validate(obj, "1.33", strict=True)
+
+
+@pytest.mark.parametrize("name", ["7b-llama", "0", "-x", "x-", "X", "a" * 51, "a.b"])
+def test_names_that_cannot_start_are_refused_at_validation_naming_the_field(name: str) -> None:
+    from seqtrain.spec import SpecError, parse_job
+
+    with pytest.raises(SpecError) as err:
+        parse_job({"apiVersion": "seqtrain.dev/v1alpha1", "kind": "SeqTrainJob", "metadata": {"name": name}})
+    assert any(str(p).startswith("metadata.name") for p in err.value.problems), err.value.problems
+
+
+@pytest.mark.parametrize("replicas", [1, 7, 4096])
+def test_every_generated_name_is_valid_for_the_longest_valid_job_name(replicas: int) -> None:
+    """Valid by construction: the longest name that validates yields Kubernetes-valid names for every object."""
+    from seqtrain.spec import parse_job
+    from seqtrain.spec.names import DNS1035_LABEL, DNS1123_LABEL, DNS1123_SUBDOMAIN, MAX_JOB_NAME
+
+    name = "j" + "7" * (MAX_JOB_NAME - 1)
+    job = parse_job({"apiVersion": "seqtrain.dev/v1alpha1", "kind": "SeqTrainJob", "metadata": {"name": name},
+                     "spec": {"replicas": replicas, "training": {"globalBatchSize": 8 * replicas}}})
+    owner = m.Owner(name=name, namespace="ns", uid="u")
+    svc = m.build_service(owner, m.Settings())
+    assert DNS1035_LABEL.match(svc["metadata"]["name"]) and len(svc["metadata"]["name"]) <= 63
+    gang = m.build_gang(job, owner, 999_999, m.Settings(), None)
+    for obj in (gang.configmap, *gang.pods):
+        assert DNS1123_SUBDOMAIN.match(obj["metadata"]["name"]) and len(obj["metadata"]["name"]) <= 253
+        for value in obj["metadata"]["labels"].values():
+            assert len(value) <= 63
+    for pod in gang.pods:
+        host = pod["spec"]["hostname"]
+        assert DNS1123_LABEL.match(host) and len(host) <= 63

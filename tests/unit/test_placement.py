@@ -60,7 +60,7 @@ def test_pod_requests_limits_default_init_containers_overhead():
         "initContainers": [{"resources": {"requests": {"cpu": "4"}}}],
         "overhead": {"memory": "128Mi"},
     }}
-    assert pod_requests(pod) == Requests(gpus=2, cpu_millis=4000, memory_bytes=GI + 128 * 2**20)
+    assert pod_requests(pod) == Requests(gpus=2, cpu_millis=4000, memory_bytes=GI + 128 * 2**20, pods=1)
 
 
 def _k8s_node(name, gpus=8, ready="True", unschedulable=False, taints=(), **labels):
@@ -289,3 +289,64 @@ def test_plan_ranks_cover_world_and_domains_are_contiguous(nodes, replicas, proc
             assert a.domain not in seen
             seen.add(a.domain)
             prev = a.domain
+
+
+# ---- admission that agrees with kube-scheduler -----------------------------------------------------------------
+
+
+def k8s_node(name, gpus=8, cpu="32", memory="256Gi", pods=None, taints=(), **extra):
+    """A Node object as the apiserver returns it (allocatable, Ready, taints)."""
+    alloc = {"cpu": cpu, "memory": memory, "nvidia.com/gpu": str(gpus), **extra}
+    if pods is not None:
+        alloc["pods"] = str(pods)
+    return {"metadata": {"name": name, "labels": {}}, "spec": {"taints": list(taints)},
+            "status": {"allocatable": alloc, "conditions": [{"type": "Ready", "status": "True"}]}}
+
+
+def job_pod(job_name, node=None, pinned=None, gpus=1, phase="Pending", nominated=None, **requests):
+    """A pod of another job: bound (node), created and pinned but not bound yet (pinned), or nominated."""
+    spec = {"containers": [{"resources": {"requests": {"cpu": "1", **requests},
+                                          "limits": {"nvidia.com/gpu": gpus}}}]}
+    if node:
+        spec["nodeName"] = node
+    if pinned:
+        spec["affinity"] = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+            "nodeSelectorTerms": [{"matchFields": [{"key": "metadata.name", "operator": "In", "values": [pinned]}]}]}}}
+    status = {"phase": phase}
+    if nominated:
+        status["nominatedNodeName"] = nominated
+    return {"metadata": {"name": f"{job_name}-pod"}, "spec": spec, "status": status}
+
+
+def test_pods_created_but_not_bound_count_so_two_jobs_never_claim_the_same_gpus():
+    nodes = [k8s_node("g1", gpus=8)]
+    # job A was admitted a moment ago: its pods exist, pinned to g1, not bound yet
+    a_pods = [job_pod("a", pinned="g1", gpus=4), job_pod("a", pinned="g1", gpus=4)]
+    b = place(job(replicas=1, gpus=4), inventory(nodes, a_pods))
+    assert isinstance(b, Unschedulable) and "free capacity fits 0" in b.reason
+    # the scheduler's nomination counts too; unpinned, unnominated pending pods do not (the scheduler decides)
+    assert inventory(nodes, [job_pod("c", nominated="g1", gpus=8)])[0].gpus == 0
+    assert inventory(nodes, [job_pod("d", gpus=8)])[0].gpus == 8
+
+
+def test_pod_count_limit_ephemeral_storage_and_other_extended_resources_are_counted():
+    nodes = [k8s_node("n", gpus=8, pods=3, **{"ephemeral-storage": "100Gi", "example.com/fpga": "2"})]
+    busy = [job_pod("x", node="n", gpus=0, phase="Running", **{"ephemeral-storage": "90Gi", "example.com/fpga": "1"}),
+            job_pod("y", node="n", gpus=0, phase="Running")]
+    (inv,) = inventory(nodes, busy)
+    assert inv.pods == 1 and inv.other == {"ephemeral-storage": 10 * GI, "example.com/fpga": 1}
+    full = place(job(replicas=2, gpus=1, keys=()), [inv])  # 8 GPUs free but room for one more pod only
+    assert isinstance(full, Unschedulable)
+    disk = job(replicas=1, gpus=1, keys=())
+    disk.spec.resources.ephemeral_storage = "20Gi"
+    assert isinstance(place(disk, [inv]), Unschedulable)
+    disk.spec.resources.ephemeral_storage = "10Gi"
+    assert isinstance(place(disk, [inv]), Plan)
+
+
+def test_gpu_pool_tainted_like_managed_clouds_works_for_gpu_jobs_only():
+    taint = {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}
+    inv = inventory([k8s_node("g", gpus=8, taints=[taint])], [])
+    assert isinstance(place(job(replicas=1, gpus=1, keys=()), inv), Plan)
+    cpu_only = place(job(replicas=1, gpus=0, keys=()), inv)
+    assert isinstance(cpu_only, Unschedulable) and "taint nvidia.com/gpu=present:NoSchedule" in cpu_only.reason

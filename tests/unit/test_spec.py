@@ -8,7 +8,7 @@ import textwrap
 import pytest
 import yaml
 
-from seqtrain.spec import SpecError, load_job, load_jobs, resolve
+from seqtrain.spec import SpecError, load_job, load_jobs, parse_job, resolve
 from seqtrain.spec.load import apply_overrides
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -78,7 +78,7 @@ def test_derived_degrees():
         ("- 1\n- 2\n", "<document>: expected a mapping"),
         (BASE.replace("seqtrain.dev/v1alpha1", "batch/v1"), "apiVersion: must be seqtrain.dev/v1alpha1"),
         (BASE.replace("kind: SeqTrainJob", "kind: Job"), "kind: must be SeqTrainJob"),
-        (BASE.replace("name: t", "name: Not_Valid"), "metadata.name: 'Not_Valid' must be a DNS-1123 label"),
+        (BASE.replace("name: t", "name: Not_Valid"), "metadata.name: 'Not_Valid' cannot name the job's Service: it must be a DNS-1035 label"),
         (BASE.replace("replicas: 2", "replicas: 0"), "spec.replicas: Input should be greater than or equal to 1 (got 0)"),
         (BASE.replace("replicas: 2", "replicas: -3"), "spec.replicas: Input should be greater than or equal to 1"),
         (BASE.replace("replicas: 2", "replica: 2"), "spec.replica: unknown field; did you mean 'replicas'?"),
@@ -144,3 +144,21 @@ def test_multi_document_files_prefix_document_number():
     with pytest.raises(SpecError) as exc:
         load_jobs(text)
     assert [str(p) for p in exc.value.problems][0].startswith("[document 2] spec.replicas")
+
+
+@pytest.mark.parametrize(("value", "ok"), [(2, True), ("0.5", True), (".5", True), ("1e3", True), ("500m", True),
+                                           ("8Gi", True), (0.5, False), (True, False), ("12 GB", False),
+                                           ("-1", False)])
+def test_quantities_are_validated_the_way_the_apiserver_will(value, ok):
+    """int-or-string in the CRD: a YAML float (`cpu: 0.5`) is refused by the apiserver, so by validate too."""
+    doc = yaml.safe_load(BASE)
+    doc["spec"].setdefault("resources", {})["cpu"] = value
+    if ok:
+        assert parse_job(doc).spec.resources.cpu == str(value)
+    else:
+        with pytest.raises(SpecError) as err:
+            parse_job(doc)
+        msg = "; ".join(str(p) for p in err.value.problems)
+        assert "spec.resources.cpu" in msg
+        if isinstance(value, float):
+            assert 'write it quoted, e.g. "0.5"' in msg

@@ -38,44 +38,66 @@ app.kubernetes.io/component: operator
 {{- printf "%s-webhook" (include "seqtrain.fullname" .) -}}
 {{- end -}}
 
-{{/* Rules for what the operator writes, granted cluster-wide or per watched namespace. */}}
+{{/*
+RBAC: exactly what the operator calls (seqtrain_operator/k8s/client.py) and what kopf does for its handlers;
+tests/unit/test_chart.py compares the rendered grants with that list, and the real-control-plane test checks them
+with `kubectl auth can-i --list` as the ServiceAccount.
+- seqtrainjobs: kopf lists/watches them and patches finalizers and its progress annotations; reconcile GETs one.
+- seqtrainjobs/status: the status merge-patch. seqtrainjobs/finalizers update: owner references with
+  blockOwnerDeletion on pods/Services/ConfigMaps are refused without it (OwnerReferencesPermissionEnforcement).
+- pods: kopf's watch (wake-ups), reconcile's LIST by label, create, deletecollection (gang teardown, and the forced
+  delete of pods on lost nodes). No get, no single delete: never called.
+- services, configmaps, podgroups: create (409 = already there); configmaps deletecollection, podgroups delete.
+- events: kopf.event POSTs core/v1 Events.
+*/}}
 {{- define "seqtrain.namespacedRules" -}}
 - apiGroups: ["seqtrain.dev"]
   resources: ["seqtrainjobs"]
   verbs: ["get", "list", "watch", "patch"]
 - apiGroups: ["seqtrain.dev"]
   resources: ["seqtrainjobs/status"]
-  verbs: ["get", "patch"]
-- apiGroups: ["seqtrain.dev"]  # ownerReferences with blockOwnerDeletion (OwnerReferencesPermissionEnforcement)
+  verbs: ["patch"]
+- apiGroups: ["seqtrain.dev"]
   resources: ["seqtrainjobs/finalizers"]
   verbs: ["update"]
 - apiGroups: [""]
   resources: ["pods"]
-  verbs: ["get", "list", "watch", "create", "delete", "deletecollection"]
+  verbs: ["list", "watch", "create", "deletecollection"]
 - apiGroups: [""]
   resources: ["services"]
-  verbs: ["get", "create"]
+  verbs: ["create"]
 - apiGroups: [""]
   resources: ["configmaps"]
-  verbs: ["get", "create", "deletecollection"]
+  verbs: ["create", "deletecollection"]
 - apiGroups: [""]
   resources: ["events"]
-  verbs: ["create", "patch"]
+  verbs: ["create"]
 - apiGroups: ["scheduling.x-k8s.io", "scheduling.volcano.sh", "scheduling.run.ai"]
   resources: ["podgroups"]
-  verbs: ["get", "create", "delete"]
+  verbs: ["create", "delete"]
 - apiGroups: ["kopf.dev"]
   resources: ["kopfpeerings"]
   verbs: ["get", "list", "watch", "patch"]
 {{- end -}}
 
-{{/* Read-only cluster-wide rules: node inventory, pods bound to nodes, CRD discovery, cluster peering. */}}
+{{/*
+Read-only cluster-wide rules:
+- nodes list/watch: native placement's inventory and the node-loss watch.
+- pods list/watch cluster-wide: native placement subtracts the requests of EVERY pod bound to (or pinned to) a
+  node, in any namespace, as kube-scheduler does; without it two tenants' jobs could both claim one node's GPUs.
+- customresourcedefinitions: get (is an external gang scheduler installed?), list/watch (kopf's resource scan).
+- namespaces list/watch: kopf resolves namespace globs (`--namespace=team-*`) by watching namespaces.
+- clusterkopfpeerings: leader election of a cluster-wide operator.
+*/}}
 {{- define "seqtrain.clusterRules" -}}
 - apiGroups: [""]
   resources: ["nodes"]
-  verbs: ["get", "list", "watch"]
+  verbs: ["list", "watch"]
 - apiGroups: [""]
   resources: ["pods"]
+  verbs: ["list", "watch"]
+- apiGroups: [""]
+  resources: ["namespaces"]
   verbs: ["list", "watch"]
 - apiGroups: ["apiextensions.k8s.io"]
   resources: ["customresourcedefinitions"]

@@ -10,7 +10,7 @@ See `decide.py` for the phase machine and its invariants, `failure_policy.py` fo
 
 from .backoff import backoff_seconds
 from .clock import iso, parse, utcnow
-from .decide import decide
+from .decide import create_failed, decide
 from .failure_policy import Failure, FailureClass, classify, root_cause
 from .types import (
     Action,
@@ -26,6 +26,6 @@ from .types import (
 
 __all__ = [
     "Action", "CreateGang", "Decision", "DeleteGang", "Event", "Observed", "ReplicaObservation", "ReplicaPhase",
-    "RequeueAfter", "Failure", "FailureClass", "backoff_seconds", "classify", "decide", "iso", "parse",
+    "RequeueAfter", "Failure", "FailureClass", "backoff_seconds", "classify", "create_failed", "decide", "iso", "parse",
     "root_cause", "utcnow",
 ]

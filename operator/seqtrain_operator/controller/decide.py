@@ -23,15 +23,22 @@ from datetime import datetime, timedelta
 from seqtrain.spec import SeqTrainJob
 from seqtrain.spec.status import TERMINAL_PHASES, JobStatus, Progress, ReplicaPlacement
 
+from ..planner.types import Unschedulable
 from . import conditions as cond
-from . import gang_policy
+from . import gang_policy, goodput
 from .backoff import backoff_seconds
 from .clock import iso, parse, seconds_between
-from .failure_policy import Failure, FailureClass, hang_failure, root_cause
+from .failure_policy import IMAGE_PULL_REASONS, Failure, FailureClass, hang_failure, root_cause
 from .types import Action, CreateGang, Decision, DeleteGang, Event, Observed, ReplicaObservation, RequeueAfter
 
 # How often to look again while waiting for capacity or for a dying gang to disappear.
 POLL_SECONDS = 5.0
+MAX_CAPACITY_POLL_SECONDS = 60.0
+# When a node dies its pods' peers often fail first (a reset connection) while the dead node still looks Ready (the
+# node controller marks it NotReady only after its monitor grace period). Charging that echo to the user would use up
+# the wrong budget and avoid the wrong node: a user-class failure is acted on only after this long, or at once when
+# nothing of the gang runs any more; a replica on a NotReady node is waited for until it is lost or back.
+FAILURE_SETTLE_SECONDS = 15.0
 
 
 @dataclass
@@ -44,6 +51,11 @@ class _Ctx:
 
     def event(self, type_: str, reason: str, message: str) -> None:
         self.actions.append(Event(type_, reason, message))  # type: ignore[arg-type]
+
+    def delete(self, attempt: int, reason: str) -> None:
+        """Delete every replica of `attempt`; force it on nodes that are lost (see DeleteGang.force_nodes)."""
+        lost = sorted({r.node for r in self.observed.replicas if r.attempt == attempt and r.node_lost and r.node})
+        self.actions.append(DeleteGang(attempt, reason, tuple(lost)))
 
 
 def decide(job: SeqTrainJob, status: JobStatus, observed: Observed, now: datetime) -> Decision:
@@ -61,25 +73,26 @@ def decide(job: SeqTrainJob, status: JobStatus, observed: Observed, now: datetim
     ctx = _Ctx(job, status.model_copy(deep=True), observed, now)
     st = ctx.st
     st.world_size = job.spec.world_size
+    if observed.generation is not None:
+        st.observed_generation = observed.generation
     _record_progress(ctx)
     _prune_failed_nodes(ctx)
 
     gv = gang_policy.view(observed, st.attempt)
     for stale in gv.stale:
-        ctx.actions.append(DeleteGang(stale, "StaleIncarnation"))
+        ctx.delete(stale, "StaleIncarnation")
 
     if st.phase in TERMINAL_PHASES:
         # Terminal phases stay terminal; only stop replicas that still run (e.g. a rank hanging after a peer failed).
         if any(r.phase in ("Pending", "Running") for r in gv.current):
-            ctx.actions.append(DeleteGang(st.attempt, f"Job{st.phase}"))
-        return Decision(tuple(ctx.actions), st)
-
-    if job.spec.suspend:
+            ctx.delete(st.attempt, f"Job{st.phase}")
+    elif job.spec.suspend:
         _suspend(ctx, gv.current)
     elif gv.current:
         _live_gang(ctx, gv.current)
     else:
         _no_gang(ctx)
+    goodput.account(status, st, now)
     return Decision(tuple(ctx.actions), st)
 
 
@@ -109,11 +122,21 @@ def _prune_failed_nodes(ctx: _Ctx) -> None:
 
 
 def _placement(ctx: _Ctx, current: tuple[ReplicaObservation, ...]) -> None:
+    """Where the replicas are: the node each pod is bound to; a replica not bound yet keeps its planned node, and
+    an entry keeps the topology domain the plan recorded while the pod is on the planned node."""
     procs = ctx.job.spec.resources.procs
-    ctx.st.placement = [
-        ReplicaPlacement(replica=r.replica, node=r.node, ranks=list(range(r.replica * procs, (r.replica + 1) * procs)))
-        for r in sorted(current, key=lambda r: r.replica) if r.node
-    ]
+    planned = {p.replica: p for p in ctx.st.placement}
+    out = {}
+    for r in sorted(current, key=lambda r: r.replica):
+        if not r.node:
+            continue
+        old = planned.get(r.replica)
+        out[r.replica] = ReplicaPlacement(replica=r.replica, node=r.node,
+                                          ranks=list(range(r.replica * procs, (r.replica + 1) * procs)),
+                                          domain=list(old.domain) if old is not None and old.node == r.node else [])
+    for replica, p in planned.items():
+        out.setdefault(replica, p)
+    ctx.st.placement = [out[r] for r in sorted(out)]
 
 
 # ---- the three situations -------------------------------------------------------------------------------------------
@@ -123,7 +146,7 @@ def _suspend(ctx: _Ctx, current: tuple[ReplicaObservation, ...]) -> None:
     st = ctx.st
     if current:
         # Graceful delete: the trainer saves a checkpoint on SIGTERM, so resuming loses at most the current step.
-        ctx.actions.append(DeleteGang(st.attempt, "Suspended"))
+        ctx.delete(st.attempt, "Suspended")
     if st.phase != "Suspended":
         cond.enter_phase(st, "Suspended", "Suspended", "spec.suspend is true: gang stopped; set it to false to resume",
                          ctx.now)
@@ -133,9 +156,10 @@ def _suspend(ctx: _Ctx, current: tuple[ReplicaObservation, ...]) -> None:
 
 def _live_gang(ctx: _Ctx, current: tuple[ReplicaObservation, ...]) -> None:
     st, job = ctx.st, ctx.job
-    if st.phase in ("Restarting", "Suspended"):
+    if st.phase in ("Restarting", "Suspended") or _tearing_down(st):
         # We already decided to tear this gang down (or Ctrl-C/suspend left it dying): keep deleting, then wait.
-        ctx.actions.append(DeleteGang(st.attempt, "TearingDown"))
+        # Its replicas now fail or vanish because WE asked: that is never a failure to charge (nor a node to avoid).
+        ctx.delete(st.attempt, "TearingDown")
         ctx.actions.append(RequeueAfter(POLL_SECONDS))
         return
     _placement(ctx, current)
@@ -143,6 +167,9 @@ def _live_gang(ctx: _Ctx, current: tuple[ReplicaObservation, ...]) -> None:
     if phase == "Failed":
         failure = root_cause(current)
         assert failure is not None
+        if failure.cls is FailureClass.USER and (wait := _settling(ctx, current)) is not None:
+            ctx.actions.append(RequeueAfter(wait))
+            return
         _on_failure(ctx, failure)
         return
     missing = gang_policy.missing(job, current)
@@ -164,6 +191,7 @@ def _live_gang(ctx: _Ctx, current: tuple[ReplicaObservation, ...]) -> None:
         return
     if phase == "Running":
         if st.phase != "Running":
+            st.create_failures = 0
             cond.set_condition(st, "Scheduled", "True", "GangRunning", f"{len(current)} replica(s) running", ctx.now)
             cond.enter_phase(st, "Running", "GangRunning", f"attempt {st.attempt}: all replicas running", ctx.now)
             ctx.event("Normal", "Running", f"attempt {st.attempt}: all {len(current)} replica(s) running")
@@ -179,15 +207,50 @@ def _live_gang(ctx: _Ctx, current: tuple[ReplicaObservation, ...]) -> None:
     created = parse((c := cond.get(st, "Scheduled")) and c.last_transition_time)
     grace = job.spec.scheduling.pending_grace_seconds
     waited = seconds_between(created, ctx.now) if created else 0.0
+    pulling = [r for r in current if r.phase == "Pending" and r.reason in IMAGE_PULL_REASONS]
+    if pulling:
+        # A failing pull is transient (registry hiccups on a large image): its own deadline replaces the pending
+        # grace, since tearing down and re-planning would only pull again from scratch.
+        r, limit = pulling[0], job.spec.fault_tolerance.image_pull_timeout_seconds
+        where = f"replica {r.replica}" + (f" on {r.node}" if r.node else "")
+        if waited > limit:
+            ctx.delete(st.attempt, r.reason or "ErrImagePull")
+            _fail(ctx, r.reason or "ErrImagePull", f"{where} could not pull image {job.spec.image} for "
+                  f"{waited:.0f}s (faultTolerance.imagePullTimeoutSeconds = {limit}): {r.message}")
+            return
+        st.message = f"attempt {st.attempt}: {where} is retrying the image pull ({r.reason}): {r.message}"[:1000]
+        ctx.actions.append(RequeueAfter(max(1.0, min(POLL_SECONDS * 6, limit - waited))))
+        return
     if waited > grace:
         # A partly started gang holds resources others need: tear it down and re-plan from scratch.
-        ctx.actions.append(DeleteGang(st.attempt, "PendingTimeout"))
+        ctx.delete(st.attempt, "PendingTimeout")
         cond.set_condition(st, "Scheduled", "False", "PendingTimeout",
                            f"replicas still pending after {grace}s; re-planning", ctx.now)
         ctx.event("Warning", "PendingTimeout", f"attempt {st.attempt}: replicas pending for {waited:.0f}s")
         st.phase = "Scheduling"
         return
     ctx.actions.append(RequeueAfter(max(1.0, grace - waited)))
+
+
+def _settling(ctx: _Ctx, current: tuple[ReplicaObservation, ...]) -> float | None:
+    """Seconds to wait before charging a user-class failure, or None to act now (see FAILURE_SETTLE_SECONDS)."""
+    alive = [r for r in current if r.phase in ("Pending", "Running")]
+    if not alive:
+        return None
+    if any(r.node_unready for r in alive):
+        return POLL_SECONDS  # lost (infrastructure) or back (then the failure is the user's) soon
+    ends = [t for r in current if r.phase == "Failed" and (t := parse(r.finished_at)) is not None]
+    if not ends:
+        return None
+    left = FAILURE_SETTLE_SECONDS - seconds_between(min(ends), ctx.now)
+    return max(1.0, left) if left > 0 else None
+
+
+def _tearing_down(st: JobStatus) -> bool:
+    """The operator itself gave up the live attempt without a failure (pending timeout: re-plan; the API server
+    refused part of the gang)."""
+    c = cond.get(st, "Scheduled")
+    return st.phase == "Scheduling" and c is not None and c.reason in ("PendingTimeout", "CreateFailed")
 
 
 def _hang(ctx: _Ctx) -> Failure | None:
@@ -202,7 +265,21 @@ def _hang(ctx: _Ctx) -> Failure | None:
     if ref is None:
         return None
     idle = seconds_between(ref, ctx.now)
-    return hang_failure(idle, limit) if idle > limit else None
+    unreachable = ctx.observed.progress_unreachable
+    if unreachable:
+        # No progress seen because it cannot be read, not because training stopped: never fail a job on that.
+        prev = cond.get(ctx.st, "Progressing")
+        if idle > limit and (prev is None or prev.status != "Unknown"):
+            msg = (f"no progress seen for {idle:.0f}s, but the progress endpoint is unreachable ({unreachable}); "
+                   f"hang detection (faultTolerance.hangTimeoutSeconds) is paused until it answers")
+            cond.set_condition(ctx.st, "Progressing", "Unknown", "ProgressUnknown", msg, ctx.now)
+            ctx.event("Warning", "ProgressUnknown", msg)
+        return None
+    if idle > limit:
+        return hang_failure(idle, limit)
+    if ctx.observed.progress is not None:
+        cond.set_condition(ctx.st, "Progressing", "True", "StepsCompleting", "", ctx.now)
+    return None
 
 
 def _no_gang(ctx: _Ctx) -> None:
@@ -213,21 +290,23 @@ def _no_gang(ctx: _Ctx) -> None:
     if st.phase == "Running":
         _on_failure(ctx, Failure(FailureClass.INFRASTRUCTURE, "Deleted", "the gang disappeared while running"))
         return
-    if st.phase == "Restarting":
+    scheduled = cond.get(st, "Scheduled")
+    if st.phase == "Restarting" or (scheduled is not None and scheduled.reason == "CreateFailed"):
         due = parse(st.next_restart_time)
         if due is not None and due > ctx.now:
             ctx.actions.append(RequeueAfter(seconds_between(ctx.now, due)))
             return
-    scheduled = cond.get(st, "Scheduled")
     if st.phase == "Scheduling" and scheduled is not None and scheduled.reason == "GangCreated" and st.attempt > 0:
-        # Created but not observed yet (a lagging cache, or the create failed half-way): create what is absent.
-        ctx.actions.append(CreateGang(st.attempt, _resume_step(ctx), _avoid(ctx)))
+        # Created but not observed yet (a lagging cache, or the create failed half-way): create what is absent,
+        # on the nodes the status says it was planned on.
+        plan = gang_policy.plan_of(job, st.placement) if obs.capacity is not None else None
+        ctx.actions.append(CreateGang(st.attempt, _resume_step(ctx), _avoid(ctx), plan))
         ctx.actions.append(RequeueAfter(POLL_SECONDS))
         return
 
-    refusal = gang_policy.admission_refusal(job, obs)
-    if refusal is not None:
-        _unschedulable(ctx, refusal)
+    admitted = gang_policy.admit(job, obs, _avoid(ctx))
+    if isinstance(admitted, Unschedulable):
+        _unschedulable(ctx, admitted.reason)
         return
     restarting = st.phase == "Restarting"
     st.attempt += 1
@@ -235,7 +314,8 @@ def _no_gang(ctx: _Ctx) -> None:
     if st.start_time is None:
         st.start_time = iso(ctx.now)
     resume = _resume_step(ctx)
-    ctx.actions.append(CreateGang(st.attempt, resume, _avoid(ctx)))
+    ctx.actions.append(CreateGang(st.attempt, resume, _avoid(ctx), admitted))
+    st.placement = gang_policy.placement_of(admitted) if admitted is not None else []
     cond.set_condition(st, "Scheduled", "False", "GangCreated", f"attempt {st.attempt} created", ctx.now)
     where = f"from checkpoint step {resume}" if resume is not None else "from scratch"
     cond.enter_phase(st, "Scheduling", "GangCreated", f"attempt {st.attempt}: starting {where}", ctx.now)
@@ -264,7 +344,30 @@ def _unschedulable(ctx: _Ctx, reason: str) -> None:
     if sched.timeout_seconds is not None and waited > sched.timeout_seconds and sched.on_timeout == "fail":
         _fail(ctx, "SchedulingTimeout", f"gang could not be scheduled within {sched.timeout_seconds}s: {reason}")
         return
-    ctx.actions.append(RequeueAfter(POLL_SECONDS))
+    # Looking again costs the backend a cluster-wide read; the longer the wait, the rarer the look (node changes
+    # wake the job at once anyway).
+    ctx.actions.append(RequeueAfter(min(MAX_CAPACITY_POLL_SECONDS, max(POLL_SECONDS, waited / 4))))
+
+
+def create_failed(job: SeqTrainJob, status: JobStatus, attempt: int, message: str, now: datetime) -> Decision:
+    """The API server refused part of gang `attempt` while the backend created it (a 403 from a ResourceQuota, a
+    422 from an admission plugin): tear down what was created (never leave a partial gang), say why with the API's
+    own message in the Scheduled condition and an Event, and try again after a backoff. Not a training failure:
+    no restart budget is charged."""
+    ctx = _Ctx(job, status.model_copy(deep=True), Observed(), now)
+    st = ctx.st
+    st.create_failures += 1
+    delay = backoff_seconds(job.spec.fault_tolerance, st.create_failures)
+    st.next_restart_time = iso(now + timedelta(seconds=delay))
+    msg = f"attempt {attempt}: the API server refused the gang: {message}; torn down, retrying in {delay:g}s"[:1000]
+    cond.set_condition(st, "Scheduled", "False", "CreateFailed", msg, now)
+    st.phase = "Scheduling"
+    st.message = msg
+    st.placement = []
+    ctx.actions.append(DeleteGang(attempt, "CreateFailed"))
+    ctx.actions.append(RequeueAfter(delay))
+    ctx.event("Warning", "CreateFailed", msg)
+    return Decision(tuple(ctx.actions), st)
 
 
 def _resume_step(ctx: _Ctx) -> int | None:
@@ -281,7 +384,7 @@ def _avoid(ctx: _Ctx) -> tuple[str, ...]:
 
 def _on_failure(ctx: _Ctx, failure: Failure) -> None:
     st, ft = ctx.st, ctx.job.spec.fault_tolerance
-    ctx.actions.append(DeleteGang(st.attempt, failure.reason))
+    ctx.delete(st.attempt, failure.reason)
     done = st.progress.step if st.progress else 0
     ck = _resume_step(ctx) or 0
     if failure.cls is FailureClass.PERMANENT:

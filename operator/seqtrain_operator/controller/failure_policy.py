@@ -1,10 +1,15 @@
 """Failure classification: why a gang failed decides whether and against which budget it restarts.
 
-- permanent: restarting cannot help (the trainer rejected its config: exit code 3) -> Failed at once.
-- infrastructure: the platform took the replica away (eviction, preemption, node loss, pod deleted) -> restart,
+- permanent: restarting cannot help (the trainer rejected its config: exit code 3; an invalid image name; a
+  missing ConfigMap/Secret reference) -> Failed at once.
+- infrastructure: the platform took the replica away (eviction, preemption, node loss, pod deleted), the kubelet
+  refused to admit the pod (OutOf<resource>, UnexpectedAdmissionError, NodeAffinity: the node's view disagreed with
+  the scheduler's), or a GPU replica found no CUDA device (exit code 5: a driver/device-plugin fault) -> restart,
   counted in status.infraRestarts against faultTolerance.maxInfraRestarts; the node is avoided for a while.
 - user: everything else (a crash, OOM, SIGKILL from outside, a hang, a collective timeout) -> restart, counted in
-  status.restarts against faultTolerance.maxRestarts.
+  status.restarts against faultTolerance.maxRestarts. OOMKilled says so in the reason and names the fix.
+- image pulls that fail (ErrImagePull, ImagePullBackOff) are not failures at all until
+  faultTolerance.imagePullTimeoutSeconds: registries hiccup (see decide.py).
 """
 
 from __future__ import annotations
@@ -17,11 +22,20 @@ from .types import ReplicaObservation
 
 EXIT_INVALID_CONFIG = 3  # seqtrain.train.exitcodes: invalid config, permanent
 EXIT_COLLECTIVE_TIMEOUT = 4  # a peer died or hung; usually a consequence, not the cause
+EXIT_DEVICE_UNAVAILABLE = 5  # seqtrain.train.exitcodes: no CUDA device on a GPU pod: the node is broken
 
 INFRA_REASONS = frozenset({"Evicted", "Preempted", "NodeLost", "NodeShutdown", "Deleted", "Unschedulable",
-                           "DeadlineExceeded", "Shutdown", "Terminated"})
-PERMANENT_REASONS = frozenset({"InvalidConfig", "ImagePullBackOff", "ErrImagePull", "InvalidImageName",
-                               "CreateContainerConfigError"})
+                           "DeadlineExceeded", "Shutdown", "Terminated", "GPUUnavailable"})
+# Kubelet admission rejections (pod phase Failed, status.reason): "OutOf" + resource name, plus these.
+KUBELET_ADMISSION_REASONS = frozenset({"UnexpectedAdmissionError", "NodeAffinity", "NodeSelectorMismatching",
+                                       "NodeName", "NodePorts", "InvalidNodeInfo", "PodOSNotSupported"})
+PERMANENT_REASONS = frozenset({"InvalidConfig", "InvalidImageName", "CreateContainerConfigError"})
+IMAGE_PULL_REASONS = frozenset({"ErrImagePull", "ImagePullBackOff"})
+
+
+def kubelet_rejected(reason: str | None) -> bool:
+    """The kubelet refused to admit the pod on its node (its view of the node disagreed with the scheduler's)."""
+    return bool(reason) and (reason.startswith("OutOf") or reason in KUBELET_ADMISSION_REASONS)  # type: ignore[union-attr]
 
 
 class FailureClass(str, Enum):
@@ -63,6 +77,16 @@ def classify(r: ReplicaObservation) -> Failure:
     if r.reason in INFRA_REASONS:
         return Failure(FailureClass.INFRASTRUCTURE, r.reason or "Infrastructure",
                        f"{where} lost to infrastructure ({r.reason}){detail}", r.replica, r.node)
+    if kubelet_rejected(r.reason):
+        return Failure(FailureClass.INFRASTRUCTURE, "KubeletRejected",
+                       f"{where}: the kubelet refused the pod ({r.reason}){detail}", r.replica, r.node)
+    if r.exit_code == EXIT_DEVICE_UNAVAILABLE:
+        return Failure(FailureClass.INFRASTRUCTURE, "GPUUnavailable",
+                       f"{where} found no CUDA device ({describe_exit(r.exit_code)}){detail}", r.replica, r.node)
+    if r.reason == "OOMKilled":
+        return Failure(FailureClass.USER, "OOMKilled",
+                       f"{where} was OOMKilled ({describe_exit(r.exit_code)}): it exceeded its memory limit; raise "
+                       f"spec.resources.memory or lower the micro-batch{detail}", r.replica, r.node)
     reason = r.reason or ("CollectiveTimeout" if r.exit_code == EXIT_COLLECTIVE_TIMEOUT else "RankFailed")
     return Failure(FailureClass.USER, reason, f"{where} failed ({reason}, {describe_exit(r.exit_code)}){detail}",
                    r.replica, r.node)

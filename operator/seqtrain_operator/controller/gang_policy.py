@@ -5,7 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from seqtrain.spec import SeqTrainJob
+from seqtrain.spec.status import ReplicaPlacement
 
+from ..planner.local import layout_of
+from ..planner.placement import place
+from ..planner.types import Plan, ReplicaAssignment, Unschedulable
 from .types import Observed, ReplicaObservation
 
 
@@ -32,12 +36,29 @@ def may_create(observed: Observed) -> bool:
     return not observed.replicas
 
 
-def admission_refusal(job: SeqTrainJob, observed: Observed) -> str | None:
-    """Why the whole gang cannot be admitted now (None: admit). All replicas or none: a backend that can place only
-    part of the gang must report it as unschedulable rather than start a partial gang."""
+def admit(job: SeqTrainJob, observed: Observed, avoid: tuple[str, ...]) -> Plan | Unschedulable | None:
+    """Gang admission, all replicas or none: Unschedulable (why), a Plan (the core placed the gang on
+    Observed.capacity, the same arithmetic as kube-scheduler's), or None (admitted; the backend places it)."""
     if observed.unschedulable:
-        return observed.unschedulable
-    return None
+        return Unschedulable(observed.unschedulable)
+    if observed.capacity is None:
+        return None
+    return place(job, observed.capacity, avoid)
+
+
+def plan_of(job: SeqTrainJob, placement: list[ReplicaPlacement]) -> Plan | None:
+    """The plan recorded in status.placement (re-creating a gang whose creation was cut short must pin its pods to
+    the same nodes); None when the status holds no complete plan."""
+    if len(placement) != job.spec.replicas:
+        return None
+    return Plan(world_size=job.spec.world_size, procs_per_replica=job.spec.resources.procs, layout=layout_of(job),
+                replicas=tuple(ReplicaAssignment(p.replica, p.node, tuple(p.ranks), tuple(p.domain))
+                               for p in sorted(placement, key=lambda p: p.replica)))
+
+
+def placement_of(plan: Plan) -> list[ReplicaPlacement]:
+    return [ReplicaPlacement(replica=a.replica, node=a.node, ranks=list(a.ranks), domain=list(a.domain))
+            for a in plan.replicas]
 
 
 def missing(job: SeqTrainJob, current: tuple[ReplicaObservation, ...]) -> list[int]:

@@ -8,7 +8,8 @@ kept: progress.step. Scheduling waits, restart backoff and redone steps all lowe
 since the start went into steps that count.
 
 Only `runningSeconds` (time of Running segments that already ended) is kept in the status between calls; the
-current segment is measured from the Running condition's lastTransitionTime.
+current segment is measured from the Running condition's lastTransitionTime. decide() calls account() on every
+decision, so every backend reports the same goodput.
 """
 
 from __future__ import annotations
@@ -20,15 +21,9 @@ from seqtrain.spec.status import JobStatus
 from .clock import parse, seconds_between
 from .conditions import get
 
-FIELD = "runningSeconds"  # kept on the status object (extra field, preserved by the CRD's status schema)
-
 
 def running_seconds(status: JobStatus) -> float:
-    extra = status.model_extra or {}
-    try:
-        return float(extra.get(FIELD, 0.0))
-    except (TypeError, ValueError):
-        return 0.0
+    return status.running_seconds
 
 
 def _running_since(status: JobStatus) -> datetime | None:
@@ -43,7 +38,7 @@ def account(before: JobStatus, after: JobStatus, now: datetime) -> None:
     since = _running_since(before)
     if since is not None and _running_since(after) is None:
         total += max(0.0, seconds_between(since, now))  # the segment ended in this decision
-    setattr(after, FIELD, round(total, 3))
+    after.running_seconds = round(total, 3)
     start = parse(after.start_time)
     if start is None:
         return

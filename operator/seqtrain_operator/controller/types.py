@@ -11,6 +11,8 @@ from typing import Literal
 
 from seqtrain.spec.status import CheckpointRef, JobStatus, Progress
 
+from ..planner.types import Node, Plan
+
 ReplicaPhase = Literal["Pending", "Running", "Succeeded", "Failed"]
 
 
@@ -24,6 +26,11 @@ class ReplicaObservation:
     exit_code: the first non-zero exit code of a rank (128+N for signal N), or 0 / None.
     reason: what the backend knows beyond the code: OOMKilled, Evicted, Preempted, NodeLost, Deleted, Signal ...
     node: where it runs (None while unscheduled). message: free text for the status/event.
+    terminating: the object is being deleted (deletionTimestamp set), by us or by someone else.
+    node_lost: its node has been NotReady/unreachable (or removed) for longer than the backend's grace period:
+    no kubelet will ever confirm its deletion, so deleting it must be forced.
+    node_unready: its node is not Ready right now (for any time; node_lost once past the grace period).
+    finished_at: when it terminated (ISO-8601; None while it runs or when the backend cannot tell).
     """
 
     replica: int
@@ -33,6 +40,10 @@ class ReplicaObservation:
     reason: str | None = None
     node: str | None = None
     message: str = ""
+    terminating: bool = False
+    node_lost: bool = False
+    node_unready: bool = False
+    finished_at: str | None = None
 
 
 @dataclass(frozen=True)
@@ -43,14 +54,24 @@ class Observed:
     that are still being deleted too, so the core never creates a second gang next to a dying one.
     latest_checkpoint: the highest COMPLETE checkpoint (step-N with meta.json), or None.
     progress: the trainer's latest step/loss/throughput (updated_at = time of the last completed step, ISO-8601).
-    unschedulable: set by the backend when the planner cannot place the whole gang now (gang admission refused);
-    the text is shown in the Scheduled condition.
+    unschedulable: set by the backend when the gang cannot be admitted for a reason of its own (an external gang
+    scheduler that is not installed); the text is shown in the Scheduled condition.
+    capacity: the free capacity of every node (after the requests of every pod bound or pinned to it), when the
+    core itself places the gang (native gang scheduling on Kubernetes); None: the backend places it (local runs,
+    external gang schedulers). Read only when a gang is to be created.
+    progress_unreachable: why the backend could not read the trainer's progress (e.g. the progress endpoint did not
+    answer: a NetworkPolicy, a service mesh, an operator outside the cluster); None: it could, or it does not try.
+    Hang detection then says ProgressUnknown instead of failing a job that may be healthy.
+    generation: metadata.generation of the spec the backend read (status.observedGeneration).
     """
 
     replicas: tuple[ReplicaObservation, ...] = ()
     latest_checkpoint: CheckpointRef | None = None
     progress: Progress | None = None
     unschedulable: str | None = None
+    capacity: tuple[Node, ...] | None = None
+    progress_unreachable: str | None = None
+    generation: int | None = None
 
 
 # ---- actions: executed by the backend in the order given ----------------------------------------------------------
@@ -60,20 +81,26 @@ class Observed:
 class CreateGang:
     """Start every replica of incarnation `attempt` together (all or none). Ranks resume from the latest complete
     checkpoint by themselves; resume_from_step is the step the core expects (None: from scratch), for logs/events.
-    avoid_nodes: nodes that failed recently (placement should skip them while others fit)."""
+    avoid_nodes: nodes that failed recently (placement should skip them while others fit).
+    plan: where each replica goes, when the core placed the gang (Observed.capacity given); None: the backend's
+    scheduler places it."""
 
     attempt: int
     resume_from_step: int | None = None
     avoid_nodes: tuple[str, ...] = ()
+    plan: Plan | None = None
 
 
 @dataclass(frozen=True)
 class DeleteGang:
     """Stop and remove every replica of `attempt` (graceful: SIGTERM, the trainer saves, then SIGKILL after a
-    deadline). Idempotent: the core repeats it while replicas of that attempt are still observed."""
+    deadline). Idempotent: the core repeats it while replicas of that attempt are still observed.
+    force_nodes: nodes lost for good (no kubelet will confirm a graceful deletion): pods of this attempt there are
+    deleted with gracePeriodSeconds 0, otherwise their deletionTimestamp stays forever and no new gang can start."""
 
     attempt: int
     reason: str
+    force_nodes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

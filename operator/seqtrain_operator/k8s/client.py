@@ -33,6 +33,17 @@ class Unavailable(Exception):
     """The API server kept failing after every retry."""
 
 
+def api_message(exc: ApiException) -> str:
+    """The apiserver's own explanation (Status.message), e.g. `exceeded quota: q, requested: pods=1, ...`."""
+    try:
+        body = json.loads(exc.body or "")
+        if isinstance(body, dict) and body.get("message"):
+            return f"{exc.status} {body.get('reason') or exc.reason}: {body['message']}"
+    except (TypeError, ValueError):
+        pass
+    return f"{exc.status} {exc.reason}"
+
+
 def load_config() -> client.ApiClient:
     """In-cluster service account when running in a pod, else the kubeconfig (KUBECONFIG or ~/.kube/config)."""
     try:
@@ -145,8 +156,16 @@ class Kube:
                 return False
             raise
 
-    async def delete_pods(self, namespace: str, label_selector: str) -> None:
-        await self._call(self.core.delete_collection_namespaced_pod, namespace, label_selector=label_selector)
+    async def delete_pods(self, namespace: str, label_selector: str, *, node: str | None = None,
+                          force: bool = False) -> None:
+        """Delete the selected pods (gracefully, or at once with `force`: gracePeriodSeconds 0, for pods whose
+        node is gone and whose kubelet will never confirm). `node` narrows it to the pods bound to that node."""
+        kw: dict[str, Any] = {"label_selector": label_selector}
+        if node is not None:
+            kw["field_selector"] = f"spec.nodeName={node}"
+        if force:
+            kw["grace_period_seconds"] = 0
+        await self._call(self.core.delete_collection_namespaced_pod, namespace, **kw)
 
     async def delete_configmaps(self, namespace: str, label_selector: str) -> None:
         await self._call(self.core.delete_collection_namespaced_config_map, namespace, label_selector=label_selector)

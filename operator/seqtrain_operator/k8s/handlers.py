@@ -1,5 +1,11 @@
 """kopf wiring: one reconcile loop (a kopf daemon) per SeqTrainJob, woken by its pods' and the nodes' changes.
 
+Load: pods are watched with a server-side label selector (only the operator's pods reach it), and every pass reads
+its job's pods and the nodes from in-memory kopf indexes fed by those watches (kopf fills every index before any
+daemon starts, so a fresh operator never mistakes an unfilled cache for a vanished gang) instead of LISTing them.
+Only gang admission LISTs pods cluster-wide (every tenant's pods take node capacity), and a job waiting for capacity
+does so less often the longer it waits (node changes wake it at once).
+
 Level-based: every pass reads the cluster and the job's status and calls the shared controller core; an event
 only makes the next pass come sooner. The daemons run only in the active operator (kopf peering freezes the
 others), and kopf stops a job's daemon before its deletion handler runs.
@@ -71,6 +77,8 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
     settings.networking.request_timeout = 30
+    # Server-side filtering: the apiserver sends only pods that carry the job label, not every pod in the cluster.
+    settings.watching.label_selectors["v1", "pods"] = m.LABEL_JOB
     if STATE.webhook is not None:
         w = STATE.webhook
         settings.admission.server = kopf.WebhookServer(port=w.port, certfile=w.certfile, pkeyfile=w.keyfile,
@@ -92,8 +100,34 @@ def _emit(body: dict[str, Any], type_: str, reason: str, message: str) -> None:
     kopf.event(body, type=type_, reason=reason, message=message[:1024])
 
 
+@kopf.index("", "v1", "pods", labels={m.LABEL_JOB: kopf.PRESENT})
+def job_pods(namespace: str, labels: dict[str, str], body: kopf.Body, **_: Any) -> dict[tuple[str, str], dict]:
+    """(namespace, job) -> its pods (kopf keeps the index current from the label-selected pod watch)."""
+    return {(namespace, labels[m.LABEL_JOB]): dict(body)}
+
+
+@kopf.index("", "v1", "nodes")
+def cluster_nodes(name: str, body: kopf.Body, **_: Any) -> dict[str, dict]:
+    return {name: dict(body)}
+
+
+@dataclass
+class IndexViews:
+    """reconcile.Views over the kopf indexes."""
+
+    pods_index: Any
+    nodes_index: Any
+
+    def pods(self, namespace: str, job: str) -> list[dict]:
+        return list(self.pods_index.get((namespace, job), ()))
+
+    def nodes(self) -> list[dict]:
+        return [body for bodies in self.nodes_index.values() for body in bodies]
+
+
 @kopf.daemon(API_GROUP, VERSION, PLURAL, id="reconcile", cancellation_timeout=10.0)
-async def reconcile_loop(name: str, namespace: str, stopped: kopf.DaemonStopped, **_: Any) -> None:
+async def reconcile_loop(name: str, namespace: str, stopped: kopf.DaemonStopped, job_pods: Any = None,
+                         cluster_nodes: Any = None, **_: Any) -> None:
     key = (namespace, name)
     wake = STATE.wakeups.setdefault(key, asyncio.Event())
     failures = 0
@@ -103,7 +137,9 @@ async def reconcile_loop(name: str, namespace: str, stopped: kopf.DaemonStopped,
             started = time.perf_counter()
             try:
                 assert STATE.kube is not None
-                outcome = await reconcile(STATE.kube, STATE.config, namespace, name, _emit)
+                views = IndexViews(job_pods, cluster_nodes) if job_pods is not None and cluster_nodes is not None \
+                    else None
+                outcome = await reconcile(STATE.kube, STATE.config, namespace, name, _emit, views=views)
                 failures = 0
                 delay = outcome.requeue
                 if outcome.status is not None:
@@ -116,8 +152,9 @@ async def reconcile_loop(name: str, namespace: str, stopped: kopf.DaemonStopped,
                             type(exc).__name__, exc, delay)
             finally:
                 STATE.metrics.reconcile_seconds.observe(time.perf_counter() - started)
-            if delay is None:
-                delay = STATE.config.idle_poll  # gone or invalid: the daemon is stopped on deletion anyway
+            # None: nothing to poll for (a finished job, an invalid spec, a job being deleted): only a change of
+            # its pods or nodes, or of the job itself (kopf restarts nothing; the job's own watch event pokes it),
+            # wakes the loop.
             await _sleep(wake, stopped, delay)
     finally:
         STATE.wakeups.pop(key, None)
@@ -135,8 +172,8 @@ def _record(namespace: str, name: str, outcome: Any) -> None:
     _last_counts[(namespace, name)] = (st.restarts, st.infra_restarts)
 
 
-async def _sleep(wake: asyncio.Event, stopped: kopf.DaemonStopped, seconds: float) -> None:
-    """Until the job is poked, the daemon is stopped, or `seconds` pass, whichever is first."""
+async def _sleep(wake: asyncio.Event, stopped: kopf.DaemonStopped, seconds: float | None) -> None:
+    """Until the job is poked, the daemon is stopped, or `seconds` pass (None: no timeout), whichever is first."""
     async def until_stopped() -> None:
         await stopped.wait()
 
@@ -148,6 +185,14 @@ async def _sleep(wake: asyncio.Event, stopped: kopf.DaemonStopped, seconds: floa
             w.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await w
+
+
+@kopf.on.event(API_GROUP, VERSION, PLURAL, id="spec-changed")
+async def job_changed(name: str, namespace: str, body: dict[str, Any], **_: Any) -> None:
+    # A spec change (suspend, an edit) wakes the job's loop at once; our own status writes do not (the status
+    # already carries the generation they were computed from).
+    if (body.get("metadata") or {}).get("generation") != (body.get("status") or {}).get("observedGeneration"):
+        STATE.poke(namespace, name)
 
 
 @kopf.on.event("", "v1", "pods", labels={m.LABEL_JOB: kopf.PRESENT})
@@ -188,8 +233,19 @@ def enable_webhook(config: WebhookConfig) -> None:
         kopf.on.validate(API_GROUP, VERSION, PLURAL, id=WEBHOOK_ID, operations=["CREATE", "UPDATE"])(validate)
 
 
-def validate(body: dict[str, Any], **_: Any) -> None:
-    """The admission webhook: the same validation as `seqtrain validate`, every problem in one answer."""
+def validate(body: dict[str, Any], operation: str | None = None, old: dict[str, Any] | None = None,
+             **_: Any) -> None:
+    """The admission webhook: the same validation as `seqtrain validate`, every problem in one answer.
+
+    Updates that leave the spec unchanged (kopf's finalizer and annotation patches, labels, kubectl annotate) and
+    updates of an object being deleted are always allowed: otherwise a stored job that fails today's rules (an
+    older operator's object) could never lose its finalizer, hence never be deleted."""
+    if operation == "UPDATE" and old is not None:
+        if (body.get("metadata") or {}).get("deletionTimestamp") or (old.get("metadata") or {}).get(
+                "deletionTimestamp"):
+            return
+        if old.get("spec") == body.get("spec"):
+            return
     doc = {k: body.get(k) for k in ("apiVersion", "kind", "metadata", "spec") if k in body}
     meta = doc.get("metadata") or {}
     doc["metadata"] = {"name": meta.get("name") or meta.get("generateName") or "", "namespace": meta.get("namespace")}

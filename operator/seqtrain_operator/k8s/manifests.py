@@ -17,8 +17,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from seqtrain.spec import API_VERSION, KIND, RuntimeConfig, SeqTrainJob, TrainerConfig, resolve
+from seqtrain.spec.names import configmap_name, hostname, pod_name, podgroup_name, service_name
 
 from ..planner.inventory import GPU_PRODUCT_LABEL, GPU_RESOURCE
+from ..planner.placement import pod_tolerations
 from ..planner.types import Plan
 
 GROUP = "seqtrain.dev"
@@ -76,30 +78,7 @@ class Owner:
                 "controller": True, "blockOwnerDeletion": True}
 
 
-# ---- names -----------------------------------------------------------------------------------------------------
-
-
-def service_name(job: str) -> str:
-    return job
-
-
-def configmap_name(job: str, attempt: int) -> str:
-    return f"{job}-config-{attempt}"
-
-
-def pod_name(job: str, attempt: int, replica: int) -> str:
-    # The attempt is in the name so a new gang never waits for the old pods' names to be released.
-    return f"{job}-{attempt}-{replica}"
-
-
-def hostname(job: str, replica: int) -> str:
-    # Stable across attempts: <job>-<replica>.<job> is the DNS name peers use (job names are <= 50 characters).
-    return f"{job}-{replica}"
-
-
-def podgroup_name(job: str, attempt: int) -> str:
-    return f"{job}-{attempt}"
-
+# ---- names (seqtrain.spec.names: spec validation checks every name a job will generate) ----------------------
 
 def master_addr(owner: Owner) -> str:
     return f"{hostname(owner.name, 0)}.{service_name(owner.name)}.{owner.namespace}.svc"
@@ -207,6 +186,8 @@ def _resources(job: SeqTrainJob) -> dict[str, Any]:
     r = job.spec.resources
     requests: dict[str, Any] = {"cpu": r.cpu, "memory": r.memory}
     limits: dict[str, Any] = {"memory": r.memory}
+    if r.ephemeral_storage:
+        requests["ephemeral-storage"] = r.ephemeral_storage
     if r.gpus:
         requests[GPU_RESOURCE] = str(r.gpus)
         limits[GPU_RESOURCE] = str(r.gpus)
@@ -313,6 +294,9 @@ def build_pod(job: SeqTrainJob, owner: Owner, attempt: int, replica: int, settin
             "runAsUser": settings.run_as_user,
             "runAsGroup": settings.run_as_user,
             "fsGroup": settings.run_as_user,
+            # Re-chown the checkpoint volume only when its root does not match: a recursive chown of a large
+            # checkpoint claim on every gang restart can take minutes.
+            "fsGroupChangePolicy": "OnRootMismatch",
             "seccompProfile": {"type": "RuntimeDefault"},
         },
         "containers": [container],
@@ -320,8 +304,8 @@ def build_pod(job: SeqTrainJob, owner: Owner, attempt: int, replica: int, settin
     }
     if node_selector:
         spec["nodeSelector"] = node_selector
-    if s.scheduling.tolerations:
-        spec["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in s.scheduling.tolerations]
+    if tolerations := pod_tolerations(job):  # the user's, and nvidia.com/gpu on GPU pods (ExtendedResourceToleration)
+        spec["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in tolerations]
     if s.scheduling.priority_class_name:
         spec["priorityClassName"] = s.scheduling.priority_class_name
     if (scheduler := settings.scheduler_for(s.scheduling.gang)) is not None:

@@ -2,13 +2,18 @@
 
 What a pod's status means for the gang:
 - phase Running / Succeeded -> the same; Pending -> Pending, unless a container can never start (a bad image
-  name, a broken config reference: Failed with that reason, which the core treats as permanent);
+  name, a broken config reference: Failed with that reason, which the core treats as permanent); a failing image
+  pull (ErrImagePull, ImagePullBackOff) stays Pending with that reason: transient, the core gives it a deadline;
+- phase Failed with a kubelet admission reason (OutOf<resource>, UnexpectedAdmissionError, NodeAffinity ...) ->
+  Failed with that reason (infrastructure: the node is avoided);
 - phase Failed -> Failed with the container's exit code; reason OOMKilled (container), Evicted (pod), or the
   DisruptionTarget condition's reason (PreemptionByScheduler -> Preempted, DeletionByTaintManager -> NodeLost,
   EvictionByEvictionAPI / TerminationByKubelet -> Evicted);
-- deletionTimestamp set (someone deleted it; we delete only gangs the core already gave up) -> Failed, Deleted;
-- running on a node that is NotReady for longer than a grace period -> Failed, NodeLost (the pod object may stay
-  "Running" for minutes before the node controller evicts it; the gang should not wait that long).
+- deletionTimestamp set -> Failed, Deleted, terminating (the core knows whether it asked for the deletion: a
+  teardown it ordered is never charged);
+- on a node that is NotReady/unreachable for longer than a grace period, or removed -> Failed, NodeLost,
+  node_lost (the pod object may stay "Running" for minutes before the node controller evicts it, and once deleted
+  it keeps its deletionTimestamp forever: no kubelet confirms; the core then force-deletes it).
 """
 
 from __future__ import annotations
@@ -21,12 +26,13 @@ from typing import Any
 from seqtrain.spec.status import CheckpointRef, Progress
 
 from ..controller.clock import parse, seconds_between
+from ..controller.failure_policy import IMAGE_PULL_REASONS, kubelet_rejected
 from ..controller.types import ReplicaObservation
 from .manifests import CONTAINER, LABEL_ATTEMPT, LABEL_REPLICA
 
-# Reasons a container cannot start that retrying will not fix (ImagePullBackOff can be a registry blip at first,
-# so only the back-off state, after several pulls failed, counts).
-_NEVER_STARTS = {"InvalidImageName", "CreateContainerConfigError", "ImagePullBackOff", "CreateContainerError"}
+# Reasons a container cannot start that retrying will not fix. Image pulls are not among them: a registry hiccup
+# on a large CUDA image must not fail a job (the core gives them faultTolerance.imagePullTimeoutSeconds).
+_NEVER_STARTS = {"InvalidImageName", "CreateContainerConfigError", "CreateContainerError"}
 _DISRUPTION = {"PreemptionByScheduler": "Preempted", "DeletionByTaintManager": "NodeLost",
                "EvictionByEvictionAPI": "Evicted", "TerminationByKubelet": "Evicted"}
 
@@ -80,6 +86,7 @@ def replica_of(pod: Mapping[str, Any], nodes: Mapping[str, Mapping[str, Any]], n
         reason = "OOMKilled" if term.get("reason") == "OOMKilled" else None
         reason = reason or (status.get("reason") if status.get("reason") in ("Evicted", "Shutdown", "NodeShutdown",
                                                                              "DeadlineExceeded", "Terminated")
+                                                    or kubelet_rejected(status.get("reason"))
                             else None) or _disruption(pod)
         if not message and term.get("message") and not _looks_like_json(term.get("message")):
             message = term["message"][:300]  # FallbackToLogsOnError: the log tail of a crash
@@ -87,18 +94,25 @@ def replica_of(pod: Mapping[str, Any], nodes: Mapping[str, Mapping[str, Any]], n
         waiting = (_container(pod).get("state") or {}).get("waiting") or {}
         if waiting.get("reason") in _NEVER_STARTS:
             phase, reason, message = "Failed", waiting["reason"], waiting.get("message", "")
-    if phase in ("Pending", "Running") and meta.get("deletionTimestamp"):
+        elif waiting.get("reason") in IMAGE_PULL_REASONS:
+            reason, message = waiting["reason"], waiting.get("message", "")
+    terminating = bool(meta.get("deletionTimestamp"))
+    if phase in ("Pending", "Running") and terminating:
         phase, reason = "Failed", "Deleted"
-    if phase in ("Pending", "Running") and node:
+    node_lost = node_unready = False
+    if node:
         gone = node not in nodes
         down = None if gone else not_ready_for(nodes[node], now)
-        if gone or (down is not None and down >= node_lost_grace):
+        node_lost = gone or (down is not None and down >= node_lost_grace)
+        node_unready = gone or down is not None
+        if node_lost and (phase in ("Pending", "Running") or reason == "Deleted"):
             phase, reason = "Failed", "NodeLost"
-            message = f"node {node} {'was removed' if gone else 'is NotReady'}"
+            message = f"node {node} {'was removed' if gone else f'has not been Ready for {down:.0f}s'}"
     if phase == "Failed" and reason is None and _disruption(pod):
         reason = _disruption(pod)
     return ReplicaObservation(replica=replica, attempt=attempt, phase=phase,  # type: ignore[arg-type]
-                              exit_code=code, reason=reason, node=node, message=message)
+                              exit_code=code, reason=reason, node=node, message=message, terminating=terminating,
+                              node_lost=node_lost, node_unready=node_unready, finished_at=term.get("finishedAt"))
 
 
 def _looks_like_json(text: str | None) -> bool:

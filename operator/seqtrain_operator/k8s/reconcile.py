@@ -15,22 +15,26 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from datetime import datetime
-from typing import Any
+from typing import Any, Protocol
+
+from kubernetes.client.rest import ApiException
 
 from seqtrain.spec import JobStatus, SeqTrainJob, SpecError, parse_job
-from seqtrain.spec.status import TERMINAL_PHASES, ReplicaPlacement
+from seqtrain.spec.status import TERMINAL_PHASES
 
-from ..controller import CreateGang, DeleteGang, Event, Observed, RequeueAfter, decide, goodput, utcnow
+from ..controller import CreateGang, DeleteGang, Event, Observed, RequeueAfter, create_failed, decide, utcnow
 from ..controller import conditions as cond
+from ..controller.types import Decision
 from ..planner.inventory import inventory
-from ..planner.placement import place
-from ..planner.types import Plan, Unschedulable
+from ..planner.types import Node, Plan
 from . import manifests as m
-from .client import Conflict, Kube
+from .client import Conflict, Kube, api_message
 from .observe import final_progress, observe_replicas, rank0_ip
 from .progress import poll_progress
 
@@ -63,12 +67,10 @@ def _job_from(body: dict[str, Any]) -> SeqTrainJob:
     return parse_job(doc)
 
 
-async def admission(kube: Kube, job: SeqTrainJob, status: JobStatus, nodes: list[dict]) -> str | None:
-    """Why the whole gang cannot start now (None: it can). Never lets a partial gang start."""
+async def admission(kube: Kube, job: SeqTrainJob) -> str | None:
+    """Why an external gang scheduler cannot take the gang (None: it can). Native gangs are admitted by the core
+    from Observed.capacity."""
     gang = job.spec.scheduling.gang
-    if gang == "native":
-        plan = await native_plan(kube, job, status, nodes)
-        return plan.reason if isinstance(plan, Unschedulable) else None
     info = m.EXTERNAL[gang]
     if gang == "kueue" and not job.spec.scheduling.queue:
         return "scheduling.gang kueue needs scheduling.queue (the name of a Kueue LocalQueue in this namespace)"
@@ -78,11 +80,16 @@ async def admission(kube: Kube, job: SeqTrainJob, status: JobStatus, nodes: list
     return None
 
 
-async def native_plan(kube: Kube, job: SeqTrainJob, status: JobStatus, nodes: list[dict],
-                      avoid: tuple[str, ...] | None = None) -> Plan | Unschedulable:
-    # Requests of every pod bound to a node and not finished, cluster-wide (what the scheduler subtracts too).
+async def capacity(kube: Kube, nodes: list[dict]) -> tuple[Node, ...]:
+    """Free capacity per node: allocatable minus the requests of every non-terminated pod bound or pinned to it,
+    cluster-wide (what kube-scheduler subtracts too; pods created but not bound yet included)."""
     busy = await kube.list_pods(None, field_selector="status.phase!=Succeeded,status.phase!=Failed")
-    return place(job, inventory(nodes, busy), avoid if avoid is not None else tuple(status.failed_nodes))
+    return tuple(inventory(nodes, busy))
+
+
+# One admission at a time in this operator: two jobs planned concurrently would both see the same free GPUs
+# before either's pods exist. Held from reading the capacity until the gang's pods are created.
+_ADMISSION = asyncio.Lock()
 
 
 def _status_patch(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
@@ -96,27 +103,26 @@ def _status_patch(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     return patch
 
 
-def _keep_plan(before: JobStatus, after: JobStatus) -> None:
-    """The core rebuilds placement from the pods it sees bound to nodes. Pinned pods not bound yet keep their
-    planned node, and every entry keeps the topology domain the plan recorded."""
-    planned = {p.replica: p for p in before.placement}
-    seen = set()
-    for p in after.placement:
-        seen.add(p.replica)
-        old = planned.get(p.replica)
-        if old is not None and old.node == p.node and "domain" in (old.model_extra or {}):
-            p.domain = old.model_extra["domain"]  # type: ignore[index]
-    after.placement = sorted([*after.placement, *(p for r, p in planned.items() if r not in seen)],
-                             key=lambda p: p.replica)
+def _changed(old: dict[str, Any], new: dict[str, Any]) -> bool:
+    """Whether the status is worth a write: goodput alone drifts every pass while a gang runs; it rides along with
+    the next real change (progress, a condition, a phase) instead of costing one API write per job per pass."""
+    return {k: v for k, v in new.items() if k != "goodput"} != {k: v for k, v in old.items() if k != "goodput"}
+
+
+class Views(Protocol):
+    """Where a pass reads its job's pods and the nodes: the operator's in-memory kopf indexes (no LIST per pass)."""
+
+    def pods(self, namespace: str, job: str) -> list[dict]: ...
+
+    def nodes(self) -> list[dict]: ...
 
 
 async def reconcile(kube: Kube, cfg: Config, namespace: str, name: str, emit: EventSink,
-                    now: datetime | None = None) -> Outcome:
+                    now: datetime | None = None, views: Views | None = None) -> Outcome:
     now = now or utcnow()
     body = await kube.get_job(namespace, name)
     if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
         return Outcome(requeue=None)
-    rv = body["metadata"]["resourceVersion"]
     old_status = dict(body.get("status") or {})
     status = JobStatus.model_validate(old_status)
     try:
@@ -124,38 +130,42 @@ async def reconcile(kube: Kube, cfg: Config, namespace: str, name: str, emit: Ev
     except SpecError as err:
         return await _invalid(kube, body, status, err, emit, now)
 
-    label = f"{m.LABEL_JOB}={name}"
-    pods = await kube.list_pods(namespace, label)
-    nodes = await kube.list_nodes()
+    if views is not None:
+        pods, nodes = views.pods(namespace, name), views.nodes()
+    else:  # no indexes (a one-off pass): read the API
+        pods, nodes = await kube.list_pods(namespace, f"{m.LABEL_JOB}={name}"), await kube.list_nodes()
     replicas = observe_replicas(pods, nodes, now, cfg.node_lost_grace)
-    progress, checkpoint = None, None
+    progress, checkpoint, unreachable = None, None, None
     ip = rank0_ip(pods, status.attempt)
     if cfg.poll_progress and cfg.settings.progress_port and ip:
         progress, checkpoint = await poll_progress(ip, cfg.settings.progress_port, cfg.progress_timeout)
+        if progress is None:
+            unreachable = f"GET http://{ip}:{cfg.settings.progress_port}/progress did not answer"
     if progress is None:
         progress, checkpoint = final_progress(pods, status.attempt)
-    observed = Observed(replicas=replicas, latest_checkpoint=checkpoint, progress=progress)
-    if not replicas and status.phase not in TERMINAL_PHASES and not job.spec.suspend:
-        observed = replace(observed, unschedulable=await admission(kube, job, status, nodes))
+    observed = Observed(replicas=replicas, latest_checkpoint=checkpoint, progress=progress,
+                        progress_unreachable=unreachable, generation=body["metadata"].get("generation"))
+    admitting = not replicas and status.phase not in TERMINAL_PHASES and not job.spec.suspend
+    async with _ADMISSION if admitting else contextlib.nullcontext():
+        if admitting:
+            if job.spec.scheduling.gang == "native":
+                observed = replace(observed, capacity=await capacity(kube, nodes))
+            else:
+                observed = replace(observed, unschedulable=await admission(kube, job))
+        return await _decide_and_act(kube, cfg, body, job, status, observed, emit, now)
 
+
+async def _decide_and_act(kube: Kube, cfg: Config, body: dict[str, Any], job: SeqTrainJob, status: JobStatus,
+                          observed: Observed, emit: EventSink, now: datetime) -> Outcome:
+    meta = body["metadata"]
+    namespace, name, rv = meta["namespace"], meta["name"], meta["resourceVersion"]
+    old_status = dict(body.get("status") or {})
     decision = decide(job, status, observed, now)
     new = decision.status
-    creates = decision.of(CreateGang)
-    plan: Plan | None = None
-    if creates and job.spec.scheduling.gang == "native":
-        planned = await native_plan(kube, job, new, nodes, creates[0].avoid_nodes)
-        if isinstance(planned, Unschedulable):  # capacity vanished between admission and now: try again soon
-            return Outcome(requeue=1.0, status=status)
-        plan = planned
-        new.placement = [ReplicaPlacement(replica=a.replica, node=a.node, ranks=list(a.ranks),
-                                          domain=list(a.domain)) for a in plan.replicas]
-    else:
-        _keep_plan(status, new)
-    goodput.account(status, new, now)
     _storage_condition(job, new, now)
 
     new_dict = new.to_dict()
-    if new_dict != old_status:
+    if _changed(old_status, new_dict):
         try:
             await kube.write_status(namespace, name, _status_patch(old_status, new_dict), rv)
         except Conflict:
@@ -165,15 +175,47 @@ async def reconcile(kube: Kube, cfg: Config, namespace: str, name: str, emit: Ev
     owner = m.Owner(name=name, namespace=namespace, uid=body["metadata"]["uid"])
     for action in decision.actions:
         if isinstance(action, DeleteGang):
-            await delete_gang(kube, job, owner, action.attempt)
+            await delete_gang(kube, job, owner, action.attempt, action.force_nodes)
         elif isinstance(action, CreateGang):
-            await create_gang(kube, job, owner, action.attempt, cfg.settings, plan)
+            try:
+                await create_gang(kube, job, owner, action.attempt, cfg.settings, action.plan)
+            except GangRefused as refused:
+                return await _create_failed(kube, cfg, body, job, owner, new, action.attempt, str(refused), emit,
+                                            now)
     for ev in decision.of(Event):
         emit(body, ev.type, ev.reason, ev.message)
-    return Outcome(requeue=_requeue(decision.of(RequeueAfter), new, cfg), status=new, events=tuple(decision.of(Event)))
+    return Outcome(requeue=_requeue(decision, new, cfg), status=new, events=tuple(decision.of(Event)))
 
 
-def _requeue(requeues: list[RequeueAfter], status: JobStatus, cfg: Config) -> float:
+async def _create_failed(kube: Kube, cfg: Config, body: dict[str, Any], job: SeqTrainJob, owner: m.Owner,
+                         status: JobStatus, attempt: int, message: str, emit: EventSink, now: datetime) -> Outcome:
+    """Part of the gang was refused: the core says what to do (tear down, condition, Event, backoff)."""
+    log.warning("%s/%s: gang attempt %d refused: %s", owner.namespace, owner.name, attempt, message)
+    decision = create_failed(job, status, attempt, message, now)
+    for action in decision.of(DeleteGang):
+        await delete_gang(kube, job, owner, action.attempt)
+    written = dict(body.get("status") or {})
+    try:
+        fresh = await kube.get_job(owner.namespace, owner.name)
+        if fresh is None:
+            return Outcome(requeue=None)
+        written = dict(fresh.get("status") or {})
+        await kube.write_status(owner.namespace, owner.name, _status_patch(written, decision.status.to_dict()),
+                                fresh["metadata"]["resourceVersion"])
+    except Conflict:
+        return Outcome(requeue=0.2, status=status)
+    for ev in decision.of(Event):
+        emit(body, ev.type, ev.reason, ev.message)
+    return Outcome(requeue=_requeue(decision, decision.status, cfg), status=decision.status,
+                   events=tuple(decision.of(Event)))
+
+
+def _requeue(decision: Decision, status: JobStatus, cfg: Config) -> float | None:
+    """Seconds until the next pass; None: only an event (a pod or node change) wakes the job again. A finished
+    job with nothing left to delete is not polled at all."""
+    requeues = decision.of(RequeueAfter)
+    if status.phase in TERMINAL_PHASES and not requeues and not decision.of(DeleteGang):
+        return None
     default = cfg.running_poll if status.phase in ("Running", "Scheduling", "Restarting") else cfg.idle_poll
     return max(0.05, min([r.seconds for r in requeues] + [default]))
 
@@ -205,21 +247,34 @@ async def _invalid(kube: Kube, body: dict, status: JobStatus, err: SpecError, em
     return Outcome(requeue=None, status=status)
 
 
+class GangRefused(Exception):
+    """The API server refused an object of the gang for good (403 Forbidden: quota or RBAC; 422 Invalid: an
+    admission plugin or validation; 400). The message is the API's own."""
+
+
 async def create_gang(kube: Kube, job: SeqTrainJob, owner: m.Owner, attempt: int, settings: m.Settings,
                       plan: Plan | None) -> None:
-    """Create what is absent of this attempt's objects; existing ones (a repeat after a crash) are kept."""
+    """Create what is absent of this attempt's objects; existing ones (a repeat after a crash) are kept. Raises
+    GangRefused when the API server refuses one: the caller tears the partial gang down."""
     gang = m.build_gang(job, owner, attempt, settings, plan)
-    await kube.create(m.build_service(owner, settings))
-    await kube.create(gang.configmap)
-    if gang.podgroup is not None:
-        await kube.create(gang.podgroup)
-    for pod in gang.pods:
-        await kube.create(pod)
+    objects = [m.build_service(owner, settings), gang.configmap, *([gang.podgroup] if gang.podgroup else []),
+               *gang.pods]
+    for obj in objects:
+        try:
+            await kube.create(obj)
+        except ApiException as exc:
+            if exc.status in (400, 403, 422):
+                raise GangRefused(f"{obj['kind']} {obj['metadata']['name']}: {api_message(exc)}") from exc
+            raise
 
 
-async def delete_gang(kube: Kube, job: SeqTrainJob, owner: m.Owner, attempt: int) -> None:
-    """Delete every pod of an attempt (graceful: the trainer checkpoints on SIGTERM), its ConfigMap, PodGroup."""
+async def delete_gang(kube: Kube, job: SeqTrainJob, owner: m.Owner, attempt: int,
+                      force_nodes: tuple[str, ...] = ()) -> None:
+    """Delete every pod of an attempt (graceful: the trainer checkpoints on SIGTERM), its ConfigMap, PodGroup.
+    Pods on lost nodes are force-deleted first: no kubelet there will ever confirm a graceful deletion."""
     selector = f"{m.LABEL_JOB}={owner.name},{m.LABEL_ATTEMPT}={attempt}"
+    for node in force_nodes:
+        await kube.delete_pods(owner.namespace, selector, node=node, force=True)
     await kube.delete_pods(owner.namespace, selector)
     await kube.delete_configmaps(owner.namespace, selector)
     info = m.EXTERNAL.get(job.spec.scheduling.gang)

@@ -30,7 +30,7 @@ from seqtrain.spec import SeqTrainJob, SpecError, load_job_file, resolve
 from seqtrain.spec.runtime import RuntimeConfig, write_trainer_config
 from seqtrain.spec.status import TERMINAL_PHASES, JobStatus, Layout
 
-from ..controller import CreateGang, DeleteGang, Event, Observed, decide, goodput, utcnow
+from ..controller import CreateGang, DeleteGang, Event, Observed, decide, utcnow
 from ..controller.conditions import enter_phase
 from ..controller.types import ReplicaObservation
 from ..planner import local_plan
@@ -159,7 +159,6 @@ class LocalRun:
                                 progress=progress)
             now = utcnow()
             d = decide(self.job, status, observed, now)
-            goodput.account(status, d.status, now)  # same accounting as the operator's status
             if d.status != status:
                 write_status(self.workdir, d.status)
             status = d.status

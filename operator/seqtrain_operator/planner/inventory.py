@@ -1,8 +1,13 @@
 """Cluster inventory (pure): Kubernetes Node and Pod objects (plain dicts) -> free capacity per node.
 
-Free = allocatable - the requests of every non-terminated pod bound to the node, the same arithmetic the
-kube-scheduler's NodeResourcesFit plugin does. GPUs are the extended resource `nvidia.com/gpu`; GPU feature
-discovery labels (`nvidia.com/gpu.product`, `nvidia.com/gpu.memory`, ...) stay in `Node.labels`.
+Free = allocatable - the requests of every non-terminated pod on the node, the same arithmetic the
+kube-scheduler's NodeResourcesFit plugin does, for every resource it checks: CPU, memory, the pod count
+(`pods`), ephemeral storage and every extended resource. GPUs are the extended resource `nvidia.com/gpu`; GPU
+feature discovery labels (`nvidia.com/gpu.product`, `nvidia.com/gpu.memory`, ...) stay in `Node.labels`.
+
+"On the node" includes pods created but not bound yet that are headed there (pinned by a required node affinity
+on metadata.name, as the operator's native placement pins them, or nominated by the scheduler): otherwise two
+jobs planned a moment apart would both claim the same free GPUs before either's pods are bound.
 """
 
 from __future__ import annotations
@@ -47,34 +52,56 @@ def memory_bytes(value: Any) -> int:
     return int(parse_quantity(value).to_integral_value(rounding="ROUND_CEILING"))
 
 
+_CORE = ("cpu", "memory", "pods", GPU_RESOURCE)
+Other = tuple[tuple[str, int], ...]  # sorted (resource, amount) pairs: ephemeral-storage bytes, extended resources
+
+
+def _merge(a: Other, b: Other, op: Any) -> Other:
+    da, db = dict(a), dict(b)
+    return tuple(sorted((k, op(da.get(k, 0), db.get(k, 0))) for k in da.keys() | db.keys()))
+
+
 @dataclass(frozen=True)
 class Requests:
     gpus: int = 0
     cpu_millis: int = 0
     memory_bytes: int = 0
+    pods: int = 0
+    other: Other = ()
 
     def __add__(self, other: Requests) -> Requests:
         return Requests(self.gpus + other.gpus, self.cpu_millis + other.cpu_millis,
-                        self.memory_bytes + other.memory_bytes)
+                        self.memory_bytes + other.memory_bytes, self.pods + other.pods,
+                        _merge(self.other, other.other, lambda x, y: x + y))
 
     def max(self, other: Requests) -> Requests:
         return Requests(max(self.gpus, other.gpus), max(self.cpu_millis, other.cpu_millis),
-                        max(self.memory_bytes, other.memory_bytes))
+                        max(self.memory_bytes, other.memory_bytes), max(self.pods, other.pods),
+                        _merge(self.other, other.other, max))
+
+
+def amount(resource: str, value: Any) -> int:
+    """A quantity of `resource` in the unit the planner counts: millicores for cpu, else whole units (bytes)."""
+    return cpu_millis(value) if resource == "cpu" else memory_bytes(value)
+
+
+def _resource_requests(merged: Mapping[str, Any]) -> Requests:
+    return Requests(
+        gpus=int(parse_quantity(merged.get(GPU_RESOURCE, 0))),
+        cpu_millis=cpu_millis(merged.get("cpu", 0)),
+        memory_bytes=memory_bytes(merged.get("memory", 0)),
+        other=tuple(sorted((k, amount(k, v)) for k, v in merged.items() if k not in _CORE)),
+    )
 
 
 def _container_requests(c: Mapping[str, Any]) -> Requests:
     res = c.get("resources") or {}
     # A resource with only a limit is requested at the limit (the API server defaults it that way).
-    merged = {**(res.get("limits") or {}), **(res.get("requests") or {})}
-    return Requests(
-        gpus=int(parse_quantity(merged.get(GPU_RESOURCE, 0))),
-        cpu_millis=cpu_millis(merged.get("cpu", 0)),
-        memory_bytes=memory_bytes(merged.get("memory", 0)),
-    )
+    return _resource_requests({**(res.get("limits") or {}), **(res.get("requests") or {})})
 
 
 def pod_requests(pod: Mapping[str, Any]) -> Requests:
-    """Effective requests of a pod: max(sum of containers, largest init container) + overhead."""
+    """Effective requests of a pod: max(sum of containers, largest init container) + overhead, and one pod."""
     spec = pod.get("spec") or {}
     total = Requests()
     for c in spec.get("containers") or []:
@@ -83,22 +110,39 @@ def pod_requests(pod: Mapping[str, Any]) -> Requests:
         total = total.max(_container_requests(c))
     overhead = spec.get("overhead") or {}
     if overhead:
-        total = total + _container_requests({"resources": {"requests": overhead}})
-    return total
+        total = total + _resource_requests(overhead)
+    return total + Requests(pods=1)
+
+
+def pinned_node(pod: Mapping[str, Any]) -> str | None:
+    """The node an unbound pod is headed to: a required node affinity on metadata.name In [one node] (how the
+    native placement pins pods), or the scheduler's nominatedNodeName (preemption in progress)."""
+    affinity = ((pod.get("spec") or {}).get("affinity") or {}).get("nodeAffinity") or {}
+    terms = (affinity.get("requiredDuringSchedulingIgnoredDuringExecution") or {}).get("nodeSelectorTerms") or []
+    for term in terms:
+        for f in term.get("matchFields") or []:
+            if (len(terms) == 1 and f.get("key") == "metadata.name" and f.get("operator") == "In"
+                    and len(f.get("values") or []) == 1):
+                return str(f["values"][0])
+    return (pod.get("status") or {}).get("nominatedNodeName") or None
+
+
+def node_of(pod: Mapping[str, Any]) -> str | None:
+    """The node whose capacity a non-terminated pod takes: where it is bound, else where it is headed."""
+    if (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+        return None
+    return (pod.get("spec") or {}).get("nodeName") or pinned_node(pod)
 
 
 def occupies_node(pod: Mapping[str, Any]) -> bool:
-    """Bound and not terminated: its requests still count against the node."""
-    node = (pod.get("spec") or {}).get("nodeName")
-    phase = (pod.get("status") or {}).get("phase")
-    return bool(node) and phase not in ("Succeeded", "Failed")
+    """Bound (or pinned) and not terminated: its requests count against the node."""
+    return node_of(pod) is not None
 
 
 def used_by_node(pods: Iterable[Mapping[str, Any]]) -> dict[str, Requests]:
     used: dict[str, Requests] = {}
     for pod in pods:
-        if occupies_node(pod):
-            node = pod["spec"]["nodeName"]
+        if (node := node_of(pod)) is not None:
             used[node] = used.get(node, Requests()) + pod_requests(pod)
     return used
 
@@ -119,11 +163,15 @@ def node_from_k8s(node: Mapping[str, Any], used: Requests = Requests()) -> Node:
         (str(t.get("key", "")), str(t.get("value", "") or ""), str(t.get("effect", "")))
         for t in spec.get("taints") or []
     )
+    used_other = dict(used.other)
+    other = {k: max(0, amount(k, v) - used_other.get(k, 0)) for k, v in alloc.items() if k not in _CORE}
     return Node(
         name=node["metadata"]["name"],
         gpus=max(0, int(parse_quantity(alloc.get(GPU_RESOURCE, 0))) - used.gpus),
         cpu_millis=max(0, cpu_millis(alloc.get("cpu", 0)) - used.cpu_millis),
         memory_bytes=max(0, memory_bytes(alloc.get("memory", 0)) - used.memory_bytes),
+        pods=max(0, int(parse_quantity(alloc["pods"])) - used.pods) if "pods" in alloc else None,
+        other=other,
         labels=dict((node.get("metadata") or {}).get("labels") or {}),
         schedulable=not spec.get("unschedulable", False),
         ready=_ready(node),

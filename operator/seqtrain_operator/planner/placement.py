@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from seqtrain.spec import SeqTrainJob
 from seqtrain.spec.cluster import Toleration
 
-from .inventory import GPU_PRODUCT_LABEL, cpu_millis, memory_bytes
+from .inventory import GPU_PRODUCT_LABEL, GPU_RESOURCE, cpu_millis, memory_bytes
 from .local import layout_of
 from .types import Node, Plan, ReplicaAssignment, Unschedulable
 
@@ -45,6 +45,7 @@ class Demand:
     gpu_product: str | None = None
     node_selector: tuple[tuple[str, str], ...] = ()
     tolerations: tuple[Toleration, ...] = ()
+    other: tuple[tuple[str, int], ...] = ()  # ephemeral-storage bytes, other extended resources
 
     @classmethod
     def of(cls, job: SeqTrainJob) -> Demand:
@@ -53,13 +54,25 @@ class Demand:
             replicas=s.replicas, gpus=s.resources.gpus, cpu_millis=cpu_millis(s.resources.cpu),
             memory_bytes=memory_bytes(s.resources.memory), gpu_product=s.resources.gpu_product,
             node_selector=tuple(sorted(s.scheduling.node_selector.items())),
-            tolerations=tuple(s.scheduling.tolerations),
+            tolerations=pod_tolerations(job),
+            other=((("ephemeral-storage", memory_bytes(s.resources.ephemeral_storage)),)
+                   if s.resources.ephemeral_storage else ()),
         )
 
     def describe(self) -> str:
         parts = [f"{self.gpus} GPU"] if self.gpus else []
         parts += [f"{self.cpu_millis}m CPU", f"{self.memory_bytes / 2**30:.3g}Gi memory"]
         return ", ".join(parts)
+
+
+def pod_tolerations(job: SeqTrainJob) -> tuple[Toleration, ...]:
+    """The tolerations the job's pods carry: spec.scheduling.tolerations, plus `nvidia.com/gpu:Exists:NoSchedule`
+    on GPU pods: what the ExtendedResourceToleration admission plugin adds, so GPU pools tainted the way managed
+    clouds taint them work (the operator adds it to the pods itself, so it holds where the plugin is off)."""
+    tols = list(job.spec.scheduling.tolerations)
+    if job.spec.resources.gpus:
+        tols.append(Toleration(key=GPU_RESOURCE, operator="Exists", effect="NoSchedule"))
+    return tuple(tols)
 
 
 def tolerates(tolerations: Iterable[Toleration], taint: tuple[str, str, str]) -> bool:
@@ -105,6 +118,11 @@ def room(node: Node, demand: Demand) -> int:
         fits.append(node.cpu_millis // demand.cpu_millis)
     if demand.memory_bytes:
         fits.append(node.memory_bytes // demand.memory_bytes)
+    if node.pods is not None:
+        fits.append(node.pods)  # one pod per replica
+    for resource, need in demand.other:
+        if need:
+            fits.append(node.other.get(resource, 0) // need)
     return max(0, min(fits))
 
 

@@ -18,6 +18,8 @@ class Node:
     ready: bool = True
     # (key, value, effect) of the node's taints; effect NoSchedule/NoExecute must be tolerated by the pods.
     taints: tuple[tuple[str, str, str], ...] = ()
+    pods: int | None = None  # free pod slots (allocatable "pods" minus the pods on it); None: not limited
+    other: dict[str, int] = field(default_factory=dict)  # free ephemeral-storage bytes and extended resources
 
 
 @dataclass(frozen=True)

@@ -10,13 +10,21 @@ from pydantic import Field, field_validator
 from .base import SpecModel
 
 _INT_OR_STRING = {"x-kubernetes-int-or-string": True}
-_QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")
+# resource.ParseQuantity's grammar, without a sign (requests are never negative): 2, 0.5, .5, 500m, 8Gi, 1e3.
+_QUANTITY = re.compile(r"^\+?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+|m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")
 
 
 def _quantity(value: Any) -> str:
+    # The CRD types quantities as int-or-string, as Kubernetes does: the apiserver refuses a YAML float
+    # (`cpu: 0.5`) before anything else sees it, so `seqtrain validate` must refuse it too, with the fix.
+    if isinstance(value, bool):
+        raise ValueError(f"{value!r} is not a Kubernetes quantity (e.g. 2, \"0.5\", 500m, 8Gi)")
+    if isinstance(value, float):
+        raise ValueError(f"{value!r} is a number with a fraction; the API server accepts only an integer or a "
+                         f"string here: write it quoted, e.g. \"{value}\"")
     text = str(value)
     if not _QUANTITY.match(text):
-        raise ValueError(f"{text!r} is not a Kubernetes quantity (e.g. 2, 500m, 8Gi)")
+        raise ValueError(f"{text!r} is not a Kubernetes quantity (e.g. 2, \"0.5\", 500m, 8Gi)")
     return text
 
 
@@ -28,6 +36,10 @@ class ResourcesSpec(SpecModel):
     cpu: str = Field("1", description="CPU request per replica (Kubernetes quantity).", json_schema_extra=_INT_OR_STRING)
     memory: str = Field("4Gi", description="Memory request per replica (Kubernetes quantity).", json_schema_extra=_INT_OR_STRING)
     shm_size: str = Field("1Gi", description="Size of the in-memory /dev/shm volume.", json_schema_extra=_INT_OR_STRING)
+    ephemeral_storage: str | None = Field(
+        None, description="Ephemeral-storage request per replica (Kubernetes quantity): node-local disk for /tmp "
+        "(compile caches) and logs; the native placement counts it like the scheduler does.",
+        json_schema_extra=_INT_OR_STRING)
     gpu_product: str | None = Field(
         None, description="Required GPU model (label nvidia.com/gpu.product), e.g. NVIDIA-H100-80GB-HBM3."
     )
@@ -40,6 +52,11 @@ class ResourcesSpec(SpecModel):
     @classmethod
     def _quantities(cls, value: Any) -> str:
         return _quantity(value)
+
+    @field_validator("ephemeral_storage", mode="before")
+    @classmethod
+    def _optional_quantity(cls, value: Any) -> str | None:
+        return None if value is None else _quantity(value)
 
     @property
     def procs(self) -> int:
@@ -69,6 +86,11 @@ class FaultToleranceSpec(SpecModel):
         None, ge=1, description="Treat the gang as failed when no step completes for this long."
     )
     node_avoid_seconds: int = Field(600, ge=0, description="Avoid a node that failed for this long.")
+    image_pull_timeout_seconds: int = Field(
+        900, ge=1, description="How long replicas may keep failing to pull the image (ErrImagePull, "
+        "ImagePullBackOff: often a registry hiccup on a large image) before the job fails; counted from the gang's "
+        "creation, and it replaces scheduling.pendingGraceSeconds while a pull is failing."
+    )
 
 
 class Toleration(SpecModel):

@@ -18,7 +18,80 @@ _KEEP = {
     "type", "properties", "items", "additionalProperties", "description", "enum", "default", "format",
     "minimum", "maximum", "minItems", "maxItems", "minLength", "maxLength", "pattern", "nullable",
     "required", "x-kubernetes-int-or-string", "x-kubernetes-preserve-unknown-fields",
-    "exclusiveMinimum", "exclusiveMaximum",
+    "exclusiveMinimum", "exclusiveMaximum", "x-kubernetes-validations",
+}
+
+# ---- CEL rules: the API is safe without the webhook ---------------------------------------------------------------
+# Fields a running gang depends on (its ConfigMap, pod shapes and checkpoints were made from them): changing one
+# while a gang exists would make the next restart resume a checkpoint into a different world. (path, default)
+IMMUTABLE_WHILE_RUNNING: tuple[tuple[str, object], ...] = (
+    ("replicas", 1), ("image", None), ("resources.gpus", 0), ("optimization.tensorParallel", 1),
+    ("optimization.pipelineParallel", 1), ("model.arch", "gpt"),
+)
+LIVE_PHASES = ("Scheduling", "Running", "Restarting")
+
+
+def _value(root: str, path: str, default: object) -> str:
+    """CEL for spec.<path> of `root` (self / oldSelf), the model's default where the field or a parent is absent
+    (the apiserver defaults a scalar only inside a parent object that exists)."""
+    parts = path.split(".")
+    expr = f"{root}.spec." + ".".join(parts)
+    if default is None:
+        return expr
+    guards = " && ".join(f"has({root}.spec.{'.'.join(parts[:i + 1])})" for i in range(len(parts)))
+    lit = f"'{default}'" if isinstance(default, str) else str(default)
+    return f"(({guards}) ? {expr} : {lit})"
+
+
+def immutable_rule() -> dict[str, str]:
+    same = " && ".join(f"{_value('self', p, d)} == {_value('oldSelf', p, d)}" for p, d in IMMUTABLE_WHILE_RUNNING)
+    live = ", ".join(f"'{p}'" for p in LIVE_PHASES)
+    fields = ", ".join(f"spec.{p}" for p, _ in IMMUTABLE_WHILE_RUNNING)
+    return {
+        "rule": f"!has(oldSelf.status) || !has(oldSelf.status.phase) || !(oldSelf.status.phase in [{live}]) || "
+                f"({same})",
+        "message": f"{fields} cannot change while a gang exists (phase {', '.join(LIVE_PHASES)}): set spec.suspend "
+                   "to true, wait for phase Suspended, change them, then set it back to false",
+        "reason": "FieldValueForbidden",
+    }
+
+
+def _procs(root: str) -> str:
+    return (f"(has({root}.resources) && has({root}.resources.processesPerReplica) ? "
+            f"{root}.resources.processesPerReplica : (has({root}.resources) && {root}.resources.gpus > 0 ? "
+            f"{root}.resources.gpus : 1))")
+
+
+def _opt(root: str, field: str) -> str:
+    return f"(has({root}.optimization) && has({root}.optimization.{field}) ? {root}.optimization.{field} : 1)"
+
+
+# The webhook's cross-field checks (seqtrain.spec.checks) that CEL can express over the stored object, by the
+# schema path of the object they are attached to ("" = spec).
+CROSS_FIELD_RULES: dict[str, list[dict[str, str]]] = {
+    "": [{
+        "rule": f"({_opt('self', 'tensorParallel')} * {_opt('self', 'pipelineParallel')}) > 0 && "
+                f"(self.replicas * {_procs('self')}) % ({_opt('self', 'tensorParallel')} * "
+                f"{_opt('self', 'pipelineParallel')}) == 0",
+        "message": "optimization.tensorParallel x pipelineParallel must divide the world size (replicas x "
+                   "processesPerReplica)",
+        "fieldPath": ".optimization.tensorParallel",
+    }],
+    "resources": [{
+        "rule": "self.gpus == 0 || !has(self.processesPerReplica) || self.processesPerReplica == self.gpus",
+        "message": "must equal resources.gpus on GPUs: one rank per GPU",
+        "fieldPath": ".processesPerReplica",
+    }],
+    "training": [{
+        "rule": "!has(self.schedule) || !has(self.schedule.warmupSteps) || self.schedule.warmupSteps <= self.steps",
+        "message": "must be at most training.steps",
+        "fieldPath": ".schedule.warmupSteps",
+    }],
+    "scheduling.topology": [{
+        "rule": "self.policy == 'none' || !has(self.keys) || size(self.keys) > 0",
+        "message": "a topology policy other than none needs at least one label key",
+        "fieldPath": ".keys",
+    }],
 }
 
 
@@ -88,11 +161,17 @@ def _schema(model: type) -> dict[str, Any]:
 
 def openapi_schema() -> dict[str, Any]:
     spec = _schema(JobSpec)
+    for path, rules in CROSS_FIELD_RULES.items():
+        node = spec
+        for part in filter(None, path.split(".")):
+            node = node["properties"][part]
+        node["x-kubernetes-validations"] = rules
     status = _schema(JobStatus)
     status["x-kubernetes-preserve-unknown-fields"] = True
     return {
         "type": "object",
         "description": "A distributed training job for a sequence model.",
+        "x-kubernetes-validations": [immutable_rule()],
         "required": ["spec"],
         "properties": {
             "apiVersion": {"type": "string"},

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from .base import SpecModel
 from .cluster import CheckpointSpec, FaultToleranceSpec, ResourcesSpec, SchedulingSpec
 from .data import DataSpec
 from .model import ModelSpec
+from .names import MAX_JOB_NAME, name_problems
 from .optimization import OptimizationSpec
 from .training import TrainingSpec
 
@@ -22,14 +22,14 @@ PLURAL = "seqtrainjobs"
 SHORT_NAMES = ["stj"]
 DEFAULT_IMAGE = "ghcr.io/seqtrain/trainer:0.1.0"
 
-_DNS1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 
 
 class Metadata(BaseModel):
     # Kubernetes adds many fields (uid, resourceVersion, managedFields ...): accept and keep them.
     model_config = ConfigDict(extra="allow", populate_by_name=True)
 
-    name: str = Field(description="Job name: a DNS-1123 label (lowercase letters, digits, '-'), at most 50 characters.")
+    name: str = Field(description=f"Job name: a DNS-1035 label (lowercase letters, digits, '-', starting with a "
+                                  f"letter: it names the job's Service), at most {MAX_JOB_NAME} characters.")
     namespace: str | None = None
     labels: dict[str, str] = Field(default_factory=dict)
     annotations: dict[str, str] = Field(default_factory=dict)
@@ -37,12 +37,8 @@ class Metadata(BaseModel):
     @field_validator("name")
     @classmethod
     def _dns_label(cls, name: str) -> str:
-        # 50, not 63: pod names append "-<replica>" and the headless Service must stay a valid label.
-        if len(name) > 50 or not _DNS1123.match(name):
-            raise ValueError(
-                f"{name!r} must be a DNS-1123 label of at most 50 characters "
-                "(lowercase letters, digits and '-', starting and ending with a letter or digit)"
-            )
+        if problems := name_problems(name, 1):
+            raise ValueError(problems[0])
         return name
 
 
@@ -87,6 +83,13 @@ class SeqTrainJob(BaseModel):
     @property
     def name(self) -> str:
         return self.metadata.name
+
+    @model_validator(mode="after")
+    def _generated_names(self) -> SeqTrainJob:
+        # Every object name the operator derives from this job (and its replica count) must be valid.
+        if problems := name_problems(self.metadata.name, self.spec.replicas):
+            raise ValueError("metadata.name: " + "; ".join(problems))
+        return self
 
     def to_dict(self) -> dict:
         """Fully resolved wire form (defaults filled), without status."""

@@ -35,6 +35,8 @@ class ReplicaPlacement(_StatusModel):
     replica: int
     node: str
     ranks: list[int] = Field(default_factory=list)
+    domain: list[str] = Field(default_factory=list, description="Topology domain of the node (values of "
+                              "scheduling.topology.keys, outermost first) as the native placement planned it.")
 
 
 class Progress(_StatusModel):
@@ -77,6 +79,12 @@ class JobStatus(_StatusModel):
     failed_nodes: dict[str, str] = Field(default_factory=dict, description="node -> time until which it is avoided.")
     steps_lost: list[int] = Field(default_factory=list, description="Steps redone after each restart.")
     goodput: float | None = Field(None, description="Productive training time / wall time since start.")
+    running_seconds: float = Field(0.0, description="Time the gang spent Running in segments that already ended "
+                                   "(goodput's numerator; the current segment runs from the Running condition).")
+    observed_generation: int | None = Field(None, description="metadata.generation of the spec this status was "
+                                            "computed from.")
+    create_failures: int = Field(0, description="Consecutive gang creations the API server refused part-way "
+                                 "(quota, admission); retried with backoff, reset once a gang runs.")
 
     def to_dict(self) -> dict:
         return self.model_dump(by_alias=True, mode="json", exclude_none=True)

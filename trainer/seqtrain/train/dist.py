@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .exitcodes import InvalidConfig
+from .exitcodes import DeviceUnavailable, InvalidConfig
 
 
 @dataclass
@@ -94,7 +94,8 @@ def init_distributed(use_gpu: bool, timeout_seconds: int = 600, expected_world: 
         raise InvalidConfig(f"RANK={rank} must be in [0, WORLD_SIZE={world})")
     if use_gpu:
         if not torch.cuda.is_available():
-            raise InvalidConfig("spec.resources.gpus > 0 but this process sees no CUDA device; use gpus: 0 for CPU")
+            raise DeviceUnavailable(f"spec.resources.gpus > 0 but this process sees no CUDA device on node "
+                                    f"{os.environ.get('NODE_NAME', '?')} (driver or device plugin fault?)")
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
     else:

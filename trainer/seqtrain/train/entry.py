@@ -14,7 +14,7 @@ from seqtrain.spec import SpecError, TrainerConfig, parse_job, read_trainer_conf
 from seqtrain.spec.job import SeqTrainJob
 
 from . import exitcodes
-from .exitcodes import InvalidConfig
+from .exitcodes import DeviceUnavailable, InvalidConfig
 
 
 def _load(config_path: str) -> tuple[TrainerConfig, SeqTrainJob]:
@@ -87,6 +87,9 @@ def main(config_path: str) -> int:
     except InvalidConfig as exc:
         print(f"seqtrain train: invalid config:\n{exc}", file=sys.stderr, flush=True)
         return exitcodes.INVALID_CONFIG
+    except DeviceUnavailable as exc:
+        print(f"seqtrain train: {exc}", file=sys.stderr, flush=True)
+        return exitcodes.DEVICE_UNAVAILABLE
     except KeyboardInterrupt:
         return 130
     except Exception as exc:  # noqa: BLE001 - every failure becomes an exit code the controller understands

@@ -60,6 +60,8 @@ def launcher_exit_code(codes: Sequence[int]) -> int:
     (the cause; later ones are mostly ranks this launcher stopped). 0 only when every rank exited 0."""
     if exitcodes.INVALID_CONFIG in codes:
         return exitcodes.INVALID_CONFIG
+    if exitcodes.DEVICE_UNAVAILABLE in codes:
+        return exitcodes.DEVICE_UNAVAILABLE
     if exitcodes.COMM_TIMEOUT in codes:
         return exitcodes.COMM_TIMEOUT
     return next((c for c in codes if c != 0), exitcodes.OK)

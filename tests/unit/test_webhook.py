@@ -1,0 +1,40 @@
+"""The validating webhook handler (seqtrain_operator.k8s.handlers.validate), called as kopf calls it."""
+
+from __future__ import annotations
+
+import copy
+
+import kopf
+import pytest
+
+from seqtrain_operator.k8s.handlers import validate
+
+
+def job(**spec: object) -> dict:
+    return {"apiVersion": "seqtrain.dev/v1alpha1", "kind": "SeqTrainJob",
+            "metadata": {"name": "j", "namespace": "ns"}, "spec": dict(spec)}
+
+
+BAD = job(replicas=0)  # stored before today's rules, or by an apiserver without the webhook
+
+
+def test_create_and_spec_changes_are_validated_naming_the_field() -> None:
+    with pytest.raises(kopf.AdmissionError, match="spec.replicas"):
+        validate(BAD, operation="CREATE", old=None)
+    with pytest.raises(kopf.AdmissionError, match="spec.replicas"):
+        validate(BAD, operation="UPDATE", old=job(replicas=1))
+    validate(job(replicas=2, training={"globalBatchSize": 16}), operation="UPDATE", old=job(replicas=1))
+
+
+def test_updates_that_keep_the_spec_are_allowed_so_a_stored_invalid_job_can_lose_its_finalizer() -> None:
+    new = copy.deepcopy(BAD)
+    new["metadata"]["finalizers"] = []
+    new["metadata"]["annotations"] = {"seqtrain.dev/last-handled-configuration": "{}"}
+    validate(new, operation="UPDATE", old=BAD)
+
+
+def test_updates_of_an_object_being_deleted_are_allowed() -> None:
+    new = copy.deepcopy(BAD)
+    new["metadata"]["deletionTimestamp"] = "2026-11-23T12:00:00Z"
+    new["spec"]["replicas"] = -1
+    validate(new, operation="UPDATE", old={**BAD, "metadata": new["metadata"]})
