@@ -239,6 +239,33 @@ def test_max_restarts_exhausted_fails_with_exit_1(job_file: Path, tmp_path: Path
     assert "Failed" in out and "rank-1.log" in out
 
 
+def test_identical_start_up_failure_stops_after_the_second_attempt(job_file: Path, tmp_path: Path) -> None:
+    # Every attempt fails the same way before its first step: the second identical failure ends the job with the
+    # budget (5 restarts) nearly untouched, and the status says why.
+    rc, out = run(job_file, tmp_path, "faultTolerance.maxRestarts=5",
+                  env={"SEQTRAIN_FAULT_SETUP_ERROR": "cannot open /data/shard-7: read-only file system"})
+    assert rc == 1, out
+    st = status(tmp_path)
+    assert st["phase"] == "Failed" and st["attempt"] == 2 and st["restarts"] == 1, st
+    failed = next(c for c in st["conditions"] if c["type"] == "Failed")
+    assert failed["reason"] == "StartupFailure"
+    assert "deterministic start-up failure" in st["message"]
+    assert "RuntimeError: cannot open /data/shard-7: read-only file system" in st["message"]
+
+
+def test_deepspeed_trains_with_a_single_rank(job_file: Path, tmp_path: Path) -> None:
+    # One rank (a laptop, a single-GPU box) is a legitimate DeepSpeed layout: no process group from the launcher.
+    from deepspeed.comm.torch import build_shm_op
+
+    build_shm_op()  # DeepSpeed's CPU communication op: compiled once into TORCH_EXTENSIONS_DIR (minutes), then loaded
+    rc, out = run(job_file, tmp_path, "replicas=1", "optimization.engine=deepspeed", "optimization.zero.stage=2",
+                  "training.steps=2", "training.schedule.warmupSteps=1", "faultTolerance.maxRestarts=0")
+    assert rc == 0, out
+    st = status(tmp_path)
+    assert st["phase"] == "Succeeded" and st["restarts"] == 0, st
+    assert sorted(losses(tmp_path)) == [1, 2]
+
+
 def test_invalid_spec_exits_2_and_writes_nothing(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text(JOB.replace("replicas: 2", "replicas: 0").replace("seqLen: 32", "seqLen: -4"))

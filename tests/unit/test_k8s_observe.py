@@ -121,3 +121,21 @@ def test_operator_modules_do_not_import_torch():
             "assert not [m for m in sys.modules if m == 'torch' or m.startswith('torch.')], 'torch imported'\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_error_line_from_the_termination_message_log_tail():
+    tail = "Traceback ...\nseqtrain train: error: RuntimeError: no space left on device (28)\n"
+    failed = pod(phase="Failed", term={"exitCode": 1, "message": tail})
+    (r,) = observe_replicas([failed], [node("n1")], NOW)
+    assert r.error == "RuntimeError: no space left on device (28)"
+    done = pod(phase="Failed", term={"exitCode": 1, "message": json.dumps({"step": 3})})
+    assert observe_replicas([done], [node("n1")], NOW)[0].error is None
+
+
+def test_error_line_helpers():
+    from seqtrain.train.exitcodes import error_line, last_error
+
+    assert error_line(ValueError("bad\nsecond line")) == "ValueError: bad"
+    assert error_line(KeyError()) == "KeyError"
+    assert last_error("x\nseqtrain train: error: A: 1\ny\nseqtrain train: error: B: 2\nz") == "B: 2"
+    assert last_error("no marker here") is None and last_error(None) is None

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum
@@ -37,6 +38,8 @@ class Failure:
     message: str  # one line a user can act on
     replica: int | None = None
     node: str | None = None
+    signature: str | None = None  # exit code + normalised error; None when the rank reported no error line
+    error: str | None = None  # the rank's own error line, as reported
 
 
 def describe_exit(code: int | None) -> str:
@@ -52,6 +55,15 @@ def describe_exit(code: int | None) -> str:
     return f"exit code {code}"
 
 
+def signature(r: ReplicaObservation) -> str | None:
+    """What makes two failures "the same": the exit code and the rank's error line with every number blanked out
+    (ports, pids, addresses, sizes and paths with attempt numbers change between attempts; the cause does not).
+    None without an error line: an exit code alone (a SIGKILL, an OOM) says too little to call a failure repeatable."""
+    if not r.error:
+        return None
+    return f"exit {r.exit_code}: {re.sub(r'[0-9]+', '#', r.error)}"
+
+
 def classify(r: ReplicaObservation) -> Failure:
     """Classify one failed replica."""
     where = f"replica {r.replica}" + (f" on {r.node}" if r.node else "")
@@ -65,7 +77,7 @@ def classify(r: ReplicaObservation) -> Failure:
                        f"{where} lost to infrastructure ({r.reason}){detail}", r.replica, r.node)
     reason = r.reason or ("CollectiveTimeout" if r.exit_code == EXIT_COLLECTIVE_TIMEOUT else "RankFailed")
     return Failure(FailureClass.USER, reason, f"{where} failed ({reason}, {describe_exit(r.exit_code)}){detail}",
-                   r.replica, r.node)
+                   r.replica, r.node, signature(r), r.error)
 
 
 def _rank(f: Failure, r: ReplicaObservation) -> tuple[int, int]:

@@ -24,6 +24,8 @@ class ReplicaObservation:
     exit_code: the first non-zero exit code of a rank (128+N for signal N), or 0 / None.
     reason: what the backend knows beyond the code: OOMKilled, Evicted, Preempted, NodeLost, Deleted, Signal ...
     node: where it runs (None while unscheduled). message: free text for the status/event.
+    error: the one-line error the failing rank reported (`seqtrain train: error: ...`, read from its log or the
+    pod's termination message), None when it reported none; the controller compares it across attempts.
     """
 
     replica: int
@@ -33,6 +35,7 @@ class ReplicaObservation:
     reason: str | None = None
     node: str | None = None
     message: str = ""
+    error: str | None = None
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from datetime import datetime
 from typing import Any
 
 from seqtrain.spec.status import CheckpointRef, Progress
+from seqtrain.train.exitcodes import last_error
 
 from ..controller.clock import parse, seconds_between
 from ..controller.types import ReplicaObservation
@@ -74,6 +75,7 @@ def replica_of(pod: Mapping[str, Any], nodes: Mapping[str, Mapping[str, Any]], n
     code = term.get("exitCode")
     reason: str | None = None
     message = status.get("message", "") or ""
+    error: str | None = None
 
     if phase in ("Failed", "Unknown"):
         phase = "Failed"
@@ -83,6 +85,8 @@ def replica_of(pod: Mapping[str, Any], nodes: Mapping[str, Mapping[str, Any]], n
                             else None) or _disruption(pod)
         if not message and term.get("message") and not _looks_like_json(term.get("message")):
             message = term["message"][:300]  # FallbackToLogsOnError: the log tail of a crash
+        if not _looks_like_json(term.get("message")):
+            error = last_error(term.get("message"))
     elif phase == "Pending":
         waiting = (_container(pod).get("state") or {}).get("waiting") or {}
         if waiting.get("reason") in _NEVER_STARTS:
@@ -98,7 +102,7 @@ def replica_of(pod: Mapping[str, Any], nodes: Mapping[str, Mapping[str, Any]], n
     if phase == "Failed" and reason is None and _disruption(pod):
         reason = _disruption(pod)
     return ReplicaObservation(replica=replica, attempt=attempt, phase=phase,  # type: ignore[arg-type]
-                              exit_code=code, reason=reason, node=node, message=message)
+                              exit_code=code, reason=reason, node=node, message=message, error=error)
 
 
 def _looks_like_json(text: str | None) -> bool:

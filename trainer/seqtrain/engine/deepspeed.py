@@ -18,6 +18,7 @@ import os
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from seqtrain.data import Batch
@@ -72,8 +73,13 @@ class DeepSpeedEngine(Engine):
         super().__init__(model, job, ctx)
         import deepspeed
 
-        if ctx.distributed:
-            deepspeed.init_distributed(dist_backend=ctx.backend, auto_mpi_discovery=False)
+        backend = ctx.backend
+        if not ctx.distributed and not dist.is_initialized():
+            # One rank is a legitimate layout (a laptop, a single-GPU box), but DeepSpeed's collectives need a
+            # process group even then: a private one-member group over an in-memory store (no port, no peers).
+            backend = "nccl" if ctx.device.type == "cuda" else "gloo"
+            dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
+        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
         ospec = job.spec.training.optimizer
         if job.spec.optimization.zero.offload == "cpu" and ctx.device.type == "cuda":
             from deepspeed.ops.adam import DeepSpeedCPUAdam

@@ -77,6 +77,10 @@ class JobStatus(_StatusModel):
     failed_nodes: dict[str, str] = Field(default_factory=dict, description="node -> time until which it is avoided.")
     steps_lost: list[int] = Field(default_factory=list, description="Steps redone after each restart.")
     goodput: float | None = Field(None, description="Productive training time / wall time since start.")
+    attempt_start_time: str | None = Field(None, description="When the current attempt's gang was created.")
+    startup_failure: str | None = Field(
+        None, description="Signature (exit code and error) of the last attempt when it failed before its first "
+        "step; the next attempt failing the same way fails the job (a deterministic start-up failure).")
 
     def to_dict(self) -> dict:
         return self.model_dump(by_alias=True, mode="json", exclude_none=True)

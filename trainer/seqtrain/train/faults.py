@@ -6,6 +6,8 @@
 - SEQTRAIN_FAULT_IN_SAVE=crash|sleep:SECONDS [SEQTRAIN_FAULT_SAVE_STEP=N]: inside a checkpoint save, after
   every rank wrote its files and before rank 0 publishes: rank 0 SIGKILLs itself, or sleeps (a window in which
   a test kills the gang from outside).
+- SEQTRAIN_FAULT_SETUP_ERROR=TEXT: every rank raises RuntimeError(TEXT) while setting up, before its first step
+  (a start-up failure that repeats identically on every attempt).
 - SEQTRAIN_FAULT_ATTEMPT=A: inject only in gang incarnation A (the controller sets SEQTRAIN_ATTEMPT for every
   rank), so a fault fires once and the restarted gang runs clean.
 """
@@ -51,3 +53,9 @@ def in_save(step: int, rank: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     elif what.startswith("sleep:"):
         time.sleep(float(what.split(":", 1)[1]))
+
+
+def maybe_fail_setup() -> None:
+    text = os.environ.get("SEQTRAIN_FAULT_SETUP_ERROR", "").strip()
+    if text and _armed():
+        raise RuntimeError(text)
