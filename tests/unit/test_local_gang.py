@@ -71,11 +71,9 @@ def test_stop_escalates_to_sigkill_after_the_deadline_and_kills_children(tmp_pat
                            log_dir=str(tmp_path), command=fake(code))
     wait_until(lambda: (tmp_path / "child").exists() and (tmp_path / "child").read_text() != "")
     child = int((tmp_path / "child").read_text())
-    t0 = time.monotonic()
     gang.stop(grace=0.5)
-    assert time.monotonic() - t0 < 10
     assert not gang.alive()
-    assert gang.observe()[0].exit_code == 137
+    assert gang.observe()[0].exit_code == 137  # SIGKILL after the grace, not the end of its 60 s sleep
     wait_until(lambda: not _alive(child))
 
 

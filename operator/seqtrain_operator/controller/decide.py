@@ -62,6 +62,7 @@ def decide(job: SeqTrainJob, status: JobStatus, observed: Observed, now: datetim
     st = ctx.st
     st.world_size = job.spec.world_size
     _record_progress(ctx)
+    _record_skipped_checkpoints(ctx)
     _prune_failed_nodes(ctx)
 
     gv = gang_policy.view(observed, st.attempt)
@@ -97,6 +98,14 @@ def _record_progress(ctx: _Ctx) -> None:
         st.progress = Progress(step=0, total_steps=total)
     if obs.latest_checkpoint is not None:
         st.last_checkpoint = obs.latest_checkpoint.model_copy()
+
+
+def _record_skipped_checkpoints(ctx: _Ctx) -> None:
+    for step, reason in ctx.observed.skipped_checkpoints:
+        if str(step) not in ctx.st.skipped_checkpoints:
+            ctx.st.skipped_checkpoints[str(step)] = reason
+            ctx.event("Warning", "CheckpointSkipped", f"checkpoint step {step} set aside, resumed from an earlier "
+                      f"one: {reason}")
 
 
 def _prune_failed_nodes(ctx: _Ctx) -> None:

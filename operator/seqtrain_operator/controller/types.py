@@ -48,12 +48,15 @@ class Observed:
     progress: the trainer's latest step/loss/throughput (updated_at = time of the last completed step, ISO-8601).
     unschedulable: set by the backend when the planner cannot place the whole gang now (gang admission refused);
     the text is shown in the Scheduled condition.
+    skipped_checkpoints: (step, reason) of checkpoints the trainer set aside as unusable (a refused or corrupt file);
+    each is reported once with a Warning event.
     """
 
     replicas: tuple[ReplicaObservation, ...] = ()
     latest_checkpoint: CheckpointRef | None = None
     progress: Progress | None = None
     unschedulable: str | None = None
+    skipped_checkpoints: tuple[tuple[int, str], ...] = ()
 
 
 # ---- actions: executed by the backend in the order given ----------------------------------------------------------

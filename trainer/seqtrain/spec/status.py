@@ -77,6 +77,9 @@ class JobStatus(_StatusModel):
     failed_nodes: dict[str, str] = Field(default_factory=dict, description="node -> time until which it is avoided.")
     steps_lost: list[int] = Field(default_factory=list, description="Steps redone after each restart.")
     goodput: float | None = Field(None, description="Productive training time / wall time since start.")
+    skipped_checkpoints: dict[str, str] = Field(
+        default_factory=dict, description="Checkpoint step -> why the trainer set it aside and resumed from an "
+        "earlier one (a file refused as unsafe, truncated or unreadable).")
     attempt_start_time: str | None = Field(None, description="When the current attempt's gang was created.")
     startup_failure: str | None = Field(
         None, description="Signature (exit code and error) of the last attempt when it failed before its first "
