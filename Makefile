@@ -11,8 +11,14 @@ export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 export TRITON_CACHE_DIR ?= $(CURDIR)/.cache/triton
 export OMP_NUM_THREADS ?= 1
 export PYTHONUNBUFFERED := 1
+# Image names: the chart's default operator image and the spec's default trainer image are exactly these (tested), so
+# `make images` + `kind load docker-image` + `helm install` needs no image overrides; the release workflow pushes them.
+VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml | head -n 1)
+IMAGE_REPO ?= ghcr.io/seqtrain
+TRAINER_IMAGE ?= $(IMAGE_REPO)/trainer:$(VERSION)
+OPERATOR_IMAGE ?= $(IMAGE_REPO)/operator:$(VERSION)
 
-.PHONY: install demo test test-fast lint crd verify-crd tools chart-test images kind-e2e clean
+.PHONY: install demo test test-fast lint crd verify-crd tools chart-test images print-images kind-e2e clean
 
 install: $(STAMP)
 
@@ -64,8 +70,11 @@ chart-test: tools
 	$(PY) -m pytest -q tests/unit/test_chart.py
 
 images:
-	docker build --target trainer -t seqtrain/trainer:dev .
-	docker build --target operator -t seqtrain/operator:dev .
+	docker build --target trainer -t $(TRAINER_IMAGE) .
+	docker build --target operator -t $(OPERATOR_IMAGE) .
+
+print-images:
+	@echo $(TRAINER_IMAGE) $(OPERATOR_IMAGE)
 
 kind-e2e:
 	bash tests/e2e/kind-e2e.sh

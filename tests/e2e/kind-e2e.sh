@@ -19,8 +19,8 @@ KEEP=${KEEP:-0}
 E2E_FAKE_GPUS=${E2E_FAKE_GPUS:-1}
 CKPT_HOST_DIR=${CKPT_HOST_DIR:-/tmp/${CLUSTER}-checkpoints}
 PATH="$ROOT/.tools/bin:$PATH"
-TRAINER_IMAGE=seqtrain/trainer:dev
-OPERATOR_IMAGE=seqtrain/operator:dev
+# The names `make images` builds: the chart's and the spec's defaults (no image overrides below).
+read -r TRAINER_IMAGE OPERATOR_IMAGE < <(make -s print-images)
 
 log() { printf '\n== %s\n' "$*"; }
 die() { printf 'kind-e2e: %s\n' "$*" >&2; exit 1; }
@@ -79,14 +79,13 @@ kubectl config use-context "kind-$CLUSTER"
 
 if [[ ${SKIP_BUILD:-0} != 1 ]]; then
   log "build and load images"
-  docker build --target trainer -t "$TRAINER_IMAGE" .
-  docker build --target operator -t "$OPERATOR_IMAGE" .
+  make images
 fi
 kind load docker-image --name "$CLUSTER" "$TRAINER_IMAGE" "$OPERATOR_IMAGE"
 
 log "install the chart"
 helm upgrade --install seqtrain charts/seqtrain --namespace seqtrain-system --create-namespace \
-  --set image.repository=seqtrain/operator --set image.tag=dev --set image.pullPolicy=Never \
+  --set image.pullPolicy=Never \
   --set fullnameOverride=seqtrain --wait --timeout 180s
 kubectl -n seqtrain-system rollout status deploy/seqtrain --timeout=180s
 kubectl wait --for=condition=Established crd/seqtrainjobs.seqtrain.dev --timeout=60s

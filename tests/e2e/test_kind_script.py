@@ -29,7 +29,7 @@ def test_shellcheck_clean():
 
 def test_script_covers_the_issue_steps():
     text = SCRIPT.read_text()
-    for step in ("kind create cluster", "role: worker", "docker build --target trainer", "docker build --target operator",
+    for step in ("kind create cluster", "role: worker", "make images", "make -s print-images",
                  "kind load docker-image", "helm upgrade --install seqtrain charts/seqtrain", "examples/k8s-cpu.yaml",
                  "wait_phase cpu-demo Succeeded", "delete \"$victim\"", "wait_phase cpu-recover Succeeded",
                  "nvidia.com/gpu", "--subresource=status", "trap cleanup EXIT"):
@@ -44,7 +44,11 @@ def test_example_used_by_the_script_is_valid_and_fits_kind():
 
     job = load_job_file(str(ROOT / "examples" / "k8s-cpu.yaml"))
     assert job.spec.resources.gpus == 0 and job.spec.checkpoint.pvc == "seqtrain-ckpt"
-    assert job.spec.image == "seqtrain/trainer:dev"  # the image the script builds and loads
+    from seqtrain.spec.job import DEFAULT_IMAGE
+
+    # the default image, which `make images` builds and the script loads
+    assert "image" not in yaml.safe_load((ROOT / "examples" / "k8s-cpu.yaml").read_text())["spec"]
+    assert job.spec.image == DEFAULT_IMAGE
     assert job.spec.checkpoint.interval_steps < 15  # the pod is deleted after step 15: a checkpoint exists
     values = yaml.safe_load((ROOT / "charts" / "seqtrain" / "values.yaml").read_text())
     assert "fullnameOverride" in values  # the script sets it

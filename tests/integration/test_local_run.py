@@ -166,7 +166,9 @@ def test_rerun_of_finished_job_says_so(job_file: Path, reference: Path) -> None:
 
 def test_rank_killed_from_outside_restarts_once_with_identical_losses(job_file: Path, reference: Path,
                                                                      tmp_path: Path) -> None:
-    proc = seqtrain("run", str(job_file), "--workdir", str(tmp_path), "-q")
+    # The first attempt holds after step 12 (until stopped): the kill lands mid-run however fast the machine is.
+    hold = {"SEQTRAIN_FAULT_HOLD_AT_STEP": "12", "SEQTRAIN_FAULT_ATTEMPT": "1"}
+    proc = seqtrain("run", str(job_file), "--workdir", str(tmp_path), "-q", env=hold)
     wait_for("step 12", lambda: last_step(tmp_path) >= 12, proc)
     pids = rank_pids(tmp_path)
     assert pids is not None
@@ -209,7 +211,8 @@ def test_kill_while_a_checkpoint_is_written_never_publishes_it(job_file: Path, r
 
 
 def test_ctrl_c_suspends_and_the_next_run_resumes(job_file: Path, reference: Path, tmp_path: Path) -> None:
-    proc = seqtrain("run", str(job_file), "--workdir", str(tmp_path), "-q")
+    # The run holds after step 15 until stopped: Ctrl-C always lands mid-run, never after the job finished.
+    proc = seqtrain("run", str(job_file), "--workdir", str(tmp_path), "-q", env={"SEQTRAIN_FAULT_HOLD_AT_STEP": "15"})
     wait_for("step 15", lambda: last_step(tmp_path) >= 15, proc)
     pids = rank_pids(tmp_path)
     assert pids is not None
@@ -220,7 +223,7 @@ def test_ctrl_c_suspends_and_the_next_run_resumes(job_file: Path, reference: Pat
     assert st["phase"] == "Suspended" and "resume" in st["message"], st
     assert not any(alive(p) for p in pids.values())
     saved = complete_steps(tmp_path)
-    assert saved and saved[-1] >= 15  # the trainer saved on SIGTERM
+    assert saved and saved[-1] == 15  # the trainer saved on SIGTERM, at the step it was held at
     rc, out = run(job_file, tmp_path)
     assert rc == 0, out
     st = status(tmp_path)
@@ -237,6 +240,85 @@ def test_max_restarts_exhausted_fails_with_exit_1(job_file: Path, tmp_path: Path
     assert st["phase"] == "Failed" and st["restarts"] == 1 and st["attempt"] == 2
     assert "maxRestarts (1) reached" in st["message"]
     assert "Failed" in out and "rank-1.log" in out
+
+
+def test_identical_start_up_failure_stops_after_the_second_attempt(job_file: Path, tmp_path: Path) -> None:
+    # Every attempt fails the same way before its first step: the second identical failure ends the job with the
+    # budget (5 restarts) nearly untouched, and the status says why.
+    rc, out = run(job_file, tmp_path, "faultTolerance.maxRestarts=5",
+                  env={"SEQTRAIN_FAULT_SETUP_ERROR": "cannot open /data/shard-7: read-only file system"})
+    assert rc == 1, out
+    st = status(tmp_path)
+    assert st["phase"] == "Failed" and st["attempt"] == 2 and st["restarts"] == 1, st
+    failed = next(c for c in st["conditions"] if c["type"] == "Failed")
+    assert failed["reason"] == "StartupFailure"
+    assert "deterministic start-up failure" in st["message"]
+    assert "RuntimeError: cannot open /data/shard-7: read-only file system" in st["message"]
+
+
+def test_deepspeed_trains_with_a_single_rank(job_file: Path, tmp_path: Path) -> None:
+    # One rank (a laptop, a single-GPU box) is a legitimate DeepSpeed layout: no process group from the launcher.
+    from deepspeed.comm.torch import build_shm_op
+
+    build_shm_op()  # DeepSpeed's CPU communication op: compiled once into TORCH_EXTENSIONS_DIR (minutes), then loaded
+    rc, out = run(job_file, tmp_path, "replicas=1", "optimization.engine=deepspeed", "optimization.zero.stage=2",
+                  "training.steps=2", "training.schedule.warmupSteps=1", "faultTolerance.maxRestarts=0")
+    assert rc == 0, out
+    st = status(tmp_path)
+    assert st["phase"] == "Succeeded" and st["restarts"] == 0, st
+    assert sorted(losses(tmp_path)) == [1, 2]
+
+
+class _Payload:
+    """Unpickling this runs a shell command: what a planted checkpoint file would do."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):  # noqa: ANN204
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _plant(step_dir: Path, name: str, marker: Path) -> None:
+    """Replace a file with a payload pickle and, as an attacker with write access would, fix meta.json's sizes."""
+    import pickle
+
+    import torch
+
+    torch.save({"step": 20, "evil": _Payload(marker)}, step_dir / name, pickle_module=pickle)
+    meta = json.loads((step_dir / "meta.json").read_text())
+    meta["sizes"][name] = (step_dir / name).stat().st_size
+    (step_dir / "meta.json").write_text(json.dumps(meta))
+
+
+@pytest.mark.parametrize("damage", ["planted-pickle", "truncated"])
+def test_unusable_checkpoint_is_skipped_for_the_previous_one(damage: str, job_file: Path, reference: Path,
+                                                             tmp_path: Path) -> None:
+    import uuid
+
+    # stop after the checkpoint of step 20 (SIGTERM-like: save, exit 143; no restart allowed)
+    rc, out = run(job_file, tmp_path, "faultTolerance.maxRestarts=0", env={"SEQTRAIN_FAULT_TERM_AT_STEP": "20"})
+    assert rc == 1 and complete_steps(tmp_path) == [10, 20], out
+    step20 = tmp_path / "checkpoints" / "step-20"
+    marker = Path(f"/tmp/PWNED-{uuid.uuid4().hex}")
+    if damage == "planted-pickle":
+        _plant(step20, "trainer.pt", marker)
+        want = "trainer.pt: refused"
+    else:
+        engine = step20 / "engine.pt"
+        engine.write_bytes(engine.read_bytes()[: engine.stat().st_size // 2])
+        want = "engine.pt: "
+    rc, out = run(job_file, tmp_path)
+    assert not marker.exists(), "the planted payload ran"
+    assert rc == 0, out
+    assert "Traceback" not in out
+    events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    skipped = [e for e in events if e["reason"] == "CheckpointSkipped"]
+    assert len(skipped) == 1 and want in skipped[0]["message"] and "step 20" in skipped[0]["message"], skipped
+    st = status(tmp_path)
+    assert st["phase"] == "Succeeded" and want in st["skippedCheckpoints"]["20"]
+    assert (tmp_path / "checkpoints" / ".bad-step-20" / "REASON").is_file()  # kept for inspection
+    assert losses(tmp_path) == losses(reference)  # resumed exactly from step 10
 
 
 def test_invalid_spec_exits_2_and_writes_nothing(tmp_path: Path) -> None:

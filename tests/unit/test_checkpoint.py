@@ -49,6 +49,63 @@ def test_incomplete_folders_are_never_resumed_from(tmp_path: Path) -> None:
     assert latest_step(str(tmp_path / "missing")) == 0
 
 
+def test_a_file_changed_since_publishing_is_set_aside_with_the_reason(tmp_path: Path) -> None:
+    from seqtrain.checkpoint.discovery import quarantined
+
+    mgr = CheckpointManager(str(tmp_path), keep=5, ctx=DistContext())
+    mgr.save(2, writer(["x.pt"]))
+    mgr.save(4, writer(["x.pt"]))
+    assert json.loads((tmp_path / "step-4" / "meta.json").read_text())["sizes"] == {"x.pt": 4}
+    (tmp_path / "step-4" / "x.pt").write_text("x")  # truncated
+    assert [c.step for c in list_checkpoints(str(tmp_path))] == [2]  # the controller never reports it
+    assert mgr.latest().step == 2  # the trainer resumes from the previous one ...
+    assert not (tmp_path / "step-4").exists()
+    (step, reason), = quarantined(str(tmp_path))  # ... and the reason is kept for the event
+    assert step == 4 and reason.endswith("x.pt: 1 bytes, but 4 when it was saved (truncated or replaced)")
+
+
+def test_safe_load_refuses_a_pickle_with_code_and_names_the_file(tmp_path: Path) -> None:
+    import pickle
+    import uuid
+
+    import torch
+
+    from seqtrain.checkpoint.safe_load import UnusableCheckpoint, load_plain
+
+    marker = Path(f"/tmp/PWNED-{uuid.uuid4().hex}")
+
+    class Payload:
+        def __reduce__(self):  # noqa: ANN204
+            return (os.system, (f"touch {marker}",))
+
+    bad = tmp_path / "trainer.pt"
+    torch.save({"step": 1, "x": Payload()}, bad, pickle_module=pickle)
+    with pytest.raises(UnusableCheckpoint, match=r"trainer.pt: refused"):
+        load_plain(str(bad))
+    assert not marker.exists()
+    cut = tmp_path / "cut.pt"
+    torch.save({"t": torch.arange(1000)}, cut)
+    cut.write_bytes(cut.read_bytes()[:300])
+    with pytest.raises(UnusableCheckpoint, match=r"cut.pt: unreadable"):
+        load_plain(str(cut))
+
+
+def test_rng_state_round_trips_through_a_weights_only_file(tmp_path: Path) -> None:
+    import random
+
+    import numpy as np
+    import torch
+
+    from seqtrain.checkpoint.safe_load import load_plain
+    from seqtrain.train.loop import rng_state, set_rng_state
+
+    random.seed(3), np.random.seed(4), torch.manual_seed(5)
+    torch.save(rng_state(), tmp_path / "rng.pt")
+    want = (random.random(), float(np.random.rand()), float(torch.rand(())))
+    set_rng_state(load_plain(str(tmp_path / "rng.pt")))
+    assert (random.random(), float(np.random.rand()), float(torch.rand(()))) == want
+
+
 def test_failed_write_publishes_nothing_and_next_save_cleans_up(tmp_path: Path) -> None:
     mgr = CheckpointManager(str(tmp_path), keep=2, ctx=DistContext())
     mgr.save(1, writer(["a"]))

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -93,3 +96,37 @@ def test_bad_arguments_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str
         cli.main(argv)
     assert exc.value.code == 2
     assert "usage: seqtrain" in capsys.readouterr().err
+
+
+def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """The CLI as a user runs it: a fresh process, its own environment."""
+    full = {k: v for k, v in os.environ.items() if k not in ("KUBECONFIG", "KUBERNETES_SERVICE_HOST")}
+    full.update(env or {})
+    return subprocess.run([sys.executable, "-m", "seqtrain_operator.cli", *args], env=full, text=True,
+                          capture_output=True, timeout=120)
+
+
+def test_operator_without_a_cluster_exits_2_with_one_line(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    home.mkdir()
+    r = _cli("operator", env={"HOME": str(home)})
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    line = lines[0]
+    assert "no Kubernetes cluster configured" in line
+    assert "service account" in line and "KUBECONFIG (unset)" in line and f"{home}/.kube/config" in line
+    assert "KUBECONFIG=/path/to/kubeconfig" in line  # how to point it at a cluster
+    # a kubeconfig that is not one is named as such, still in one line
+    bad = tmp_path / "broken-kubeconfig"
+    bad.write_text("clusters: [\n")
+    r = _cli("operator", env={"HOME": str(home), "KUBECONFIG": str(bad)})
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert f"{bad} is not a usable kubeconfig" in r.stderr
+
+
+@pytest.mark.parametrize("extra", [[], ["--json"]], ids=["table", "json"])
+def test_plan_output_ends_with_a_newline(extra: list[str]) -> None:
+    r = _cli("plan", str(QUICKSTART), *extra)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.endswith("\n") and not r.stdout.endswith("\n\n"), repr(r.stdout[-40:])

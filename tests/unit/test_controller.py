@@ -233,6 +233,61 @@ def test_zero_max_restarts_fails_on_first_failure() -> None:
     assert d.status.phase == "Failed" and d.status.restarts == 0
 
 
+def _fail_attempt(job: SeqTrainJob, st: JobStatus, now: datetime, error: str | None, progress_at: datetime | None,
+                  exit_code: int = 1) -> JobStatus:
+    """Create the next attempt at `now`, then see it fail (with `error`) 60s later; progress stamped at
+    `progress_at` (None: no step ever)."""
+    st = decide(job, st, Observed(), now).status
+    assert st.phase == "Scheduling"
+    if progress_at is not None:
+        st.progress = Progress(step=5, updated_at=iso(progress_at))
+    return decide(job, st, Observed(replicas=gang(st.attempt, "Failed", exit_code=exit_code, error=error)),
+                  now + timedelta(seconds=60)).status
+
+
+DS_ERROR = "AssertionError: Distributed backend is not initialized on port 29{n}"
+
+
+@pytest.mark.parametrize("case, errors, stepped, phases", [
+    # the same error before the first step twice: the second ends the job, budget (5) left unused
+    ("same-error-twice", [DS_ERROR.format(n=1), DS_ERROR.format(n=7)], [False, False], ["Restarting", "Failed"]),
+    ("different-errors", ["OSError: disk full", "ValueError: bad shard"], [False, False],
+     ["Restarting", "Restarting"]),
+    ("no-error-line (SIGKILL, OOM)", [None, None], [False, False], ["Restarting", "Restarting"]),
+    ("trained-then-failed", ["RuntimeError: x", "RuntimeError: x"], [True, True], ["Restarting", "Restarting"]),
+    ("start-up failure after a trained attempt", ["RuntimeError: x", "RuntimeError: x"], [True, False],
+     ["Restarting", "Restarting"]),
+])
+def test_identical_failure_before_the_first_step_is_not_retried(case: str, errors: list, stepped: list,
+                                                                 phases: list) -> None:
+    job = make_job(replicas=1, max_restarts=5, backoff=0)
+    st, now, seen = JobStatus(), T0, []
+    for err, step in zip(errors, stepped, strict=True):
+        st = _fail_attempt(job, st, now, err, now + timedelta(seconds=30) if step else None)
+        seen.append(st.phase)
+        now += timedelta(minutes=5)
+    assert seen == phases, case
+    if phases[-1] == "Failed":
+        assert st.conditions and any(c.type == "Failed" and c.reason == "StartupFailure" for c in st.conditions)
+        assert "deterministic start-up failure" in st.message and "not initialized" in st.message
+        assert st.restarts == 1
+
+
+def test_a_different_exit_code_is_a_different_failure() -> None:
+    job = make_job(replicas=1, max_restarts=5, backoff=0)
+    st = _fail_attempt(job, JobStatus(), T0, "RuntimeError: x", None, exit_code=1)
+    st = _fail_attempt(job, st, T0 + timedelta(minutes=5), "RuntimeError: x", None, exit_code=4)
+    assert st.phase == "Restarting"
+
+
+def test_progress_of_an_earlier_attempt_does_not_count_as_a_step() -> None:
+    job = make_job(replicas=1, max_restarts=5, backoff=0)
+    st = _fail_attempt(job, JobStatus(), T0, "RuntimeError: x", T0 + timedelta(seconds=30))  # trained, then failed
+    st = _fail_attempt(job, st, T0 + timedelta(minutes=5), "RuntimeError: y", T0 + timedelta(seconds=30))
+    st = _fail_attempt(job, st, T0 + timedelta(minutes=10), "RuntimeError: y", T0 + timedelta(seconds=30))
+    assert st.phase == "Failed" and "StartupFailure" in [c.reason for c in st.conditions]
+
+
 def test_permanent_failure_fails_without_restart() -> None:
     job = make_job()
     d = decide(job, run_to_running(job), Observed(replicas=gang(1, "Failed", "Failed", exit_code=3)), T0)

@@ -129,3 +129,92 @@ def test_readme_commands_are_real_subcommands() -> None:
     names = set(bench.group(1).replace("\\", "").split("|"))
     choices = next(a for a in sub.choices["bench"]._actions if a.dest == "name").choices
     assert names == set(choices), f"README's benchmarks {sorted(names)} != seqtrain bench's {sorted(choices)}"
+
+
+# ---- the README's Kubernetes section and the images it uses (issue 17) -------------------------------------------
+
+
+def _make_images() -> list[str]:
+    import subprocess
+
+    out = subprocess.run(["make", "-s", "--no-print-directory", "print-images"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.split()
+
+
+def _kubernetes_block() -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    at = text.index("On Kubernetes")
+    block = FENCE.search(text, at)
+    assert block is not None
+    return [ln.split("#")[0].strip() for ln in block.group(0).splitlines()[1:-1] if ln.split("#")[0].strip()]
+
+
+def test_default_images_are_what_make_images_builds() -> None:
+    import yaml
+
+    from seqtrain.spec.job import DEFAULT_IMAGE
+
+    trainer, operator = _make_images()
+    mk = (ROOT / "Makefile").read_text()
+    assert "-t $(TRAINER_IMAGE)" in mk and "-t $(OPERATOR_IMAGE)" in mk
+    assert trainer == DEFAULT_IMAGE  # the spec's default trainer image
+    chart = yaml.safe_load((ROOT / "charts" / "seqtrain" / "Chart.yaml").read_text())
+    values = yaml.safe_load((ROOT / "charts" / "seqtrain" / "values.yaml").read_text())
+    tag = values["image"]["tag"] or chart["appVersion"]  # the deployment template's default
+    assert f"{values['image']['repository']}:{tag}" == operator
+    assert values["image"]["pullPolicy"] == "IfNotPresent"  # an image loaded into kind is used, not pulled
+    version = re.search(r'^version = "(.*)"$', (ROOT / "pyproject.toml").read_text(), re.M).group(1)  # type: ignore[union-attr]
+    assert chart["appVersion"] == chart["version"] == version
+    assert trainer.endswith(f":{version}") and operator.endswith(f":{version}")
+
+
+def test_readme_kubernetes_section_is_a_working_sequence() -> None:
+    import yaml
+
+    cmds = _kubernetes_block()
+    images = _make_images()
+
+    def index(prefix: str) -> int:
+        hits = [i for i, c in enumerate(cmds) if c.startswith(prefix)]
+        assert hits, f"README's Kubernetes section lacks `{prefix}`:\n" + "\n".join(cmds)
+        return hits[0]
+
+    order = ["mkdir -p /tmp/seqtrain-ckpt", "kind create cluster --name seqtrain --config examples/kind/cluster.yaml",
+             "make images", "kind load docker-image --name seqtrain", "helm install seqtrain charts/seqtrain",
+             "kubectl apply -f examples/kind/checkpoint-volume.yaml", "kubectl apply -f examples/k8s-cpu.yaml"]
+    positions = [index(p) for p in order]
+    assert positions == sorted(positions), "commands out of order"
+    load = cmds[index("kind load docker-image")].split()
+    assert sorted(load[load.index("seqtrain") + 1:]) == sorted(images)  # exactly what `make images` built
+    helm = cmds[index("helm install")]
+    assert "image." not in helm  # the chart's defaults are the loaded images
+    # the cluster's shared folder, the volume and the job's claim fit together
+    cluster = yaml.safe_load((ROOT / "examples" / "kind" / "cluster.yaml").read_text())
+    workers = [n for n in cluster["nodes"] if n["role"] == "worker"]
+    mounts = {(m["hostPath"], m["containerPath"]) for n in workers for m in n["extraMounts"]}
+    assert mounts == {("/tmp/seqtrain-ckpt", "/mnt/seqtrain-ckpt")} and len(workers) == 2
+    pv, pvc = yaml.safe_load_all((ROOT / "examples" / "kind" / "checkpoint-volume.yaml").read_text())
+    assert pv["spec"]["hostPath"]["path"] == "/mnt/seqtrain-ckpt"
+    assert "ReadWriteMany" in pv["spec"]["accessModes"] and pvc["spec"]["volumeName"] == pv["metadata"]["name"]
+    job = yaml.safe_load((ROOT / "examples" / "k8s-cpu.yaml").read_text())
+    assert job["spec"]["checkpoint"]["pvc"] == pvc["metadata"]["name"]
+    assert pvc["metadata"]["namespace"] == job["metadata"].get("namespace", "default")
+    assert "image" not in job["spec"]  # the default trainer image, loaded above
+
+
+def test_release_workflow_publishes_the_images_and_the_chart_on_a_version_tag() -> None:
+    import yaml
+
+    wf = yaml.safe_load((ROOT / ".github" / "workflows" / "release.yaml").read_text())
+    on = wf.get("on", wf.get(True))  # YAML 1.1 reads a bare `on` key as True
+    assert on["push"]["tags"] == ["v*.*.*"] and "branches" not in on["push"]
+    assert wf["permissions"]["packages"] == "write"
+    runs = "\n".join(s.get("run", "") for job in wf["jobs"].values() for s in job["steps"])
+    assert 'make images IMAGE_REPO="$IMAGE_REPO"' in runs and "make -s print-images" in runs and "docker push" in runs
+    assert "helm package charts/seqtrain" in runs and 'helm push "dist/seqtrain-${VERSION}.tgz" "$CHART_REPO"' in runs
+    assert wf["env"]["CHART_REPO"].startswith("oci://")
+    trainer, _ = _make_images()
+    assert trainer.startswith(wf["env"]["IMAGE_REPO"] + "/")  # it pushes the default names
+    assert ".github/workflows/release.yaml" in (ROOT / "README.md").read_text()

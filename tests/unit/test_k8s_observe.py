@@ -150,3 +150,19 @@ def test_status_is_written_only_on_change_goodput_alone_is_not_a_change():
     assert not _changed(old, {**old, "goodput": 0.51})
     assert _changed(old, {**old, "progress": {"step": 4}, "goodput": 0.51})
     assert _changed(old, {**old, "phase": "Restarting"})
+def test_error_line_from_the_termination_message_log_tail():
+    tail = "Traceback ...\nseqtrain train: error: RuntimeError: no space left on device (28)\n"
+    failed = pod(phase="Failed", term={"exitCode": 1, "message": tail})
+    (r,) = observe_replicas([failed], [node("n1")], NOW)
+    assert r.error == "RuntimeError: no space left on device (28)"
+    done = pod(phase="Failed", term={"exitCode": 1, "message": json.dumps({"step": 3})})
+    assert observe_replicas([done], [node("n1")], NOW)[0].error is None
+
+
+def test_error_line_helpers():
+    from seqtrain.train.exitcodes import error_line, last_error
+
+    assert error_line(ValueError("bad\nsecond line")) == "ValueError: bad"
+    assert error_line(KeyError()) == "KeyError"
+    assert last_error("x\nseqtrain train: error: A: 1\ny\nseqtrain train: error: B: 2\nz") == "B: 2"
+    assert last_error("no marker here") is None and last_error(None) is None

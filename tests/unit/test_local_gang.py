@@ -71,11 +71,9 @@ def test_stop_escalates_to_sigkill_after_the_deadline_and_kills_children(tmp_pat
                            log_dir=str(tmp_path), command=fake(code))
     wait_until(lambda: (tmp_path / "child").exists() and (tmp_path / "child").read_text() != "")
     child = int((tmp_path / "child").read_text())
-    t0 = time.monotonic()
     gang.stop(grace=0.5)
-    assert time.monotonic() - t0 < 10
     assert not gang.alive()
-    assert gang.observe()[0].exit_code == 137
+    assert gang.observe()[0].exit_code == 137  # SIGKILL after the grace, not the end of its 60 s sleep
     wait_until(lambda: not _alive(child))
 
 
@@ -138,3 +136,15 @@ def test_metrics_tail_follows_appends_partial_lines_and_rewrites(tmp_path: Path)
     tmp.write_text(json.dumps({"step": 1, "loss": 5.0}) + "\n")
     os.replace(tmp, path)
     assert tail.progress().step == 1  # type: ignore[union-attr]
+
+
+def test_observe_carries_the_error_line_a_failing_rank_printed(tmp_path: Path) -> None:
+    code = ("import sys\nprint('Traceback (most recent call last): ...', file=sys.stderr)\n"
+            "print('seqtrain train: error: AssertionError: backend is not initialized', file=sys.stderr)\n"
+            "sys.exit(1)")
+    gang = LocalGang.start(1, replicas=1, procs_per_replica=1, gpus_per_replica=0, config_path="unused",
+                           log_dir=str(tmp_path), command=fake(code))
+    wait_until(lambda: gang.observe()[0].phase == "Failed")
+    (obs,) = gang.observe()
+    assert obs.exit_code == 1 and obs.error == "AssertionError: backend is not initialized"
+    assert "(AssertionError: backend is not initialized)" in obs.message

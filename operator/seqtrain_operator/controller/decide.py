@@ -76,6 +76,7 @@ def decide(job: SeqTrainJob, status: JobStatus, observed: Observed, now: datetim
     if observed.generation is not None:
         st.observed_generation = observed.generation
     _record_progress(ctx)
+    _record_skipped_checkpoints(ctx)
     _prune_failed_nodes(ctx)
 
     gv = gang_policy.view(observed, st.attempt)
@@ -110,6 +111,14 @@ def _record_progress(ctx: _Ctx) -> None:
         st.progress = Progress(step=0, total_steps=total)
     if obs.latest_checkpoint is not None:
         st.last_checkpoint = obs.latest_checkpoint.model_copy()
+
+
+def _record_skipped_checkpoints(ctx: _Ctx) -> None:
+    for step, reason in ctx.observed.skipped_checkpoints:
+        if str(step) not in ctx.st.skipped_checkpoints:
+            ctx.st.skipped_checkpoints[str(step)] = reason
+            ctx.event("Warning", "CheckpointSkipped", f"checkpoint step {step} set aside, resumed from an earlier "
+                      f"one: {reason}")
 
 
 def _prune_failed_nodes(ctx: _Ctx) -> None:
@@ -311,6 +320,7 @@ def _no_gang(ctx: _Ctx) -> None:
     restarting = st.phase == "Restarting"
     st.attempt += 1
     st.next_restart_time = None
+    st.attempt_start_time = iso(ctx.now)
     if st.start_time is None:
         st.start_time = iso(ctx.now)
     resume = _resume_step(ctx)
@@ -399,6 +409,12 @@ def _on_failure(ctx: _Ctx, failure: Failure) -> None:
         if failure.node:
             st.failed_nodes[failure.node] = iso(ctx.now + timedelta(seconds=ft.node_avoid_seconds))
     else:
+        if _repeated_startup_failure(ctx, failure):
+            said = "" if failure.error is None or failure.error in failure.message else f" ({failure.error})"
+            _fail(ctx, "StartupFailure", f"{failure.message}{said}; attempts {st.attempt - 1} and {st.attempt} "
+                  "failed the same way before their first step (a deterministic start-up failure): not restarting; "
+                  "fix the cause in the rank log and resubmit")
+            return
         if st.restarts >= ft.max_restarts:
             _fail(ctx, failure.reason, f"{failure.message}; faultTolerance.maxRestarts ({ft.max_restarts}) reached")
             return
@@ -412,6 +428,24 @@ def _on_failure(ctx: _Ctx, failure: Failure) -> None:
     cond.enter_phase(st, "Restarting", failure.reason, msg, ctx.now)
     ctx.actions.append(RequeueAfter(delay))
     ctx.event("Warning", failure.reason, msg)
+
+
+def _repeated_startup_failure(ctx: _Ctx, failure: Failure) -> bool:
+    """True when this attempt failed before its first step with the signature the previous attempt failed with
+    before its first step. The first such failure is retried (it may have been a blip); an identical second is not:
+    restarting from the same checkpoint with the same config would only burn the budget. Records the signature."""
+    st = ctx.st
+    started = parse(st.attempt_start_time)
+    last_step = parse(st.progress.updated_at if st.progress else None)
+    # updatedAt has whole seconds: a step stamped in the attempt's first second still counts as a step.
+    stepped = started is None or (last_step is not None and last_step >= started.replace(microsecond=0))
+    if failure.signature is None or stepped:
+        st.startup_failure = None
+        return False
+    if st.startup_failure == failure.signature:
+        return True
+    st.startup_failure = failure.signature
+    return False
 
 
 def _fail(ctx: _Ctx, reason: str, message: str) -> None:

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum
@@ -51,6 +52,8 @@ class Failure:
     message: str  # one line a user can act on
     replica: int | None = None
     node: str | None = None
+    signature: str | None = None  # exit code + normalised error; None when the rank reported no error line
+    error: str | None = None  # the rank's own error line, as reported
 
 
 def describe_exit(code: int | None) -> str:
@@ -64,6 +67,15 @@ def describe_exit(code: int | None) -> str:
         except ValueError:
             return f"exit code {code}"
     return f"exit code {code}"
+
+
+def signature(r: ReplicaObservation) -> str | None:
+    """What makes two failures "the same": the exit code and the rank's error line with every number blanked out
+    (ports, pids, addresses, sizes and paths with attempt numbers change between attempts; the cause does not).
+    None without an error line: an exit code alone (a SIGKILL, an OOM) says too little to call a failure repeatable."""
+    if not r.error:
+        return None
+    return f"exit {r.exit_code}: {re.sub(r'[0-9]+', '#', r.error)}"
 
 
 def classify(r: ReplicaObservation) -> Failure:
@@ -89,7 +101,7 @@ def classify(r: ReplicaObservation) -> Failure:
                        f"spec.resources.memory or lower the micro-batch{detail}", r.replica, r.node)
     reason = r.reason or ("CollectiveTimeout" if r.exit_code == EXIT_COLLECTIVE_TIMEOUT else "RankFailed")
     return Failure(FailureClass.USER, reason, f"{where} failed ({reason}, {describe_exit(r.exit_code)}){detail}",
-                   r.replica, r.node)
+                   r.replica, r.node, signature(r), r.error)
 
 
 def _rank(f: Failure, r: ReplicaObservation) -> tuple[int, int]:

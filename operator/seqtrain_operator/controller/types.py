@@ -31,6 +31,8 @@ class ReplicaObservation:
     no kubelet will ever confirm its deletion, so deleting it must be forced.
     node_unready: its node is not Ready right now (for any time; node_lost once past the grace period).
     finished_at: when it terminated (ISO-8601; None while it runs or when the backend cannot tell).
+    error: the one-line error the failing rank reported (`seqtrain train: error: ...`, read from its log or the
+    pod's termination message), None when it reported none; the controller compares it across attempts.
     """
 
     replica: int
@@ -44,6 +46,7 @@ class ReplicaObservation:
     node_lost: bool = False
     node_unready: bool = False
     finished_at: str | None = None
+    error: str | None = None
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,10 @@ class Observed:
     answer: a NetworkPolicy, a service mesh, an operator outside the cluster); None: it could, or it does not try.
     Hang detection then says ProgressUnknown instead of failing a job that may be healthy.
     generation: metadata.generation of the spec the backend read (status.observedGeneration).
+    unschedulable: set by the backend when the planner cannot place the whole gang now (gang admission refused);
+    the text is shown in the Scheduled condition.
+    skipped_checkpoints: (step, reason) of checkpoints the trainer set aside as unusable (a refused or corrupt file);
+    each is reported once with a Warning event.
     """
 
     replicas: tuple[ReplicaObservation, ...] = ()
@@ -72,6 +79,7 @@ class Observed:
     capacity: tuple[Node, ...] | None = None
     progress_unreachable: str | None = None
     generation: int | None = None
+    skipped_checkpoints: tuple[tuple[int, str], ...] = ()
 
 
 # ---- actions: executed by the backend in the order given ----------------------------------------------------------

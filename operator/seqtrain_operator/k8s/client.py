@@ -55,6 +55,34 @@ def load_config() -> client.ApiClient:
         return config.new_client_from_config(config_file=path)
 
 
+SERVICE_ACCOUNT_TOKEN = "/var/run/secrets/kubernetes.io/serviceaccount/token"
+
+
+def cluster_config_problem() -> str | None:
+    """None when a cluster is configured (what `load_config` would use loads); else one line saying what was
+    looked for and how to point the operator at a cluster. Checked before kopf starts, which would otherwise
+    print a client traceback and keep retrying forever."""
+    if os.environ.get("KUBERNETES_SERVICE_HOST") and os.path.exists(SERVICE_ACCOUNT_TOKEN):
+        return None
+    raw = os.environ.get("KUBECONFIG", "")
+    paths = [p for p in raw.split(os.pathsep) if p]
+    home = os.path.expanduser("~/.kube/config")
+    path = paths[0] if paths else home
+    try:
+        config.new_client_from_config(config_file=path)
+        return None
+    except Exception as exc:  # noqa: BLE001 - any unreadable kubeconfig (YAML errors included) is the same problem
+        if not os.path.exists(path):
+            found = f"{path} does not exist"
+        else:
+            found = f"{path} is not a usable kubeconfig ({str(exc).strip().splitlines()[0] if str(exc) else exc!r})"
+    kubeconfig = f"KUBECONFIG={raw}" if raw else "KUBECONFIG (unset)"
+    return ("no Kubernetes cluster configured: looked for the in-cluster service account (KUBERNETES_SERVICE_HOST "
+            f"and {SERVICE_ACCOUNT_TOKEN}), {kubeconfig} and {home}: {found}; point it at a cluster with "
+            "KUBECONFIG=/path/to/kubeconfig (e.g. `kind create cluster` writes ~/.kube/config) or run it in the "
+            "cluster (helm install)")
+
+
 def _transient(exc: BaseException) -> bool:
     if isinstance(exc, ApiException):
         return exc.status in (0, 429) or exc.status >= 500

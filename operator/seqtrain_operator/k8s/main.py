@@ -11,6 +11,7 @@ import argparse
 import logging
 import os
 import random
+import sys
 from collections.abc import Sequence
 
 from .manifests import EXTERNAL
@@ -68,6 +69,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not sep or gang not in EXTERNAL:
             build_parser().error(f"--scheduler-name {item!r}: expected GANG=NAME with GANG one of {', '.join(EXTERNAL)}")
         schedulers[gang] = name
+    from .client import cluster_config_problem
+
+    # After the arguments (a usage error is reported as such), before kopf (which would retry forever).
+    if (problem := cluster_config_problem()) is not None:
+        print(f"seqtrain operator: {problem}", file=sys.stderr)
+        return 2
     settings = Settings(master_port=args.master_port, progress_port=args.progress_port or None,
                         metrics_port=args.trainer_metrics_port or None,
                         termination_grace_seconds=args.termination_grace, scheduler_names=schedulers)

@@ -24,6 +24,7 @@ from datetime import datetime
 from typing import Any
 
 from seqtrain.spec.status import CheckpointRef, Progress
+from seqtrain.train.exitcodes import last_error
 
 from ..controller.clock import parse, seconds_between
 from ..controller.failure_policy import IMAGE_PULL_REASONS, kubelet_rejected
@@ -80,6 +81,7 @@ def replica_of(pod: Mapping[str, Any], nodes: Mapping[str, Mapping[str, Any]], n
     code = term.get("exitCode")
     reason: str | None = None
     message = status.get("message", "") or ""
+    error: str | None = None
 
     if phase in ("Failed", "Unknown"):
         phase = "Failed"
@@ -90,6 +92,8 @@ def replica_of(pod: Mapping[str, Any], nodes: Mapping[str, Mapping[str, Any]], n
                             else None) or _disruption(pod)
         if not message and term.get("message") and not _looks_like_json(term.get("message")):
             message = term["message"][:300]  # FallbackToLogsOnError: the log tail of a crash
+        if not _looks_like_json(term.get("message")):
+            error = last_error(term.get("message"))
     elif phase == "Pending":
         waiting = (_container(pod).get("state") or {}).get("waiting") or {}
         if waiting.get("reason") in _NEVER_STARTS:
@@ -112,7 +116,8 @@ def replica_of(pod: Mapping[str, Any], nodes: Mapping[str, Mapping[str, Any]], n
         reason = _disruption(pod)
     return ReplicaObservation(replica=replica, attempt=attempt, phase=phase,  # type: ignore[arg-type]
                               exit_code=code, reason=reason, node=node, message=message, terminating=terminating,
-                              node_lost=node_lost, node_unready=node_unready, finished_at=term.get("finishedAt"))
+                              node_lost=node_lost, node_unready=node_unready, finished_at=term.get("finishedAt"),
+                              error=error)
 
 
 def _looks_like_json(text: str | None) -> bool:

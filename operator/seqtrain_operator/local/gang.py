@@ -17,6 +17,8 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from seqtrain.train.exitcodes import last_error
+
 from ..controller.types import ReplicaObservation
 
 NODE = "localhost"
@@ -120,8 +122,11 @@ class LocalGang:
                 # (killed from outside or OOM) over a plain error, which is often only the echo of a dead peer.
                 r, c = max(failed, key=lambda rc: (rc[1] < 0, -rc[0].rank))
                 code = exit_code(c)
+                error = last_error(_tail(r.log_path))
+                said = f" ({error})" if error else ""
                 out.append(ReplicaObservation(replica, self.attempt, "Failed", exit_code=code, node=NODE,
-                                              message=f"rank {r.rank} {_describe(c)}; log {r.log_path}"))
+                                              message=f"rank {r.rank} {_describe(c)}{said}; log {r.log_path}",
+                                              error=error))
             elif all(c == 0 for _, c in codes):
                 out.append(ReplicaObservation(replica, self.attempt, "Succeeded", exit_code=0, node=NODE))
             else:
@@ -150,6 +155,16 @@ class LocalGang:
         return json.dumps({"attempt": self.attempt, "masterPort": self.port,
                            "ranks": [{"rank": r.rank, "replica": r.replica, "pid": r.proc.pid, "log": r.log_path}
                                      for r in self.ranks]}, indent=2) + "\n"
+
+
+def _tail(path: str, size: int = 8192) -> str:
+    """The end of a rank's log (where its error line is), like a pod's termination message on error."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.path.getsize(path) - size))
+            return f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
 
 
 def _describe(returncode: int) -> str:

@@ -26,6 +26,7 @@ from contextlib import contextmanager, suppress
 
 import yaml
 
+from seqtrain.checkpoint.discovery import quarantined
 from seqtrain.spec import SeqTrainJob, SpecError, load_job_file, resolve
 from seqtrain.spec.runtime import RuntimeConfig, write_trainer_config
 from seqtrain.spec.status import TERMINAL_PHASES, JobStatus, Layout
@@ -156,7 +157,7 @@ class LocalRun:
                     self.last_failed = r
             progress = with_trainer_progress(self.tail.progress(), os.path.join(self.workdir, "progress.json"))
             observed = Observed(replicas=replicas, latest_checkpoint=latest_checkpoint(self.ckpt_dir),
-                                progress=progress)
+                                progress=progress, skipped_checkpoints=tuple(quarantined(self.ckpt_dir)))
             now = utcnow()
             d = decide(self.job, status, observed, now)
             if d.status != status:

@@ -71,3 +71,20 @@ def test_attention_rejects_bad_shapes(device):
         K.attention(q, q, q, doc_ids=torch.zeros(1, 4, dtype=torch.long, device=device))
     with pytest.raises(TypeError, match="doc_ids must be an integer tensor"):
         K.attention(q, q, q, doc_ids=torch.zeros(1, 5, device=device))
+
+
+def test_error_rule_is_defined_when_the_exact_gradient_is_zero():
+    # The one-token softmax gradient is exactly 0; a float64 oracle may still return 1e-17 noise (it did on an Intel
+    # Xeon) and an fp32 kernel 1e-7: a plain relative error would be 1e10. Measured on the op's scale it is tiny,
+    # while an error on that scale is still caught.
+    from seqtrain.kernels import accuracy
+
+    gen = torch.Generator().manual_seed(0)
+    exact_zero = torch.randn(1, 1, 1, 8, generator=gen, dtype=torch.float64) * 1e-17
+    kernel = torch.randn(1, 1, 1, 8, generator=gen, dtype=torch.float64) * 1e-7
+    d_v = torch.randn(1, 1, 1, 8, generator=gen, dtype=torch.float64)  # the op's other gradient, of size ~1
+    floor = accuracy.SCALE_FLOOR * float(d_v.norm())
+    assert accuracy.rel_err(kernel, exact_zero) > 1e6  # the old rule: noise divided by noise
+    assert accuracy.rel_err(kernel, exact_zero, floor) < accuracy.FP32_REL_TOL
+    assert accuracy.rel_err(exact_zero + 1e-3 * d_v, exact_zero, floor) > accuracy.FP32_REL_TOL
+    assert accuracy.rel_err(d_v * (1 + 1e-4), d_v, floor) == pytest.approx(1e-4)  # relative where not ~0

@@ -1,7 +1,10 @@
 """Finding complete checkpoints. Torch-free: the controller uses it to report and pick the resume step.
 
-A checkpoint is complete when `<dir>/step-<N>/meta.json` parses, names step N, and every file it lists exists.
-`.tmp-*` folders (a save in progress or cut by a crash) and folders without meta.json are never used.
+A checkpoint is complete when `<dir>/step-<N>/meta.json` parses, names step N, every file it lists exists and, when
+it records `sizes` (every file's byte count at publish time), every file still has that size (a truncated or
+replaced file is caught before anything is loaded). `.tmp-*` folders (a save in progress or cut by a crash) and
+folders without meta.json are never used. A checkpoint the trainer found unusable is renamed `.bad-step-N/` with a
+`REASON` file (see `quarantined`), so it is never picked again and stays there for inspection.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from typing import Any
 STEP_PREFIX = "step-"
 TMP_PREFIX = ".tmp-step-"
 DELETE_PREFIX = ".del-step-"
+BAD_PREFIX = ".bad-step-"
+REASON_FILE = "REASON"
 META_FILE = "meta.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
@@ -34,23 +39,90 @@ def step_dir(directory: str, step: int) -> str:
     return os.path.join(directory, f"{STEP_PREFIX}{step}")
 
 
-def read_complete(path: str) -> CheckpointInfo | None:
-    """The checkpoint at `path` if it is complete, else None."""
+def file_sizes(path: str) -> dict[str, int]:
+    """Every regular file under `path` (relative name -> bytes), meta.json excepted: recorded at publish time."""
+    out: dict[str, int] = {}
+    for root, _, names in os.walk(path):
+        for name in names:
+            full = os.path.join(root, name)
+            rel = os.path.relpath(full, path)
+            if rel != META_FILE:
+                out[rel] = os.path.getsize(full)
+    return out
+
+
+def problem(path: str) -> str | None:
+    """Why the checkpoint at `path` (a published step-N folder with meta.json) cannot be used, or None."""
     m = _STEP_DIR.match(os.path.basename(os.path.normpath(path)))
     if not m:
-        return None
+        return f"{path}: not a step-N folder"
+    meta_path = os.path.join(path, META_FILE)
     try:
-        with open(os.path.join(path, META_FILE), encoding="utf-8") as f:
+        with open(meta_path, encoding="utf-8") as f:
             meta = json.load(f)
-    except (OSError, ValueError):
-        return None
+    except OSError:
+        return f"{meta_path}: missing (not published)"
+    except ValueError as exc:
+        return f"{meta_path}: not JSON ({exc})"
     if not isinstance(meta, dict) or meta.get("step") != int(m.group(1)):
-        return None
+        return f"{meta_path}: does not describe step {m.group(1)}"
     files = meta.get("files", [])
     # entries may be folders: sharded engines (DeepSpeed zero/, FSDP2 DCP fsdp/) write one per checkpoint
-    if not isinstance(files, list) or not all(os.path.exists(os.path.join(path, str(name))) for name in files):
+    if not isinstance(files, list):
+        return f"{meta_path}: `files` is not a list"
+    for name in files:
+        if not os.path.exists(os.path.join(path, str(name))):
+            return f"{os.path.join(path, str(name))}: missing"
+    sizes = meta.get("sizes")
+    if isinstance(sizes, dict):
+        for name, size in sorted(sizes.items()):
+            full = os.path.join(path, str(name))
+            try:
+                actual = os.path.getsize(full)
+            except OSError:
+                return f"{full}: missing"
+            if actual != size:
+                return f"{full}: {actual} bytes, but {size} when it was saved (truncated or replaced)"
+    return None
+
+
+def read_complete(path: str) -> CheckpointInfo | None:
+    """The checkpoint at `path` if it is complete, else None."""
+    if problem(path) is not None:
         return None
+    with open(os.path.join(path, META_FILE), encoding="utf-8") as f:
+        meta = json.load(f)
+    m = _STEP_DIR.match(os.path.basename(os.path.normpath(path)))
+    assert m is not None
     return CheckpointInfo(step=int(m.group(1)), path=path, meta=meta)
+
+
+def published(directory: str) -> list[tuple[int, str]]:
+    """(step, path) of every published step-N folder (meta.json present, usable or not), oldest first."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    out = [(int(m.group(1)), os.path.join(directory, n)) for n in names if (m := _STEP_DIR.match(n))]
+    return sorted((s, p) for s, p in out if os.path.exists(os.path.join(p, META_FILE)))
+
+
+def quarantined(directory: str) -> list[tuple[int, str]]:
+    """(step, reason) of the checkpoints the trainer set aside as unusable (`.bad-step-N/REASON`), oldest first."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    out = []
+    for n in names:
+        if n.startswith(BAD_PREFIX) and n[len(BAD_PREFIX):].isdigit():
+            try:
+                with open(os.path.join(directory, n, REASON_FILE), encoding="utf-8") as f:
+                    reason = f.read().strip()
+            except OSError:
+                reason = "unusable (no REASON file)"
+            out.append((int(n[len(BAD_PREFIX):]), reason))
+    return sorted(out)
 
 
 def list_checkpoints(directory: str) -> list[CheckpointInfo]:

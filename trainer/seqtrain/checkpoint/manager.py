@@ -18,12 +18,16 @@ from typing import TYPE_CHECKING, Any
 from seqtrain.train import faults
 
 from .discovery import (
+    BAD_PREFIX,
     DELETE_PREFIX,
     META_FILE,
+    REASON_FILE,
     TMP_PREFIX,
     CheckpointInfo,
-    latest_checkpoint,
+    file_sizes,
     list_checkpoints,
+    problem,
+    published,
     read_complete,
     step_dir,
 )
@@ -55,7 +59,7 @@ class CheckpointManager:
 
         Rank 0 decides and broadcasts its choice, so ranks never resume from different steps even if their
         views of the folder differ (a slow shared filesystem); a rank that cannot read the chosen one fails."""
-        mine = latest_checkpoint(self.directory) if self.ctx.is_main else None
+        mine = self._newest_usable() if self.ctx.is_main else None
         path = self.ctx.broadcast_object(mine.path if mine else None)
         if path is None:
             return None
@@ -64,6 +68,33 @@ class CheckpointManager:
             raise RuntimeError(f"rank {self.ctx.rank}: checkpoint {path} chosen by rank 0 is not complete here; "
                                "checkpoint.path must be storage that every rank shares")
         return info
+
+    def _newest_usable(self) -> CheckpointInfo | None:
+        """Rank 0: the newest published checkpoint that passes the file checks; newer ones that fail them (a file
+        truncated, replaced or missing since it was published) are set aside with the reason."""
+        for step, path in reversed(published(self.directory)):
+            why = problem(path)
+            if why is None:
+                return read_complete(path)
+            self._set_aside(step, why)
+        return None
+
+    def quarantine(self, info: CheckpointInfo, reason: str) -> None:
+        """Set a checkpoint aside as unusable (collective: rank 0 renames it, every rank waits)."""
+        if self.ctx.is_main:
+            self._set_aside(info.step, reason)
+        self.ctx.barrier()
+
+    def _set_aside(self, step: int, reason: str) -> None:
+        # `.bad-step-N/` is never picked again (discovery reads only step-N) and keeps the files for inspection;
+        # REASON is what the run's events report.
+        bad = os.path.join(self.directory, f"{BAD_PREFIX}{step}")
+        shutil.rmtree(bad, ignore_errors=True)
+        os.rename(step_dir(self.directory, step), bad)
+        with open(os.path.join(bad, REASON_FILE), "w", encoding="utf-8") as f:
+            f.write(reason + "\n")
+        _fsync_path(self.directory)
+        print(f"seqtrain: warning: checkpoint step-{step} skipped: {reason} (set aside as {bad})", flush=True)
 
     def save(self, step: int, write: Callable[[str], list[str]], meta: dict[str, Any] | None = None) -> CheckpointInfo:
         """Publish checkpoint `step`. `write(tmp_dir)` runs on every rank and returns the file names it wrote."""
@@ -80,7 +111,8 @@ class CheckpointManager:
         if self.ctx.is_main:
             files = sorted(os.listdir(tmp))
             record = {"step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                      "world": self.ctx.world_size, "files": files, **(meta or {})}
+                      "world": self.ctx.world_size, "files": files, **(meta or {}),
+                      "sizes": file_sizes(tmp)}  # checked before every resume: a truncated file is caught
             with open(os.path.join(tmp, META_FILE), "w", encoding="utf-8") as f:
                 json.dump(record, f, indent=2)
                 f.flush()

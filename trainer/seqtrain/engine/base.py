@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from seqtrain.checkpoint.safe_load import load_plain
 from seqtrain.data import Batch
 from seqtrain.spec.job import SeqTrainJob
 from seqtrain.train.dist import DistContext
@@ -170,6 +171,5 @@ class Engine(ABC):
         return [self.checkpoint_file]
 
     def load(self, directory: str) -> None:
-        state = torch.load(os.path.join(directory, self.checkpoint_file), map_location=self.ctx.device,
-                           weights_only=True)
+        state = load_plain(os.path.join(directory, self.checkpoint_file), map_location=self.ctx.device)
         self.load_state_dict(state)

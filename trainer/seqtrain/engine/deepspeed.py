@@ -18,8 +18,10 @@ import os
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from seqtrain.checkpoint.safe_load import require_layout
 from seqtrain.data import Batch
 from seqtrain.spec.job import SeqTrainJob
 from seqtrain.train.dist import DistContext
@@ -72,8 +74,13 @@ class DeepSpeedEngine(Engine):
         super().__init__(model, job, ctx)
         import deepspeed
 
-        if ctx.distributed:
-            deepspeed.init_distributed(dist_backend=ctx.backend, auto_mpi_discovery=False)
+        backend = ctx.backend
+        if not ctx.distributed and not dist.is_initialized():
+            # One rank is a legitimate layout (a laptop, a single-GPU box), but DeepSpeed's collectives need a
+            # process group even then: a private one-member group over an in-memory store (no port, no peers).
+            backend = "nccl" if ctx.device.type == "cuda" else "gloo"
+            dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
+        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
         ospec = job.spec.training.optimizer
         if job.spec.optimization.zero.offload == "cpu" and ctx.device.type == "cuda":
             from deepspeed.ops.adam import DeepSpeedCPUAdam
@@ -145,6 +152,9 @@ class DeepSpeedEngine(Engine):
         return [os.path.join(TAG, f) for f in sorted(os.listdir(root))] if self.ctx.is_main else []
 
     def load(self, directory: str) -> None:
+        # DeepSpeed unpickles its shards fully (torch.load weights_only=False): only a checkpoint that this engine
+        # published with this data-parallel degree gets that far (see the user guide's security notes).
+        require_layout(directory, self.name, dp=self.ctx.dp_size)
         path, _ = self.ds.load_checkpoint(directory, tag=TAG, load_optimizer_states=True,
                                           load_lr_scheduler_states=True)
         if path is None:

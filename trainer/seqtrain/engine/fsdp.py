@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import fully_shard
 
+from seqtrain.checkpoint.safe_load import load_plain, require_layout
 from seqtrain.data import Batch
 from seqtrain.parallel.grads import clip_grad_norm
 from seqtrain.parallel.tensor import tp_param_names
@@ -94,10 +95,12 @@ class FSDPEngine(Engine):
         path = self._dcp_dir(directory)
         if not os.path.isdir(path):
             raise FileNotFoundError(f"{path}: not an FSDP2 checkpoint of this layout (see its meta.json)")
+        # DCP unpickles its .metadata fully: only a checkpoint this engine published gets that far (any dp degree).
+        require_layout(directory, self.name, tp=self.ctx.tp_size)
         dcp.load(state, checkpoint_id=path, process_group=self._group())
         set_model_state_dict(self.model, state["model"], options=opts)
         set_optimizer_state_dict(self.model, self.optimizer, state["optim"], options=opts)
-        rest = torch.load(os.path.join(directory, SCHEDULER_FILE), weights_only=False)
+        rest = load_plain(os.path.join(directory, SCHEDULER_FILE))  # plain values: no unpickling of classes
         self.scheduler.load_state_dict(rest["scheduler"])
         if rest.get("precision"):
             self.precision.load_state_dict(rest["precision"])

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from seqtrain.checkpoint.safe_load import load_plain
 from seqtrain.train.dist import DistContext
 
 
@@ -28,4 +29,4 @@ def load_shard(ctx: DistContext, directory: str) -> dict[str, Any]:
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path}: this checkpoint was written with a different tensor/pipeline layout; "
                                 "resume with the layout in its meta.json")
-    return torch.load(path, map_location=ctx.device, weights_only=True)
+    return load_plain(path, map_location=ctx.device)

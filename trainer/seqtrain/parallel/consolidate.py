@@ -74,7 +74,7 @@ def _from_dcp(folder: str) -> dict[str, torch.Tensor]:
     tmp = folder.rstrip("/") + ".consolidated.tmp"
     try:
         dcp_to_torch_save(folder, tmp)
-        state = torch.load(tmp, map_location="cpu", weights_only=False)
+        state = torch.load(tmp, map_location="cpu", weights_only=True)  # tensors and plain values only
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)

@@ -85,6 +85,13 @@ class JobStatus(_StatusModel):
                                             "computed from.")
     create_failures: int = Field(0, description="Consecutive gang creations the API server refused part-way "
                                  "(quota, admission); retried with backoff, reset once a gang runs.")
+    skipped_checkpoints: dict[str, str] = Field(
+        default_factory=dict, description="Checkpoint step -> why the trainer set it aside and resumed from an "
+        "earlier one (a file refused as unsafe, truncated or unreadable).")
+    attempt_start_time: str | None = Field(None, description="When the current attempt's gang was created.")
+    startup_failure: str | None = Field(
+        None, description="Signature (exit code and error) of the last attempt when it failed before its first "
+        "step; the next attempt failing the same way fails the job (a deterministic start-up failure).")
 
     def to_dict(self) -> dict:
         return self.model_dump(by_alias=True, mode="json", exclude_none=True)

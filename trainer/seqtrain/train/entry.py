@@ -79,6 +79,9 @@ def main(config_path: str) -> int:
                                expected_world=job.spec.world_size)
         trainer = Trainer(job, cfg.runtime, ctx)
         flag.attach(trainer)
+        from .faults import maybe_fail_setup
+
+        maybe_fail_setup()
         trainer.setup()
         for cb in build_callbacks(trainer):
             trainer.callbacks.append(cb)
@@ -94,6 +97,7 @@ def main(config_path: str) -> int:
         return 130
     except Exception as exc:  # noqa: BLE001 - every failure becomes an exit code the controller understands
         traceback.print_exc()
+        print(f"{exitcodes.ERROR_MARKER}{exitcodes.error_line(exc)}", file=sys.stderr, flush=True)
         if is_comm_timeout(exc):
             rank = ctx.rank if ctx else "?"
             from seqtrain.parallel.watchdog import current

@@ -20,3 +20,27 @@ class InvalidConfig(Exception):
 class DeviceUnavailable(Exception):
     """The job asks for GPUs but this process sees none: the node (driver, device plugin), not the config, is at
     fault. Exits DEVICE_UNAVAILABLE: the operator restarts the gang elsewhere."""
+# The last line a failing rank prints: "seqtrain train: error: <ExceptionType>: <first line of its message>". The
+# backends read it back (the local runner from the rank's log, Kubernetes from the termination message, which falls
+# back to the log tail) so the controller can tell a failure that repeats identically from one that varies.
+ERROR_MARKER = "seqtrain train: error: "
+_ERROR_MAX = 240
+
+
+def error_line(exc: BaseException) -> str:
+    """One line naming the exception: its type and the first line of its message, shortened."""
+    first = (str(exc).strip().splitlines() or [""])[0]
+    text = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+    return text[:_ERROR_MAX]
+
+
+def last_error(text: str | None) -> str | None:
+    """The error a rank reported in the tail of its log / termination message (None when it reported none)."""
+    if not text:
+        return None
+    found = None
+    for line in text.splitlines():
+        at = line.find(ERROR_MARKER)
+        if at >= 0:
+            found = line[at + len(ERROR_MARKER):].strip()[:_ERROR_MAX]
+    return found or None

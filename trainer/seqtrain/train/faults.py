@@ -6,6 +6,11 @@
 - SEQTRAIN_FAULT_IN_SAVE=crash|sleep:SECONDS [SEQTRAIN_FAULT_SAVE_STEP=N]: inside a checkpoint save, after
   every rank wrote its files and before rank 0 publishes: rank 0 SIGKILLs itself, or sleeps (a window in which
   a test kills the gang from outside).
+- SEQTRAIN_FAULT_HOLD_AT_STEP=N[:SECONDS]: after step N is recorded (metrics.jsonl), every rank waits until SIGTERM
+  arrives (at most SECONDS, default 300): a test can act "during training" at a known step however fast the
+  machine is, instead of racing the job to its end.
+- SEQTRAIN_FAULT_SETUP_ERROR=TEXT: every rank raises RuntimeError(TEXT) while setting up, before its first step
+  (a start-up failure that repeats identically on every attempt).
 - SEQTRAIN_FAULT_ATTEMPT=A: inject only in gang incarnation A (the controller sets SEQTRAIN_ATTEMPT for every
   rank), so a fault fires once and the restarted gang runs clean.
 """
@@ -15,6 +20,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Callable
 
 
 def _int(name: str) -> int | None:
@@ -51,3 +57,22 @@ def in_save(step: int, rank: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     elif what.startswith("sleep:"):
         time.sleep(float(what.split(":", 1)[1]))
+
+
+def hold_after_step(step: int, terminated: Callable[[], bool]) -> None:
+    raw = os.environ.get("SEQTRAIN_FAULT_HOLD_AT_STEP", "").strip()
+    if not raw or not _armed():
+        return
+    at, _, limit = raw.partition(":")
+    if int(at) != step:
+        return
+    print(f"seqtrain: fault injection: holding after step {step} until SIGTERM", flush=True)
+    deadline = time.monotonic() + float(limit or 300)
+    while not terminated() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def maybe_fail_setup() -> None:
+    text = os.environ.get("SEQTRAIN_FAULT_SETUP_ERROR", "").strip()
+    if text and _armed():
+        raise RuntimeError(text)

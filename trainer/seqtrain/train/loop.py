@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from seqtrain.checkpoint import CheckpointInfo, CheckpointManager
+from seqtrain.checkpoint.safe_load import UnusableCheckpoint, load_plain
 from seqtrain.data import SequenceBatches, build_train_data
 from seqtrain.engine import Engine, StepStats, build_engine, engine_name
 from seqtrain.models import build_model, count_parameters
@@ -29,6 +30,7 @@ from seqtrain.spec.runtime import RuntimeConfig
 from . import faults
 from .callbacks import CallbackList
 from .dist import DistContext
+from .exitcodes import InvalidConfig
 from .metrics import MetricsWriter, peak_memory_mb
 
 TRAINER_STATE = "trainer.pt"
@@ -45,15 +47,22 @@ def seed_all(seed: int) -> None:
 
 
 def rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Tensors and plain values only, so the file loads with weights_only=True (no numpy objects pickled)."""
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"python": [version, list(internal), gauss],
+             "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)],
+             "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -104,8 +113,17 @@ class Trainer:
 
     def resume(self) -> None:
         info = self.checkpoints.latest()
-        if info is not None:
-            self.load_checkpoint(info)
+        while info is not None:
+            why = self._unusable(info)
+            if why is None:
+                break
+            # A refused (planted pickle) or unreadable file: set the checkpoint aside, fall back to the previous one.
+            self.checkpoints.quarantine(info, why)
+            info = self.checkpoints.latest()
+            if info is None:
+                raise InvalidConfig(f"cannot resume: {why}; no earlier complete checkpoint (it was set aside as "
+                                    f"{os.path.basename(self.runtime.checkpoint_dir)}/.bad-step-*; run again to "
+                                    "start from scratch)")
         if self.ctx.is_main:
             os.makedirs(self.runtime.workdir, exist_ok=True)
             self.metrics_writer.truncate_after(self.step)
@@ -141,13 +159,28 @@ class Trainer:
         with waiting(f"checkpoint step-{self.step}: shard writes and the publishing barriers"):
             return self.checkpoints.save(self.step, self._write_checkpoint, meta)
 
+    def _unusable(self, info: CheckpointInfo) -> str | None:
+        """Load `info`; None when every rank did, else why not (the same answer on every rank)."""
+        why = None
+        try:
+            self.load_checkpoint(info)
+        except UnusableCheckpoint as exc:
+            why = str(exc)
+        if not self.ctx.distributed:
+            return why
+        import torch.distributed as dist
+
+        answers: list[Any] = [None] * self.ctx.world_size
+        dist.all_gather_object(answers, why)  # plain strings
+        return next((a for a in answers if a is not None), None)
+
     def load_checkpoint(self, info: CheckpointInfo) -> None:
         self.engine.load(info.path)
-        state = torch.load(os.path.join(info.path, TRAINER_STATE), weights_only=False)
+        state = load_plain(os.path.join(info.path, TRAINER_STATE))
         self.load_state_dict(state)
         rng_path = os.path.join(info.path, rng_file(self.ctx.rank))
         if os.path.exists(rng_path):
-            set_rng_state(torch.load(rng_path, weights_only=False))
+            set_rng_state(load_plain(rng_path))
         else:  # resumed into more ranks than were saved: a fresh, still deterministic stream
             seed_all(self.spec.training.seed + 1 + self.ctx.rank + self.step)
         self.resumed_from = info
@@ -215,6 +248,7 @@ class Trainer:
             if self.ctx.is_main:
                 self.metrics_writer.append(metrics)
                 self.log_step(metrics)
+            faults.hold_after_step(self.step, lambda: self.terminate_requested)  # tests only (unset normally)
             if self.terminate_requested or self.stop_training:
                 reason = "terminated" if self.terminate_requested else "stopped"
                 if reason == "stopped" or self.spec.checkpoint.save_on_sigterm:
