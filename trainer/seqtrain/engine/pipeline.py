@@ -21,7 +21,7 @@ from seqtrain.data import Batch
 from seqtrain.parallel.compat import pipeline_micro_batches
 from seqtrain.parallel.costs import stage_bounds
 from seqtrain.parallel.grads import all_reduce_grads, clip_grad_norm
-from seqtrain.parallel.pipeline import TIED_COPY, Stage, build_stages, schedule_class
+from seqtrain.parallel.pipeline import TIED_COPY, Stage, build_stages, check_stage_device, schedule_class
 from seqtrain.parallel.tensor import tp_param_names
 from seqtrain.parallel.topology import INTERLEAVED_CHUNKS
 from seqtrain.spec.job import SeqTrainJob
@@ -53,6 +53,8 @@ class PipelineEngine(Engine):
         self.last_stage = next((s for s in self.stages if s.last), None)
         self.n_micro = pipeline_micro_batches(job)
         self.grad_clip = job.spec.training.grad_clip
+        for s in self.stages:
+            check_stage_device(s, ctx.device)
         self.pipe_stages = [PipelineStage(s, i, n_stages, ctx.device, group=ctx.pp_group)
                             for i, s in zip(self.stage_ids, self.stages, strict=True)]
         self.schedule_name = opt.pipeline_schedule
