@@ -19,13 +19,18 @@ from torch import nn
 
 from seqtrain.data import Batch
 from seqtrain.parallel.compat import pipeline_micro_batches
-from seqtrain.parallel.costs import stage_bounds
 from seqtrain.parallel.grads import all_reduce_grads, clip_grad_norm
-from seqtrain.parallel.pipeline import TIED_COPY, Stage, build_stages, check_stage_device, schedule_class
+from seqtrain.parallel.pipeline import (
+    TIED_COPY,
+    Stage,
+    build_stages,
+    check_stage_device,
+    layout,
+    schedule_class,
+)
 from seqtrain.parallel.tensor import tp_param_names
 from seqtrain.parallel.topology import INTERLEAVED_CHUNKS
 from seqtrain.spec.job import SeqTrainJob
-from seqtrain.spec.resolve import resolved_model
 from seqtrain.train.dist import DistContext
 
 from .base import Engine, StepStats
@@ -42,10 +47,11 @@ class PipelineEngine(Engine):
         pp = ctx.pp_size
         self.chunks = INTERLEAVED_CHUNKS if opt.pipeline_schedule == "interleaved" else 1
         n_stages = pp * self.chunks
-        bounds = stage_bounds(resolved_model(job), n_stages, job.spec.data.seq_len)
         # interleaved: rank r holds stages r, r + pp, ... (the schedule's loop order)
-        self.stage_ids = [ctx.pp_rank + k * pp for k in range(self.chunks)]
+        bounds, self.stage_ids = layout(job, pp, ctx.pp_rank)
         self.stages: list[Stage] = build_stages(model, bounds, self.stage_ids)
+        if not any(s.first for s in self.stages) and hasattr(model, "embed"):
+            model.embed.to(torch.device("meta"))  # the last stage copied it (tied): free the device memory
         container = nn.ModuleDict({f"stage{i}": s for i, s in zip(self.stage_ids, self.stages, strict=True)})
         self.tp_names = {f"stage{i}.{n}" for i in self.stage_ids for n in _stage_tp_names(model, bounds[i])}
         super().__init__(container, job, ctx)

@@ -17,6 +17,7 @@ from torch import nn
 from seqtrain.data import IGNORE_INDEX
 from seqtrain.train.loss import linear_cross_entropy
 
+from .costs import stage_bounds
 from .sequence import gather_rows
 from .tensor import copy_to_tp, vocab_parallel_cross_entropy
 
@@ -118,6 +119,36 @@ def build_stages(model: nn.Module, bounds: list[tuple[int, int]], indices: list[
     """Stages `indices` (global stage numbers) of a model split at `bounds`."""
     n = len(bounds)
     return [Stage(model, bounds[i][0], bounds[i][1], first=i == 0, last=i == n - 1) for i in indices]
+
+
+def layout(job: Any, pp_size: int, pp_rank: int) -> tuple[list[tuple[int, int]], list[int]]:
+    """(block bounds of every stage, this rank's stage numbers): interleaved ranks hold stages r, r + pp, ..."""
+    from seqtrain.parallel.topology import INTERLEAVED_CHUNKS
+    from seqtrain.spec.resolve import resolved_model
+
+    chunks = INTERLEAVED_CHUNKS if job.spec.optimization.pipeline_schedule == "interleaved" else 1
+    bounds = stage_bounds(resolved_model(job), pp_size * chunks, job.spec.data.seq_len)
+    return bounds, [pp_rank + k * pp_size for k in range(chunks)]
+
+
+def local_modules(job: Any, pp_size: int, pp_rank: int) -> list[str] | None:
+    """Names of the submodules a pipeline rank materialises (None without pipeline parallel: all of them).
+
+    The last stage of a tied model also gets the embedding, only long enough for its stage to copy it as the
+    output projection (`PipelineEngine` frees it again)."""
+    if pp_size == 1:
+        return None
+    bounds, ids = layout(job, pp_size, pp_rank)
+    container = "blocks" if job.spec.model.arch == "gpt" else "layers"
+    last = len(bounds) - 1
+    names = [f"{container}.{b}" for i in ids for b in range(*bounds[i])]
+    if 0 in ids or (last in ids and job.spec.model.tie_embeddings):
+        names.append("embed")
+    if last in ids:
+        names.append("norm")
+        if not job.spec.model.tie_embeddings:
+            names.append("lm_head")
+    return names
 
 
 def stray_tensors(module: nn.Module, device: torch.device) -> list[str]:

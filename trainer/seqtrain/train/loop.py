@@ -18,10 +18,12 @@ import torch
 from seqtrain.checkpoint import CheckpointInfo, CheckpointManager
 from seqtrain.data import SequenceBatches, build_train_data
 from seqtrain.engine import Engine, StepStats, build_engine, engine_name
-from seqtrain.models import build_model, count_parameters
+from seqtrain.models import count_parameters
 from seqtrain.models.compile import prepare_model
 from seqtrain.models.dispatch import setup_kernels
+from seqtrain.models.materialize import materialize, new_model
 from seqtrain.parallel.apply import init_mesh, parallelize
+from seqtrain.parallel.pipeline import local_modules
 from seqtrain.parallel.watchdog import waiting
 from seqtrain.spec.job import SeqTrainJob
 from seqtrain.spec.runtime import RuntimeConfig
@@ -90,8 +92,11 @@ class Trainer:
             torch.use_deterministic_algorithms(True)
         seed_all(tr.seed)  # the same on every rank: identical initial weights without a broadcast
         init_mesh(self.ctx, self.job)  # dp/pp/tp groups; data shards by the dp rank from here on
-        self.model = build_model(self.spec.model).to(self.ctx.device)
+        # torchtitan's order: build on the meta device, parallelise, then allocate and initialise only what this
+        # rank holds (its tensor-parallel slices, its pipeline stages); the weights equal the single process's.
+        self.model = new_model(self.spec.model)
         self.model = parallelize(self.model, self.job, self.ctx)  # tensor parallel (before AC / compile)
+        materialize(self.model, self.ctx.device, local_modules(self.job, self.ctx.pp_size, self.ctx.pp_rank))
         self.log(setup_kernels(self.model, self.job, self.ctx.device))  # optimization.kernels -> model and loss
         for line in prepare_model(self.model, self.job, self.ctx.device):  # activation checkpointing, compile
             self.log(line)
