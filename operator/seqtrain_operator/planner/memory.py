@@ -191,7 +191,7 @@ def estimate(job: SeqTrainJob) -> MemoryEstimate:
         mb = s.training.micro_batch_size
     act_bytes = 4 if opt.precision == "fp32" else 2
     bounds = stage_bounds(m, pp, seq)
-    fused_loss = bool(opt.kernels) or (opt.kernels is None and s.resources.gpus > 0)
+    fused_loss = bool(opt.kernels)  # kernels are opt-in (seqtrain.models.dispatch): unset is the reference loss
     ac = opt.activation_checkpointing
     h = m.dim or 0
     stages = []
