@@ -85,3 +85,13 @@ def test_scheduler_sets_lr_per_group() -> None:
         sched.step()
     lrs = {g["name"]: g["lr"] for g in opt.param_groups}
     assert lrs["decay"] == pytest.approx(0.05) and lrs["embed"] == pytest.approx(0.025)
+
+
+def test_fsdp2_mixed_precision_policy_gathers_bf16_and_reduces_fp32() -> None:
+    from seqtrain.engine.fsdp import mixed_precision_policy
+
+    bf16 = mixed_precision_policy("bf16")
+    assert (bf16.param_dtype, bf16.reduce_dtype) == (torch.bfloat16, torch.float32)
+    for precision in ("fp32", "fp16"):
+        p = mixed_precision_policy(precision)
+        assert p.param_dtype is None and p.reduce_dtype is None  # the fp32 parameters as they are
