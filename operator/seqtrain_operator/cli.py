@@ -17,6 +17,7 @@ BENCHMARKS = {
     "kernels": "seqtrain.benchmarks.kernels",
     "memory": "seqtrain.benchmarks.memory",
     "layouts": "seqtrain.benchmarks.layouts",
+    "gpu": "seqtrain.benchmarks.gpu",
 }
 
 
