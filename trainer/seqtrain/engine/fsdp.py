@@ -76,7 +76,7 @@ class FSDPEngine(Engine):
         return self._accumulate(micro_batches, lambda b: self.loss_module(b.tokens, b.targets, b.doc_ids),
                                 lambda last: contextlib.nullcontext())
 
-    def _clip(self) -> float:
+    def _clip(self) -> torch.Tensor:
         return clip_grad_norm(self.model, self.grad_clip, self.ctx, self.tp_names)
 
     # ---- checkpoints: DCP, resharded on load ---------------------------------------------------------------

@@ -108,7 +108,7 @@ class PipelineEngine(Engine):
         targets = torch.cat([b.targets for b in batches])
         count = torch.stack([b.num_targets() for b in batches]).sum().double()
         self.ctx.all_reduce(count, group=self.ctx.dp_group)
-        self._scale = 1.0 / max(1.0, float(count))  # host sync: a Python float for the loss function
+        self._scale = 1.0 / count.clamp(min=1.0)  # a device tensor: the loss function needs no host value
         loss_sum = self._run(tokens, targets, self.n_micro, train=True)
         params = list(self.model.parameters())
         if self.tied:
@@ -116,18 +116,19 @@ class PipelineEngine(Engine):
         if self.ctx.dp_size > 1:
             all_reduce_grads(params, self.ctx.dp_group, self.job.spec.optimization.bucket_mb)
         grad_norm = clip_grad_norm(self.model, self.grad_clip, self.ctx, self.tp_names, self.skip_names)
-        skipped = not math.isfinite(grad_norm)
-        if not skipped:
-            self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
         loss_sum = loss_sum.to(dev)
         self.ctx.all_reduce(loss_sum, group=self.ctx.pp_group)  # only the last stage has losses
         totals = torch.stack([loss_sum, torch.tensor(float(sum(b.slots for b in batches)), dtype=torch.float64,
                                                      device=dev)])
         self.ctx.all_reduce(totals, group=self.ctx.dp_group)
-        return StepStats(loss_sum=float(totals[0]), target_tokens=int(count), slots=int(totals[1]),
-                         grad_norm=grad_norm, skipped=skipped)
+        # The step's one host sync: the update decision needs the norm, the metrics the totals.
+        norm, loss, ntok, nslots = torch.stack([grad_norm, totals[0], count, totals[1]]).tolist()
+        skipped = not math.isfinite(norm)
+        if not skipped:
+            self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return StepStats(loss_sum=loss, target_tokens=int(ntok), slots=int(nslots), grad_norm=norm, skipped=skipped)
 
     def _sync_tied(self) -> None:
         """Sum the tied embedding's gradient between its first-stage and last-stage copies."""
