@@ -155,3 +155,16 @@ def test_gqa_via_enable_gqa_equals_repeated_kv_heads_forward_and_backward(packed
     torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
     for a, b in zip(leaves, ref, strict=True):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_bf16_cast_rope_tables_give_the_native_engines_rotation() -> None:
+    """DeepSpeed bf16 casts the whole module, RoPE tables included; the native engines keep fp32 tables and
+    `rope` casts them to the activations' dtype at use. Same rounding, so the rotation is bit-identical."""
+    torch.manual_seed(0)
+    model = build_model(GPT_SPEC.model_copy(update={"max_seq_len": 4096}))
+    cast = build_model(GPT_SPEC.model_copy(update={"max_seq_len": 4096})).to(torch.bfloat16)
+    assert cast.rope_cos.dtype == torch.bfloat16 and model.rope_cos.dtype == torch.float32
+    q = torch.randn(1, 4, 4096, 8).to(torch.bfloat16)  # long context: the angles where bf16 rounding bites
+    native = rope(q, model.rope_cos, model.rope_sin)
+    deepspeed = rope(q, cast.rope_cos, cast.rope_sin)
+    assert torch.equal(native, deepspeed)

@@ -59,6 +59,12 @@ class Engine(ABC):
     @abstractmethod
     def step(self, micro_batches: list[Batch]) -> StepStats: ...
 
+    def _shard_trust_ratios(self, tp_names: set[str]) -> None:
+        """Tensor parallel: LAMB/LARS compute their trust ratios on the full tensors, not on this rank's slices."""
+        if self.ctx.tp_size > 1 and hasattr(self.optimizer, "shard_norms"):
+            self.optimizer.shard_norms([p for n, p in self.model.named_parameters() if n in tp_names],
+                                       self.ctx.tp_group)
+
     # ---- the step skeleton shared by the data-parallel engines (native/DDP, FSDP2) -----------------------------
 
     def _accumulate(self, micro_batches: list[Batch], forward: Callable[[Batch], torch.Tensor],

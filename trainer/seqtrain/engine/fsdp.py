@@ -69,6 +69,7 @@ class FSDPEngine(Engine):
         super().__init__(model, job, ctx)  # the optimizer now sees the sharded (DTensor) parameters
         self.loss_module = sharded
         self.grad_clip = job.spec.training.grad_clip
+        self._shard_trust_ratios(self.tp_names)
 
     def step(self, micro_batches: list[Batch]) -> StepStats:
         # every micro-batch reduce-scatters into the sharded fp32 gradient (no set_requires_gradient_sync(False):

@@ -55,6 +55,7 @@ class PipelineEngine(Engine):
         container = nn.ModuleDict({f"stage{i}": s for i, s in zip(self.stage_ids, self.stages, strict=True)})
         self.tp_names = {f"stage{i}.{n}" for i in self.stage_ids for n in _stage_tp_names(model, bounds[i])}
         super().__init__(container, job, ctx)
+        self._shard_trust_ratios(self.tp_names)
         self.first_stage = next((s for s in self.stages if s.first), None)
         self.last_stage = next((s for s in self.stages if s.last), None)
         self.n_micro = pipeline_micro_batches(job)
