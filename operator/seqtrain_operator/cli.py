@@ -18,6 +18,7 @@ BENCHMARKS = {
     "memory": "seqtrain.benchmarks.memory",
     "layouts": "seqtrain.benchmarks.layouts",
     "operator": "seqtrain_operator.benchmark",
+    "gpu": "seqtrain.benchmarks.gpu",
 }
 
 

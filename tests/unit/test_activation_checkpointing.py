@@ -137,3 +137,24 @@ def test_compile_falls_back_to_eager_with_a_warning_without_a_backend(gpt_refere
     assert "eager" in line and all(getattr(b, "_compiled_call_impl", None) is None for b in model.blocks)
     rnn = build_model(rnn_spec("lstm"))
     assert "skipped" in comp.maybe_compile(rnn, torch.device("cpu"))
+
+
+def test_a_compile_failure_warns_naming_the_block_and_runs_eager(gpt_reference) -> None:
+    """No global dynamo.config.suppress_errors: the failing block is named and runs eager with equal output."""
+    import torch._dynamo
+
+    import seqtrain.models.compile as comp
+
+    def broken_backend(gm, example_inputs):  # noqa: ANN001, ANN202 - a dynamo backend's signature
+        raise RuntimeError("backend exploded")
+
+    torch._dynamo.reset()
+    eager = copy.deepcopy(gpt_reference[0]).eval()
+    model = copy.deepcopy(eager)
+    comp.maybe_compile(model, torch.device("cpu"), backend=broken_backend)
+    assert torch._dynamo.config.suppress_errors is False
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    with pytest.warns(UserWarning, match=r"torch.compile failed for blocks\.0 \(BackendCompilerFailed.*backend exploded"):
+        out = model(tokens)
+    assert torch.equal(out, eager(tokens))
+    assert all(b._compiled_call_impl is None for b in model.blocks)  # every block fell back, each warned once

@@ -115,3 +115,56 @@ def test_building_blocks_match_their_formulas() -> None:
     rq = rope(q, cos, sin)
     torch.testing.assert_close(rq.norm(dim=-1), q.norm(dim=-1))  # a rotation keeps lengths
     torch.testing.assert_close(rq[:, :, 0], q[:, :, 0])  # position 0 is not rotated
+
+
+def _qkv(kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 48, 8, generator=g)
+    k, v = (torch.randn(2, kv_heads, 48, 8, generator=g) for _ in range(2))
+    doc_ids = torch.tensor([[0] * 5 + [1] * 30 + [2] * 13, [7] * 48])  # odd lengths, one unpacked row
+    return q, k, v, doc_ids
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
+@pytest.mark.parametrize("kv_heads", [4, 2, 1], ids=["mha", "gqa", "mqa"])
+def test_flex_document_attention_equals_the_dense_mask(causal: bool, kv_heads: int) -> None:
+    """The CUDA path (flex_attention + block mask) against the dense [B, 1, T, T] mask the CPU keeps; here
+    eager flex forward (PyTorch's CPU flex_attention has no backward)."""
+    from seqtrain.models.layers import attention, flex_document_attention
+
+    q, k, v, doc_ids = _qkv(kv_heads)
+    dense = attention(q, k, v, causal=causal, doc_ids=doc_ids)
+    with torch.no_grad():
+        flex = flex_document_attention(q, k, v, doc_ids, causal, compiled=False)
+    torch.testing.assert_close(flex, dense, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["plain", "packed"])
+def test_gqa_via_enable_gqa_equals_repeated_kv_heads_forward_and_backward(packed: bool) -> None:
+    from seqtrain.models.layers import attention
+
+    q, k, v, doc_ids = _qkv(2)
+    ids = doc_ids if packed else None
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = attention(*leaves, doc_ids=ids)
+    out.square().sum().backward()
+    ref = [t.clone().requires_grad_() for t in (q, k, v)]
+    rep = [ref[0], ref[1].repeat_interleave(2, dim=1), ref[2].repeat_interleave(2, dim=1)]
+    want = attention(*rep, doc_ids=ids)
+    want.square().sum().backward()
+    torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
+    for a, b in zip(leaves, ref, strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_bf16_cast_rope_tables_give_the_native_engines_rotation() -> None:
+    """DeepSpeed bf16 casts the whole module, RoPE tables included; the native engines keep fp32 tables and
+    `rope` casts them to the activations' dtype at use. Same rounding, so the rotation is bit-identical."""
+    torch.manual_seed(0)
+    model = build_model(GPT_SPEC.model_copy(update={"max_seq_len": 4096}))
+    cast = build_model(GPT_SPEC.model_copy(update={"max_seq_len": 4096})).to(torch.bfloat16)
+    assert cast.rope_cos.dtype == torch.bfloat16 and model.rope_cos.dtype == torch.float32
+    q = torch.randn(1, 4, 4096, 8).to(torch.bfloat16)  # long context: the angles where bf16 rounding bites
+    native = rope(q, model.rope_cos, model.rope_sin)
+    deepspeed = rope(q, cast.rope_cos, cast.rope_sin)
+    assert torch.equal(native, deepspeed)

@@ -85,3 +85,64 @@ def test_scheduler_sets_lr_per_group() -> None:
         sched.step()
     lrs = {g["name"]: g["lr"] for g in opt.param_groups}
     assert lrs["decay"] == pytest.approx(0.05) and lrs["embed"] == pytest.approx(0.025)
+
+
+def test_fsdp2_mixed_precision_policy_gathers_bf16_and_reduces_fp32() -> None:
+    from seqtrain.engine.fsdp import mixed_precision_policy
+
+    bf16 = mixed_precision_policy("bf16")
+    assert (bf16.param_dtype, bf16.reduce_dtype) == (torch.bfloat16, torch.float32)
+    for precision in ("fp32", "fp16"):
+        p = mixed_precision_policy(precision)
+        assert p.param_dtype is None and p.reduce_dtype is None  # the fp32 parameters as they are
+
+
+def _tp_trust_ratio_rank(rank: int, port: int, name: str, out: str) -> None:
+    import torch.distributed as dist
+
+    from seqtrain.train.optimizers import Lamb, Lars
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        g = torch.Generator().manual_seed(0)
+        full_w = torch.randn(8, 6, generator=g)
+        grads = [torch.randn(8, 6, generator=g) for _ in range(3)]
+        w = torch.nn.Parameter(full_w[rank * 4:(rank + 1) * 4].clone())  # column-parallel: rows split over tp
+        cls = Lamb if name == "lamb" else Lars
+        opt = cls([{"params": [w], "weight_decay": 0.01, "adapt": True}], lr=0.1)
+        opt.shard_norms([w], None)
+        for grad in grads:
+            w.grad = grad[rank * 4:(rank + 1) * 4].clone()
+            opt.step()
+        gathered = [torch.empty_like(w.data) for _ in range(2)]
+        dist.all_gather(gathered, w.data)
+        if rank == 0:
+            torch.save(torch.cat(gathered), out)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("name", ["lamb", "lars"])
+def test_trust_ratios_under_tensor_parallel_use_the_full_tensor(name: str, tmp_path) -> None:
+    """Two gloo ranks each update half of a matrix; the result equals one process updating the whole matrix
+    (per-slice norms would give each half its own ratio)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    from seqtrain.train.optimizers import Lamb, Lars
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = str(tmp_path / "w.pt")
+    mp.spawn(_tp_trust_ratio_rank, args=(port, name, out), nprocs=2, join=True)
+    g = torch.Generator().manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(8, 6, generator=g))
+    grads = [torch.randn(8, 6, generator=g) for _ in range(3)]
+    cls = Lamb if name == "lamb" else Lars
+    opt = cls([{"params": [w], "weight_decay": 0.01, "adapt": True}], lr=0.1)
+    for grad in grads:
+        w.grad = grad.clone()
+        opt.step()
+    torch.testing.assert_close(torch.load(out), w.data, rtol=1e-6, atol=1e-7)

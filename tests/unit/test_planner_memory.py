@@ -118,6 +118,24 @@ def test_zero_stage_lowers_busiest_rank_and_fsdp_counts_as_stage3() -> None:
     assert fsdp.engine == "fsdp2" and fsdp.zero_stage == 3
 
 
+def test_fsdp2_counts_its_shards_plus_the_unsharded_working_set() -> None:
+    """Shards 4 + 4 + 8 bytes / dp, plus: root unit and two blocks gathered (bf16 gather: 2 bytes), one block's
+    fp32 gradient before its reduce-scatter. No full unsharded gradient (reduce-scatter every micro-batch)."""
+    from seqtrain.parallel.costs import param_breakdown
+    from seqtrain.spec.resolve import resolved_model
+
+    sets = {"replicas": 4, "optimization.engine": "native", "optimization.zero.stage": 3,
+            "training.microBatchSize": 1, "training.globalBatchSize": 8}
+    for precision, gather in (("bf16", 2), ("fp32", 4)):
+        j = job(**sets, **{"optimization.precision": precision})
+        r = estimate(j).busiest
+        p = param_breakdown(resolved_model(j))
+        root = p.embedding + p.final + p.output
+        assert r.params == 4 * p.total / 4 + gather * (root + 2 * p.block)
+        assert r.grads == 4 * p.total / 4 + 4 * p.block
+        assert r.grads < 4 * p.total  # the accumulate-unsharded mode would keep 4 bytes x every parameter
+
+
 def test_checkpointing_shrinks_activations() -> None:
     full = estimate(job(**{"model.preset": "small", "data.seqLen": 64}))
     ac = job(**{"model.preset": "small", "data.seqLen": 64})

@@ -13,6 +13,7 @@ import torch
 from seqtrain.data import build_train_data, load_corpus
 from seqtrain.data.sources import ConcatTokens, FileTokenizer, load_source
 from seqtrain.data.synthetic import generate, special_ids
+from seqtrain.data.tokenizer import ByteTokenizer
 from seqtrain.spec import load_job, resolve
 from seqtrain.spec.data import DataSpec, SyntheticSpec
 from seqtrain.spec.resolve import tokenizer_vocab_size
@@ -47,13 +48,13 @@ def files(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def tokenizer_json(tmp_path: Path) -> str:
+def tokenizer_json(tmp_path: Path, special: tuple[str, ...] = ("[UNK]",)) -> str:
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.train_from_iterator([text(i) for i in range(10)], trainers.WordLevelTrainer(special_tokens=["[UNK]"]))
-    path = str(tmp_path / "tokenizer.json")
+    tok.train_from_iterator([text(i) for i in range(10)], trainers.WordLevelTrainer(special_tokens=list(special)))
+    path = str(tmp_path / f"tokenizer-{len(special)}.json")
     tok.save(path)
     return path
 
@@ -78,7 +79,7 @@ def test_text_glob_split_and_resume(files: Path) -> None:
     train, val = load_corpus(job, "train"), load_corpus(job, "validation")
     assert len(train.doc_starts) + len(val.doc_starts) == 30 and len(val.doc_starts) > 0
     total = sum(len(text(i).encode()) for i in range(30))
-    assert len(train) + len(val) == total
+    assert len(train) + len(val) == total + 30  # each file ends with the end-of-document byte (NUL)
     assert_exact_resume(job)
     assert_exact_resume(job_for(data | {"packing": True}))
 
@@ -87,7 +88,10 @@ def test_jsonl_field_and_clear_error_for_missing_field(files: Path) -> None:
     job = job_for({"source": "jsonl", "paths": [str(files / "data.jsonl")], "jsonlField": "body", "seqLen": 32})
     c = load_corpus(job, "train")
     first = bytes(np.asarray(c.tokens[: c.doc_starts[1]])).decode()
-    assert first in {text(i) for i in range(60)}
+    assert first.endswith("\x00") and first[:-1] in {text(i) for i in range(60)}  # record + end-of-document
+    ends = np.asarray(c.tokens)[np.asarray(c.doc_starts[1:]) - 1]
+    assert (ends == ByteTokenizer.eos_id).all()  # every document ends with it, and only its last byte is NUL
+    assert int((np.asarray(c.tokens) == 0).sum()) == len(c.doc_starts)
     assert_exact_resume(job)
     with pytest.raises(ValueError, match=r"data.jsonl:1: no field 'text'.*jsonlField"):
         load_source(DataSpec(source="jsonl", paths=[str(files / "data.jsonl")]), "train")
@@ -106,6 +110,17 @@ def test_token_files_are_memory_mapped_and_split_by_tail(files: Path) -> None:
     (files / "odd.bin").write_bytes(b"\x00\x01\x02")
     with pytest.raises(ValueError, match="tokenDtype"):
         load_source(DataSpec(source="tokens", paths=[str(files / "odd.bin")]), "train")
+
+
+def test_documents_end_with_the_tokenizers_end_of_text_token(files: Path) -> None:
+    path = tokenizer_json(files, ("[UNK]", "<|endoftext|>"))
+    eos = FileTokenizer(path).eos_id
+    assert eos is not None and FileTokenizer(tokenizer_json(files)).eos_id is None  # no such token: nothing added
+    data = {"source": "text", "paths": [str(files / "*.txt")], "seqLen": 16, "tokenizer": {"type": "file", "path": path}}
+    c = load_corpus(job_for(data), "train")
+    tokens = np.asarray(c.tokens)
+    assert (tokens[np.append(np.asarray(c.doc_starts[1:]), len(tokens)) - 1] == eos).all()
+    assert int((tokens == eos).sum()) == len(c.doc_starts)
 
 
 def test_tokenizer_json_encodes_text_and_sets_vocab(files: Path) -> None:

@@ -162,3 +162,18 @@ def test_quantities_are_validated_the_way_the_apiserver_will(value, ok):
         assert "spec.resources.cpu" in msg
         if isinstance(value, float):
             assert 'write it quoted, e.g. "0.5"' in msg
+
+
+@pytest.mark.parametrize("name", ["lamb", "lars", "adafactor", "sgd"])
+def test_cpu_offload_with_a_non_adamw_optimizer_is_rejected(name: str) -> None:
+    got = problems(BASE, ("optimization.zero.stage=2", "optimization.zero.offload=cpu",
+                          f"training.optimizer.name={name}"))
+    assert any(p.startswith("spec.training.optimizer.name") and "offload" in p and "adamw" in p for p in got), got
+    load_job(textwrap.dedent(BASE), ("optimization.zero.stage=2", "optimization.zero.offload=cpu"))  # adamw: fine
+    load_job(textwrap.dedent(BASE), ("optimization.zero.stage=2", f"training.optimizer.name={name}"))  # no offload
+
+
+def test_checkpoint_path_uris_are_rejected() -> None:
+    got = problems(BASE, ("checkpoint.path=s3://bucket/ck",))
+    assert any(p.startswith("spec.checkpoint.path") and "not supported" in p for p in got), got
+    load_job(textwrap.dedent(BASE), ("checkpoint.path=/mnt/shared/ck",))

@@ -13,6 +13,12 @@ Model states for Psi parameters on a rank, data-parallel degree N_d:
 DeepSpeed follows this split; the native engines (DDP, FSDP2) keep fp32 weights and gradients under autocast,
 so with bf16/fp16 they are counted 4 + 4 + 8 (the same 16 bytes per parameter).
 
+FSDP2 also holds an unsharded working set on top of its shards (`fsdp_working_set`): the root unit
+(embedding, final norm, output projection: kept gathered from forward to backward), two blocks gathered at
+once (the one computing and the one prefetched), in the gather dtype (bf16 under bf16 precision, else fp32),
+and one block's unsharded fp32 gradient before its reduce-scatter. Gradients are reduce-scattered every
+micro-batch, so no full unsharded gradient is kept across accumulation steps.
+
 Psi is what the rank holds after tensor and pipeline parallel took their share: matrices of a block are split
 by tp (norms replicated), the vocabulary by tp, blocks by pipeline stage. Activations follow Korthikanti et al.
 (2022) adapted to this model (SwiGLU MLP, RMSNorm, flash-style attention that stores no seq x seq scores):
@@ -93,6 +99,14 @@ def stage_params(p: ParamBreakdown, bounds: list[tuple[int, int]], stage: int, t
         if tied and len(bounds) > 1:
             n += p.embedding // tp  # the last stage keeps its own copy of the tied embedding (Megatron-style)
     return n
+
+
+def fsdp_working_set(p: ParamBreakdown, tp: int, precision: str, has_root: bool) -> tuple[float, float]:
+    """(gathered parameter bytes, unsharded gradient bytes) FSDP2 holds beyond its shards on one rank."""
+    gather = 2 if precision == "bf16" else 4  # MixedPrecisionPolicy(param_dtype=bf16) under bf16
+    block = p.block_tp_split // tp + (p.block - p.block_tp_split)
+    root = (p.embedding + p.final + p.output) // tp if has_root else 0
+    return gather * (root + 2 * block), 4.0 * block
 
 
 def block_activation_elems(m: ModelSpec, tp: int, sequence_parallel: bool) -> float:
@@ -191,7 +205,7 @@ def estimate(job: SeqTrainJob) -> MemoryEstimate:
         mb = s.training.micro_batch_size
     act_bytes = 4 if opt.precision == "fp32" else 2
     bounds = stage_bounds(m, pp, seq)
-    fused_loss = bool(opt.kernels) or (opt.kernels is None and s.resources.gpus > 0)
+    fused_loss = bool(opt.kernels)  # kernels are opt-in (seqtrain.models.dispatch): unset is the reference loss
     ac = opt.activation_checkpointing
     h = m.dim or 0
     stages = []
@@ -201,6 +215,10 @@ def estimate(job: SeqTrainJob) -> MemoryEstimate:
         # parameter as the paper's mixed-precision Adam, split 4 + 4 + 8 instead of 2 + 2 + 12.
         ms = model_state_bytes(psi, opt.precision if engine == "deepspeed" else "fp32", zstage, dp,
                                opt.zero.offload)
+        params, grads = ms.params, ms.grads
+        if engine == "fsdp2" and dp > 1:
+            extra_p, extra_g = fsdp_working_set(p, tp, opt.precision, has_root=True)
+            params, grads = params + extra_p, grads + extra_g
         nblocks = bounds[st][1] - bounds[st][0]
         whole, ckpt = stored_blocks(ac.policy, ac.every, nblocks)
         per_block = block_activation_elems(m, tp, opt.sequence_parallel)
@@ -216,7 +234,7 @@ def estimate(job: SeqTrainJob) -> MemoryEstimate:
         if st == pp - 1 and not fused_loss:
             per_tok += 2 * 4 * (m.vocab_size or 0) / tp
         acts = per_tok * mb * seq * in_flight(opt.pipeline_schedule, pp, n_micro, st)
-        stages.append(RankMemory(stage=st, blocks=bounds[st], params_count=psi, params=ms.params, grads=ms.grads,
+        stages.append(RankMemory(stage=st, blocks=bounds[st], params_count=psi, params=params, grads=grads,
                                  optimizer=ms.optimizer, activations=acts, cpu=ms.cpu))
     return MemoryEstimate(engine=engine, zero_stage=zstage, precision=opt.precision, micro_batch=mb,
                           pipeline_micro_batches=n_micro, total_params=p.total, stages=tuple(stages))

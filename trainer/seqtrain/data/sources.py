@@ -21,6 +21,8 @@ from seqtrain.spec.data import DataSpec
 from .builtin import Corpus, in_validation
 from .tokenizer import ByteTokenizer
 
+EOS_TOKENS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "[EOS]", "<|eot_id|>")
+
 
 class FileTokenizer:
     """A local `tokenizer.json` (Hugging Face `tokenizers`): no network, ids as uint16/uint32 arrays."""
@@ -37,6 +39,9 @@ class FileTokenizer:
         self._tok = Tokenizer.from_file(path)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.dtype = np.uint16 if self.vocab_size <= 2**16 else np.uint32
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        # the end-of-document token placed between text/jsonl documents (None: the tokenizer has none)
+        self.eos_id: int | None = next((vocab[t] for t in EOS_TOKENS if t in vocab), None)
 
     def encode(self, text: str | bytes) -> np.ndarray:
         if isinstance(text, bytes):
@@ -89,6 +94,16 @@ def _encode_all(tok: Tokenizer, texts: list[bytes]) -> list[np.ndarray]:
     return [tok.encode(t) for t in texts]
 
 
+def _documents(tok: Tokenizer, texts: list[bytes]) -> list[np.ndarray]:
+    """Each text/jsonl document encoded and ended with the tokenizer's end-of-document id, so a model trained
+    on the concatenation (packing off) learns where documents end instead of reading one into the next."""
+    docs = _encode_all(tok, texts)
+    eos = tok.eos_id
+    if eos is None:
+        return docs
+    return [np.append(d, np.asarray(eos, dtype=d.dtype)) if len(d) else d for d in docs]
+
+
 def load_text(spec: DataSpec, split: str, tok: Tokenizer) -> Corpus:
     texts: list[bytes] = []
     for path in expand_paths(spec.paths):
@@ -99,7 +114,7 @@ def load_text(spec: DataSpec, split: str, tok: Tokenizer) -> Corpus:
     if not texts:
         raise ValueError(f"spec.data.paths: no file falls into the {split} split "
                          f"(validationFraction {spec.validation_fraction}); add files or change the fraction")
-    return corpus_from_documents(_encode_all(tok, texts))
+    return corpus_from_documents(_documents(tok, texts))
 
 
 def _jsonl_records(path: str, field: str) -> Iterator[tuple[int, str]]:
@@ -128,7 +143,7 @@ def load_jsonl(spec: DataSpec, split: str, tok: Tokenizer) -> Corpus:
                 texts.append(text.encode("utf-8"))
     if not texts:
         raise ValueError(f"spec.data.paths: no jsonl record falls into the {split} split")
-    return corpus_from_documents(_encode_all(tok, texts))
+    return corpus_from_documents(_documents(tok, texts))
 
 
 class ConcatTokens:

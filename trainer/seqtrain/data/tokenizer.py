@@ -7,6 +7,9 @@ import numpy as np
 
 class ByteTokenizer:
     vocab_size = 256
+    # End of document between text/jsonl documents: NUL, the one byte that does not occur in text files (the
+    # 256 ids are all bytes, so there is no spare id; a tokenizer.json brings its own end-of-text token).
+    eos_id: int | None = 0
 
     def encode(self, text: str | bytes) -> np.ndarray:
         data = text.encode("utf-8") if isinstance(text, str) else text

@@ -60,6 +60,12 @@ class Engine(ABC):
     @abstractmethod
     def step(self, micro_batches: list[Batch]) -> StepStats: ...
 
+    def _shard_trust_ratios(self, tp_names: set[str]) -> None:
+        """Tensor parallel: LAMB/LARS compute their trust ratios on the full tensors, not on this rank's slices."""
+        if self.ctx.tp_size > 1 and hasattr(self.optimizer, "shard_norms"):
+            self.optimizer.shard_norms([p for n, p in self.model.named_parameters() if n in tp_names],
+                                       self.ctx.tp_group)
+
     # ---- the step skeleton shared by the data-parallel engines (native/DDP, FSDP2) -----------------------------
 
     def _accumulate(self, micro_batches: list[Batch], forward: Callable[[Batch], torch.Tensor],
@@ -85,28 +91,29 @@ class Engine(ABC):
             loss_sum += ls.detach().double()
         return self._update(batches, loss_sum, tokens)
 
-    def _clip(self) -> float:
-        """Global gradient L2 norm before clipping (clipped in place to training.gradClip)."""
+    def _clip(self) -> torch.Tensor:
+        """Global gradient L2 norm before clipping, as a device tensor (clipped in place to training.gradClip)."""
         params = [p for p in self.model.parameters() if p.grad is not None]
         clip = self.job.spec.training.grad_clip
-        return float(torch.nn.utils.clip_grad_norm_(params, clip if clip is not None else math.inf))
+        return torch.nn.utils.clip_grad_norm_(params, clip if clip is not None else math.inf)
 
     def _update(self, batches: list[Batch], loss_sum: torch.Tensor, tokens: torch.Tensor) -> StepStats:
-        # fp16: divide the gradients by the loss scale; True if any is inf/NaN (max-reduced over ranks)
+        # fp16 only: divide the gradients by the loss scale; True if any is inf/NaN (the scaler's own host sync)
         overflow = self.precision.unscale_and_check(self.model.parameters())
         grad_norm = self._clip()
-        # host sync: the update decision needs the value. Skipping keeps inf/NaN out of the weights.
-        skipped = overflow or not math.isfinite(grad_norm)
+        slots = torch.tensor(float(sum(b.slots for b in batches)), dtype=torch.float64, device=self.ctx.device)
+        totals = torch.stack([loss_sum, slots])
+        self.ctx.all_reduce(totals, group=self.ctx.dp_group)
+        # The step's one host sync: the update decision needs the norm, the metrics the totals; one transfer.
+        norm, loss, ntok, nslots = torch.stack([grad_norm.double(), totals[0], tokens.double(), totals[1]]).tolist()
+        skipped = overflow or not math.isfinite(norm)  # skipping keeps inf/NaN out of the weights
         if not skipped:
             self.optimizer.step()
         self.precision.update(skipped)  # fp16: halve the scale after an overflow, grow after a good run
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        slots = torch.tensor(float(sum(b.slots for b in batches)), dtype=torch.float64, device=self.ctx.device)
-        totals = torch.stack([loss_sum, slots])
-        self.ctx.all_reduce(totals, group=self.ctx.dp_group)
-        return StepStats(loss_sum=float(totals[0]), target_tokens=int(tokens), slots=int(totals[1]),
-                         grad_norm=grad_norm, skipped=skipped, loss_scale=self.precision.loss_scale)
+        return StepStats(loss_sum=loss, target_tokens=int(ntok), slots=int(nslots), grad_norm=norm, skipped=skipped,
+                         loss_scale=self.precision.loss_scale)
 
     @property
     def lr(self) -> float:

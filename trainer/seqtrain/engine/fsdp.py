@@ -3,6 +3,13 @@ the data-parallel axis of the mesh (each block is one all-gather / reduce-scatte
 embedding, final norm and output projection). Combines with tensor parallel: the TP-sliced parameters are
 plain tensors that FSDP shards further along dp.
 
+Mixed precision: with `optimization.precision: bf16` the units gather their weights in bf16 and reduce-scatter
+gradients in fp32 (`MixedPrecisionPolicy`, torchtitan's default): half the all-gather traffic and no
+unsharded fp32 weights during compute, while the sharded fp32 master weights and the fp32 reduction keep the
+update exact. Gradients are reduce-scattered after every micro-batch (FSDP2's default): holding them
+unsharded across accumulation steps would cost a full fp32 gradient per rank, which is what ZeRO-3 removes.
+`seqtrain plan` counts the same (`seqtrain_operator.planner.memory`).
+
 Checkpoints use torch.distributed.checkpoint (DCP): every rank writes its shards plus global metadata, so a
 checkpoint can be loaded into a different data-parallel degree (elastic resume; tested dp2 -> dp1 -> dp2).
 """
@@ -23,7 +30,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from seqtrain.checkpoint.safe_load import load_plain, require_layout
 from seqtrain.data import Batch
@@ -38,6 +45,14 @@ from .base import Engine, StepStats
 SCHEDULER_FILE = "scheduler.pt"
 
 
+def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
+    """bf16: gather in bf16, reduce in fp32. fp32 and fp16 keep fp32 everywhere (fp16 relies on autocast and the
+    loss scaler, which unscale fp32 gradients)."""
+    if precision == "bf16":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
 class FSDPEngine(Engine):
     name = "fsdp2"
 
@@ -45,26 +60,25 @@ class FSDPEngine(Engine):
         self.tp_names = tp_param_names(model)
         sharded = CausalLMLoss(model)
         self.sharding = ctx.distributed and ctx.dp_size > 1
+        self.mp_policy = mixed_precision_policy(job.spec.optimization.precision)
         if self.sharding:
             mesh = ctx.mesh["dp"]
             for unit in getattr(model, "blocks", None) or getattr(model, "layers", []):
-                fully_shard(unit, mesh=mesh)
+                fully_shard(unit, mesh=mesh, mp_policy=self.mp_policy)
             # The root is the loss wrapper, so the (tied) output projection runs inside an FSDP forward.
-            fully_shard(sharded, mesh=mesh)
+            fully_shard(sharded, mesh=mesh, mp_policy=self.mp_policy)
         super().__init__(model, job, ctx)  # the optimizer now sees the sharded (DTensor) parameters
         self.loss_module = sharded
         self.grad_clip = job.spec.training.grad_clip
+        self._shard_trust_ratios(self.tp_names)
 
     def step(self, micro_batches: list[Batch]) -> StepStats:
+        # every micro-batch reduce-scatters into the sharded fp32 gradient (no set_requires_gradient_sync(False):
+        # that would keep a full unsharded gradient alive across the accumulation steps)
         return self._accumulate(micro_batches, lambda b: self.loss_module(b.tokens, b.targets, b.doc_ids),
-                                self._sync_on_last)
+                                lambda last: contextlib.nullcontext())
 
-    def _sync_on_last(self, last: bool) -> contextlib.AbstractContextManager:
-        if self.sharding:  # accumulate unsharded; reduce-scatter once, on the last micro-batch
-            self.loss_module.set_requires_gradient_sync(last)
-        return contextlib.nullcontext()
-
-    def _clip(self) -> float:
+    def _clip(self) -> torch.Tensor:
         return clip_grad_norm(self.model, self.grad_clip, self.ctx, self.tp_names)
 
     # ---- checkpoints: DCP, resharded on load ---------------------------------------------------------------

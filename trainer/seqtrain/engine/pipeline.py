@@ -19,13 +19,18 @@ from torch import nn
 
 from seqtrain.data import Batch
 from seqtrain.parallel.compat import pipeline_micro_batches
-from seqtrain.parallel.costs import stage_bounds
 from seqtrain.parallel.grads import all_reduce_grads, clip_grad_norm
-from seqtrain.parallel.pipeline import TIED_COPY, Stage, build_stages, schedule_class
+from seqtrain.parallel.pipeline import (
+    TIED_COPY,
+    Stage,
+    build_stages,
+    check_stage_device,
+    layout,
+    schedule_class,
+)
 from seqtrain.parallel.tensor import tp_param_names
 from seqtrain.parallel.topology import INTERLEAVED_CHUNKS
 from seqtrain.spec.job import SeqTrainJob
-from seqtrain.spec.resolve import resolved_model
 from seqtrain.train.dist import DistContext
 
 from .base import Engine, StepStats
@@ -42,17 +47,21 @@ class PipelineEngine(Engine):
         pp = ctx.pp_size
         self.chunks = INTERLEAVED_CHUNKS if opt.pipeline_schedule == "interleaved" else 1
         n_stages = pp * self.chunks
-        bounds = stage_bounds(resolved_model(job), n_stages, job.spec.data.seq_len)
         # interleaved: rank r holds stages r, r + pp, ... (the schedule's loop order)
-        self.stage_ids = [ctx.pp_rank + k * pp for k in range(self.chunks)]
+        bounds, self.stage_ids = layout(job, pp, ctx.pp_rank)
         self.stages: list[Stage] = build_stages(model, bounds, self.stage_ids)
+        if not any(s.first for s in self.stages) and hasattr(model, "embed"):
+            model.embed.to(torch.device("meta"))  # the last stage copied it (tied): free the device memory
         container = nn.ModuleDict({f"stage{i}": s for i, s in zip(self.stage_ids, self.stages, strict=True)})
         self.tp_names = {f"stage{i}.{n}" for i in self.stage_ids for n in _stage_tp_names(model, bounds[i])}
         super().__init__(container, job, ctx)
+        self._shard_trust_ratios(self.tp_names)
         self.first_stage = next((s for s in self.stages if s.first), None)
         self.last_stage = next((s for s in self.stages if s.last), None)
         self.n_micro = pipeline_micro_batches(job)
         self.grad_clip = job.spec.training.grad_clip
+        for s in self.stages:
+            check_stage_device(s, ctx.device)
         self.pipe_stages = [PipelineStage(s, i, n_stages, ctx.device, group=ctx.pp_group)
                             for i, s in zip(self.stage_ids, self.stages, strict=True)]
         self.schedule_name = opt.pipeline_schedule
@@ -100,7 +109,7 @@ class PipelineEngine(Engine):
         targets = torch.cat([b.targets for b in batches])
         count = torch.stack([b.num_targets() for b in batches]).sum().double()
         self.ctx.all_reduce(count, group=self.ctx.dp_group)
-        self._scale = 1.0 / max(1.0, float(count))  # host sync: a Python float for the loss function
+        self._scale = 1.0 / count.clamp(min=1.0)  # a device tensor: the loss function needs no host value
         loss_sum = self._run(tokens, targets, self.n_micro, train=True)
         params = list(self.model.parameters())
         if self.tied:
@@ -108,18 +117,19 @@ class PipelineEngine(Engine):
         if self.ctx.dp_size > 1:
             all_reduce_grads(params, self.ctx.dp_group, self.job.spec.optimization.bucket_mb)
         grad_norm = clip_grad_norm(self.model, self.grad_clip, self.ctx, self.tp_names, self.skip_names)
-        skipped = not math.isfinite(grad_norm)
-        if not skipped:
-            self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
         loss_sum = loss_sum.to(dev)
         self.ctx.all_reduce(loss_sum, group=self.ctx.pp_group)  # only the last stage has losses
         totals = torch.stack([loss_sum, torch.tensor(float(sum(b.slots for b in batches)), dtype=torch.float64,
                                                      device=dev)])
         self.ctx.all_reduce(totals, group=self.ctx.dp_group)
-        return StepStats(loss_sum=float(totals[0]), target_tokens=int(count), slots=int(totals[1]),
-                         grad_norm=grad_norm, skipped=skipped)
+        # The step's one host sync: the update decision needs the norm, the metrics the totals.
+        norm, loss, ntok, nslots = torch.stack([grad_norm, totals[0], count, totals[1]]).tolist()
+        skipped = not math.isfinite(norm)
+        if not skipped:
+            self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return StepStats(loss_sum=loss, target_tokens=int(ntok), slots=int(nslots), grad_norm=norm, skipped=skipped)
 
     def _sync_tied(self) -> None:
         """Sum the tied embedding's gradient between its first-stage and last-stage copies."""

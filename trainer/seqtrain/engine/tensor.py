@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import torch
 from torch import nn
 
 from seqtrain.parallel.grads import clip_grad_norm
@@ -22,8 +23,9 @@ class TensorParallelEngine(NativeEngine):
     def __init__(self, model: nn.Module, job: SeqTrainJob, ctx: DistContext) -> None:
         super().__init__(model, job, ctx)
         self.tp_names = tp_param_names(model)
+        self._shard_trust_ratios(self.tp_names)
 
-    def _clip(self) -> float:
+    def _clip(self) -> torch.Tensor:
         return clip_grad_norm(self.model, self.grad_clip if self.grad_clip is not None else math.inf, self.ctx,
                               self.tp_names)
 

@@ -3,8 +3,11 @@
 Resolution (`resolve_kernels`), in order:
 1. `SEQTRAIN_KERNELS=torch` forces the reference, whatever the spec says.
 2. `optimization.kernels: false` -> reference.
-3. Unset -> on iff the device is CUDA (a CPU run with the field unset never imports triton).
-4. On (true, or unset on CUDA) -> the Triton path where it can run on this device (CUDA, or the CPU with
+3. Unset -> the reference everywhere (PyTorch SDPA / flex_attention, and torch.compile's fusion when
+   `optimization.compile` is on). No GPU has measured the Triton kernels against it yet; the default moves to
+   the kernels only for the ops and shapes where `seqtrain bench gpu` shows them at least as fast
+   (docs/benchmarks.md). A run with the field unset never imports triton.
+4. On (true) -> the Triton path where it can run on this device (CUDA, or the CPU with
    `TRITON_INTERPRET=1`, and triton imports); otherwise the reference, with the reason in the log line.
    `SEQTRAIN_KERNELS=triton` where Triton cannot run is an error, not a fallback.
 
@@ -42,9 +45,12 @@ def resolve_kernels(setting: bool | None, device: torch.device) -> tuple[bool, s
         return False, f"off ({ENV_BACKEND}=torch forces the PyTorch reference)"
     if setting is False:
         return False, "off (optimization.kernels: false)"
-    if setting is None and device.type != "cuda":
+    if setting is None:
+        if device.type == "cuda":
+            return False, ("off (default: PyTorch SDPA/flex_attention and torch.compile until `seqtrain bench gpu` "
+                           "measures the Triton kernels faster; optimization.kernels: true opts in)")
         return False, "off (default on the CPU; optimization.kernels: true with TRITON_INTERPRET=1 runs them here)"
-    source = "optimization.kernels: true" if setting else "default on CUDA"
+    source = "optimization.kernels: true"
     # backend_for raises for SEQTRAIN_KERNELS=triton where Triton cannot run. It imports triton only when the
     # probe is on CUDA or TRITON_INTERPRET=1 is set.
     if backend_for(torch.empty(0, device=device)) == "triton":

@@ -35,10 +35,16 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
+    """Built on the current device; under `with torch.device("meta")` nothing is allocated and
+    `init_weights` later fills whatever part was materialised (`seqtrain.models.materialize`)."""
+
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         assert spec.vocab_size and spec.dim and spec.layers and spec.heads and spec.max_seq_len, "resolve() the spec"
         self.spec = spec
+        # One draw from the global CPU generator, before any submodule exists: the initial weights depend only on
+        # the seed, never on the device, on what the constructors drew, or on which part a rank materialises.
+        self.init_seed = int(torch.randint(0, 2**62, (), device="cpu"))
         self.embed = nn.Embedding(spec.vocab_size, spec.dim)
         self.drop = nn.Dropout(spec.dropout)
         self.blocks = nn.ModuleList(Block(spec) for _ in range(spec.layers))
@@ -48,16 +54,44 @@ class GPT(nn.Module):
         # Not persistent: derived from the spec, so checkpoints hold only learned weights.
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        self.reset_parameters()
+        if self.embed.weight.device.type != "meta":
+            self.init_weights()
 
-    def reset_parameters(self) -> None:
+    @torch.no_grad()
+    def init_weights(self, buffer_device: torch.device | None = None) -> None:
+        """Initialise every parameter that is not on the meta device, and the RoPE tables.
+
+        Each matrix is drawn whole on the CPU from a generator seeded with `init_seed`, in parameter order, and
+        the local part is copied in: a tensor-parallel slice (a module's `tp_slice`, set by `seqtrain.parallel.tensor`)
+        or nothing for a part another rank holds (pipeline). So every layout starts from exactly the weights of
+        the single process, and a rank's device never holds more than its own parameters (the host holds one
+        full matrix at a time). GPT-2 style: residual output projections scaled down by depth.
+        """
         std = self.spec.init_std
-        # GPT-2 style: residual output projections scaled down by depth so the residual stream stays O(1).
         out_std = std / math.sqrt(2 * len(self.blocks))
+        g = torch.Generator().manual_seed(self.init_seed)
         for name, p in self.named_parameters():
-            if p.dim() < 2:
-                continue  # norm scales stay at 1
-            torch.nn.init.normal_(p, 0.0, out_std if name.endswith(("attn.out.weight", "mlp.down.weight")) else std)
+            if p.dim() < 2:  # norm scales start at 1 (no draw)
+                if p.device.type != "meta":
+                    p.fill_(1.0)
+                continue
+            shape = list(p.shape)
+            owner, _, attr = name.rpartition(".")
+            # (dim, start, full size) of a tensor-parallel weight, kept on its module (to_empty swaps Parameters)
+            sl = getattr(self.get_submodule(owner), "tp_slice", None) if attr == "weight" else None
+            if sl is not None:
+                shape[sl[0]] = sl[2]
+            full = torch.empty(shape).normal_(0.0, out_std if name.endswith(("attn.out.weight", "mlp.down.weight"))
+                                              else std, generator=g)
+            if p.device.type == "meta":
+                continue
+            if sl is not None:
+                full = full.narrow(sl[0], sl[1], p.shape[sl[0]])
+            p.copy_(full)
+        dev = buffer_device or self.rope_cos.device  # every stage needs the tables: materialise them here
+        if dev.type != "meta":
+            cos, sin = rope_tables(self.spec.max_seq_len, self.spec.dim // self.spec.heads, self.spec.rope_theta)
+            self.rope_cos, self.rope_sin = cos.to(dev), sin.to(dev)
 
     @property
     def output_weight(self) -> torch.Tensor:

@@ -54,25 +54,60 @@ def kernel_rope_tables(cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype)
 
 
 def document_mask(doc_ids: torch.Tensor) -> torch.Tensor:
-    """Boolean [B, 1, T, T] mask: position i may attend to j when j <= i and both lie in the same document."""
+    """Boolean [B, 1, T, T] mask (the CPU path; CUDA uses `flex_document_attention`): position i may attend to j when j <= i and both lie in the same document."""
     t = doc_ids.shape[-1]
     same = doc_ids[:, :, None] == doc_ids[:, None, :]
     causal = torch.ones(t, t, dtype=torch.bool, device=doc_ids.device).tril()
     return (same & causal)[:, None]
 
 
+_FLEX: dict[str, object] = {}  # the compiled flex_attention and the last block mask (shared by all layers)
+
+
+def flex_document_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor, causal: bool = True,
+    compiled: bool = True,
+) -> torch.Tensor:
+    """Packed-document attention with `flex_attention` and a block-sparse document mask: no [B, 1, T, T]
+    tensor, blocks entirely outside a document are skipped, and flash-style kernels run (compiled). The block
+    mask is built once per `doc_ids` tensor and reused by every layer of the forward."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    cached = _FLEX.get("mask")
+    if cached is not None and cached[0] is doc_ids and cached[1] == causal:
+        block_mask = cached[2]
+    else:
+        def mask_mod(b: torch.Tensor, h: torch.Tensor, qi: torch.Tensor, ki: torch.Tensor) -> torch.Tensor:
+            same = doc_ids[b, qi] == doc_ids[b, ki]
+            return same & (ki <= qi) if causal else same
+
+        b, t = doc_ids.shape
+        block_mask = create_block_mask(mask_mod, b, None, t, t, device=doc_ids.device)
+        _FLEX["mask"] = (doc_ids, causal, block_mask)
+    fn = flex_attention
+    if compiled:  # eager flex_attention materialises the scores; compiled it is a fused kernel
+        fn = _FLEX.setdefault("fn", torch.compile(flex_attention, dynamic=False))
+    return fn(q, k, v, block_mask=block_mask, enable_gqa=k.shape[1] != q.shape[1])  # type: ignore[operator]
+
+
+def use_flex(q: torch.Tensor) -> bool:
+    """flex_attention for packed documents on CUDA. PyTorch's CPU flex_attention has no backward (2.13), so
+    the CPU keeps the dense boolean mask, which is exact and cheap at CPU sizes."""
+    return q.is_cuda and hasattr(torch.nn.attention, "flex_attention")
+
+
 def attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True, doc_ids: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Scaled dot-product attention on [B, H, T, Dh]; with doc_ids [B, T] packed documents stay apart."""
-    if k.shape[1] != q.shape[1]:  # grouped-query attention: share each kv head across its query heads
-        rep = q.shape[1] // k.shape[1]
-        k = k.repeat_interleave(rep, dim=1)
-        v = v.repeat_interleave(rep, dim=1)
+    """Scaled dot-product attention on [B, H, T, Dh] (k/v may have fewer, grouped heads: SDPA's enable_gqa
+    shares each kv head without copying it); with doc_ids [B, T] packed documents stay apart."""
+    gqa = k.shape[1] != q.shape[1]
     if doc_ids is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+    if use_flex(q):
+        return flex_document_attention(q, k, v, doc_ids, causal)
     mask = document_mask(doc_ids) if causal else (doc_ids[:, :, None] == doc_ids[:, None, :])[:, None]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
 class RMSNorm(nn.Module):

@@ -25,10 +25,10 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def clip_grad_norm(model: nn.Module, max_norm: float | None, ctx: DistContext, tp_names: set[str] = frozenset(),
-                   skip_names: set[str] = frozenset()) -> float:
-    """Global L2 norm of all gradients over the mesh, then scale them by min(1, max_norm / (norm + 1e-6)) like
-    torch.nn.utils.clip_grad_norm_. `skip_names`: parameters whose gradient is a copy held elsewhere too
-    (the last pipeline stage's tied embedding)."""
+                   skip_names: set[str] = frozenset()) -> torch.Tensor:
+    """Global L2 norm of all gradients over the mesh (a float64 tensor on the device: no host sync), then scale
+    them by min(1, max_norm / (norm + 1e-6)) like torch.nn.utils.clip_grad_norm_. `skip_names`: parameters
+    whose gradient is a copy held elsewhere too (the last pipeline stage's tied embedding)."""
     dev = ctx.device
     total = torch.zeros((), dtype=torch.float64, device=dev)
     grads = []
@@ -47,12 +47,12 @@ def clip_grad_norm(model: nn.Module, max_norm: float | None, ctx: DistContext, t
         total += g.double().pow(2).sum() * w
     if ctx.distributed:
         dist.all_reduce(total)
-    norm = float(total.sqrt())  # host sync: the clip factor and the metrics need the value
-    if max_norm is not None and math.isfinite(norm):
-        coef = min(1.0, max_norm / (norm + 1e-6))
-        if coef < 1.0:
-            for g in grads:
-                _local(g).mul_(coef)
+    norm = total.sqrt()
+    if max_norm is not None and math.isfinite(max_norm):
+        # on the device; a non-finite norm leaves the gradients alone (the engine skips that update)
+        coef = torch.where(torch.isfinite(norm), (max_norm / (norm + 1e-6)).clamp(max=1.0), torch.ones_like(norm))
+        for g in grads:
+            _local(g).mul_(coef)
     return norm
 
 

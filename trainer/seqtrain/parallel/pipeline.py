@@ -17,6 +17,7 @@ from torch import nn
 from seqtrain.data import IGNORE_INDEX
 from seqtrain.train.loss import linear_cross_entropy
 
+from .costs import stage_bounds
 from .sequence import gather_rows
 from .tensor import copy_to_tp, vocab_parallel_cross_entropy
 
@@ -62,10 +63,13 @@ class Stage(nn.Module):
             if first:
                 self.output = None  # single stage: the embedding itself
             else:
-                emb = model.embed
-                self.output = nn.Embedding(emb.weight.shape[0], emb.weight.shape[1])
-                with torch.no_grad():
-                    self.output.weight.copy_(emb.weight)
+                # On the embedding's own device and dtype: manual PipelineStage never moves modules, so a copy
+                # built on the default (CPU) device would crash the first CUDA step.
+                w = model.embed.weight
+                self.output = nn.Embedding(w.shape[0], w.shape[1], device=w.device, dtype=w.dtype)
+                if w.device.type != "meta":  # a meta model is materialised and initialised later
+                    with torch.no_grad():
+                        self.output.weight.copy_(w)
         self.tp_group = getattr(getattr(model, "lm_loss", None), "group", None)
         self.sp_size = getattr(model, "sp_size", 1)  # sequence parallel: activations are [B, T / sp_size, D]
         self.use_kernels = getattr(model, "use_kernels", False)  # fused loss (seqtrain.models.dispatch)
@@ -115,6 +119,53 @@ def build_stages(model: nn.Module, bounds: list[tuple[int, int]], indices: list[
     """Stages `indices` (global stage numbers) of a model split at `bounds`."""
     n = len(bounds)
     return [Stage(model, bounds[i][0], bounds[i][1], first=i == 0, last=i == n - 1) for i in indices]
+
+
+def layout(job: Any, pp_size: int, pp_rank: int) -> tuple[list[tuple[int, int]], list[int]]:
+    """(block bounds of every stage, this rank's stage numbers): interleaved ranks hold stages r, r + pp, ..."""
+    from seqtrain.parallel.topology import INTERLEAVED_CHUNKS
+    from seqtrain.spec.resolve import resolved_model
+
+    chunks = INTERLEAVED_CHUNKS if job.spec.optimization.pipeline_schedule == "interleaved" else 1
+    bounds = stage_bounds(resolved_model(job), pp_size * chunks, job.spec.data.seq_len)
+    return bounds, [pp_rank + k * pp_size for k in range(chunks)]
+
+
+def local_modules(job: Any, pp_size: int, pp_rank: int) -> list[str] | None:
+    """Names of the submodules a pipeline rank materialises (None without pipeline parallel: all of them).
+
+    The last stage of a tied model also gets the embedding, only long enough for its stage to copy it as the
+    output projection (`PipelineEngine` frees it again)."""
+    if pp_size == 1:
+        return None
+    bounds, ids = layout(job, pp_size, pp_rank)
+    container = "blocks" if job.spec.model.arch == "gpt" else "layers"
+    last = len(bounds) - 1
+    names = [f"{container}.{b}" for i in ids for b in range(*bounds[i])]
+    if 0 in ids or (last in ids and job.spec.model.tie_embeddings):
+        names.append("embed")
+    if last in ids:
+        names.append("norm")
+        if not job.spec.model.tie_embeddings:
+            names.append("lm_head")
+    return names
+
+
+def stray_tensors(module: nn.Module, device: torch.device) -> list[str]:
+    """Names of the parameters and buffers of `module` that are not on `device` (a CUDA index of None matches
+    any index). PipelineStage runs its module where it is, so one stray tensor fails the first step."""
+    def elsewhere(t: torch.Tensor) -> bool:
+        return t.device.type != device.type or (device.index is not None and t.device.index != device.index)
+
+    named = list(module.named_parameters(remove_duplicate=False)) + list(module.named_buffers(remove_duplicate=False))
+    return [f"{n} ({t.device})" for n, t in named if elsewhere(t)]
+
+
+def check_stage_device(stage: nn.Module, device: torch.device) -> None:
+    stray = stray_tensors(stage, device)
+    if stray:
+        raise RuntimeError(f"pipeline stage tensors not on {device}: {', '.join(stray[:5])}"
+                           f"{' ...' if len(stray) > 5 else ''} (every stage module must be built on its device)")
 
 
 def schedule_class(name: str) -> Any:

@@ -12,8 +12,9 @@ The embedding is split by vocabulary rows; the output projection reuses the (tie
 cross-entropy runs on vocabulary-sharded logits (max, sum-exp and target logit are all-reduced), so no rank
 ever holds the full [tokens, vocab] logits.
 
-Weights are sliced from a fully built model: every rank builds the same model from the same seed and keeps
-its shard, so initialisation is identical to the single-process run (the loss-parity tests rely on it).
+Weights are sliced from a model built on the meta device; each slice records where it lies in the full
+matrix (`tp_slice`), and `GPT.init_weights` fills it with exactly the single-process values (the loss-parity
+tests rely on it). A model built with real weights is sliced the same way.
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ def _shard_rows(linear: nn.Linear, rank: int, size: int) -> None:
     """Column parallel: keep output features [rank*n/size, (rank+1)*n/size)."""
     n = linear.out_features // size
     linear.weight = nn.Parameter(linear.weight.detach()[rank * n:(rank + 1) * n].clone())
+    linear.tp_slice = (0, rank * n, linear.out_features)  # weight's place in the full matrix: GPT.init_weights
     linear.out_features = n
 
 
@@ -77,6 +79,7 @@ def _shard_cols(linear: nn.Linear, rank: int, size: int) -> None:
     """Row parallel: keep input features of this rank; the outputs are partial sums."""
     n = linear.in_features // size
     linear.weight = nn.Parameter(linear.weight.detach()[:, rank * n:(rank + 1) * n].clone())
+    linear.tp_slice = (1, rank * n, linear.in_features)
     linear.in_features = n
 
 
@@ -113,6 +116,7 @@ class VocabParallelEmbedding(nn.Embedding):
         self.padding_idx, self.max_norm, self.norm_type = None, None, 2.0
         self.scale_grad_by_freq, self.sparse = False, False
         self.weight = nn.Parameter(full.weight.detach()[self.start:self.end].clone())
+        self.tp_slice = (0, self.start, full.num_embeddings)
 
     def partial(self, tokens: torch.Tensor) -> torch.Tensor:
         """This shard's rows, zeros for the other ranks' tokens: one of the tp terms whose sum is the embedding."""

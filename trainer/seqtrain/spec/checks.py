@@ -115,8 +115,15 @@ def check(job: SeqTrainJob) -> list[Problem]:
     if tr.schedule.warmup_steps > tr.steps:
         out.append(Problem("spec.training.schedule.warmupSteps",
                            f"{tr.schedule.warmup_steps} is more than training.steps ({tr.steps})"))
-    if s.checkpoint.pvc and s.checkpoint.path and "://" in s.checkpoint.path:
-        out.append(Problem("spec.checkpoint.pvc", "use either a PVC or a URI in checkpoint.path, not both"))
+    if s.checkpoint.path and "://" in s.checkpoint.path:
+        # torch.save, DCP and DeepSpeed write local files: a URI would be a folder literally named "s3:"
+        out.append(Problem("spec.checkpoint.path", f"{s.checkpoint.path!r}: remote URIs are not supported; use a "
+                           "folder on storage every rank shares (checkpoint.pvc, or a mounted shared filesystem)"))
+    if s.optimization.zero.offload == "cpu" and tr.optimizer.name != "adamw":
+        # DeepSpeed updates offloaded states with its CPU Adam: another rule would be silently replaced
+        out.append(Problem("spec.training.optimizer.name", f"{tr.optimizer.name} cannot run with "
+                           "optimization.zero.offload: cpu (offloaded states are updated by DeepSpeed's CPU AdamW); "
+                           "use name: adamw, or set optimization.zero.offload: none"))
     if s.scheduling.topology.policy != "none" and not s.scheduling.topology.keys:
         out.append(Problem("spec.scheduling.topology.keys", f"policy {s.scheduling.topology.policy} needs at least one label key"))
     return out

@@ -69,7 +69,8 @@ class CheckpointSpec(SpecModel):
     interval_steps: int = Field(50, ge=1, description="Save a checkpoint every N optimizer steps (and at the end).")
     keep: int = Field(3, ge=1, description="How many of the latest checkpoints to keep.")
     path: str | None = Field(
-        None, description="Checkpoint folder or fsspec URI; default: <workdir>/checkpoints."
+        None, description="Checkpoint folder on storage every rank shares (a local path, not a URI); "
+        "default: <workdir>/checkpoints."
     )
     pvc: str | None = Field(None, description="Kubernetes: PersistentVolumeClaim mounted at /checkpoints.")
     save_on_sigterm: bool = Field(True, description="Save a checkpoint when the trainer receives SIGTERM.")

@@ -42,7 +42,8 @@ class OptimizationSpec(SpecModel):
     activation_checkpointing: ActivationCheckpointingSpec = Field(
         default_factory=ActivationCheckpointingSpec, description="Recompute activations in backward to save memory."
     )
-    kernels: bool | None = Field(None, description="Use seqtrain's Triton kernels (default: on with CUDA, off on CPU).")
+    kernels: bool | None = Field(None, description="Use seqtrain's Triton kernels (default: off, the PyTorch "
+                                  "reference, until a GPU benchmark shows them faster).")
     compile: bool = Field(False, description="Wrap the model with torch.compile where the backend is available.")
     grad_compression: Literal["none", "bf16", "fp16"] = Field(
         "none", description="Compress data-parallel gradient all-reduce (communication hook)."

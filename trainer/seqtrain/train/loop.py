@@ -18,11 +18,14 @@ import torch
 from seqtrain.checkpoint import CheckpointInfo, CheckpointManager
 from seqtrain.checkpoint.safe_load import UnusableCheckpoint, load_plain
 from seqtrain.data import SequenceBatches, build_train_data
+from seqtrain.data.prefetch import Prefetcher
 from seqtrain.engine import Engine, StepStats, build_engine, engine_name
-from seqtrain.models import build_model, count_parameters
+from seqtrain.models import count_parameters
 from seqtrain.models.compile import prepare_model
 from seqtrain.models.dispatch import setup_kernels
+from seqtrain.models.materialize import materialize, new_model
 from seqtrain.parallel.apply import init_mesh, parallelize
+from seqtrain.parallel.pipeline import local_modules
 from seqtrain.parallel.watchdog import waiting
 from seqtrain.spec.job import SeqTrainJob
 from seqtrain.spec.runtime import RuntimeConfig
@@ -32,6 +35,7 @@ from .callbacks import CallbackList
 from .dist import DistContext
 from .exitcodes import InvalidConfig
 from .metrics import MetricsWriter, peak_memory_mb
+from .precision import enable_tf32
 
 TRAINER_STATE = "trainer.pt"
 
@@ -97,15 +101,23 @@ class Trainer:
         tr = self.spec.training
         if tr.deterministic:
             torch.use_deterministic_algorithms(True)
+        tf32 = enable_tf32(self.ctx.device, tr.deterministic)
+        if self.ctx.device.type == "cuda":
+            self.log(tf32)
         seed_all(tr.seed)  # the same on every rank: identical initial weights without a broadcast
         init_mesh(self.ctx, self.job)  # dp/pp/tp groups; data shards by the dp rank from here on
-        self.model = build_model(self.spec.model).to(self.ctx.device)
+        # torchtitan's order: build on the meta device, parallelise, then allocate and initialise only what this
+        # rank holds (its tensor-parallel slices, its pipeline stages); the weights equal the single process's.
+        self.model = new_model(self.spec.model)
         self.model = parallelize(self.model, self.job, self.ctx)  # tensor parallel (before AC / compile)
+        materialize(self.model, self.ctx.device, local_modules(self.job, self.ctx.pp_size, self.ctx.pp_rank))
         self.log(setup_kernels(self.model, self.job, self.ctx.device))  # optimization.kernels -> model and loss
         for line in prepare_model(self.model, self.job, self.ctx.device):  # activation checkpointing, compile
             self.log(line)
         self.engine = build_engine(self.model, self.job, self.ctx)
         self.data = build_train_data(self.job, self.ctx.dp_rank, self.ctx.dp_size)
+        # the next step's batches are built on a background thread (pinned on CUDA) while this step runs
+        self.prefetcher = Prefetcher(self.data, pin_memory=self.ctx.device.type == "cuda")
         self.checkpoints = CheckpointManager(self.runtime.checkpoint_dir, self.spec.checkpoint.keep, self.ctx)
         self.metrics_writer = MetricsWriter(os.path.join(self.runtime.workdir, "metrics.jsonl"))
         seed_all(tr.seed + 1 + self.ctx.rank)  # per-rank streams for dropout from here on
@@ -132,11 +144,12 @@ class Trainer:
     # ---- checkpoints -------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Rank-independent trainer state (rank 0 writes it)."""
-        return {"step": self.step, "tokens_seen": self.tokens_seen, "data": self.data.state_dict()}
+        return {"step": self.step, "tokens_seen": self.tokens_seen, "data": self.prefetcher.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = int(state["step"])
         self.tokens_seen = int(state.get("tokens_seen", 0))
+        self.prefetcher.reset()  # a step built from the old position must not be handed out
         self.data.load_state_dict(state["data"])
 
     def _write_checkpoint(self, directory: str) -> list[str]:
@@ -191,7 +204,7 @@ class Trainer:
     # ---- one step ----------------------------------------------------------------------------------------
     def train_step(self) -> dict[str, Any]:
         t0 = time.perf_counter()
-        micro_batches = self.data.next_step()
+        micro_batches = self.prefetcher.next_step()
         lr = self.engine.lr  # the rate this step uses (the schedule advances inside engine.step)
         with waiting(f"step {self.step + 1}: forward/backward and gradient reduction ({self.engine.name} engine, "
                      f"dp {self.ctx.dp_size} x pp {self.ctx.pp_size} x tp {self.ctx.tp_size})"):
@@ -207,9 +220,12 @@ class Trainer:
 
     def agree(self) -> float:
         """One MAX all-reduce per step: the busiest rank's memory peak and whether any rank must stop."""
+        # Host values only. A single process keeps them on the host (no device sync); a distributed run needs
+        # them on the collective's device, and reading the result is the step's second host sync (all ranks
+        # must agree on stopping before the next step starts).
         flags = torch.tensor(
             [peak_memory_mb(self.ctx.device), float(self.terminate_requested), float(self.stop_training)],
-            dtype=torch.float64, device=self.ctx.device,
+            dtype=torch.float64, device=self.ctx.device if self.ctx.distributed else "cpu",
         )
         self.ctx.all_reduce(flags, op="max")
         self.terminate_requested = bool(flags[1] > 0)
@@ -256,6 +272,7 @@ class Trainer:
                 break
             if self.checkpoint_due():
                 self.save_checkpoint()
+        self.prefetcher.close()
         self.callbacks.on_train_end(self, reason)
         self.log_end(reason)
         return reason

@@ -42,7 +42,10 @@ def build_optimizer(model: nn.Module, spec: OptimizerSpec) -> torch.optim.Optimi
         from .optimizers import make_optimizer  # LAMB, LARS, Adafactor, SGD-momentum
 
         return make_optimizer(param_groups(model, spec), spec)
-    return torch.optim.AdamW(param_groups(model, spec), lr=spec.lr, betas=tuple(spec.betas), eps=spec.eps)
+    groups = param_groups(model, spec)
+    # fused: one CUDA kernel for the whole update instead of a loop of small ones (needs every tensor on CUDA)
+    fused = all(p.is_cuda for g in groups for p in g["params"]) and any(g["params"] for g in groups)
+    return torch.optim.AdamW(groups, lr=spec.lr, betas=tuple(spec.betas), eps=spec.eps, fused=fused or None)
 
 
 def lr_factor(step: int, spec: ScheduleSpec, total_steps: int) -> float:

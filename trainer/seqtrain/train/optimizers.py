@@ -10,12 +10,36 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.optim import Optimizer
 
 from seqtrain.spec.training import OptimizerSpec
 
 
-class Lamb(Optimizer):
+class _TrustRatioMixin:
+    """Norms for trust ratios over the *whole* tensor: a tensor-parallel slice's squared norm is summed over the
+    tensor-parallel group (`shard_norms`), so every rank applies the single-process ratio to its slice."""
+
+    _tp_params: set[int] = set()
+    _tp_group: Any = None
+
+    def shard_norms(self, params: Iterable[torch.Tensor], group: Any) -> None:
+        """Declare `params` as slices of larger tensors split over `group` (tensor parallel)."""
+        self._tp_params = {id(p) for p in params}
+        self._tp_group = group
+
+    def _norm(self, t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        n = torch.linalg.vector_norm(t)
+        if hasattr(n, "full_tensor"):  # a DTensor (FSDP2): its norm is already reduced over the shards
+            n = n.full_tensor()
+        if id(p) in self._tp_params:
+            sq = n.double().square()
+            dist.all_reduce(sq, group=self._tp_group)  # a collective, not a host sync
+            n = sq.sqrt().to(n.dtype)
+        return n
+
+
+class Lamb(_TrustRatioMixin, Optimizer):
     """LAMB (You et al. 2019): Adam direction, rescaled per parameter by the trust ratio ||w|| / ||update||.
 
     update = m_hat / (sqrt(v_hat) + eps) + wd * w;  w -= lr * clamp(||w|| / ||update||, <= max_trust) * update.
@@ -51,12 +75,12 @@ class Lamb(Optimizer):
                 if group["weight_decay"]:
                     update.add_(p, alpha=group["weight_decay"])
                 if group["adapt"]:
-                    update.mul_(_trust_ratio(p, update, group["max_trust"]))
+                    update.mul_(_trust_ratio(self._norm(p.float(), p), self._norm(update, p), group["max_trust"]))
                 p.add_(update.to(p.dtype), alpha=-group["lr"])
         return loss
 
 
-class Lars(Optimizer):
+class Lars(_TrustRatioMixin, Optimizer):
     """LARS (You et al. 2017): SGD momentum on lr * eta * ||w|| / (||g|| + wd ||w||) * (g + wd w), per parameter."""
 
     def __init__(self, params: Iterable[Any], lr: float = 0.1, momentum: float = 0.9, weight_decay: float = 0.0,
@@ -75,8 +99,8 @@ class Lars(Optimizer):
                     continue
                 g = p.grad.float()
                 if group["adapt"]:
-                    w_norm = torch.linalg.vector_norm(p.float())
-                    g_norm = torch.linalg.vector_norm(g)
+                    w_norm = self._norm(p.float(), p)
+                    g_norm = self._norm(g, p)
                     local = group["eta"] * w_norm / (g_norm + wd * w_norm + group["eps"])
                     # tensors, no host sync: a zero weight or zero gradient falls back to the plain lr
                     local = torch.where((w_norm > 0) & (g_norm > 0), local, torch.ones_like(local))
@@ -93,9 +117,7 @@ class Lars(Optimizer):
         return loss
 
 
-def _trust_ratio(p: torch.Tensor, update: torch.Tensor, max_trust: float) -> torch.Tensor:
-    w_norm = torch.linalg.vector_norm(p.float())
-    u_norm = torch.linalg.vector_norm(update)
+def _trust_ratio(w_norm: torch.Tensor, u_norm: torch.Tensor, max_trust: float) -> torch.Tensor:
     ratio = (w_norm / u_norm).clamp(max=max_trust)
     # stays on device (no sync); zero weights (fresh biases) or zero updates use the plain lr
     return torch.where((w_norm > 0) & (u_norm > 0), ratio, torch.ones_like(ratio))

@@ -173,3 +173,19 @@ def no_autocast(device_type: str) -> Iterator[None]:
     """Run a region in full precision inside an autocast forward (e.g. the loss's log-softmax)."""
     with torch.autocast(device_type=device_type, enabled=False):
         yield
+
+
+def enable_tf32(device: torch.device, deterministic: bool) -> str:
+    """TF32 tensor cores for fp32 matmuls and convolutions on Ampere and newer (10-bit mantissa products,
+    fp32 accumulation: what torchtitan and Megatron run). Off under training.deterministic, and off on older
+    GPUs and the CPU, where it does not exist. Returns the log line."""
+    if device.type != "cuda":
+        return "tf32: not applicable (no CUDA)"
+    if deterministic:
+        return "tf32: off (training.deterministic: full fp32 matmuls)"
+    major, _ = torch.cuda.get_device_capability(device)
+    if major < 8:
+        return f"tf32: unavailable (compute capability {major}.x < 8.0)"
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    return "tf32: on for fp32 matmuls (Ampere or newer)"
