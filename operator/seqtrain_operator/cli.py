@@ -109,6 +109,12 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return report_command(args.workdir, out=args.out)
 
 
+def _cmd_export(args: argparse.Namespace) -> int:
+    from seqtrain.export.writer import export_command
+
+    return export_command(args.source, args.out, args.format, args.merge_lora)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="seqtrain", description="Distributed training of sequence models.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -157,6 +163,15 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("workdir", metavar="WORKDIR")
     rp.add_argument("--out", help="output PNG (default WORKDIR/report.png)")
     rp.set_defaults(func=_cmd_report)
+
+    ex = sub.add_parser("export", help="write a run's or checkpoint's model as a Hugging Face (or seqtrain) folder")
+    ex.add_argument("source", metavar="CHECKPOINT_OR_RUN_DIR",
+                    help="run folder, checkpoints/step-N folder (any engine or layout) or model folder")
+    ex.add_argument("--format", choices=["hf", "seqtrain"], default="hf",
+                    help="hf: Llama folder for transformers (GPT); seqtrain: own safetensors (default for RNNs)")
+    ex.add_argument("--out", required=True, help="output folder")
+    ex.add_argument("--merge-lora", action="store_true", help="merge LoRA adapters into the base weights")
+    ex.set_defaults(func=_cmd_export)
     return p
 
 

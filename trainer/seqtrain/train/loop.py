@@ -137,6 +137,7 @@ class Trainer:
             "total_steps": self.total_steps,
             "loss": self.last_metrics.get("loss"),
             "attempt": self.runtime.attempt,
+            "job": self.job.to_dict(),  # self-describing: `seqtrain export/generate` rebuild the model from it
         }
         with waiting(f"checkpoint step-{self.step}: shard writes and the publishing barriers"):
             return self.checkpoints.save(self.step, self._write_checkpoint, meta)
