@@ -115,6 +115,31 @@ def _cmd_export(args: argparse.Namespace) -> int:
     return export_command(args.source, args.out, args.format, args.merge_lora)
 
 
+def _nonnegative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must not be negative")
+    return value
+
+
+def _probability(text: str) -> float:
+    value = _nonnegative_float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{value} must be in (0, 1]")
+    return value
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from seqtrain.generate import Sampling, generate_command
+
+    s = Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                 top_p=args.top_p, seed=args.seed)
+    return generate_command(args.source, args.prompt, s, use_cache=not args.no_cache, device=args.device)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="seqtrain", description="Distributed training of sequence models.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -172,6 +197,19 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--out", required=True, help="output folder")
     ex.add_argument("--merge-lora", action="store_true", help="merge LoRA adapters into the base weights")
     ex.set_defaults(func=_cmd_export)
+
+    g = sub.add_parser("generate", help="sample text from a trained model, streaming to the terminal")
+    g.add_argument("source", metavar="RUN_OR_DIR", help="run folder, checkpoint folder or exported model folder")
+    g.add_argument("--prompt", required=True, help="text the sample continues")
+    g.add_argument("--max-new-tokens", type=_positive_int, default=200, metavar="N")
+    g.add_argument("--temperature", type=_nonnegative_float, default=0.8, metavar="T", help="0: greedy")
+    g.add_argument("--top-k", type=_positive_int, default=None, metavar="K")
+    g.add_argument("--top-p", type=_probability, default=None, metavar="P")
+    g.add_argument("--seed", type=int, default=None, metavar="S", help="seed of the sampler (reproducible samples)")
+    g.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
+    g.add_argument("--no-cache", action="store_true",
+                   help="recompute the whole sequence per token (no KV cache / recurrent state): for checks")
+    g.set_defaults(func=_cmd_generate)
     return p
 
 
