@@ -25,8 +25,8 @@ transformers = pytest.importorskip("transformers")
 TOL = 1e-4
 
 
-def gpt_spec(tie: bool, kv_heads: int, **kw) -> ModelSpec:
-    return ModelSpec(arch="gpt", vocab_size=96, dim=64, layers=3, heads=4, kv_heads=kv_heads, ffn_dim=176,
+def gpt_spec(tie: bool, kv_heads: int, vocab_size: int = 96, **kw) -> ModelSpec:
+    return ModelSpec(arch="gpt", vocab_size=vocab_size, dim=64, layers=3, heads=4, kv_heads=kv_heads, ffn_dim=176,
                      max_seq_len=64, tie_embeddings=tie, rope_theta=500.0, norm_eps=1e-6, **kw)
 
 
@@ -110,3 +110,51 @@ def test_shape_mismatch_names_the_tensor() -> None:
 def test_export_of_a_folder_that_is_no_model_is_a_clear_error(tmp_path) -> None:
     with pytest.raises(WeightsError, match="neither a run folder"):
         load_source(str(tmp_path))
+
+
+# ---- model.init: validation against the weights' description (torch-free), load-time shape errors ----------
+def _job(model: dict):  # noqa: ANN202
+    from seqtrain.spec import parse_job
+
+    return parse_job({"apiVersion": "seqtrain.dev/v1alpha1", "kind": "SeqTrainJob", "metadata": {"name": "t"},
+                      "spec": {"model": model, "data": {"seqLen": 32}}})
+
+
+def test_model_init_takes_arch_and_dims_from_the_weights(tmp_path) -> None:
+    from seqtrain.spec import resolve
+
+    spec = gpt_spec(False, 2, 256)
+    export(Weights(spec=spec, state=random_model(spec).state_dict()), str(tmp_path / "m"))
+    m = resolve(_job({"init": str(tmp_path / "m"), "preset": "mini"})).spec.model
+    assert (m.arch, m.dim, m.layers, m.heads, m.kv_heads, m.ffn_dim, m.vocab_size) == ("gpt", 64, 3, 4, 2, 176, 256)
+    assert m.tie_embeddings is False and m.rope_theta == 500.0 and m.max_seq_len == 32
+
+
+def test_model_init_shape_mismatch_fails_validation_naming_the_tensor(tmp_path) -> None:
+    from seqtrain.spec import SpecError
+
+    spec = gpt_spec(True, 2, 256)
+    export(Weights(spec=spec, state=random_model(spec).state_dict()), str(tmp_path / "m"))
+    with pytest.raises(SpecError) as err:
+        _job({"init": str(tmp_path / "m"), "kvHeads": 4, "dim": 64})
+    text = "\n".join(map(str, err.value.problems))
+    assert "spec.model.kvHeads: 4 does not fit the weights" in text
+    assert "blocks.0.attn.k.weight is [32, 64]" in text and "set it to 2" in text
+    with pytest.raises(SpecError, match="spec.model.init: .* is not a folder"):
+        _job({"init": str(tmp_path / "missing")})
+
+
+def test_model_init_shape_mismatch_at_load_names_the_tensor(tmp_path) -> None:
+    from seqtrain.export.init import load_initial_weights
+
+    spec = gpt_spec(True, 2, 256)
+    export(Weights(spec=spec, state=random_model(spec).state_dict()), str(tmp_path / "m"))
+    (tmp_path / "m" / "seqtrain.json").unlink()  # a folder validation cannot describe ...
+    (tmp_path / "m" / "config.json").write_text('{"model_type": "llama", "hidden_size": 64}')  # ... wrongly
+    model = build_model(gpt_spec(True, 4, 256))
+    with pytest.raises(WeightsError):
+        load_initial_weights(model, str(tmp_path / "m"))
+    export(Weights(spec=spec, state=random_model(spec).state_dict()), str(tmp_path / "ok"))
+    with pytest.raises(WeightsError, match=r"blocks\.0\.attn\.k\.weight: \(32, 64\) in model.init"):
+        load_initial_weights(model, str(tmp_path / "ok"))
+    assert "0.1" in load_initial_weights(build_model(spec), str(tmp_path / "ok"))

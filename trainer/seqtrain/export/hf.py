@@ -91,6 +91,10 @@ def spec_from_llama_config(cfg: dict[str, Any], where: str) -> ModelSpec:
     if cfg.get("model_type") != "llama":
         raise ValueError(f"{where}: model_type {cfg.get('model_type')!r} is not llama; seqtrain's GPT loads "
                          "Llama-shaped models only")
+    missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                           "intermediate_size") if k not in cfg]
+    if missing:
+        raise ValueError(f"{where}: lacks {', '.join(missing)}")
     problems = []
     if cfg.get("attention_bias") or cfg.get("mlp_bias"):
         problems.append("attention_bias/mlp_bias (seqtrain's GPT has no biases)")

@@ -151,7 +151,10 @@ def _from_folder(folder: str) -> Weights:
     if not os.path.isfile(cfg_path):
         raise WeightsError(f"{folder}: neither a run folder, a checkpoint (meta.json), a seqtrain export "
                            "(seqtrain.json) nor a Hugging Face model folder (config.json)")
-    spec = hf.spec_from_llama_config(_read_json(cfg_path), cfg_path)
+    try:
+        spec = hf.spec_from_llama_config(_read_json(cfg_path), cfg_path)
+    except ValueError as exc:
+        raise WeightsError(str(exc)) from None
     state = {}
     for name, t in _read_safetensors(folder).items():
         try:

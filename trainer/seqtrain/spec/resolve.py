@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 
+from .init_source import describe_init
 from .job import SeqTrainJob
 from .model import ModelSpec
 from .presets import presets_for
@@ -38,8 +39,14 @@ def resolved_model(job: SeqTrainJob) -> ModelSpec:
     m = job.spec.model
     values = m.model_dump()
     explicit = m.model_fields_set
-    preset = presets_for(m.arch).get(m.preset or "tiny", {})
+    source = describe_init(m.init) if m.init else None
+    if source and "arch" not in explicit:
+        values["arch"] = source["arch"]
+    preset = presets_for(values["arch"]).get(m.preset or "tiny", {})
     for key, val in preset.items():
+        if key not in explicit or values.get(key) is None:
+            values[key] = val
+    for key, val in (source or {}).items():  # the weights fix the shapes; explicit fields are checked against them
         if key not in explicit or values.get(key) is None:
             values[key] = val
     if values.get("vocab_size") is None:

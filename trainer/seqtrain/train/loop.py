@@ -91,6 +91,10 @@ class Trainer:
         seed_all(tr.seed)  # the same on every rank: identical initial weights without a broadcast
         init_mesh(self.ctx, self.job)  # dp/pp/tp groups; data shards by the dp rank from here on
         self.model = build_model(self.spec.model).to(self.ctx.device)
+        if self.spec.model.init:  # fine-tuning: start from these weights (a resume below replaces them)
+            from seqtrain.export.init import load_initial_weights
+
+            self.log(load_initial_weights(self.model, self.spec.model.init))
         self.model = parallelize(self.model, self.job, self.ctx)  # tensor parallel (before AC / compile)
         self.log(setup_kernels(self.model, self.job, self.ctx.device))  # optimization.kernels -> model and loss
         for line in prepare_model(self.model, self.job, self.ctx.device):  # activation checkpointing, compile
