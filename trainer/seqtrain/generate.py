@@ -219,11 +219,14 @@ def generate_command(path: str, prompt: str, s: Sampling, use_cache: bool = True
             out.flush()
             n += 1
         out.write(stream.flush() + "\n")
+        out.flush()
         seconds = time.perf_counter() - t0
     except (WeightsError, ValueError, FileNotFoundError) as exc:
         print(f"seqtrain generate: {exc}", file=sys.stderr)
         return 2
     dev = model.output_weight.device.type
+    limit = max_context(model)
+    full = f", stopped: the context of {limit} tokens is full" if limit and n < s.max_new_tokens else ""
     print(f"[{n} tokens in {seconds:.2f}s, {n / seconds if seconds else 0:.1f} tokens/s on {dev}, "
-          f"{'kv cache' if use_cache else 'no cache'}]", file=sys.stderr)
+          f"{'kv cache' if use_cache else 'no cache'}{full}]", file=sys.stderr)
     return 0
