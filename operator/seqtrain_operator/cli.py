@@ -140,6 +140,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return generate_command(args.source, args.prompt, s, use_cache=not args.no_cache, device=args.device)
 
 
+def _cmd_prepare_data(args: argparse.Namespace) -> int:
+    from seqtrain.data.prepare import prepare_command
+
+    return prepare_command(args.inputs, args.out, args.tokenizer, args.workers, args.field, quiet=args.quiet)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="seqtrain", description="Distributed training of sequence models.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -210,6 +216,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-cache", action="store_true",
                    help="recompute the whole sequence per token (no KV cache / recurrent state): for checks")
     g.set_defaults(func=_cmd_generate)
+
+    pd = sub.add_parser("prepare-data", help="tokenize text/jsonl/parquet/saved datasets into token shards")
+    pd.add_argument("inputs", nargs="+", metavar="INPUT",
+                    help="files, globs or folders (.jsonl, .parquet, anything else is text) or a saved datasets folder")
+    pd.add_argument("--out", required=True, help="output folder (rerun with the same inputs to resume)")
+    pd.add_argument("--tokenizer", default="byte", help="byte (default) or the path of a tokenizer.json")
+    pd.add_argument("--workers", type=_positive_int, default=1, metavar="N", help="parallel worker processes")
+    pd.add_argument("--field", default="text", help="text field of jsonl records, parquet and dataset columns")
+    pd.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    pd.set_defaults(func=_cmd_prepare_data)
     return p
 
 

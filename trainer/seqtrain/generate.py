@@ -199,6 +199,7 @@ def load_generator(path: str, device: str | None = None) -> tuple[nn.Module, Any
     check_shapes(w.state, model, w.origin)
     model.load_state_dict(w.state, strict=True)
     tok = FileTokenizer(w.tokenizer["path"]) if w.tokenizer.get("type") == "file" else ByteTokenizer()
+    tok.eod = w.tokenizer.get("eod")  # prepare-data's end-of-document id: the sample ends there
     return model.eval(), tok
 
 
@@ -214,7 +215,11 @@ def generate_command(path: str, prompt: str, s: Sampling, use_cache: bool = True
         out.write(prompt)
         out.flush()
         t0, n = time.perf_counter(), 0
+        eod, ended = getattr(tok, "eod", None), False
         for token in generate_ids(model, prompt_ids, s, use_cache):
+            if token == eod:
+                ended = True
+                break
             out.write(stream.push(token))
             out.flush()
             n += 1
@@ -226,7 +231,8 @@ def generate_command(path: str, prompt: str, s: Sampling, use_cache: bool = True
         return 2
     dev = model.output_weight.device.type
     limit = max_context(model)
-    full = f", stopped: the context of {limit} tokens is full" if limit and n < s.max_new_tokens else ""
+    full = ", stopped at the end-of-document token" if ended else \
+        f", stopped: the context of {limit} tokens is full" if limit and n < s.max_new_tokens else ""
     print(f"[{n} tokens in {seconds:.2f}s, {n / seconds if seconds else 0:.1f} tokens/s on {dev}, "
           f"{'kv cache' if use_cache else 'no cache'}{full}]", file=sys.stderr)
     return 0

@@ -94,6 +94,11 @@ def _tokenizer_of(job: SeqTrainJob) -> dict[str, Any]:
     tok = job.spec.data.tokenizer
     if job.spec.data.source == "synthetic":
         return {"type": "synthetic"}
+    if job.spec.data.source == "tokens":  # `seqtrain prepare-data` folders say how they were tokenized
+        for p in job.spec.data.paths:
+            index = os.path.join(os.path.expanduser(p), "index.json")
+            if os.path.isfile(index):
+                return dict(_read_json(index).get("tokenizer") or {"type": "byte"})
     if tok.type == "file" and tok.path:
         return {"type": "file", "path": os.path.abspath(os.path.expanduser(tok.path))}
     return {"type": "byte"}
@@ -136,6 +141,8 @@ def _from_folder(folder: str) -> Weights:
         spec = ModelSpec.model_validate(info["model"])
         if info.get("tokenizer", {}).get("type") in ("byte", "synthetic"):
             tokenizer = info["tokenizer"]
+        elif "eod" in info.get("tokenizer", {}):
+            tokenizer["eod"] = info["tokenizer"]["eod"]
         raw = _read_safetensors(folder)
         if info.get("format") == "hf":
             state = {}

@@ -54,7 +54,7 @@ def export(source: str | Weights, out: str, fmt: str = "hf", merge_lora: bool = 
     if tok.get("type") == "file":
         shutil.copyfile(tok["path"], os.path.join(out, "tokenizer.json"))
         _write_json(os.path.join(out, "tokenizer_config.json"), {"tokenizer_class": "PreTrainedTokenizerFast"})
-        tok = {"type": "file", "path": "tokenizer.json"}
+        tok = {**tok, "path": "tokenizer.json"}
     if fmt == "hf":
         _write_json(os.path.join(out, "config.json"), hf.llama_config(w.spec))
         _write_json(os.path.join(out, "generation_config.json"), {"do_sample": False})

@@ -125,6 +125,21 @@ def check(job: SeqTrainJob) -> list[Problem]:
                                f"key symbols; use length <= {syn.vocab // 2 * 2} or a larger synthetic.vocab"))
     if d.source in ("text", "jsonl", "tokens") and not d.paths:
         out.append(Problem("spec.data.paths", f"source {d.source} needs at least one file or glob"))
+    if d.weights is not None:
+        if d.source != "tokens":
+            out.append(Problem("spec.data.weights", f"blending applies to source tokens, not {d.source}; remove it"))
+        elif len(d.weights) != len(d.paths):
+            out.append(Problem("spec.data.weights", f"{len(d.weights)} weights for {len(d.paths)} paths; give one "
+                                                    "weight per entry of data.paths"))
+        elif any(w <= 0 for w in d.weights):
+            out.append(Problem("spec.data.weights", "every weight must be above 0 (drop a dataset from paths instead)"))
+    if d.source == "tokens" and m.vocab_size is not None:
+        from .resolve import _prepared_vocab
+
+        need = _prepared_vocab(d.paths)
+        if need is not None and m.vocab_size < need:
+            out.append(Problem("spec.model.vocabSize", f"{m.vocab_size} is smaller than the prepared data's vocabulary "
+                                                       f"{need} (end-of-document id included); use at least {need}"))
     if d.tokenizer.type == "file" and not d.tokenizer.path:
         out.append(Problem("spec.data.tokenizer.path", "type file needs the path of a tokenizer.json"))
     if d.source in ("text", "jsonl", "tokens") and d.paths and os.environ.get("SEQTRAIN_CHECK_PATHS", "1") == "1":

@@ -13,11 +13,27 @@ from .presets import presets_for
 BYTE_VOCAB = 256
 
 
+def _prepared_vocab(paths: list[str]) -> int | None:
+    """Largest vocabulary (end-of-document id included) of the `seqtrain prepare-data` folders in paths."""
+    sizes = []
+    for p in paths:
+        try:
+            with open(os.path.join(os.path.expanduser(p), "index.json"), encoding="utf-8") as f:
+                sizes.append(int(json.load(f)["vocab_size"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return max(sizes) if sizes else None
+
+
 def tokenizer_vocab_size(job: SeqTrainJob) -> int | None:
     tok = job.spec.data.tokenizer
     if job.spec.data.source == "synthetic":
         # symbols + separator/query markers; see seqtrain.data.synthetic
         return job.spec.data.synthetic.vocab + 4
+    if job.spec.data.source == "tokens":
+        prepared = _prepared_vocab(job.spec.data.paths)
+        if prepared is not None:
+            return prepared
     if tok.type == "byte":
         return BYTE_VOCAB
     if tok.path and os.path.isfile(tok.path):
