@@ -111,6 +111,43 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return report_command(args.workdir, out=args.out)
 
 
+def _cmd_export(args: argparse.Namespace) -> int:
+    from seqtrain.export.writer import export_command
+
+    return export_command(args.source, args.out, args.format, args.merge_lora)
+
+
+def _nonnegative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must not be negative")
+    return value
+
+
+def _probability(text: str) -> float:
+    value = _nonnegative_float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{value} must be in (0, 1]")
+    return value
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from seqtrain.generate import Sampling, generate_command
+
+    s = Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                 top_p=args.top_p, seed=args.seed)
+    return generate_command(args.source, args.prompt, s, use_cache=not args.no_cache, device=args.device)
+
+
+def _cmd_prepare_data(args: argparse.Namespace) -> int:
+    from seqtrain.data.prepare import prepare_command
+
+    return prepare_command(args.inputs, args.out, args.tokenizer, args.workers, args.field, quiet=args.quiet)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="seqtrain", description="Distributed training of sequence models.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -159,6 +196,38 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("workdir", metavar="WORKDIR")
     rp.add_argument("--out", help="output PNG (default WORKDIR/report.png)")
     rp.set_defaults(func=_cmd_report)
+
+    ex = sub.add_parser("export", help="write a run's or checkpoint's model as a Hugging Face (or seqtrain) folder")
+    ex.add_argument("source", metavar="CHECKPOINT_OR_RUN_DIR",
+                    help="run folder, checkpoints/step-N folder (any engine or layout) or model folder")
+    ex.add_argument("--format", choices=["hf", "seqtrain"], default="hf",
+                    help="hf: Llama folder for transformers (GPT); seqtrain: own safetensors (default for RNNs)")
+    ex.add_argument("--out", required=True, help="output folder")
+    ex.add_argument("--merge-lora", action="store_true", help="merge LoRA adapters into the base weights")
+    ex.set_defaults(func=_cmd_export)
+
+    g = sub.add_parser("generate", help="sample text from a trained model, streaming to the terminal")
+    g.add_argument("source", metavar="RUN_OR_DIR", help="run folder, checkpoint folder or exported model folder")
+    g.add_argument("--prompt", required=True, help="text the sample continues")
+    g.add_argument("--max-new-tokens", type=_positive_int, default=200, metavar="N")
+    g.add_argument("--temperature", type=_nonnegative_float, default=0.8, metavar="T", help="0: greedy")
+    g.add_argument("--top-k", type=_positive_int, default=None, metavar="K")
+    g.add_argument("--top-p", type=_probability, default=None, metavar="P")
+    g.add_argument("--seed", type=int, default=None, metavar="S", help="seed of the sampler (reproducible samples)")
+    g.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
+    g.add_argument("--no-cache", action="store_true",
+                   help="recompute the whole sequence per token (no KV cache / recurrent state): for checks")
+    g.set_defaults(func=_cmd_generate)
+
+    pd = sub.add_parser("prepare-data", help="tokenize text/jsonl/parquet/saved datasets into token shards")
+    pd.add_argument("inputs", nargs="+", metavar="INPUT",
+                    help="files, globs or folders (.jsonl, .parquet, anything else is text) or a saved datasets folder")
+    pd.add_argument("--out", required=True, help="output folder (rerun with the same inputs to resume)")
+    pd.add_argument("--tokenizer", default="byte", help="byte (default) or the path of a tokenizer.json")
+    pd.add_argument("--workers", type=_positive_int, default=1, metavar="N", help="parallel worker processes")
+    pd.add_argument("--field", default="text", help="text field of jsonl records, parquet and dataset columns")
+    pd.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    pd.set_defaults(func=_cmd_prepare_data)
     return p
 
 

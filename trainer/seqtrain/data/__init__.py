@@ -2,12 +2,28 @@
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from seqtrain.spec.job import SeqTrainJob
 
-from .batches import IGNORE_INDEX, Batch, SequenceBatches, eval_batches, window_batch
 from .builtin import Corpus, load_builtin
-from .packing import DocumentBatches
 from .tokenizer import ByteTokenizer
+
+if TYPE_CHECKING:
+    from .batches import IGNORE_INDEX, Batch, SequenceBatches, eval_batches, window_batch
+    from .packing import DocumentBatches
+
+# The torch-based batchers load on first use, so torch-free tools in this package (`seqtrain prepare-data`,
+# `seqtrain.data.prepare`) do not pay torch's import (about 600 MB of resident memory).
+_LAZY = {"IGNORE_INDEX": "batches", "Batch": "batches", "SequenceBatches": "batches", "eval_batches": "batches",
+         "window_batch": "batches", "DocumentBatches": "packing"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
     "IGNORE_INDEX", "Batch", "ByteTokenizer", "Corpus", "DocumentBatches", "SequenceBatches", "build_train_data", "eval_batches",
@@ -25,6 +41,9 @@ def load_corpus(job: SeqTrainJob, split: str) -> Corpus:
 
 
 def build_train_data(job: SeqTrainJob, dp_rank: int, dp_size: int) -> SequenceBatches | DocumentBatches:
+    from .batches import SequenceBatches
+    from .packing import DocumentBatches
+
     s = job.spec
     corpus = load_corpus(job, "train")
     common = dict(

@@ -216,6 +216,16 @@ def load_source(spec: DataSpec, split: str, seed: int = 0) -> Corpus:
 
         return load_synthetic(spec.synthetic, split, seed)
     if spec.source == "tokens":
+        from .tokens import is_prepared, load_prepared
+
+        prepared = [is_prepared(p) for p in spec.paths]
+        if all(prepared):
+            return load_prepared(spec.paths, spec.weights, split, spec.validation_fraction, seed)
+        if any(prepared):
+            raise ValueError("spec.data.paths: mixes `seqtrain prepare-data` folders and raw token files; prepare "
+                             "the raw files too (or list only one kind)")
+        if spec.weights is not None:
+            raise ValueError("spec.data.weights: blending needs `seqtrain prepare-data` folders in data.paths")
         return load_tokens(spec, split)
     tok = build_tokenizer(spec)
     if spec.source == "text":

@@ -18,6 +18,33 @@ def _divisors_hint(n: int, limit: int = 6) -> str:
     return ", ".join(str(d) for d in divs)
 
 
+def _init_problems(job: SeqTrainJob, m) -> list[Problem]:  # noqa: ANN001 - the resolved ModelSpec
+    """model.init: the weights must exist (where this process can look) and fit the explicit dims."""
+    from .init_source import SHAPE_FIELDS, describe_init, tensor_hint
+
+    init = job.spec.model.init
+    if not init or "://" in init:
+        return []
+    desc = describe_init(init)
+    if desc is None:
+        if os.environ.get("SEQTRAIN_CHECK_PATHS", "1") == "1":
+            why = "is not a folder" if not os.path.isdir(os.path.expanduser(init)) else \
+                "holds no model description (seqtrain.json, config.json, meta.json or a run's trainer config)"
+            return [Problem("spec.model.init", f"{init!r} {why}; give an export, run, checkpoint or Hugging Face "
+                                               "Llama folder")]
+        return []
+    aliases = {"vocab_size": "vocabSize", "kv_heads": "kvHeads", "ffn_dim": "ffnDim", "tie_embeddings": "tieEmbeddings"}
+    out = []
+    for field in SHAPE_FIELDS:
+        want, have = desc.get(field), getattr(m, field)
+        if want is not None and have != want:
+            name = aliases.get(field, field)
+            out.append(Problem(f"spec.model.{name}", f"{have} does not fit the weights in model.init {init!r} "
+                                                     f"({name} {want}: {tensor_hint(field, desc)}); remove "
+                                                     f"model.{name} or set it to {want}"))
+    return out
+
+
 def check(job: SeqTrainJob) -> list[Problem]:
     s = job.spec
     out: list[Problem] = []
@@ -73,6 +100,7 @@ def check(job: SeqTrainJob) -> list[Problem]:
             if name in s.model.model_fields_set and getattr(s.model, name) is not None:
                 alias = {"heads": "heads", "kv_heads": "kvHeads", "ffn_dim": "ffnDim"}[name]
                 out.append(Problem(f"spec.model.{alias}", f"only applies to arch gpt, not {m.arch}; remove it"))
+    out += _init_problems(job, m)
     tok_vocab = None
     if s.data.tokenizer.type == "byte" and s.data.source != "synthetic":
         tok_vocab = 256
@@ -97,6 +125,21 @@ def check(job: SeqTrainJob) -> list[Problem]:
                                f"key symbols; use length <= {syn.vocab // 2 * 2} or a larger synthetic.vocab"))
     if d.source in ("text", "jsonl", "tokens") and not d.paths:
         out.append(Problem("spec.data.paths", f"source {d.source} needs at least one file or glob"))
+    if d.weights is not None:
+        if d.source != "tokens":
+            out.append(Problem("spec.data.weights", f"blending applies to source tokens, not {d.source}; remove it"))
+        elif len(d.weights) != len(d.paths):
+            out.append(Problem("spec.data.weights", f"{len(d.weights)} weights for {len(d.paths)} paths; give one "
+                                                    "weight per entry of data.paths"))
+        elif any(w <= 0 for w in d.weights):
+            out.append(Problem("spec.data.weights", "every weight must be above 0 (drop a dataset from paths instead)"))
+    if d.source == "tokens" and m.vocab_size is not None:
+        from .resolve import _prepared_vocab
+
+        need = _prepared_vocab(d.paths)
+        if need is not None and m.vocab_size < need:
+            out.append(Problem("spec.model.vocabSize", f"{m.vocab_size} is smaller than the prepared data's vocabulary "
+                                                       f"{need} (end-of-document id included); use at least {need}"))
     if d.tokenizer.type == "file" and not d.tokenizer.path:
         out.append(Problem("spec.data.tokenizer.path", "type file needs the path of a tokenizer.json"))
     if d.source in ("text", "jsonl", "tokens") and d.paths and os.environ.get("SEQTRAIN_CHECK_PATHS", "1") == "1":

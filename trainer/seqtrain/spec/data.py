@@ -24,9 +24,16 @@ class DataSpec(SpecModel):
     source: Literal["builtin", "text", "jsonl", "tokens", "synthetic"] = Field(
         "builtin",
         description="builtin: the running Python's standard-library sources (no network); text: files by glob; "
-        "jsonl: one field of each line; tokens: pre-tokenized binary files; synthetic: generated tasks.",
+        "jsonl: one field of each line (text and jsonl are read into memory: small corpora); tokens: folders "
+        "written by `seqtrain prepare-data` (memory-mapped, with document boundaries) or raw token files; "
+        "synthetic: generated tasks.",
     )
-    paths: list[str] = Field(default_factory=list, description="Files or globs (text, jsonl, tokens).")
+    paths: list[str] = Field(
+        default_factory=list, description="Files or globs (text, jsonl, tokens); for tokens also folders written by "
+        "`seqtrain prepare-data` (one dataset each).")
+    weights: list[float] | None = Field(
+        None, description="Blend weights, one per entry of paths (source tokens with prepare-data folders): each "
+        "dataset's share of the training tokens. Default: every document once.")
     jsonl_field: str = Field("text", description="Which field of each jsonl line holds the text.")
     token_dtype: Literal["uint16", "uint32"] = Field("uint16", description="Element type of pre-tokenized files.")
     synthetic: SyntheticSpec = Field(default_factory=SyntheticSpec, description="Settings of source: synthetic.")

@@ -34,3 +34,8 @@ class ModelSpec(SpecModel):
     rope_theta: float = Field(10000.0, gt=0, description="RoPE base frequency (gpt only).")
     norm_eps: float = Field(1e-5, gt=0, description="Epsilon of RMSNorm / LayerNorm.")
     init_std: float = Field(0.02, gt=0, description="Standard deviation of the normal weight init.")
+    init: str | None = Field(
+        None, description="Start from these weights (fine-tuning): a Hugging Face folder of a Llama-shaped model, a "
+        "seqtrain export, run folder or checkpoints/step-N folder. Architecture and dims come from the weights; "
+        "explicit dims must match them. Resuming from the job's own checkpoints takes precedence.",
+    )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 
+from .init_source import describe_init
 from .job import SeqTrainJob
 from .model import ModelSpec
 from .presets import presets_for
@@ -12,11 +13,27 @@ from .presets import presets_for
 BYTE_VOCAB = 256
 
 
+def _prepared_vocab(paths: list[str]) -> int | None:
+    """Largest vocabulary (end-of-document id included) of the `seqtrain prepare-data` folders in paths."""
+    sizes = []
+    for p in paths:
+        try:
+            with open(os.path.join(os.path.expanduser(p), "index.json"), encoding="utf-8") as f:
+                sizes.append(int(json.load(f)["vocab_size"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return max(sizes) if sizes else None
+
+
 def tokenizer_vocab_size(job: SeqTrainJob) -> int | None:
     tok = job.spec.data.tokenizer
     if job.spec.data.source == "synthetic":
         # symbols + separator/query markers; see seqtrain.data.synthetic
         return job.spec.data.synthetic.vocab + 4
+    if job.spec.data.source == "tokens":
+        prepared = _prepared_vocab(job.spec.data.paths)
+        if prepared is not None:
+            return prepared
     if tok.type == "byte":
         return BYTE_VOCAB
     if tok.path and os.path.isfile(tok.path):
@@ -38,8 +55,14 @@ def resolved_model(job: SeqTrainJob) -> ModelSpec:
     m = job.spec.model
     values = m.model_dump()
     explicit = m.model_fields_set
-    preset = presets_for(m.arch).get(m.preset or "tiny", {})
+    source = describe_init(m.init) if m.init else None
+    if source and "arch" not in explicit:
+        values["arch"] = source["arch"]
+    preset = presets_for(values["arch"]).get(m.preset or "tiny", {})
     for key, val in preset.items():
+        if key not in explicit or values.get(key) is None:
+            values[key] = val
+    for key, val in (source or {}).items():  # the weights fix the shapes; explicit fields are checked against them
         if key not in explicit or values.get(key) is None:
             values[key] = val
     if values.get("vocab_size") is None:

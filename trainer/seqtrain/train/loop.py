@@ -20,7 +20,7 @@ from seqtrain.checkpoint.safe_load import UnusableCheckpoint, load_plain
 from seqtrain.data import SequenceBatches, build_train_data
 from seqtrain.data.prefetch import Prefetcher
 from seqtrain.engine import Engine, StepStats, build_engine, engine_name
-from seqtrain.models import count_parameters
+from seqtrain.models import build_model, count_parameters
 from seqtrain.models.compile import prepare_model
 from seqtrain.models.dispatch import setup_kernels
 from seqtrain.models.materialize import materialize, new_model
@@ -108,7 +108,13 @@ class Trainer:
         init_mesh(self.ctx, self.job)  # dp/pp/tp groups; data shards by the dp rank from here on
         # torchtitan's order: build on the meta device, parallelise, then allocate and initialise only what this
         # rank holds (its tensor-parallel slices, its pipeline stages); the weights equal the single process's.
-        self.model = new_model(self.spec.model)
+        if self.spec.model.init:  # fine-tuning: the whole model is built for real and loaded before it is split
+            from seqtrain.export.init import load_initial_weights
+
+            self.model = build_model(self.spec.model)
+            self.log(load_initial_weights(self.model, self.spec.model.init))
+        else:
+            self.model = new_model(self.spec.model)
         self.model = parallelize(self.model, self.job, self.ctx)  # tensor parallel (before AC / compile)
         materialize(self.model, self.ctx.device, local_modules(self.job, self.ctx.pp_size, self.ctx.pp_rank))
         self.log(setup_kernels(self.model, self.job, self.ctx.device))  # optimization.kernels -> model and loss
@@ -168,6 +174,7 @@ class Trainer:
             "total_steps": self.total_steps,
             "loss": self.last_metrics.get("loss"),
             "attempt": self.runtime.attempt,
+            "job": self.job.to_dict(),  # self-describing: `seqtrain export/generate` rebuild the model from it
         }
         with waiting(f"checkpoint step-{self.step}: shard writes and the publishing barriers"):
             return self.checkpoints.save(self.step, self._write_checkpoint, meta)

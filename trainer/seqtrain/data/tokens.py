@@ -1,0 +1,154 @@
+"""`data.source: tokens` over `seqtrain prepare-data` folders: memory-mapped shards with real document boundaries,
+and blends of several such datasets with weights.
+
+Each shard's documents (every one ending with the end-of-document token) are split per shard: the last
+`validationFraction` of its documents are validation, the rest train. A blend draws documents from each dataset
+so that its share of the epoch's tokens is its weight (seeded; a dataset whose share exceeds its size repeats).
+The result is a `Corpus` whose `tokens` is a `DocumentView`: a virtual concatenation of the chosen documents that
+reads only the positions asked for, so packing, bucketing and document masks work on billions of tokens without
+loading them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from .builtin import Corpus
+from .prepare import INDEX
+
+
+def is_prepared(path: str) -> bool:
+    return os.path.isfile(os.path.join(os.path.expanduser(path), INDEX))
+
+
+def read_index(path: str) -> dict[str, Any]:
+    with open(os.path.join(os.path.expanduser(path), INDEX), encoding="utf-8") as f:
+        return json.load(f)
+
+
+class DocumentView:
+    """Documents (source array, start, length) seen as one 1-D token array; `[idx]` gathers only those tokens."""
+
+    def __init__(self, sources: Sequence[np.ndarray], src: np.ndarray, start: np.ndarray, length: np.ndarray,
+                 dtype: np.dtype) -> None:
+        self.sources = list(sources)
+        self.src, self.start, self.length = src, start, length
+        self.vstart = np.concatenate(([0], np.cumsum(length)[:-1])).astype(np.int64)
+        self.dtype = dtype
+        self.shape = (int(length.sum()),)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, idx: Any) -> np.ndarray:
+        if isinstance(idx, slice):
+            idx = np.arange(*idx.indices(len(self)))
+        idx = np.asarray(idx, dtype=np.int64)
+        if idx.size and (idx.min() < 0 or idx.max() >= len(self)):
+            raise IndexError("token index out of range")
+        flat = idx.reshape(-1)
+        doc = np.searchsorted(self.vstart, flat, side="right") - 1
+        pos = self.start[doc] + (flat - self.vstart[doc])
+        src = self.src[doc]
+        out = np.empty(flat.shape, dtype=self.dtype)
+        for s in np.unique(src):
+            sel = src == s
+            out[sel] = self.sources[s][pos[sel]]
+        return out.reshape(idx.shape)
+
+
+def _dataset_docs(path: str, split: str, fraction: float, src_base: int
+                  ) -> tuple[list[np.ndarray], np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
+    """(shard memmaps, src, start, length) of one prepared dataset's split."""
+    index = read_index(path)
+    dtype = np.dtype(index["dtype"])
+    maps, srcs, starts, lengths = [], [], [], []
+    for shard in index["shards"]:
+        n = int(shard["tokens"])
+        if n == 0:
+            continue
+        base = os.path.join(os.path.expanduser(path), shard["name"])
+        mm = np.memmap(base + ".bin", dtype=dtype, mode="r", shape=(n,))
+        doc_starts = np.load(base + ".docs.npy")
+        ends = np.append(doc_starts[1:], n)
+        cut = len(doc_starts) - int(round(len(doc_starts) * fraction))
+        sel = slice(0, cut) if split == "train" else slice(cut, None)
+        s, e = doc_starts[sel], ends[sel]
+        if len(s) == 0:
+            continue
+        srcs.append(np.full(len(s), src_base + len(maps), dtype=np.int64))
+        maps.append(mm)
+        starts.append(s.astype(np.int64))
+        lengths.append((e - s).astype(np.int64))
+    if not maps:
+        return [], np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0, np.int64), index
+    return maps, np.concatenate(srcs), np.concatenate(starts), np.concatenate(lengths), index
+
+
+def blend_counts(lengths: Sequence[np.ndarray], weights: Sequence[float], rng: np.random.Generator
+                 ) -> list[np.ndarray]:
+    """Per dataset, the document indices of one blended epoch: dataset i contributes about weights[i] of the
+    tokens. The epoch has as many tokens as all datasets together; a dataset is repeated whole as often as its
+    share needs, then topped up with a random subset of its documents."""
+    total = float(sum(int(x.sum()) for x in lengths))
+    w = np.asarray(weights, dtype=np.float64)
+    w = w / w.sum()
+    out = []
+    for lens, share in zip(lengths, w, strict=True):
+        want = share * total
+        size = float(lens.sum())
+        whole = int(want // size)
+        picks = [np.tile(np.arange(len(lens)), whole)] if whole else []
+        rest = want - whole * size
+        if rest > 0:
+            order = rng.permutation(len(lens))
+            take = int(np.searchsorted(np.cumsum(lens[order]), rest)) + 1
+            picks.append(np.sort(order[:min(take, len(lens))]))
+        out.append(np.concatenate(picks) if picks else np.empty(0, np.int64))
+    return out
+
+
+def load_prepared(paths: Sequence[str], weights: Sequence[float] | None, split: str, fraction: float,
+                  seed: int = 0) -> Corpus:
+    """The corpus of one split over prepared datasets (blended by `weights` when given)."""
+    sources: list[np.ndarray] = []
+    per: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+    dtypes = []
+    for path in paths:
+        maps, src, start, length, index = _dataset_docs(path, split, fraction, len(sources))
+        sources += maps
+        per.append((src, start, length))
+        dtypes.append(np.dtype(index["dtype"]))
+    if not any(len(p[0]) for p in per):
+        raise ValueError(f"spec.data.paths: the prepared datasets hold no {split} documents "
+                         f"(validationFraction {fraction})")
+    dtype = np.uint32 if any(d == np.uint32 for d in dtypes) else np.uint16
+    if weights is not None and len(paths) > 1:
+        rng = np.random.default_rng([seed, 0 if split == "train" else 1])
+        picks = blend_counts([p[2] for p in per], weights, rng)
+        per = [(s[k], st[k], ln[k]) for (s, st, ln), k in zip(per, picks, strict=True)]
+    src = np.concatenate([p[0] for p in per])
+    start = np.concatenate([p[1] for p in per])
+    length = np.concatenate([p[2] for p in per])
+    if weights is not None and len(paths) > 1:  # interleave the datasets' documents (seeded, resumable)
+        order = np.random.default_rng([seed, 2]).permutation(len(src))
+        src, start, length = src[order], start[order], length[order]
+    view = DocumentView(sources, src, start, length, np.dtype(dtype))
+    return Corpus(tokens=view, doc_starts=view.vstart.copy())  # type: ignore[arg-type]
+
+
+def prepared_vocab(paths: Sequence[str]) -> int | None:
+    sizes = [int(read_index(p)["vocab_size"]) for p in paths if is_prepared(p)]
+    return max(sizes) if sizes else None
+
+
+def prepared_tokenizer(paths: Sequence[str]) -> dict[str, Any] | None:
+    for p in paths:
+        if is_prepared(p):
+            return dict(read_index(p).get("tokenizer") or {})
+    return None

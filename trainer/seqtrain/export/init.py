@@ -1,0 +1,23 @@
+"""`model.init`: copy weights from an export, run, checkpoint or Hugging Face Llama folder into a fresh model."""
+
+from __future__ import annotations
+
+import torch
+
+from .weights import check_shapes, load_source
+
+
+def load_initial_weights(model: torch.nn.Module, path: str) -> str:
+    """Load the weights at `path` into `model` (built from the job's resolved spec, before any parallelism);
+    a shape mismatch raises WeightsError naming every offending tensor. Returns a log line."""
+    w = load_source(path)
+    if w.lora is not None:  # a LoRA run as the starting point: its adapters merged into its base
+        from seqtrain.models.lora import merge_weights
+
+        w = merge_weights(w)
+    origin = f"model.init {path!r}"
+    check_shapes(w.state, model, origin)
+    with torch.no_grad():
+        model.load_state_dict(w.state, strict=True)  # copies into the model's own device and dtype
+    n = sum(t.numel() for t in w.state.values())
+    return f"model.init: {n / 1e6:.2f}M parameters from {w.origin}"

@@ -1,0 +1,207 @@
+"""Read model weights from anything seqtrain produces or accepts, as one full single-process state dict.
+
+Accepted sources (`load_source(path)`):
+- a run folder (`runs/<name>`): its latest complete checkpoint, with the job from the run's trainer config;
+- a checkpoint folder (`.../checkpoints/step-N`) of any engine and layout: DeepSpeed ZeRO, FSDP2 DCP, tensor/
+  pipeline shard files or the replicated `engine.pt`, consolidated by `seqtrain.parallel.consolidate`;
+- a seqtrain export (`seqtrain export`, recognised by its `seqtrain.json`), Hugging Face or seqtrain format;
+- a Hugging Face folder of a Llama-shaped model (`config.json` + `model.safetensors` or a sharded index).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from seqtrain.spec.job import SeqTrainJob
+from seqtrain.spec.model import ModelSpec
+
+from . import hf
+
+SEQTRAIN_JSON = "seqtrain.json"
+# wrappers that may prefix parameter names (torch.compile, activation checkpointing, DDP-style modules)
+_WRAPPER_PREFIXES = ("_orig_mod.", "_checkpoint_wrapped_module.", "module.")
+
+
+class WeightsError(ValueError):
+    """A weight source that cannot be read or does not fit; the message names the path or the tensor."""
+
+
+@dataclass
+class Weights:
+    spec: ModelSpec  # resolved model section
+    state: dict[str, torch.Tensor]  # seqtrain names, full (unsharded) tensors
+    tokenizer: dict[str, Any] = field(default_factory=lambda: {"type": "byte"})  # {"type": byte|file, "path"}
+    job: SeqTrainJob | None = None  # the job that trained them, when known
+    origin: str = ""
+    lora: dict[str, Any] | None = None  # LoRA settings when `state` holds unmerged adapters
+
+
+def _clean_name(name: str) -> str:
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except OSError as exc:
+        raise WeightsError(f"{path}: cannot read: {exc.strerror}") from None
+    except ValueError as exc:
+        raise WeightsError(f"{path}: not JSON: {exc}") from None
+
+
+def _read_safetensors(folder: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    single = os.path.join(folder, "model.safetensors")
+    if os.path.isfile(single):
+        return load_file(single)
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        files = sorted(set(_read_json(index).get("weight_map", {}).values()))
+        out: dict[str, torch.Tensor] = {}
+        for name in files:
+            out.update(load_file(os.path.join(folder, name)))
+        return out
+    raise WeightsError(f"{folder}: no model.safetensors (or model.safetensors.index.json); only safetensors "
+                       "weights are read")
+
+
+def _job_from_run(run_dir: str) -> tuple[SeqTrainJob, str] | None:
+    """(resolved job, checkpoint dir) from a run folder's trainer config (latest attempt), if there is one."""
+    from seqtrain.spec.runtime import read_trainer_config
+
+    candidates = [os.path.join(run_dir, "trainer-config.json")]
+    attempts = glob.glob(os.path.join(run_dir, "attempts", "*", "config.json"))
+    candidates += sorted(attempts, key=lambda p: int(os.path.basename(os.path.dirname(p)))
+                         if os.path.basename(os.path.dirname(p)).isdigit() else 0, reverse=True)
+    for path in candidates:
+        if os.path.isfile(path):
+            cfg = read_trainer_config(path)
+            return cfg.load_job(), cfg.runtime.checkpoint_dir
+    return None
+
+
+def _tokenizer_of(job: SeqTrainJob) -> dict[str, Any]:
+    tok = job.spec.data.tokenizer
+    if job.spec.data.source == "synthetic":
+        return {"type": "synthetic"}
+    if job.spec.data.source == "tokens":  # `seqtrain prepare-data` folders say how they were tokenized
+        for p in job.spec.data.paths:
+            index = os.path.join(os.path.expanduser(p), "index.json")
+            if os.path.isfile(index):
+                return dict(_read_json(index).get("tokenizer") or {"type": "byte"})
+    if tok.type == "file" and tok.path:
+        return {"type": "file", "path": os.path.abspath(os.path.expanduser(tok.path))}
+    return {"type": "byte"}
+
+
+def _from_checkpoint(step_dir: str, job: SeqTrainJob | None) -> Weights:
+    from seqtrain.parallel.consolidate import consolidate
+    from seqtrain.spec import resolve
+
+    meta = _read_json(os.path.join(step_dir, "meta.json"))
+    if job is None and isinstance(meta.get("job"), dict):
+        job = SeqTrainJob.model_validate(meta["job"])
+    if job is None:
+        found = _job_from_run(os.path.dirname(os.path.dirname(os.path.abspath(step_dir))))
+        job = found[0] if found else None
+    if job is None:
+        raise WeightsError(f"{step_dir}: the checkpoint does not say which model it holds (no job in meta.json and "
+                           "no trainer config in its run folder); export from the run folder instead")
+    job = resolve(job)
+    try:
+        state = consolidate(step_dir)
+    except (FileNotFoundError, KeyError) as exc:
+        raise WeightsError(f"{step_dir}: {exc}") from None
+    state = {_clean_name(k): v.detach().float().cpu().contiguous() for k, v in state.items()}
+    lora = getattr(job.spec.model, "lora", None)
+    w = Weights(spec=job.spec.model, state=state, tokenizer=_tokenizer_of(job), job=job,
+                origin=os.path.abspath(step_dir))
+    if lora is not None and lora.rank > 0:
+        w.lora = lora.to_dict()
+    return w
+
+
+def _from_folder(folder: str) -> Weights:
+    info_path = os.path.join(folder, SEQTRAIN_JSON)
+    tokenizer: dict[str, Any] = {"type": "byte"}
+    if os.path.isfile(os.path.join(folder, "tokenizer.json")):
+        tokenizer = {"type": "file", "path": os.path.abspath(os.path.join(folder, "tokenizer.json"))}
+    if os.path.isfile(info_path):
+        info = _read_json(info_path)
+        spec = ModelSpec.model_validate(info["model"])
+        if info.get("tokenizer", {}).get("type") in ("byte", "synthetic"):
+            tokenizer = info["tokenizer"]
+        elif "eod" in info.get("tokenizer", {}):
+            tokenizer["eod"] = info["tokenizer"]["eod"]
+        raw = _read_safetensors(folder)
+        if info.get("format") == "hf":
+            state = {}
+            for name, t in raw.items():
+                local = hf.from_hf_name(name)
+                if local is not None:
+                    state[local] = t
+        else:
+            state = dict(raw)
+        return Weights(spec=spec, state=state, tokenizer=tokenizer, origin=os.path.abspath(folder),
+                       lora=info.get("lora"))
+    cfg_path = os.path.join(folder, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise WeightsError(f"{folder}: neither a run folder, a checkpoint (meta.json), a seqtrain export "
+                           "(seqtrain.json) nor a Hugging Face model folder (config.json)")
+    try:
+        spec = hf.spec_from_llama_config(_read_json(cfg_path), cfg_path)
+    except ValueError as exc:
+        raise WeightsError(str(exc)) from None
+    state = {}
+    for name, t in _read_safetensors(folder).items():
+        try:
+            local = hf.from_hf_name(name)
+        except KeyError as exc:
+            raise WeightsError(f"{folder}: {exc.args[0]}") from None
+        if local is not None:
+            state[local] = t.float()
+    return Weights(spec=spec, state=state, tokenizer=tokenizer, origin=os.path.abspath(folder))
+
+
+def load_source(path: str, job: SeqTrainJob | None = None) -> Weights:
+    """Weights of any accepted source (see the module docstring); `job` names the model when a bare
+    checkpoint folder does not."""
+    path = os.path.expanduser(path)
+    if not os.path.isdir(path):
+        raise WeightsError(f"{path}: not a folder (give a run folder, a checkpoint step-N folder or a model folder)")
+    if os.path.isfile(os.path.join(path, "meta.json")):
+        return _from_checkpoint(path, job)
+    found = _job_from_run(path)
+    if found is not None or os.path.isdir(os.path.join(path, "checkpoints")):
+        from seqtrain.checkpoint.discovery import latest_checkpoint
+
+        ckpt_dir = found[1] if found and os.path.isdir(found[1]) else os.path.join(path, "checkpoints")
+        latest = latest_checkpoint(ckpt_dir)
+        if latest is None:
+            raise WeightsError(f"{path}: run folder without a complete checkpoint under {ckpt_dir}")
+        return _from_checkpoint(latest.path, job or (found[0] if found else None))
+    return _from_folder(path)
+
+
+def check_shapes(state: dict[str, torch.Tensor], model: torch.nn.Module, origin: str) -> None:
+    """Every tensor of `model` present in `state` with the same shape, and nothing extra; the error names each
+    offending tensor."""
+    want = {_clean_name(k): v for k, v in model.state_dict().items()}
+    missing = [k for k in want if k not in state]
+    extra = [k for k in state if k not in want]
+    wrong = [f"{k}: {tuple(state[k].shape)} in {origin} but the model has {tuple(v.shape)}"
+             for k, v in want.items() if k in state and tuple(state[k].shape) != tuple(v.shape)]
+    lines = wrong + [f"{k}: missing from {origin}" for k in missing] + [f"{k}: not in the model" for k in extra]
+    if lines:
+        head = lines[:8] + ([f"... and {len(lines) - 8} more"] if len(lines) > 8 else [])
+        raise WeightsError("weights do not fit the model:\n  " + "\n  ".join(head))

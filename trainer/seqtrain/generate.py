@@ -1,0 +1,238 @@
+"""`seqtrain generate`: sample from a trained model, streaming tokens to the terminal.
+
+GPT decodes with a key/value cache (the prompt is one forward pass, then one position per new token); LSTM, GRU
+and QRNN carry their recurrent state. `use_cache=False` recomputes the whole sequence for every token: slower,
+and the reference the cached paths are tested against (greedy decoding must give the same tokens).
+
+Sampling: `temperature 0` is greedy (argmax); otherwise logits / temperature, then top-k, then top-p (nucleus:
+the smallest set of tokens whose probability reaches p), drawn from a generator seeded by `seed`.
+"""
+
+from __future__ import annotations
+
+import codecs
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from seqtrain.models.gpt import GPT
+from seqtrain.models.layers import rope
+from seqtrain.models.recurrent import RecurrentLM
+
+
+@dataclass
+class Sampling:
+    max_new_tokens: int = 200
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+
+
+def sample_next(logits: torch.Tensor, s: Sampling, gen: torch.Generator | None) -> torch.Tensor:
+    """logits [B, V] -> next token ids [B]."""
+    if s.temperature <= 0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / s.temperature
+    if s.top_k is not None and 0 < s.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, s.top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if s.top_p is not None and s.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        probs = sorted_logits.softmax(dim=-1)
+        # drop a token when the tokens before it already reach p (the most likely one always stays)
+        drop = probs.cumsum(dim=-1) - probs >= s.top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    probs = logits.softmax(dim=-1)
+    return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+
+
+# ---- GPT with a key/value cache ---------------------------------------------------------------------------
+class KVCache:
+    """Per block: keys and values [B, kv_heads, max_len, Dh], filled up to `length`."""
+
+    def __init__(self, model: GPT, batch: int, max_len: int, dtype: torch.dtype, device: torch.device) -> None:
+        a = model.blocks[0].attn
+        shape = (batch, a.kv_heads, max_len, a.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in model.blocks]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in model.blocks]
+        self.length = 0
+
+
+def _cached_attention(attn: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
+                      layer: int) -> torch.Tensor:
+    """`CausalSelfAttention` on new positions x [B, t, D] that follow `cache.length` cached ones."""
+    b, t, _ = x.shape
+    q = attn.q(x).view(b, t, attn.heads, attn.head_dim).transpose(1, 2)
+    k = attn.k(x).view(b, t, attn.kv_heads, attn.head_dim).transpose(1, 2)
+    v = attn.v(x).view(b, t, attn.kv_heads, attn.head_dim).transpose(1, 2)
+    q, k = rope(q, cos, sin), rope(k, cos, sin)
+    start, end = cache.length, cache.length + t
+    cache.k[layer][:, :, start:end] = k
+    cache.v[layer][:, :, start:end] = v
+    keys, values = cache.k[layer][:, :, :end], cache.v[layer][:, :, :end]
+    if attn.kv_heads != attn.heads:  # grouped-query attention, grouped as in training (repeat_interleave)
+        rep = attn.heads // attn.kv_heads
+        keys, values = keys.repeat_interleave(rep, dim=1), values.repeat_interleave(rep, dim=1)
+    # new position i (absolute start + i) sees every cached position and the new ones up to itself
+    mask = torch.ones(t, end, dtype=torch.bool, device=x.device).tril(diagonal=start)
+    y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+    return attn.out(y.transpose(1, 2).reshape(b, t, attn.heads * attn.head_dim))
+
+
+def gpt_forward_cached(model: GPT, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    """Hidden states [B, t, D] of `tokens` [B, t] placed after the cached positions; extends the cache."""
+    t = tokens.shape[1]
+    start = cache.length
+    cos, sin = model.rope_cos[start:start + t], model.rope_sin[start:start + t]
+    x = model.embed(tokens)
+    for i, block in enumerate(model.blocks):
+        x = x + _cached_attention(block.attn, block.attn_norm(x), cos, sin, cache, i)
+        x = x + block.mlp(block.mlp_norm(x))
+    cache.length += t
+    return model.norm(x)
+
+
+# ---- the decoding loop ------------------------------------------------------------------------------------
+def _logits(model: nn.Module, hidden_last: torch.Tensor) -> torch.Tensor:
+    return hidden_last @ model.output_weight.T
+
+
+def max_context(model: nn.Module) -> int | None:
+    return model.rope_cos.shape[0] if isinstance(model, GPT) else None
+
+
+@torch.no_grad()
+def generate_ids(model: nn.Module, prompt: list[int], s: Sampling, use_cache: bool = True) -> Iterator[int]:
+    """Yield new token ids one at a time (batch of one)."""
+    if not prompt:
+        raise ValueError("--prompt: the prompt must have at least one token")
+    model.eval()
+    device = model.output_weight.device
+    gen = None
+    if s.temperature > 0:
+        gen = torch.Generator(device=device)
+        gen.manual_seed(s.seed if s.seed is not None else torch.seed())
+    ids = torch.tensor([prompt], dtype=torch.long, device=device)
+    limit = max_context(model)
+    steps = s.max_new_tokens if limit is None else min(s.max_new_tokens, limit - len(prompt))
+    if limit is not None and len(prompt) > limit:
+        raise ValueError(f"--prompt: {len(prompt)} tokens is longer than the model's context ({limit})")
+    step: Callable[[torch.Tensor], torch.Tensor]
+    if not use_cache:
+        def step(new: torch.Tensor) -> torch.Tensor:
+            nonlocal ids
+            if new is not ids:
+                ids = torch.cat((ids, new), dim=1)
+            return model(ids)[:, -1]
+    elif isinstance(model, GPT):
+        cache = KVCache(model, 1, limit or len(prompt) + steps, model.output_weight.dtype, device)
+
+        def step(new: torch.Tensor) -> torch.Tensor:
+            return gpt_forward_cached(model, new, cache)[:, -1]
+    elif isinstance(model, RecurrentLM):
+        state = model.init_state(1, model.embed.weight)
+
+        def step(new: torch.Tensor) -> torch.Tensor:
+            nonlocal state
+            out, state = model._chunk(new, None, *state)
+            return model.norm(out)[:, -1]
+    else:
+        raise TypeError(f"no generation path for {type(model).__name__}")
+    new = ids
+    for _ in range(max(0, steps)):
+        hidden = step(new)
+        nxt = sample_next(_logits(model, hidden), s, gen)
+        yield int(nxt.item())
+        new = nxt.view(1, 1)
+
+
+class StreamDecoder:
+    """Turns token ids into text pieces as they arrive (byte-level: UTF-8 sequences split over tokens are held
+    back until complete; tokenizer.json: the growing decode's new suffix)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tok = tokenizer
+        self.byte_level = getattr(tokenizer, "vocab_size", None) == 256 and not hasattr(tokenizer, "_tok")
+        self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.ids: list[int] = []
+        self.text = ""
+
+    def push(self, token: int) -> str:
+        if self.byte_level:
+            return self.utf8.decode(bytes([token & 0xFF]))
+        self.ids.append(token)
+        text = self.tok.decode(self.ids)
+        if text.endswith("\ufffd"):  # an incomplete character: wait for the next token
+            return ""
+        piece, self.text = text[len(self.text):], text
+        return piece
+
+    def flush(self) -> str:
+        return self.utf8.decode(b"", final=True) if self.byte_level else ""
+
+
+def load_generator(path: str, device: str | None = None) -> tuple[nn.Module, Any]:
+    """(model in eval mode on `device`, tokenizer) from any source `seqtrain export` accepts."""
+    from seqtrain.data.sources import FileTokenizer
+    from seqtrain.data.tokenizer import ByteTokenizer
+    from seqtrain.export.weights import WeightsError, check_shapes, load_source
+    from seqtrain.models import build_model
+
+    w = load_source(path)
+    if w.lora is not None:
+        from seqtrain.models.lora import merge_weights
+
+        w = merge_weights(w)
+    if w.tokenizer.get("type") == "synthetic":
+        raise WeightsError(f"{path}: trained on a synthetic task, which has no text tokenizer to generate with")
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    with torch.device(dev):
+        model = build_model(w.spec)
+    check_shapes(w.state, model, w.origin)
+    model.load_state_dict(w.state, strict=True)
+    tok = FileTokenizer(w.tokenizer["path"]) if w.tokenizer.get("type") == "file" else ByteTokenizer()
+    tok.eod = w.tokenizer.get("eod")  # prepare-data's end-of-document id: the sample ends there
+    return model.eval(), tok
+
+
+def generate_command(path: str, prompt: str, s: Sampling, use_cache: bool = True, device: str | None = None,
+                     out: Any = None) -> int:
+    from seqtrain.export.weights import WeightsError
+
+    out = out or sys.stdout
+    try:
+        model, tok = load_generator(path, device)
+        prompt_ids = [int(i) for i in tok.encode(prompt)]
+        stream = StreamDecoder(tok)
+        out.write(prompt)
+        out.flush()
+        t0, n = time.perf_counter(), 0
+        eod, ended = getattr(tok, "eod", None), False
+        for token in generate_ids(model, prompt_ids, s, use_cache):
+            if token == eod:
+                ended = True
+                break
+            out.write(stream.push(token))
+            out.flush()
+            n += 1
+        out.write(stream.flush() + "\n")
+        out.flush()
+        seconds = time.perf_counter() - t0
+    except (WeightsError, ValueError, FileNotFoundError) as exc:
+        print(f"seqtrain generate: {exc}", file=sys.stderr)
+        return 2
+    dev = model.output_weight.device.type
+    limit = max_context(model)
+    full = ", stopped at the end-of-document token" if ended else \
+        f", stopped: the context of {limit} tokens is full" if limit and n < s.max_new_tokens else ""
+    print(f"[{n} tokens in {seconds:.2f}s, {n / seconds if seconds else 0:.1f} tokens/s on {dev}, "
+          f"{'kv cache' if use_cache else 'no cache'}{full}]", file=sys.stderr)
+    return 0

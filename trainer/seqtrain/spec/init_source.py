@@ -1,0 +1,84 @@
+"""What model a `model.init` source holds, read from its JSON files only (torch-free: validation and the
+webhook call it). Weights themselves are read by `seqtrain.export.weights` in the trainer."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from typing import Any
+
+# fields a weight source fixes; the job may not contradict them (the rest: dropout, init, maxSeqLen are free)
+SHAPE_FIELDS = ("arch", "vocab_size", "dim", "layers", "heads", "kv_heads", "ffn_dim", "tie_embeddings")
+FUNCTION_FIELDS = ("rope_theta", "norm_eps")  # change the function, not the shapes: taken over unless set
+
+
+def _json(path: str) -> dict[str, Any] | None:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _model_of_job(job: dict[str, Any]) -> dict[str, Any] | None:
+    from .model import ModelSpec
+
+    model = (job.get("spec") or {}).get("model")
+    if not isinstance(model, dict):
+        return None
+    try:
+        return ModelSpec.model_validate(model).model_dump()
+    except ValueError:
+        return None
+
+
+def describe_init(path: str) -> dict[str, Any] | None:
+    """Model fields (snake_case) of the weights at `path`, or None when they cannot be read here (a path that
+    exists only inside the cluster's pods, say)."""
+    path = os.path.expanduser(path)
+    if not os.path.isdir(path):
+        return None
+    info = _json(os.path.join(path, "seqtrain.json"))
+    if info and isinstance(info.get("model"), dict):
+        from .model import ModelSpec
+
+        fields = ModelSpec.model_validate(info["model"]).model_dump()
+    elif (meta := _json(os.path.join(path, "meta.json"))) is not None:
+        fields = _model_of_job(meta["job"]) if isinstance(meta.get("job"), dict) else None
+    elif (cfg := _json(os.path.join(path, "config.json"))) is not None and "job" not in cfg:
+        from seqtrain.export.hf import spec_from_llama_config
+
+        try:
+            fields = spec_from_llama_config(cfg, os.path.join(path, "config.json")).model_dump()
+        except (ValueError, KeyError):
+            return None
+    else:  # a run folder: its trainer config names the job
+        configs = [os.path.join(path, "trainer-config.json")]
+        configs += sorted(glob.glob(os.path.join(path, "attempts", "*", "config.json")), reverse=True)
+        fields = None
+        for c in configs:
+            if (data := _json(c)) and isinstance(data.get("job"), dict):
+                fields = _model_of_job(data["job"])
+                break
+    if not fields:
+        return None
+    return {k: fields.get(k) for k in (*SHAPE_FIELDS, *FUNCTION_FIELDS) if fields.get(k) is not None}
+
+
+def tensor_hint(field: str, desc: dict[str, Any]) -> str:
+    """A tensor of the source whose shape shows `field` (for error messages)."""
+    d, v = desc.get("dim"), desc.get("vocab_size")
+    if field in ("dim", "vocab_size"):
+        return f"embed.weight is [{v}, {d}]"
+    if field == "ffn_dim":
+        return f"blocks.0.mlp.gate.weight is [{desc.get('ffn_dim')}, {d}]"
+    if field in ("heads", "kv_heads") and desc.get("heads") and d:
+        hd = d // desc["heads"]
+        return f"blocks.0.attn.k.weight is [{(desc.get('kv_heads') or desc['heads']) * hd}, {d}]"
+    if field == "layers":
+        return f"blocks.0 .. blocks.{(desc.get('layers') or 1) - 1}"
+    if field == "tie_embeddings":
+        return "lm_head.weight is " + ("absent (tied)" if desc.get("tie_embeddings") else "present (untied)")
+    return f"arch {desc.get('arch')}"
