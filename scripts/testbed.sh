@@ -88,7 +88,8 @@ EOF
 start() {  # name command...
     local name=$1; shift
     # setsid: its own session, so a Ctrl-C in the shell that ran `up` does not reach it; `down` stops it by pid.
-    setsid "$@" >"$LOGS/$name.log" 2>&1 </dev/null 8>&- &  # 8>&-: the children must not hold up's lock
+    # 8>&-: the lock of this script must not outlive it in the components.
+    setsid "$@" >"$LOGS/$name.log" 2>&1 </dev/null 8>&- &
     echo $! >"$PIDS/$name"
 }
 
@@ -158,7 +159,7 @@ NODE_COUNT=8  # 2 agent CPU nodes + 6 kwok GPU nodes
 
 up() {
     mkdir -p "$TB" "$PIDS" "$LOGS"
-    exec 8>"$TB/.lock"; flock 8
+    exec 8>"$TB/.lock"; flock -w 600 8 || die "another testbed.sh up/down holds $TB/.lock"
     if [[ -f $TB/ports ]]; then source "$TB/ports"; fi
     local running=0 c
     for c in "${COMPONENTS[@]}"; do alive "$c" && running=$((running + 1)); done
@@ -249,7 +250,7 @@ stop_all() {
 
 down() {
     mkdir -p "$PIDS"
-    exec 8>"$TB/.lock"; flock 8
+    exec 8>"$TB/.lock"; flock -w 120 8 || log "$TB/.lock still held after 120s: stopping anyway"
     stop_all
     # Pod processes the agent started (own process groups) die with it; any left (agent SIGKILLed) go here.
     if [[ -d $TB/agent/pods ]]; then
