@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import socket
 import threading
 from typing import Any
 
@@ -13,6 +12,7 @@ import kopf
 from k8sfake import Cluster, FakeKubernetes, wait_for
 
 from seqtrain.spec.crd import crd
+from seqtrain.train.launch import free_port
 from seqtrain_operator.k8s import handlers
 from seqtrain_operator.k8s.manifests import Settings
 from seqtrain_operator.k8s.reconcile import Config
@@ -24,12 +24,6 @@ def fast_config(**settings: Any) -> Config:
     """Short polls so tests finish quickly; nothing else differs from production."""
     return Config(settings=Settings(progress_port=settings.pop("progress_port", None), **settings),
                   node_lost_grace=0.0, running_poll=0.3, idle_poll=1.0, progress_timeout=1.0)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class OperatorThread:
