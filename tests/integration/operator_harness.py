@@ -124,12 +124,6 @@ def fast_config(**settings: Any) -> Config:
                   node_lost_grace=grace, running_poll=0.3, idle_poll=1.0, progress_timeout=1.0)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _listening(port: int) -> bool:
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=1):

@@ -9,7 +9,7 @@ from typing import Any
 
 import yaml
 
-from seqtrain.parallel.launch import free_port, run_ranks  # noqa: F401 - re-exported for the tests
+from seqtrain.parallel.launch import run_ranks  # noqa: F401 - re-exported for the tests
 from seqtrain.spec import apply_overrides, parse_job, resolve
 
 ROOT = Path(__file__).resolve().parents[2]

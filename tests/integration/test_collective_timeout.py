@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
-from parity_util import ROOT, free_port, job_for
+from parity_util import job_for
 
+from seqtrain.parallel.launch import start_ranks
 from seqtrain.spec import RuntimeConfig, write_trainer_config
 
 pytestmark = pytest.mark.slow
@@ -21,23 +20,18 @@ def test_stopped_peer_makes_the_other_rank_exit_4(tmp_path) -> None:
     job = job_for({"replicas": 2, "training.steps": 100000, "optimization.commTimeoutSeconds": 10})
     cfg = tmp_path / "cfg.json"
     write_trainer_config(str(cfg), job, RuntimeConfig(workdir=str(tmp_path), checkpoint_dir=str(tmp_path / "ck")))
-    port = free_port()
-    procs = []
-    for rank in range(2):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-        env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "trainer"), str(ROOT / "operator"), env.get("PYTHONPATH", "")])
-        procs.append(subprocess.Popen([sys.executable, "-m", "seqtrain.train.entry", "--config", str(cfg)], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    procs = start_ranks(cfg, tmp_path, 2, {"OMP_NUM_THREADS": "1"})  # identities as the one launcher gives them
+    log0 = tmp_path / "rank0.log"
     metrics = tmp_path / "metrics.jsonl"
     deadline = time.monotonic() + 120
     try:
         while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
             assert time.monotonic() < deadline, "training never reached step 2"
-            assert procs[0].poll() is None, procs[0].communicate()[0]
+            assert procs[0].poll() is None, log0.read_text()
             time.sleep(0.2)
         os.kill(procs[1].pid, signal.SIGSTOP)  # rank 1 hangs: alive, sockets open, never answers
-        out, _ = procs[0].communicate(timeout=90)
+        procs[0].wait(timeout=90)
+        out = log0.read_text()
         assert procs[0].returncode == 4, out
         # gloo's timeout fires first and names the labelled wait; the watchdog would follow a little later
         assert "rank 0: collective communication timed out while waiting for step" in out or \

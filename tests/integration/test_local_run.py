@@ -321,6 +321,17 @@ def test_unusable_checkpoint_is_skipped_for_the_previous_one(damage: str, job_fi
     assert losses(tmp_path) == losses(reference)  # resumed exactly from step 10
 
 
+def test_a_replica_of_two_ranks_runs_the_pod_command_with_the_same_losses(job_file: Path, reference: Path,
+                                                                          tmp_path: Path) -> None:
+    # 1 replica x 2 processes: the runner starts `seqtrain train --config F --nproc-per-node=2` (the pod's command),
+    # whose launcher starts the ranks; same world and data parallel degree as the reference, so the same losses.
+    rc, out = run(job_file, tmp_path, "replicas=1", "resources.processesPerReplica=2")
+    assert rc == 0, out
+    assert losses(tmp_path) == losses(reference)
+    attempt = tmp_path / "attempts" / "1"
+    assert {"rank-0.log", "rank-1.log", "replica-0.log", "replica-0.pids"} <= {p.name for p in attempt.iterdir()}
+
+
 def test_invalid_spec_exits_2_and_writes_nothing(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text(JOB.replace("replicas: 2", "replicas: 0").replace("seqLen: 32", "seqLen: -4"))

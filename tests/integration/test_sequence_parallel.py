@@ -101,7 +101,7 @@ def spawn_ranks(fn: Any, world: int, timeout: float = 240.0) -> dict[int, Any]:
     raises fails the caller with its traceback; every wait has a deadline."""
     import time
 
-    from seqtrain.parallel.launch import free_port
+    from seqtrain.train.launch import free_port
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from seqtrain.checkpoint import latest_checkpoint, list_checkpoints
+from seqtrain.parallel import launch
 from seqtrain.spec import RuntimeConfig, load_job, resolve, write_trainer_config
 
 pytestmark = pytest.mark.slow
@@ -38,12 +38,6 @@ spec:
 DEADLINE_S = 120
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def make_run(tmp_path: Path, name: str, overrides: tuple[str, ...] = ()) -> Path:
     workdir = tmp_path / name
     workdir.mkdir()
@@ -54,17 +48,8 @@ def make_run(tmp_path: Path, name: str, overrides: tuple[str, ...] = ()) -> Path
 
 
 def start_ranks(workdir: Path, world: int = 2, env: dict[str, str] | None = None) -> list[subprocess.Popen]:
-    port = free_port()
-    procs = []
-    for rank in range(world):
-        rank_env = {**os.environ, **(env or {}), "RANK": str(rank), "WORLD_SIZE": str(world),
-                    "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
-                    "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
-        log = open(workdir / f"rank{rank}.log", "ab")  # noqa: SIM115 - closed when the process ends
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "seqtrain.train.entry", "--config", str(workdir / "trainer.json")],
-            env=rank_env, stdout=log, stderr=subprocess.STDOUT))
-    return procs
+    # identities and rendezvous as the one launcher gives them (seqtrain.train.launch.rank_envs)
+    return launch.start_ranks(workdir / "trainer.json", workdir, world, {"OMP_NUM_THREADS": "1", **(env or {})})
 
 
 def wait_all(procs: list[subprocess.Popen], deadline_s: float = DEADLINE_S) -> list[int]:

@@ -50,7 +50,8 @@ CODES = [  # (name, codes in the order the ranks ended, pod exit code)
     ("crash, the others stopped by the launcher", [1, 143, 143], 1),
     ("invalid config wins over the crash before it", [1, 3, 143], 3),
     ("invalid config on every rank", [3, 3], 3),
-    ("collective timeout wins over a SIGKILL", [137, 4, 143], 4),
+    ("a SIGKILL before a collective timeout is the cause", [137, 4, 143], 137),
+    ("a collective timeout first, the rest stopped by the launcher", [4, 143, 143], 4),
     ("invalid config wins over a collective timeout", [4, 3], 3),
     ("OOM-killed rank first", [137, 1], 137),
     ("no CUDA device (node fault) wins over the collective timeouts it causes", [4, 5, 143], 5),
@@ -62,8 +63,8 @@ CODES = [  # (name, codes in the order the ranks ended, pod exit code)
 
 
 @pytest.mark.parametrize("codes,expected", [c[1:] for c in CODES], ids=[c[0] for c in CODES])
-def test_launcher_exit_code(codes, expected):
-    assert L.launcher_exit_code(codes) == expected
+def test_replica_exit_code(codes, expected):
+    assert L.replica_exit_code(codes) == expected
 
 
 def test_signals_become_128_plus_n():
@@ -226,7 +227,7 @@ def test_ranks_get_their_identity_and_all_ok_exits_0(tmp_path):
 
 FAILURES = [  # (plan per local rank, pod exit code, which ranks the launcher had to SIGTERM)
     (["wait", "exit:3", "wait"], 3, [signal.SIGTERM, None, signal.SIGTERM]),  # invalid config survives
-    (["exit:1", "wait:4"], 4, [None, signal.SIGTERM]),  # a collective timeout after the crash: 4
+    (["exit:1", "wait:4"], 1, [None, signal.SIGTERM]),  # a collective timeout after the crash is its echo: 1
     (["wait", "die:9"], 137, [signal.SIGTERM, None]),  # a rank killed (OOM): 128 + 9
     (["exit:2", "wait"], 2, [None, signal.SIGTERM]),
 ]
@@ -235,7 +236,7 @@ FAILURES = [  # (plan per local rank, pod exit code, which ranks the launcher ha
 @pytest.mark.slow
 @pytest.mark.parametrize("plan,code,stopped", FAILURES, ids=["invalid-config", "timeout-after-crash", "killed",
                                                              "crash"])
-def test_one_failed_rank_stops_the_others_and_the_most_specific_code_wins(tmp_path, plan, code, stopped, capsys):
+def test_one_failed_rank_stops_the_others_and_the_cause_is_the_replicas_code(tmp_path, plan, code, stopped, capsys):
     assert L.launch(FAKE_CMD, len(plan), fake_env(tmp_path, plan), failure_grace=DEADLINE_S) == code
     assert signalled(tmp_path, len(plan)) == stopped
     assert f"exiting {code}" in capsys.readouterr().err

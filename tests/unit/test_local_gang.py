@@ -148,3 +148,31 @@ def test_observe_carries_the_error_line_a_failing_rank_printed(tmp_path: Path) -
     (obs,) = gang.observe()
     assert obs.exit_code == 1 and obs.error == "AssertionError: backend is not initialized"
     assert "(AssertionError: backend is not initialized)" in obs.message
+
+
+def test_a_multi_rank_replica_runs_through_the_one_launcher(tmp_path: Path) -> None:
+    # Rank 1 exits 3 (invalid config) while rank 0 sleeps: the launcher stops rank 0 and the replica's code is the
+    # launcher's rule, as in a pod; every rank is known by pid and gone afterwards.
+    code = "import os, sys, time\nif os.environ['RANK'] == '1': sys.exit(3)\ntime.sleep(60)"
+    gang = LocalGang.start(1, replicas=1, procs_per_replica=2, gpus_per_replica=0, config_path="unused",
+                           log_dir=str(tmp_path), command=fake(code))
+    wait_until(lambda: gang.observe()[0].phase == "Failed")
+    (obs,) = gang.observe()
+    assert obs.exit_code == 3 and "ranks 0-1" in obs.message
+    pids = gang.pids()
+    assert sorted(pids) == [0, 1]
+    gang.stop(grace=5)
+    assert not gang.alive() and not any(_alive(p) for p in pids.values())
+    assert (tmp_path / "rank-0.log").exists() and (tmp_path / "rank-1.log").exists()
+    assert json.loads(gang.to_json())["ranks"] == [{"rank": r, "pid": pids[r]} for r in (0, 1)]
+
+
+def test_stopping_a_multi_rank_replica_reaches_every_rank(tmp_path: Path) -> None:
+    code = f"import os, time\nopen(r'{tmp_path}/up-' + os.environ['RANK'], 'w').close()\ntime.sleep(60)"
+    gang = LocalGang.start(1, replicas=1, procs_per_replica=2, gpus_per_replica=0, config_path="unused",
+                           log_dir=str(tmp_path), command=fake(code))
+    wait_until(lambda: (tmp_path / "up-0").exists() and (tmp_path / "up-1").exists() and len(gang.pids()) == 2)
+    pids = gang.pids()
+    gang.stop(grace=20)
+    assert gang.observe()[0].exit_code == 143  # SIGTERM forwarded by the launcher, its ranks' code is the replica's
+    assert not any(_alive(p) for p in pids.values())

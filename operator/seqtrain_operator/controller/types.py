@@ -23,7 +23,8 @@ class ReplicaObservation:
     replica: index 0..replicas-1. attempt: the gang incarnation the replica belongs to (a label on the pod / the
     attempt the local runner started it with). phase: Pending (created, not all ranks started), Running,
     Succeeded (every rank exited 0), Failed (any rank exited non-zero or the replica vanished).
-    exit_code: the first non-zero exit code of a rank (128+N for signal N), or 0 / None.
+    exit_code: the replica's exit code (128+N for signal N), or 0 / None: a pod's container code, or the local replica
+    process's, both `seqtrain.train.launch.replica_exit_code` of its ranks; the controller reads only this.
     reason: what the backend knows beyond the code: OOMKilled, Evicted, Preempted, NodeLost, Deleted, Signal ...
     node: where it runs (None while unscheduled). message: free text for the status/event.
     terminating: the object is being deleted (deletionTimestamp set), by us or by someone else.

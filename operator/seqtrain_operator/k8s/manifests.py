@@ -18,6 +18,7 @@ from typing import Any
 
 from seqtrain.spec import API_VERSION, KIND, RuntimeConfig, SeqTrainJob, TrainerConfig, resolve
 from seqtrain.spec.names import configmap_name, hostname, pod_name, podgroup_name, service_name
+from seqtrain.train.launch import replica_command
 
 from ..planner.inventory import GPU_PRODUCT_LABEL, GPU_RESOURCE
 from ..planner.placement import pod_tolerations
@@ -145,14 +146,10 @@ def build_configmap(job: SeqTrainJob, owner: Owner, attempt: int, settings: Sett
 
 
 def _command(job: SeqTrainJob, owner: Owner, replica: int, settings: Settings) -> list[str]:
-    config = f"{CONFIG_DIR}/{CONFIG_FILE}"
-    procs = job.spec.resources.procs
-    if procs == 1:
-        return ["seqtrain", "train", "--config", config]
     # Several ranks per pod: our launcher (seqtrain.train.launch) gives them RANK = NODE_RANK*N + local rank from the
-    # env below and exits with their most specific code (torchrun would turn an invalid config's 3 into 1). No
-    # restarts of its own: the operator restarts the whole gang.
-    return ["seqtrain", "train", "--config", config, f"--nproc-per-node={procs}"]
+    # env below and exits with replica_exit_code of theirs (torchrun would turn an invalid config's 3 into 1). No
+    # restarts of its own: the operator restarts the whole gang. The local backend runs the same command.
+    return replica_command(f"{CONFIG_DIR}/{CONFIG_FILE}", job.spec.resources.procs)
 
 
 def _env(job: SeqTrainJob, owner: Owner, attempt: int, replica: int, settings: Settings) -> list[dict[str, Any]]:

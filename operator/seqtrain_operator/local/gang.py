@@ -1,7 +1,10 @@
-"""A gang of local rank processes: started together with a pod's bootstrap environment, observed, stopped together.
+"""A gang of local replica processes: started together with a pod's bootstrap environment, observed, stopped together.
 
-Each rank runs in its own session (process group) so that stopping it also stops anything it spawned (data
-workers, compilers), and so that Ctrl-C in the terminal reaches only the runner, which then stops the gang in order.
+Each replica runs exactly what its pod would (`seqtrain.train.launch.replica_command`): `seqtrain train --config F`
+for one rank, `seqtrain train --config F --nproc-per-node N` (the one launcher) for several, and its exit code is the
+replica's exit code by the launcher's one rule. Every process runs in its own session (process group) so that
+stopping it also stops anything it spawned (data workers, compilers), and so that Ctrl-C in the terminal reaches only
+the runner, which then stops the gang in order. Rank r logs to `<log_dir>/rank-r.log`.
 """
 
 from __future__ import annotations
@@ -10,7 +13,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,19 +20,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from seqtrain.train.exitcodes import last_error
+from seqtrain.train.launch import GRACE_ENV, LOG_DIR_ENV, free_port, normalize, replica_command
 
 from ..controller.types import ReplicaObservation
 
 NODE = "localhost"
 TERM_GRACE_SECONDS = 30.0  # SIGTERM -> SIGKILL: the trainer finishes its step and saves within this
-
-
-def free_port() -> int:
-    """A TCP port free right now on the loopback interface (a fresh one per attempt: the old rendezvous may linger
-    in TIME_WAIT)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+# The launcher of a multi-rank replica SIGKILLs its ranks this much before we would (as the manifests do in a pod).
+LAUNCHER_GRACE_MARGIN_SECONDS = 5.0
+_CLI = (sys.executable, "-m", "seqtrain_operator.cli")
 
 
 def source_roots() -> list[str]:
@@ -42,21 +40,28 @@ def source_roots() -> list[str]:
     return [tr_root, op_root]
 
 
-def rank_command(config_path: str) -> list[str]:
-    return [sys.executable, "-m", "seqtrain_operator.cli", "train", "--config", config_path]
-
-
 def exit_code(returncode: int) -> int:
-    """Shell convention: a rank killed by signal N exits 128+N (what a pod's container status reports)."""
-    return 128 - returncode if returncode < 0 else returncode
+    """Shell convention: a process killed by signal N exits 128+N (what a pod's container status reports)."""
+    return normalize(returncode)
 
 
 @dataclass
-class Rank:
-    rank: int
+class Replica:
     replica: int
     proc: subprocess.Popen
-    log_path: str
+    ranks: list[int]
+    log_dir: str
+    log_path: str  # the replica process's own output (the rank's log when it is one rank)
+
+    def rank_pids(self) -> dict[int, int]:
+        """rank -> pid: the process itself for one rank; else what the launcher recorded once it started them."""
+        if len(self.ranks) == 1:
+            return {self.ranks[0]: self.proc.pid}
+        try:
+            with open(os.path.join(self.log_dir, f"replica-{self.replica}.pids"), encoding="utf-8") as f:
+                return {int(k): int(v) for k, v in json.load(f).items()}
+        except (OSError, ValueError):
+            return {}
 
 
 @dataclass
@@ -66,14 +71,15 @@ class LocalGang:
     attempt: int
     replicas: int
     procs_per_replica: int
-    ranks: list[Rank] = field(default_factory=list)
+    members: list[Replica] = field(default_factory=list)
     port: int = 0
 
     @classmethod
     def start(cls, attempt: int, replicas: int, procs_per_replica: int, gpus_per_replica: int, config_path: str,
               log_dir: str, extra_env: Mapping[str, str] | None = None,
               command: Sequence[str] | None = None) -> LocalGang:
-        """Spawn every rank (all or none). `command` replaces `seqtrain train --config` (tests use tiny fakes)."""
+        """Spawn every replica (all or none). `command` replaces the rank's `seqtrain train --config` (tests use tiny
+        fakes); a multi-rank replica still runs it through the one launcher."""
         gang = cls(attempt=attempt, replicas=replicas, procs_per_replica=procs_per_replica, port=free_port())
         world = replicas * procs_per_replica
         os.makedirs(log_dir, exist_ok=True)
@@ -84,13 +90,14 @@ class LocalGang:
         # Threads per rank: share the cores instead of every rank grabbing all of them.
         base.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world)))
         base["PYTHONUNBUFFERED"] = "1"
+        for name in ("RANK", "LOCAL_RANK", "NODE_RANK"):  # identity comes from below only
+            base.pop(name, None)
         try:
-            for rank in range(world):
-                replica, local = divmod(rank, procs_per_replica)
+            for replica in range(replicas):
+                # The pod's bootstrap environment (manifests._env), with loopback as rank 0's address.
                 env = dict(base)
                 env.update({
-                    "RANK": str(rank), "WORLD_SIZE": str(world),
-                    "LOCAL_RANK": str(local), "LOCAL_WORLD_SIZE": str(procs_per_replica),
+                    "WORLD_SIZE": str(world), "NODE_RANK": str(replica), "LOCAL_WORLD_SIZE": str(procs_per_replica),
                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(gang.port),
                     "SEQTRAIN_REPLICA": str(replica), "SEQTRAIN_ATTEMPT": str(attempt),
                 })
@@ -98,63 +105,90 @@ class LocalGang:
                     # Like a pod: each replica sees only its own GPUs, numbered from 0.
                     first = replica * gpus_per_replica
                     env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in range(first, first + gpus_per_replica))
-                log_path = os.path.join(log_dir, f"rank-{rank}.log")
+                ranks = list(range(replica * procs_per_replica, (replica + 1) * procs_per_replica))
+                if procs_per_replica == 1:
+                    env.update({"RANK": str(ranks[0]), "LOCAL_RANK": "0"})
+                    argv = list(command) if command else replica_command(config_path, 1, _CLI)
+                    log_path = os.path.join(log_dir, f"rank-{ranks[0]}.log")
+                else:
+                    env[LOG_DIR_ENV] = log_dir  # the launcher writes rank-r.log and the ranks' pids here
+                    env[GRACE_ENV] = str(max(1.0, TERM_GRACE_SECONDS - LAUNCHER_GRACE_MARGIN_SECONDS))
+                    argv = ([sys.executable, "-m", "seqtrain.train.launch", f"--nproc-per-node={procs_per_replica}",
+                             "--", *command] if command else replica_command(config_path, procs_per_replica, _CLI))
+                    log_path = os.path.join(log_dir, f"replica-{replica}.log")
                 with open(log_path, "ab") as log:
-                    proc = subprocess.Popen(list(command or rank_command(config_path)), env=env, stdout=log, stderr=subprocess.STDOUT,
+                    proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
                                             stdin=subprocess.DEVNULL, start_new_session=True)
-                gang.ranks.append(Rank(rank, replica, proc, log_path))
+                gang.members.append(Replica(replica, proc, ranks, log_dir, log_path))
         except BaseException:
             gang.stop(grace=0)  # all or none
             raise
         return gang
 
     def pids(self) -> dict[int, int]:
-        return {r.rank: r.proc.pid for r in self.ranks}
+        """rank -> pid of every rank known so far."""
+        out: dict[int, int] = {}
+        for m in self.members:
+            out.update(m.rank_pids())
+        return out
 
     def observe(self) -> tuple[ReplicaObservation, ...]:
         out = []
-        for replica in range(self.replicas):
-            ranks = [r for r in self.ranks if r.replica == replica]
-            codes = [(r, r.proc.poll()) for r in ranks]
-            failed = [(r, c) for r, c in codes if c is not None and c != 0]
-            if failed:
-                # The first rank to have failed is unknown after the fact; report the most telling code: a signal
-                # (killed from outside or OOM) over a plain error, which is often only the echo of a dead peer.
-                r, c = max(failed, key=lambda rc: (rc[1] < 0, -rc[0].rank))
-                code = exit_code(c)
-                error = last_error(_tail(r.log_path))
-                said = f" ({error})" if error else ""
-                out.append(ReplicaObservation(replica, self.attempt, "Failed", exit_code=code, node=NODE,
-                                              message=f"rank {r.rank} {_describe(c)}{said}; log {r.log_path}",
-                                              error=error))
-            elif all(c == 0 for _, c in codes):
-                out.append(ReplicaObservation(replica, self.attempt, "Succeeded", exit_code=0, node=NODE))
+        for m in self.members:
+            rc = m.proc.poll()
+            if rc is None:
+                out.append(ReplicaObservation(m.replica, self.attempt, "Running", node=NODE))
+            elif rc == 0:
+                out.append(ReplicaObservation(m.replica, self.attempt, "Succeeded", exit_code=0, node=NODE))
             else:
-                out.append(ReplicaObservation(replica, self.attempt, "Running", node=NODE))
+                # The replica's code is already the one rule's answer (seqtrain.train.launch.replica_exit_code).
+                code = exit_code(rc)
+                logs = [os.path.join(m.log_dir, f"rank-{r}.log") for r in m.ranks]
+                error = next((e for e in (last_error(_tail(p)) for p in logs) if e), None)
+                said = f" ({error})" if error else ""
+                who = f"rank {m.ranks[0]}" if len(m.ranks) == 1 else f"replica {m.replica} (ranks {m.ranks[0]}-{m.ranks[-1]})"
+                where = logs[0] if len(logs) == 1 else f"{m.log_path}, {logs[0]} ..."
+                out.append(ReplicaObservation(m.replica, self.attempt, "Failed", exit_code=code, node=NODE,
+                                              message=f"{who} {_describe(rc)}{said}; log {where}", error=error))
         return tuple(out)
 
     def alive(self) -> bool:
-        return any(r.proc.poll() is None for r in self.ranks)
+        return any(m.proc.poll() is None for m in self.members) or any(_alive(p) for p in self.pids().values())
 
     def stop(self, grace: float = TERM_GRACE_SECONDS) -> None:
-        """SIGTERM every rank's process group, wait up to `grace` seconds, then SIGKILL what is left and reap all."""
-        for r in self.ranks:
-            _signal_group(r.proc, signal.SIGTERM)
+        """SIGTERM every replica's process group (a launcher forwards it to its ranks), wait up to `grace` seconds,
+        then SIGKILL what is left (ranks included, even if their launcher is gone) and reap all."""
+        for m in self.members:
+            _signal_group(m.proc.pid, signal.SIGTERM)
         deadline = time.monotonic() + grace
         while time.monotonic() < deadline and self.alive():
             time.sleep(0.05)
-        for r in self.ranks:
-            # The group too: a rank that exited may have left children behind.
-            _signal_group(r.proc, signal.SIGKILL)
-        for r in self.ranks:
+        for pid in [*self.pids().values(), *(m.proc.pid for m in self.members)]:
+            # The groups too: a process that exited may have left children behind.
+            _signal_group(pid, signal.SIGKILL)
+        for m in self.members:
             # A process even SIGKILL cannot stop (uninterruptible I/O) is left to the OS rather than hang us.
             with contextlib.suppress(subprocess.TimeoutExpired):
-                r.proc.wait(timeout=10)
+                m.proc.wait(timeout=10)
 
     def to_json(self) -> str:
+        ranks = self.pids()
         return json.dumps({"attempt": self.attempt, "masterPort": self.port,
-                           "ranks": [{"rank": r.rank, "replica": r.replica, "pid": r.proc.pid, "log": r.log_path}
-                                     for r in self.ranks]}, indent=2) + "\n"
+                           "replicas": [{"replica": m.replica, "pid": m.proc.pid, "log": m.log_path}
+                                        for m in self.members],
+                           "ranks": [{"rank": r, "pid": pid} for r, pid in sorted(ranks.items())]}, indent=2) + "\n"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    try:  # a zombie (exited, not yet reaped by its launcher) is not running
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def _tail(path: str, size: int = 8192) -> str:
@@ -176,28 +210,33 @@ def _describe(returncode: int) -> str:
     return f"exited with code {returncode}"
 
 
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+def _signal_group(pid: int, sig: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, sig)  # start_new_session: pgid == pid
+        os.killpg(pid, sig)  # start_new_session: pgid == pid
 
 
 def kill_leftovers(gang_file: str) -> int:
-    """Kill the process groups a previous runner recorded in gang.json if they still run our trainer (the runner
-    itself was killed hard). Returns how many groups were signalled."""
+    """Kill the process groups a previous runner recorded in gang.json (replicas, and the ranks their launchers
+    recorded) if they still run our trainer (the runner itself was killed hard). Returns how many were signalled."""
     try:
         with open(gang_file, encoding="utf-8") as f:
             data = json.load(f)
     except (OSError, ValueError):
         return 0
+    pids = [int(r.get("pid", 0)) for r in data.get("ranks", [])]
+    for rep in data.get("replicas", []):
+        pids.append(int(rep.get("pid", 0)))
+        recorded = os.path.join(os.path.dirname(str(rep.get("log", ""))), f"replica-{rep.get('replica')}.pids")
+        with contextlib.suppress(OSError, ValueError, TypeError), open(recorded, encoding="utf-8") as f:
+            pids += [int(p) for p in json.load(f).values()]
     n = 0
-    for r in data.get("ranks", []):
-        pid = int(r.get("pid", 0))
+    for pid in sorted(set(pids)):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 cmd = f.read().replace(b"\0", b" ")
         except OSError:
             continue
-        if b"seqtrain" in cmd and b" train " in cmd:
+        if b"seqtrain" in cmd and any(k in cmd for k in (b" train ", b"seqtrain.train.entry", b"seqtrain.train.launch")):
             try:
                 os.killpg(pid, signal.SIGKILL)
                 n += 1

@@ -152,6 +152,8 @@ class LocalRun:
     def _loop(self, status: JobStatus, view: ProgressView) -> JobStatus:
         while True:
             replicas = self.gang.observe() if self.gang is not None else ()
+            if self.gang is not None:
+                self._record_gang()  # a multi-rank replica's launcher reports its ranks' pids after starting them
             for r in replicas:
                 if r.phase == "Failed":
                     self.last_failed = r
@@ -187,7 +189,7 @@ class LocalRun:
                                                      attempt=action.attempt, metrics_port=0, progress_port=0))
         res = job.spec.resources
         self.gang = LocalGang.start(action.attempt, job.spec.replicas, res.procs, res.gpus, cfg, adir)
-        atomic_write_text(self._gang_file(), self.gang.to_json())
+        self._record_gang()
 
     def _stop_gang(self, grace: float) -> None:
         assert self.gang is not None
@@ -200,6 +202,13 @@ class LocalRun:
             self.gang = None
             with suppress(OSError):
                 os.unlink(self._gang_file())
+
+    def _record_gang(self) -> None:
+        assert self.gang is not None
+        text = self.gang.to_json()
+        if text != getattr(self, "_gang_written", None):
+            atomic_write_text(self._gang_file(), text)
+            self._gang_written = text
 
     def _gang_file(self) -> str:
         return os.path.join(self.workdir, "gang.json")

@@ -92,7 +92,7 @@ def _rank(rank: int, tp: int, port: int, spec: ModelSpec, cases: list[dict[str, 
 
 def measure_tp(spec: ModelSpec, tp: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Run `cases` ({seq_len, batch, sp, policy}) on `tp` spawned ranks; rank 0's rows."""
-    from seqtrain.parallel.launch import free_port
+    from seqtrain.train.launch import free_port
 
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()

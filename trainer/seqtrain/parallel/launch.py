@@ -1,27 +1,58 @@
-"""Start a job's rank processes on this machine (the pod entrypoint, one process per rank) and wait for them.
-
-A minimal launcher for the layout benchmark and the parity tests; `seqtrain run` (the local backend) is the
-user-facing way, with restarts and status. Every wait has a deadline.
+"""Start a whole job's rank processes on this machine without the controller, for the parity tests, the trainer's
+rank tests and the layout benchmark (which need each rank's own exit code). Identity and rendezvous come from the one
+launcher (`seqtrain.train.launch`: `rank_envs`, `free_port`), exactly as it gives them to a pod's ranks; `seqtrain
+run` (the local backend, with restarts and status) runs the pod's command itself. Every wait has a deadline.
 """
 
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from seqtrain.spec import RuntimeConfig, SeqTrainJob, write_trainer_config
+from seqtrain.train.launch import free_port, rank_envs
+
+__all__ = ["free_port", "run_ranks", "start_ranks", "wait_ranks"]
 
 _SRC = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[3] / "operator")]
+# Identity a developer's shell (or a rank that runs a test) might hold: the launcher's rules decide it here.
+_IDENTITY = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "SEQTRAIN_REPLICA", "MASTER_ADDR",
+             "MASTER_PORT")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def start_ranks(config: Path, workdir: Path, world: int, env: dict[str, str] | None = None) -> list[subprocess.Popen]:
+    """Start `world` ranks of `seqtrain train --config config` (the whole job on this machine, rendezvous on a free
+    loopback port); rank r's output goes to workdir/rank<r>.log."""
+    base = {k: v for k, v in {**os.environ, **(env or {})}.items() if k not in _IDENTITY}
+    base.setdefault("OMP_NUM_THREADS", "1")
+    base.setdefault("DS_ACCELERATOR", "cpu")
+    base["PYTHONPATH"] = os.pathsep.join([*_SRC, base.get("PYTHONPATH", "")])
+    base.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
+    procs = []
+    for extra in rank_envs(world, base):
+        with open(workdir / f"rank{extra['RANK']}.log", "ab") as log:  # the child keeps its own descriptor
+            procs.append(subprocess.Popen([sys.executable, "-m", "seqtrain.train.entry", "--config", str(config)],
+                                          env={**base, **extra}, stdout=log, stderr=subprocess.STDOUT,
+                                          stdin=subprocess.DEVNULL, cwd=str(workdir)))
+    return procs
+
+
+def wait_ranks(procs: list[subprocess.Popen], timeout: float) -> list[int]:
+    """Each rank's return code (-9 for every rank still running at the deadline, which kills them all)."""
+    deadline = time.monotonic() + timeout
+    codes = []
+    for p in procs:
+        try:
+            codes.append(p.wait(timeout=max(0.1, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            p.wait(timeout=30)
+            codes.append(-9)
+    return codes
 
 
 def run_ranks(job: SeqTrainJob, workdir: Path, world: int, timeout: float = 300.0,
@@ -31,26 +62,4 @@ def run_ranks(job: SeqTrainJob, workdir: Path, world: int, timeout: float = 300.
     workdir.mkdir(parents=True, exist_ok=True)
     cfg = workdir / "trainer-config.json"
     write_trainer_config(str(cfg), job, RuntimeConfig(workdir=str(workdir), checkpoint_dir=str(workdir / "checkpoints")))
-    port = free_port()
-    procs = []
-    for rank in range(world):
-        e = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                 LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **(env or {}))
-        e.setdefault("OMP_NUM_THREADS", "1")
-        e.setdefault("DS_ACCELERATOR", "cpu")
-        e["PYTHONPATH"] = os.pathsep.join([*_SRC, e.get("PYTHONPATH", "")])
-        log = open(workdir / f"rank{rank}.log", "ab")  # noqa: SIM115 - closed below
-        procs.append((subprocess.Popen([sys.executable, "-m", "seqtrain.train.entry", "--config", str(cfg)],
-                                       env=e, stdout=log, stderr=subprocess.STDOUT, cwd=str(workdir)), log))
-    deadline = time.monotonic() + timeout
-    codes = []
-    for p, log in procs:
-        try:
-            codes.append(p.wait(timeout=max(1.0, deadline - time.monotonic())))
-        except subprocess.TimeoutExpired:
-            for q, _ in procs:
-                q.kill()
-            p.wait(timeout=30)
-            codes.append(-9)
-        log.close()
-    return codes
+    return wait_ranks(start_ranks(cfg, workdir, world, env), timeout)

@@ -1,4 +1,7 @@
-"""`seqtrain train --config F --nproc-per-node N`: start one pod's N rank processes and keep their exit codes.
+"""The one launcher: `seqtrain train --config F --nproc-per-node N` starts one replica's N rank processes (in a pod,
+and per replica in the local backend, which runs exactly the pod's command) and maps their exit codes to the
+replica's exit code by the one rule, `replica_exit_code`; the controller reads only that code. `free_port` and
+`replica_command` live here too, for every caller that starts ranks (local backend, manifests, tests, benchmarks).
 
 Why not torchrun: it exits 1 whenever a child fails, so the trainer's exit codes (exitcodes.py: 3 invalid config =
 permanent, 4 collective timeout, 143 SIGTERM after a checkpoint) never reach the pod's container status, and the
@@ -14,12 +17,16 @@ What it does, in order:
 - forwards SIGTERM/SIGINT to every child and waits up to SEQTRAIN_TERM_GRACE_SECONDS (the manifests set it a little
   below the pod's terminationGracePeriodSeconds) before SIGKILL;
 - when a child exits non-zero, SIGTERMs the others and SIGKILLs them after FAILURE_GRACE_SECONDS;
-- exits with `launcher_exit_code` of the children's codes.
+- exits with `replica_exit_code` of the children's codes.
+Locally (never in a pod) SEQTRAIN_RANK_LOG_DIR=DIR sends rank r's output to DIR/rank-r.log and records the ranks'
+pids in DIR/replica-<NODE_RANK>.pids (JSON {rank: pid}), so the local backend keeps per-rank logs and can stop
+every rank even if this launcher itself is killed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -32,6 +39,7 @@ from types import FrameType
 from . import exitcodes
 
 GRACE_ENV = "SEQTRAIN_TERM_GRACE_SECONDS"
+LOG_DIR_ENV = "SEQTRAIN_RANK_LOG_DIR"
 DEFAULT_TERM_GRACE_SECONDS = 30.0  # SIGTERM -> SIGKILL when the pod is stopped (the trainer checkpoints within it)
 # SIGTERM -> SIGKILL for the surviving ranks after one failed: their gang is broken, so they cannot finish a step or
 # a collective checkpoint; a rank blocked in NCCL only leaves by SIGKILL.
@@ -52,19 +60,27 @@ def normalize(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
-def launcher_exit_code(codes: Sequence[int]) -> int:
-    """The pod's exit code from its ranks' exit codes, listed in the order the ranks ended (normalized, 0 = ok).
+def replica_exit_code(codes: Sequence[int]) -> int:
+    """THE rule from rank exits to a replica's exit code (the pod's, or the local replica process's); codes are
+    normalized and listed in the order the ranks ended.
 
-    The most specific code wins, because it decides how the operator classifies the failure: 3 (invalid config,
-    permanent) if any rank exited 3, else 4 (collective timeout) if any exited 4, else the first failing rank's code
-    (the cause; later ones are mostly ranks this launcher stopped). 0 only when every rank exited 0."""
+    3 (invalid config, permanent) if any rank exited 3: it decides that restarting cannot help, wherever it came.
+    Else the first failing rank's code: the cause. The later ones are mostly ranks stopped because of it (143, 137),
+    and a collective timeout (4) is itself the echo of a peer that died or hung, so it is reported only when it
+    came first (then the peer is in another replica, whose own code the controller prefers, see failure_policy).
+    0 only when every rank exited 0."""
     if exitcodes.INVALID_CONFIG in codes:
         return exitcodes.INVALID_CONFIG
-    if exitcodes.DEVICE_UNAVAILABLE in codes:
+    if exitcodes.DEVICE_UNAVAILABLE in codes:  # a node fault on any rank: restarting elsewhere can help
         return exitcodes.DEVICE_UNAVAILABLE
-    if exitcodes.COMM_TIMEOUT in codes:
-        return exitcodes.COMM_TIMEOUT
     return next((c for c in codes if c != 0), exitcodes.OK)
+
+
+def replica_command(config: str, nproc: int, program: Sequence[str] = ("seqtrain",)) -> list[str]:
+    """What a replica runs (a pod's container command; the local backend runs the same with `program` = this
+    Python's `-m seqtrain_operator.cli`): one rank directly, several through this launcher."""
+    cmd = [*program, "train", "--config", config]
+    return cmd if nproc == 1 else [*cmd, f"--nproc-per-node={nproc}"]
 
 
 def _int_env(environ: Mapping[str, str], name: str, default: int | None, why: str) -> int:
@@ -80,6 +96,7 @@ def _int_env(environ: Mapping[str, str], name: str, default: int | None, why: st
 
 
 def free_port() -> int:
+    """A TCP port free right now on the loopback interface (the only copy: every rank-starting path uses it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -145,7 +162,7 @@ def _say(text: str) -> None:
 
 def launch(command: Sequence[str], nproc: int, environ: Mapping[str, str] | None = None,
            term_grace: float = DEFAULT_TERM_GRACE_SECONDS, failure_grace: float = FAILURE_GRACE_SECONDS) -> int:
-    """Run `command` as `nproc` rank processes; return the pod's exit code (`launcher_exit_code`).
+    """Run `command` as `nproc` rank processes; return the pod's exit code (`replica_exit_code`).
 
     Installs SIGTERM/SIGINT handlers for the duration (main thread only) and restores the previous ones."""
     base = dict(os.environ if environ is None else environ)
@@ -164,18 +181,27 @@ def launch(command: Sequence[str], nproc: int, environ: Mapping[str, str] | None
                 _signal_group(p, signum)
 
     codes: list[int] = []
+    log_dir = base.get(LOG_DIR_ENV) or None
     previous = {sig: signal.signal(sig, forward) for sig in _FORWARDED}
     try:
         for local, extra in enumerate(envs):
             if received:  # stopped while starting: start no more ranks
                 break
             try:
-                procs.append(subprocess.Popen(list(command), env={**base, **extra}, stdin=subprocess.DEVNULL,
-                                              start_new_session=True))
+                out = open(os.path.join(log_dir, f"rank-{extra['RANK']}.log"), "ab") if log_dir else None  # noqa: SIM115
+                try:
+                    procs.append(subprocess.Popen(list(command), env={**base, **extra}, stdin=subprocess.DEVNULL,
+                                                  stdout=out, stderr=subprocess.STDOUT if out else None,
+                                                  start_new_session=True))
+                finally:
+                    if out is not None:
+                        out.close()  # the child holds its own descriptor
             except OSError as exc:
                 _say(f"cannot start local rank {local}: {exc}")
                 codes.append(exitcodes.ERROR)  # counts as the first failure: _wait stops the ranks started
                 break
+        if log_dir:
+            _write_pids(log_dir, envs[0]["NODE_RANK"], {e["RANK"]: p.pid for e, p in zip(envs, procs, strict=False)})
         codes = _wait(procs, codes, term_grace, failure_grace, received)
     finally:
         for p in procs:  # anything a rank left behind in its group
@@ -185,10 +211,18 @@ def launch(command: Sequence[str], nproc: int, environ: Mapping[str, str] | None
                 p.wait(timeout=10)  # reaped; one even SIGKILL cannot stop is left to the OS rather than hang us
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    code = launcher_exit_code(codes)
+    code = replica_exit_code(codes)
     if code:
         _say(f"exit codes of local ranks, in the order they ended: {codes}; exiting {code}")
     return code
+
+
+def _write_pids(log_dir: str, node_rank: str, pids: dict[str, int]) -> None:
+    path = os.path.join(log_dir, f"replica-{node_rank}.pids")
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(pids, f)
+    os.replace(tmp, path)
 
 
 def _wait(procs: list[subprocess.Popen], codes: list[int], term_grace: float, failure_grace: float,
@@ -247,14 +281,16 @@ def term_grace_from(environ: Mapping[str, str]) -> float:
     return value
 
 
-def main(config: str, nproc: int) -> int:
-    """`seqtrain train --config F --nproc-per-node N` with N > 1: every child runs `seqtrain train --config F`."""
+def main(config: str, nproc: int, command: Sequence[str] | None = None) -> int:
+    """`seqtrain train --config F --nproc-per-node N` with N > 1: every child runs `seqtrain train --config F`
+    (`command` replaces that: tests start tiny fake ranks through the same launcher)."""
     try:
         grace = term_grace_from(os.environ)
     except LaunchError as exc:
         _say(f"invalid config: {exc}")
         return exitcodes.INVALID_CONFIG
-    return launch([sys.executable, "-m", "seqtrain.train.entry", "--config", config], nproc, term_grace=grace)
+    rank = list(command) if command else [sys.executable, "-m", "seqtrain.train.entry", "--config", config]
+    return launch(rank, nproc, term_grace=grace)
 
 
 if __name__ == "__main__":
@@ -262,7 +298,11 @@ if __name__ == "__main__":
 
     ap = argparse.ArgumentParser(prog="python -m seqtrain.train.launch",
                                  description="start N rank processes of `seqtrain train` (see the module doc)")
-    ap.add_argument("--config", required=True)
+    ap.add_argument("--config", default="")
     ap.add_argument("--nproc-per-node", type=int, required=True)
+    ap.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD...: run CMD as each rank instead")
     a = ap.parse_args()
-    sys.exit(main(a.config, a.nproc_per_node))
+    cmd = a.command[1:] if a.command[:1] == ["--"] else a.command
+    if not cmd and not a.config:
+        ap.error("--config or -- CMD is required")
+    sys.exit(main(a.config, a.nproc_per_node, cmd or None))
