@@ -20,6 +20,7 @@ from seqtrain.spec import API_VERSION, KIND, RuntimeConfig, SeqTrainJob, Trainer
 
 from ..planner.inventory import GPU_PRODUCT_LABEL, GPU_RESOURCE
 from ..planner.types import Plan
+from .template import apply_pod_template
 
 GROUP = "seqtrain.dev"
 LABEL_JOB = f"{GROUP}/job"
@@ -328,11 +329,12 @@ def build_pod(job: SeqTrainJob, owner: Owner, attempt: int, replica: int, settin
         spec["schedulerName"] = scheduler
     if (affinity := _affinity(node)) is not None:
         spec["affinity"] = affinity
-    return {
+    pod = {
         "apiVersion": "v1", "kind": "Pod",
         "metadata": _meta(pod_name(owner.name, attempt, replica), owner, labels, annotations or None),
         "spec": spec,
     }
+    return apply_pod_template(pod, s.pod_template, CONTAINER)  # the user's overrides, owned fields kept
 
 
 def build_podgroup(job: SeqTrainJob, owner: Owner, attempt: int) -> dict[str, Any] | None:

@@ -11,6 +11,7 @@ import os
 from .job import SeqTrainJob
 from .problems import Problem
 from .resolve import resolved_model
+from .template import template_problems
 
 
 def _divisors_hint(n: int, limit: int = 6) -> str:
@@ -119,4 +120,5 @@ def check(job: SeqTrainJob) -> list[Problem]:
         out.append(Problem("spec.checkpoint.pvc", "use either a PVC or a URI in checkpoint.path, not both"))
     if s.scheduling.topology.policy != "none" and not s.scheduling.topology.keys:
         out.append(Problem("spec.scheduling.topology.keys", f"policy {s.scheduling.topology.policy} needs at least one label key"))
+    out += [Problem(f"spec.podTemplate.{path}", msg) for path, msg in template_problems(s.pod_template)]
     return out
