@@ -92,7 +92,7 @@ def test_rbac_has_no_wildcards_and_grants_what_the_operator_calls():
         return any(group in r["apiGroups"] and resource in r["resources"] and verb in r["verbs"] for r in rules)
 
     # every call in seqtrain_operator/k8s/client.py and what kopf does for our handlers
-    needed = [("seqtrain.dev", "seqtrainjobs", v) for v in ("get", "list", "watch", "patch")] + [
+    needed = [("seqtrain.dev", "seqtrainjobs", v) for v in ("get", "list", "watch", "patch", "delete")] + [
         ("seqtrain.dev", "seqtrainjobs/status", "patch"), ("", "pods", "create"), ("", "pods", "deletecollection"),
         ("", "pods", "list"), ("", "pods", "watch"), ("", "nodes", "list"), ("", "nodes", "watch"),
         ("", "services", "create"), ("", "configmaps", "create"), ("", "configmaps", "deletecollection"),

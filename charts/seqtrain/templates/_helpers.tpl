@@ -42,7 +42,7 @@ app.kubernetes.io/component: operator
 {{- define "seqtrain.namespacedRules" -}}
 - apiGroups: ["seqtrain.dev"]
   resources: ["seqtrainjobs"]
-  verbs: ["get", "list", "watch", "patch"]
+  verbs: ["get", "list", "watch", "patch", "delete"]
 - apiGroups: ["seqtrain.dev"]
   resources: ["seqtrainjobs/status"]
   verbs: ["get", "patch"]

@@ -28,6 +28,7 @@ from . import gang_policy
 from .backoff import backoff_seconds
 from .clock import iso, parse, seconds_between
 from .failure_policy import Failure, FailureClass, hang_failure, root_cause
+from .ttl import expire
 from .types import Action, CreateGang, Decision, DeleteGang, Event, Observed, ReplicaObservation, RequeueAfter
 
 # How often to look again while waiting for capacity or for a dying gang to disappear.
@@ -72,6 +73,7 @@ def decide(job: SeqTrainJob, status: JobStatus, observed: Observed, now: datetim
         # Terminal phases stay terminal; only stop replicas that still run (e.g. a rank hanging after a peer failed).
         if any(r.phase in ("Pending", "Running") for r in gv.current):
             ctx.actions.append(DeleteGang(st.attempt, f"Job{st.phase}"))
+        ctx.actions += expire(job, st, now)  # spec.ttlSecondsAfterFinished
         return Decision(tuple(ctx.actions), st)
 
     if job.spec.suspend:

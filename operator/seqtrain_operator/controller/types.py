@@ -92,7 +92,15 @@ class Event:
     message: str
 
 
-Action = CreateGang | DeleteGang | RequeueAfter | Event
+@dataclass(frozen=True)
+class DeleteJob:
+    """Delete the job itself (spec.ttlSecondsAfterFinished passed); its children go with it (ownerReferences).
+    The local backend has no job object and ignores it."""
+
+    reason: str
+
+
+Action = CreateGang | DeleteGang | RequeueAfter | Event | DeleteJob
 
 
 @dataclass(frozen=True)

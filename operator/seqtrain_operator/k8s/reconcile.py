@@ -24,11 +24,22 @@ from typing import Any
 from seqtrain.spec import JobStatus, SeqTrainJob, SpecError, parse_job
 from seqtrain.spec.status import TERMINAL_PHASES, ReplicaPlacement
 
-from ..controller import CreateGang, DeleteGang, Event, Observed, RequeueAfter, decide, goodput, utcnow
+from ..controller import (
+    CreateGang,
+    DeleteGang,
+    DeleteJob,
+    Event,
+    Observed,
+    RequeueAfter,
+    decide,
+    goodput,
+    utcnow,
+)
 from ..controller import conditions as cond
 from ..planner.inventory import inventory
 from ..planner.placement import place
 from ..planner.types import Plan, Unschedulable
+from . import calls
 from . import manifests as m
 from .client import Conflict, Kube
 from .observe import final_progress, observe_replicas, rank0_ip
@@ -170,6 +181,9 @@ async def reconcile(kube: Kube, cfg: Config, namespace: str, name: str, emit: Ev
             await create_gang(kube, job, owner, action.attempt, cfg.settings, plan)
     for ev in decision.of(Event):
         emit(body, ev.type, ev.reason, ev.message)
+    if decision.of(DeleteJob):  # last: the events above still name a live object
+        await calls.delete_job(kube, namespace, name)
+        return Outcome(requeue=None, status=new, events=tuple(decision.of(Event)))
     return Outcome(requeue=_requeue(decision.of(RequeueAfter), new, cfg), status=new, events=tuple(decision.of(Event)))
 
 

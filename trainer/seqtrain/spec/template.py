@@ -223,7 +223,7 @@ def template_problems(t: PodTemplate) -> list[tuple[str, str]]:
             out.append((f"spec.volumes[{i}].name", f"{name!r} is one of the operator's volumes "
                         f"({', '.join(OWNED_VOLUMES)}): rename it"))
     declared = set(_names(s.volumes, "spec.volumes", []))
-    for i, c in enumerate([*s.containers, *s.init_containers]):
+    for c in [*s.containers, *s.init_containers]:
         for m in c.get("volumeMounts") or []:
             vol = m.get("name") if isinstance(m, dict) else None
             if vol and vol not in declared and vol not in OWNED_VOLUMES:
