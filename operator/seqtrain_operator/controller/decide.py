@@ -178,6 +178,13 @@ def _live_gang(ctx: _Ctx, current: tuple[ReplicaObservation, ...]) -> None:
     # Pending: admitted and created, waiting for every replica to start.
     if st.phase != "Scheduling":
         cond.enter_phase(st, "Scheduling", "GangCreated", f"attempt {st.attempt}: waiting for replicas", ctx.now)
+    if gang_policy.queued(job, current):
+        _queued(ctx, current)
+        return
+    if (c := cond.get(st, "Scheduled")) is not None and c.reason == "Queued":
+        # Admitted by the queue just now: pendingGraceSeconds counts from here, not from when it was queued.
+        cond.set_condition(st, "Scheduled", "False", "Admitted", f"attempt {st.attempt}: admitted, starting", ctx.now)
+        c.last_transition_time = iso(ctx.now)
     created = parse((c := cond.get(st, "Scheduled")) and c.last_transition_time)
     grace = job.spec.scheduling.pending_grace_seconds
     waited = seconds_between(created, ctx.now) if created else 0.0
@@ -190,6 +197,19 @@ def _live_gang(ctx: _Ctx, current: tuple[ReplicaObservation, ...]) -> None:
         st.phase = "Scheduling"
         return
     ctx.actions.append(RequeueAfter(max(1.0, grace - waited)))
+
+
+def _queued(ctx: _Ctx, current: tuple[ReplicaObservation, ...]) -> None:
+    """The whole gang waits in an external scheduler's queue: keep it (tearing it down would lose its place)."""
+    st, queue = ctx.st, ctx.job.spec.scheduling.queue
+    prev = cond.get(st, "Scheduled")
+    where = f"queue {queue}" if queue else f"the {ctx.job.spec.scheduling.gang} scheduler"
+    msg = f"attempt {st.attempt}: all {len(current)} replica(s) waiting in {where}"
+    if prev is None or prev.reason != "Queued":
+        cond.set_condition(st, "Scheduled", "False", "Queued", msg, ctx.now)
+        ctx.event("Normal", "Queued", msg)
+    st.message = msg
+    ctx.actions.append(RequeueAfter(POLL_SECONDS))
 
 
 def _hang(ctx: _Ctx) -> Failure | None:

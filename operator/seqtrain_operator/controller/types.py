@@ -24,6 +24,8 @@ class ReplicaObservation:
     exit_code: the first non-zero exit code of a rank (128+N for signal N), or 0 / None.
     reason: what the backend knows beyond the code: OOMKilled, Evicted, Preempted, NodeLost, Deleted, Signal ...
     node: where it runs (None while unscheduled). message: free text for the status/event.
+    queued: waiting in an external gang scheduler's queue (e.g. gated by Kueue until its Workload is admitted):
+    not stuck, so scheduling.pendingGraceSeconds does not tear the gang down.
     """
 
     replica: int
@@ -33,6 +35,7 @@ class ReplicaObservation:
     reason: str | None = None
     node: str | None = None
     message: str = ""
+    queued: bool = False
 
 
 @dataclass(frozen=True)

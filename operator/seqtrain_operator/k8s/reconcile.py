@@ -30,6 +30,7 @@ from ..controller import (
     DeleteJob,
     Event,
     Observed,
+    ReplicaObservation,
     RequeueAfter,
     decide,
     goodput,
@@ -42,6 +43,7 @@ from ..planner.types import Plan, Unschedulable
 from . import calls
 from . import manifests as m
 from .client import Conflict, Kube
+from .gangs import ADAPTERS, GangScheduler, adapter_for
 from .observe import final_progress, observe_replicas, rank0_ip
 from .progress import poll_progress
 
@@ -80,12 +82,13 @@ async def admission(kube: Kube, job: SeqTrainJob, status: JobStatus, nodes: list
     if gang == "native":
         plan = await native_plan(kube, job, status, nodes)
         return plan.reason if isinstance(plan, Unschedulable) else None
-    info = m.EXTERNAL[gang]
-    if gang == "kueue" and not job.spec.scheduling.queue:
-        return "scheduling.gang kueue needs scheduling.queue (the name of a Kueue LocalQueue in this namespace)"
-    if not await kube.crd_exists(info["crd"]):
+    adapter = adapter_for(gang)
+    assert adapter is not None, gang  # the spec admits only the gangs that have an adapter
+    if (problem := adapter.config_problem(job)) is not None:
+        return problem
+    if not await kube.crd_exists(adapter.crd):
         return (f"scheduling.gang is {gang}, but {gang} is not installed in this cluster (no CustomResourceDefinition "
-                f"{info['crd']}); install it or use gang: native")
+                f"{adapter.crd}); install it or use gang: native")
     return None
 
 
@@ -138,7 +141,8 @@ async def reconcile(kube: Kube, cfg: Config, namespace: str, name: str, emit: Ev
     label = f"{m.LABEL_JOB}={name}"
     pods = await kube.list_pods(namespace, label)
     nodes = await kube.list_nodes()
-    replicas = observe_replicas(pods, nodes, now, cfg.node_lost_grace)
+    adapter = adapter_for(job.spec.scheduling.gang)
+    replicas = _observe(adapter, pods, nodes, now, cfg)
     progress, checkpoint = None, None
     ip = rank0_ip(pods, status.attempt)
     if cfg.poll_progress and cfg.settings.progress_port and ip:
@@ -179,6 +183,8 @@ async def reconcile(kube: Kube, cfg: Config, namespace: str, name: str, emit: Ev
             await delete_gang(kube, job, owner, action.attempt)
         elif isinstance(action, CreateGang):
             await create_gang(kube, job, owner, action.attempt, cfg.settings, plan)
+    if adapter is not None and new.phase in TERMINAL_PHASES:
+        await adapter.on_finished(kube, job, owner, pods)
     for ev in decision.of(Event):
         emit(body, ev.type, ev.reason, ev.message)
     if decision.of(DeleteJob):  # last: the events above still name a live object
@@ -231,20 +237,42 @@ async def create_gang(kube: Kube, job: SeqTrainJob, owner: m.Owner, attempt: int
         await kube.create(pod)
 
 
+def _observe(adapter: GangScheduler | None, pods: list[dict], nodes: list[dict], now: datetime,
+             cfg: Config) -> tuple[ReplicaObservation, ...]:
+    """Pods -> replicas, through the gang scheduler's eyes: pods it merely keeps (its finalizer on an ended pod)
+    are left out, and pods waiting in its queue are marked queued."""
+    if adapter is None:
+        return observe_replicas(pods, nodes, now, cfg.node_lost_grace)
+    live = [p for p in pods if not adapter.released(p)]
+    queued = {(p["metadata"].get("labels") or {}).get(m.LABEL_ATTEMPT, "") + "/" +
+              (p["metadata"].get("labels") or {}).get(m.LABEL_REPLICA, "") for p in live if adapter.queued(p)}
+    return tuple(replace(r, queued=True) if r.phase == "Pending" and f"{r.attempt}/{r.replica}" in queued else r
+                 for r in observe_replicas(live, nodes, now, cfg.node_lost_grace))
+
+
 async def delete_gang(kube: Kube, job: SeqTrainJob, owner: m.Owner, attempt: int) -> None:
     """Delete every pod of an attempt (graceful: the trainer checkpoints on SIGTERM), its ConfigMap, PodGroup."""
     selector = f"{m.LABEL_JOB}={owner.name},{m.LABEL_ATTEMPT}={attempt}"
     await kube.delete_pods(owner.namespace, selector)
     await kube.delete_configmaps(owner.namespace, selector)
-    info = m.EXTERNAL.get(job.spec.scheduling.gang)
-    if info and info["api"]:
-        await kube.delete_custom(info["api"], info["plural"], owner.namespace, m.podgroup_name(owner.name, attempt))
+    adapter = adapter_for(job.spec.scheduling.gang)
+    if adapter is not None and adapter.podgroup_api:
+        await kube.delete_custom(adapter.podgroup_api, adapter.podgroup_plural, owner.namespace,
+                                 adapter.group_name(job, owner, attempt))
 
 
-async def cleanup(kube: Kube, namespace: str, name: str) -> None:
+async def cleanup(kube: Kube, namespace: str, name: str) -> bool:
     """On deletion of the job (finalizer): stop the pods gracefully now rather than waiting for the garbage
-    collector; everything else goes with the ownerReferences."""
-    await kube.delete_pods(namespace, f"{m.LABEL_JOB}={name}")
+    collector (pods of a KAI gang have no ownerReference: this is what removes them); everything else goes with
+    the ownerReferences. Then each gang scheduler releases what it holds (Kueue: its Workload and finalizers).
+    False: something still holds a pod; call again shortly."""
+    selector = f"{m.LABEL_JOB}={name}"
+    await kube.delete_pods(namespace, selector)
+    pods = await kube.list_pods(namespace, selector)
+    done = True
+    for adapter in ADAPTERS.values():
+        done = await adapter.on_job_deleted(kube, namespace, name, pods) and done
+    return done
 
 
 ReconcileFn = Callable[[], Awaitable[Outcome]]
