@@ -1,0 +1,624 @@
+"""A kubelet for tests: runs the real container commands of pods bound to its nodes as local processes.
+
+`scripts/testbed.sh up` starts it next to a real control plane; kwok handles every other node. For each pod bound
+to one of its nodes it does what the kubelet documentation says a kubelet does, within one machine:
+
+- registers its nodes and keeps them alive (NodeReady condition + a Lease in kube-node-lease, renewed every few
+  seconds); a node marked down (`testbed.sh node-down NODE` drops a file in <state>/down/) stops both and its pod
+  processes are SIGKILLed: nothing on that node answers again, so deletions there are never confirmed;
+- runs the pod's single container: `command` + `args` with the pod's env ($(VAR) references expanded, fieldRef
+  metadata.name/namespace/uid, spec.nodeName, status.podIP/hostIP, configMapKeyRef and secretKeyRef resolved), in
+  its own process group. Volumes become local folders (configMap/secret keys written out, emptyDir per pod, a PVC
+  the hostPath of its PV, else a folder per claim, `medium: Memory` at /dev/shm is the host's /dev/shm). A process
+  cannot see a pod's mount paths, so each mountPath is rewritten to its local folder in the argv, the env values
+  and the configMap/secret files (a config file that names /checkpoints/... then names the folder); a Service host
+  name (`*.svc`, `*.svc.cluster.local`) in an env value becomes 127.0.0.1, the pod IP of every pod here;
+- reports status like a kubelet: Pending (ContainerCreating) -> Running (podIP, startTime, containerStatuses
+  started/ready, Ready conditions) -> terminated with exitCode, reason Completed / Error / OOMKilled (the
+  process group's resident memory passed limits.memory and the agent killed it, as the kernel's OOM killer does
+  in a cgroup), and the termination message: the terminationMessagePath file (mapped into the pod folder), or
+  with FallbackToLogsOnError and a failure, the log's last 80 lines / 2048 bytes;
+- honours deletion: SIGTERM to the process group, SIGKILL after the pod's grace period
+  (metadata.deletionGracePeriodSeconds), and only when the processes are gone confirms with a delete of grace 0
+  (with the pod's uid as precondition), as the kubelet does.
+
+restartPolicy Never only (the operator's pods; the operator restarts whole gangs): an exited container stays
+terminated. The image, securityContext and resource limits other than memory are not enforced: every pod runs
+as this user with this Python environment (PATH and PYTHONPATH are passed through).
+
+Lives in tests/ (not in a shipped package): it is test infrastructure, imported by its unit test and started by
+scripts/testbed.sh as `python tests/testbed/node_agent.py`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import contextlib
+import datetime as dt
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+LOG = logging.getLogger("testbed.agent")
+POD_IP = "127.0.0.1"
+AGENT_LABEL = "seqtrain.dev/testbed-agent"
+HEARTBEAT_S = 4.0
+POLL_S = 1.0
+MESSAGE_LIMIT = 4096          # kubelet: the termination message is at most 4096 bytes
+FALLBACK_LINES, FALLBACK_BYTES = 80, 2048  # FallbackToLogsOnError: the smaller of 80 lines / 2048 bytes
+_SVC_HOST = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?\.svc(\.cluster\.local)?\.?$")
+_VAR_REF = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)|\$\$")
+
+
+def now() -> str:
+    return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def now_micro() -> str:
+    return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+# ---- pure parts: quantities, env, paths, status ----------------------------------------------------------------
+
+_BIN = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
+_DEC = {"k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18, "m": 10**-3}
+
+
+def quantity_bytes(q: str | int | None) -> int | None:
+    """A Kubernetes memory quantity in bytes ("1Gi", "500M", "1e9", 1024); None stays None."""
+    if q is None:
+        return None
+    text = str(q).strip()
+    for suffix, mult in {**_BIN, **_DEC}.items():
+        if text.endswith(suffix):
+            return int(float(text[: -len(suffix)]) * mult)
+    return int(float(text))
+
+
+def expand_refs(text: str, env: Mapping[str, str]) -> str:
+    """$(VAR) -> the value of an earlier env var (kept as-is when undefined); $$ -> $ (the kubelet's rules)."""
+    def sub(m: re.Match[str]) -> str:
+        if m.group(0) == "$$":
+            return "$"
+        return env.get(m.group(1), m.group(0))
+    return _VAR_REF.sub(sub, text)
+
+
+class PathMap:
+    """mountPath -> local folder, longest first, applied as path prefixes in strings."""
+
+    def __init__(self, mounts: Mapping[str, str]) -> None:
+        self.mounts = {k.rstrip("/") or "/": v for k, v in mounts.items()}
+        alts = "|".join(re.escape(k) for k in sorted(self.mounts, key=len, reverse=True) if k != "/")
+        # A mount path only counts where a path starts (not inside another word or path) and ends.
+        self._re = re.compile(rf"(?<![\w./-])({alts})(?=/|$|[\s\"',:;=)\]}}])") if alts else None
+
+    def rewrite(self, text: str) -> str:
+        if self._re is None:
+            return text
+        return self._re.sub(lambda m: self.mounts[m.group(1)], text)
+
+
+def resolve_field(pod: Mapping[str, Any], path: str) -> str:
+    meta, spec = pod.get("metadata") or {}, pod.get("spec") or {}
+    simple = {"metadata.name": meta.get("name"), "metadata.namespace": meta.get("namespace"),
+              "metadata.uid": meta.get("uid"), "spec.nodeName": spec.get("nodeName"),
+              "spec.serviceAccountName": spec.get("serviceAccountName"), "status.podIP": POD_IP,
+              "status.hostIP": POD_IP, "status.podIPs": POD_IP, "status.hostIPs": POD_IP}
+    if path in simple:
+        return str(simple[path] or "")
+    m = re.fullmatch(r"metadata\.(labels|annotations)\['(.+)'\]", path)
+    if m:
+        return str((meta.get(m.group(1)) or {}).get(m.group(2), ""))
+    raise ValueError(f"fieldRef {path!r} is not supported by the testbed agent")
+
+
+def container_env(pod: Mapping[str, Any], container: Mapping[str, Any],
+                  lookup: Callable[[str, str, str], str | None], paths: PathMap) -> dict[str, str]:
+    """The container's env as the kubelet builds it, then mount paths and Service host names mapped locally.
+
+    `lookup(kind, name, key)` reads a configMap/secret key (None: missing)."""
+    env: dict[str, str] = {}
+    for item in container.get("env") or []:
+        name = item["name"]
+        if "value" in item or "valueFrom" not in item:
+            value = expand_refs(str(item.get("value", "")), env)
+        else:
+            src = item["valueFrom"]
+            if "fieldRef" in src:
+                value = resolve_field(pod, src["fieldRef"]["fieldPath"])
+            elif "configMapKeyRef" in src or "secretKeyRef" in src:
+                kind = "configmap" if "configMapKeyRef" in src else "secret"
+                ref = src.get("configMapKeyRef") or src.get("secretKeyRef")
+                got = lookup(kind, ref["name"], ref["key"])
+                if got is None:
+                    if ref.get("optional"):
+                        continue
+                    raise ValueError(f"env {name}: {kind} {ref['name']} has no key {ref['key']}")
+                value = got
+            elif "resourceFieldRef" in src:
+                value = "1"  # no cgroup here: a divisor-scaled limit would be made up; 1 is a valid count
+            else:
+                raise ValueError(f"env {name}: valueFrom {sorted(src)} is not supported by the testbed agent")
+        env[name] = value
+    out = {}
+    for k, v in env.items():
+        out[k] = POD_IP if _SVC_HOST.match(v) else paths.rewrite(v)
+    return out
+
+
+def fallback_message(log_tail: bytes) -> str:
+    lines = log_tail.splitlines(keepends=True)[-FALLBACK_LINES:]
+    return b"".join(lines)[-FALLBACK_BYTES:].decode("utf-8", "replace")
+
+
+def terminated_state(exit_code: int, oom: bool, message: str, started: str, finished: str,
+                     signalled: int | None = None) -> dict[str, Any]:
+    """The containerStatus `state.terminated` of a finished process (a signal death reads as 128+signal)."""
+    code = 128 + signalled if signalled else exit_code
+    reason = "OOMKilled" if oom else ("Completed" if code == 0 else "Error")
+    out: dict[str, Any] = {"exitCode": code, "reason": reason, "startedAt": started, "finishedAt": finished}
+    if signalled:
+        out["signal"] = signalled
+    if message:
+        out["message"] = message[:MESSAGE_LIMIT]
+    return out
+
+
+def pod_conditions(ready: bool, initialized: bool = True) -> list[dict[str, Any]]:
+    t = now()
+    cond = [("PodReadyToStartContainers", initialized), ("Initialized", initialized), ("Ready", ready),
+            ("ContainersReady", ready), ("PodScheduled", True)]
+    out = []
+    for kind, ok in cond:
+        c = {"type": kind, "status": "True" if ok else "False", "lastTransitionTime": t, "lastProbeTime": None}
+        if not ok and kind in ("Ready", "ContainersReady"):
+            c["reason"] = "ContainersNotReady" if initialized else "PodCompleted"
+        out.append(c)
+    return out
+
+
+def container_status(container: Mapping[str, Any], state: dict[str, Any], ready: bool, started: bool,
+                     restart_count: int = 0) -> dict[str, Any]:
+    return {"name": container["name"], "image": container.get("image", ""), "imageID": "",
+            "containerID": f"testbed://{container['name']}", "ready": ready, "started": started,
+            "restartCount": restart_count, "state": state}
+
+
+# ---- the running side -------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Proc:
+    """One pod's container process and what the status needs about it."""
+
+    uid: str
+    popen: subprocess.Popen[bytes]
+    log: Path
+    message_file: Path
+    policy: str
+    mem_limit: int | None
+    started_at: str
+    term_sent: float | None = None
+    kill_at: float | None = None
+    oom: bool = False
+    reported: bool = False
+    finished_at: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def group_rss(pgid: int) -> int:
+    """Resident bytes of every process in the group (the kernel's memory cgroup counts the same processes)."""
+    total = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+            if int(fields[2]) != pgid:
+                continue
+            total += int(fields[21]) * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, IndexError, ValueError):
+            continue
+    return total
+
+
+def kill_group(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, sig)
+
+
+class Agent:
+    """Owns `nodes`; polls the API for their pods and runs them. All API calls go through `api` (CoreV1Api)."""
+
+    def __init__(self, api: Any, coord: Any, nodes: Iterable[str], state: Path, labels: Mapping[str, str],
+                 capacity: Mapping[str, str]) -> None:
+        self.api, self.coord = api, coord
+        self.nodes = list(nodes)
+        self.state = state
+        self.labels = dict(labels)
+        self.capacity = dict(capacity)
+        self.procs: dict[str, Proc] = {}
+        self.down: set[str] = set()
+        self.stop = threading.Event()
+        (state / "down").mkdir(parents=True, exist_ok=True)
+        (state / "pods").mkdir(parents=True, exist_ok=True)
+
+    # -- nodes --
+    def register(self) -> None:
+        from kubernetes.client.rest import ApiException
+
+        for name in self.nodes:
+            body = {"apiVersion": "v1", "kind": "Node",
+                    "metadata": {"name": name, "labels": {**self.labels, "kubernetes.io/hostname": name,
+                                                          AGENT_LABEL: "true"}}}
+            try:
+                self.api.create_node(body)
+            except ApiException as e:
+                if e.status != 409:
+                    raise
+                self.api.patch_node(name, {"metadata": {"labels": body["metadata"]["labels"]}})
+            self.heartbeat(name, first=True)
+
+    def heartbeat(self, name: str, first: bool = False) -> None:
+        from kubernetes.client.rest import ApiException
+
+        t = now()
+        conds = [{"type": "Ready", "status": "True", "reason": "KubeletReady", "message": "testbed agent is posting "
+                  "ready status", "lastHeartbeatTime": t, "lastTransitionTime": t}]
+        for kind, reason in (("MemoryPressure", "KubeletHasSufficientMemory"),
+                             ("DiskPressure", "KubeletHasNoDiskPressure"), ("PIDPressure", "KubeletHasSufficientPID")):
+            conds.append({"type": kind, "status": "False", "reason": reason, "lastHeartbeatTime": t,
+                          "lastTransitionTime": t})
+        status: dict[str, Any] = {"conditions": conds}
+        if first:
+            status |= {"capacity": self.capacity, "allocatable": self.capacity,
+                       "addresses": [{"type": "InternalIP", "address": POD_IP}, {"type": "Hostname", "address": name}],
+                       "nodeInfo": {"kubeletVersion": "v1.36.1-testbed", "kubeProxyVersion": "", "osImage": "testbed",
+                                    "operatingSystem": "linux", "architecture": "amd64",
+                                    "containerRuntimeVersion": "testbed://1", "kernelVersion": os.uname().release,
+                                    "machineID": name, "systemUUID": name, "bootID": name}}
+        else:
+            # Keep lastTransitionTime when Ready already was True (a merge patch replaces the whole list).
+            node = self.api.read_node_status(name)
+            prev = {c.type: c for c in (node.status.conditions or [])}
+            for c in conds:
+                p = prev.get(c["type"])
+                if p is not None and p.status == c["status"] and p.last_transition_time is not None:
+                    c["lastTransitionTime"] = p.last_transition_time.strftime("%Y-%m-%dT%H:%M:%SZ")
+        self.api.patch_node_status(name, {"status": status})
+        lease = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                 "metadata": {"name": name, "namespace": "kube-node-lease"},
+                 "spec": {"holderIdentity": name, "leaseDurationSeconds": 40, "renewTime": now_micro()}}
+        try:
+            self.coord.patch_namespaced_lease(name, "kube-node-lease", {"spec": lease["spec"]})
+        except ApiException as e:
+            if e.status != 404:
+                raise
+            self.coord.create_namespaced_lease("kube-node-lease", lease)
+
+    def heartbeat_loop(self) -> None:
+        while not self.stop.wait(HEARTBEAT_S):
+            for name in self.nodes:
+                if name in self.down:
+                    continue
+                try:
+                    self.heartbeat(name)
+                except Exception as e:  # noqa: BLE001 (an apiserver restart must not end the heartbeats)
+                    LOG.warning("heartbeat %s: %s", name, e)
+
+    def check_down(self) -> None:
+        marked = {p.name for p in (self.state / "down").iterdir()}
+        for name in self.nodes:
+            if name in marked and name not in self.down:
+                LOG.info("node %s down: heartbeats stop, its processes are killed", name)
+                self.down.add(name)
+                for proc in self.procs.values():
+                    if proc is not None and proc.extra.get("node") == name:
+                        # Killed with the node; reported (exit 137) only if the node comes back, like a kubelet
+                        # that restarts and finds its containers gone.
+                        kill_group(proc.popen.pid, signal.SIGKILL)
+                        proc.popen.wait()
+            elif name not in marked and name in self.down:
+                LOG.info("node %s up again", name)
+                self.down.discard(name)
+                self.heartbeat(name)
+
+    # -- pods --
+    def lookup(self, namespace: str) -> Callable[[str, str, str], str | None]:
+        def get(kind: str, name: str, key: str) -> str | None:
+            data = self._data(kind, namespace, name)
+            return None if data is None else data.get(key)
+        return get
+
+    def _data(self, kind: str, namespace: str, name: str) -> dict[str, str] | None:
+        from kubernetes.client.rest import ApiException
+
+        try:
+            if kind == "configmap":
+                cm = self.api.read_namespaced_config_map(name, namespace)
+                return dict(cm.data or {})
+            sec = self.api.read_namespaced_secret(name, namespace)
+            return {k: base64.b64decode(v).decode("utf-8", "replace") for k, v in (sec.data or {}).items()}
+        except ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+
+    def _claim_dir(self, namespace: str, claim: str) -> Path:
+        pvc = self.api.read_namespaced_persistent_volume_claim(claim, namespace)
+        if pvc.spec.volume_name:
+            pv = self.api.read_persistent_volume(pvc.spec.volume_name)
+            if pv.spec.host_path is not None:
+                return Path(pv.spec.host_path.path)
+        return self.state / "volumes" / namespace / claim
+
+    def prepare(self, pod: dict[str, Any]) -> tuple[list[str], dict[str, str], Path, Path, str]:
+        """Volumes -> folders, then the argv and env of the pod's container. Raises ValueError when it cannot."""
+        meta, spec = pod["metadata"], pod["spec"]
+        ns, uid = meta["namespace"], meta["uid"]
+        root = self.state / "pods" / uid
+        root.mkdir(parents=True, exist_ok=True)
+        containers = spec.get("containers") or []
+        if len(containers) != 1 or spec.get("initContainers"):
+            raise ValueError("the testbed agent runs pods of exactly one container and no init containers")
+        c = containers[0]
+        if not c.get("command"):
+            raise ValueError(f"container {c['name']}: no command (the image's entrypoint is unknown here)")
+        volumes: dict[str, Path] = {}
+        files: list[Path] = []
+        for v in spec.get("volumes") or []:
+            local = root / "volumes" / v["name"]
+            if "configMap" in v or "secret" in v:
+                kind = "configmap" if "configMap" in v else "secret"
+                src = v.get("configMap") or v.get("secret")
+                data = self._data(kind, ns, src.get("name") or src.get("secretName"))
+                if data is None:
+                    if src.get("optional"):
+                        data = {}
+                    else:
+                        raise ValueError(f"volume {v['name']}: {kind} not found")
+                local.mkdir(parents=True, exist_ok=True)
+                items = src.get("items") or [{"key": k, "path": k} for k in data]
+                for it in items:
+                    f = local / it["path"]
+                    f.parent.mkdir(parents=True, exist_ok=True)
+                    f.write_text(data.get(it["key"], ""))
+                    files.append(f)
+            elif "emptyDir" in v:
+                local = Path("/dev/shm") if (v["emptyDir"] or {}).get("medium") == "Memory" and any(
+                    m["name"] == v["name"] and m["mountPath"] == "/dev/shm" for m in c.get("volumeMounts") or []) else local
+                local.mkdir(parents=True, exist_ok=True)
+            elif "persistentVolumeClaim" in v:
+                local = self._claim_dir(ns, v["persistentVolumeClaim"]["claimName"])
+                local.mkdir(parents=True, exist_ok=True)
+            elif "hostPath" in v:
+                local = Path(v["hostPath"]["path"])
+            else:
+                raise ValueError(f"volume {v['name']}: kind {sorted(set(v) - {'name'})} not supported by the agent")
+            volumes[v["name"]] = local
+        mounts: dict[str, str] = {}
+        for m in c.get("volumeMounts") or []:
+            base = volumes[m["name"]]
+            target = base / m["subPath"] if m.get("subPath") else base
+            if str(target) != m["mountPath"]:
+                mounts[m["mountPath"]] = str(target)
+        message_file = root / "termination-log"
+        message_file.write_text("")
+        mounts[c.get("terminationMessagePath") or "/dev/termination-log"] = str(message_file)
+        paths = PathMap(mounts)
+        for f in files:  # a config file naming a mount path names its local folder
+            f.write_text(paths.rewrite(f.read_text()))
+        env = container_env(pod, c, self.lookup(ns), paths)
+        argv = [paths.rewrite(expand_refs(a, env)) for a in [*(c.get("command") or []), *(c.get("args") or [])]]
+        cwd = paths.rewrite(c["workingDir"]) if c.get("workingDir") else str(root)
+        return argv, env, root, message_file, cwd
+
+    def start(self, pod: dict[str, Any]) -> None:
+        meta = pod["metadata"]
+        c = pod["spec"]["containers"][0]
+        self.patch_status(pod, {"phase": "Pending", "hostIP": POD_IP, "startTime": now(),
+                                "conditions": pod_conditions(False),
+                                "containerStatuses": [container_status(
+                                    c, {"waiting": {"reason": "ContainerCreating"}}, False, False)]})
+        try:
+            argv, env, root, message_file, cwd = self.prepare(pod)
+        except Exception as e:  # noqa: BLE001 (the pod fails with the reason, like CreateContainerConfigError)
+            LOG.warning("pod %s/%s cannot start: %s", meta["namespace"], meta["name"], e)
+            self.patch_status(pod, {"phase": "Pending", "containerStatuses": [container_status(
+                c, {"waiting": {"reason": "CreateContainerConfigError", "message": str(e)}}, False, False)]})
+            self.procs[meta["uid"]] = None  # type: ignore[assignment]  # tried; never again
+            return
+        base = {k: os.environ[k] for k in ("PATH", "PYTHONPATH", "LANG", "OMP_NUM_THREADS", "VIRTUAL_ENV")
+                if k in os.environ}
+        log = root / "container.log"
+        exe = shutil.which(argv[0], path=env.get("PATH") or base.get("PATH"))
+        if exe is None:
+            self.finish_without_start(pod, 127, f"exec: {argv[0]!r}: executable file not found in $PATH")
+            return
+        with open(log, "ab") as out:
+            popen = subprocess.Popen([exe, *argv[1:]], env={**base, **env}, cwd=cwd, stdout=out,
+                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        (root / "pgid").write_text(str(popen.pid))  # `testbed.sh down` kills what a SIGKILLed agent left
+        limits = ((c.get("resources") or {}).get("limits") or {})
+        started = now()
+        proc = Proc(meta["uid"], popen, log, message_file, c.get("terminationMessagePolicy") or "File",
+                    quantity_bytes(limits.get("memory")), started, extra={"node": pod["spec"]["nodeName"]})
+        self.procs[meta["uid"]] = proc
+        LOG.info("pod %s/%s: started pid %d: %s", meta["namespace"], meta["name"], popen.pid, " ".join(argv))
+        self.patch_status(pod, {"phase": "Running", "podIP": POD_IP, "podIPs": [{"ip": POD_IP}], "hostIP": POD_IP,
+                                "hostIPs": [{"ip": POD_IP}], "conditions": pod_conditions(True),
+                                "containerStatuses": [container_status(
+                                    c, {"running": {"startedAt": started}}, True, True)]})
+
+    def finish_without_start(self, pod: dict[str, Any], code: int, message: str) -> None:
+        c = pod["spec"]["containers"][0]
+        t = now()
+        self.procs[pod["metadata"]["uid"]] = None  # type: ignore[assignment]
+        self.patch_status(pod, {"phase": "Failed", "conditions": pod_conditions(False, True), "containerStatuses": [
+            container_status(c, {"terminated": terminated_state(code, False, message, t, t)}, False, False)]})
+
+    def report_exit(self, pod: dict[str, Any], proc: Proc) -> None:
+        rc = proc.popen.returncode
+        signalled = -rc if rc < 0 else None
+        message = proc.message_file.read_text(errors="replace") if proc.message_file.exists() else ""
+        if not message.strip() and proc.policy == "FallbackToLogsOnError" and (rc != 0 or proc.oom):
+            with open(proc.log, "rb") as f:
+                f.seek(max(0, f.seek(0, os.SEEK_END) - 64 * 1024))
+                message = fallback_message(f.read())
+        state = terminated_state(rc if rc >= 0 else 0, proc.oom, message, proc.started_at,
+                                 proc.finished_at or now(), signalled)
+        phase = "Succeeded" if state["exitCode"] == 0 else "Failed"
+        c = pod["spec"]["containers"][0]
+        self.patch_status(pod, {"phase": phase, "conditions": pod_conditions(False),
+                                "containerStatuses": [container_status(c, {"terminated": state}, False, False)]})
+        proc.reported = True
+        LOG.info("pod %s/%s: exited %s (%s)", pod["metadata"]["namespace"], pod["metadata"]["name"],
+                 state["exitCode"], state["reason"])
+
+    def patch_status(self, pod: dict[str, Any], status: dict[str, Any]) -> None:
+        from kubernetes.client.rest import ApiException
+
+        try:
+            self.api.patch_namespaced_pod_status(pod["metadata"]["name"], pod["metadata"]["namespace"],
+                                                 {"status": status})
+        except ApiException as e:
+            if e.status != 404:  # gone already: nothing to report
+                raise
+
+    def confirm_deletion(self, pod: dict[str, Any]) -> None:
+        from kubernetes.client import V1DeleteOptions, V1Preconditions
+        from kubernetes.client.rest import ApiException
+
+        meta = pod["metadata"]
+        try:
+            self.api.delete_namespaced_pod(meta["name"], meta["namespace"], body=V1DeleteOptions(
+                grace_period_seconds=0, preconditions=V1Preconditions(uid=meta["uid"])))
+        except ApiException as e:
+            if e.status not in (404, 409):
+                raise
+        LOG.info("pod %s/%s: deletion confirmed", meta["namespace"], meta["name"])
+
+    def sync_pod(self, pod: dict[str, Any]) -> None:
+        meta = pod["metadata"]
+        uid = meta["uid"]
+        proc = self.procs.get(uid)
+        phase = (pod.get("status") or {}).get("phase")
+        if proc is not None and proc.popen.poll() is not None and proc.finished_at is None:
+            proc.finished_at = now()
+        if meta.get("deletionTimestamp"):
+            if proc is not None and proc.popen.poll() is None:
+                if proc.term_sent is None:
+                    grace = meta.get("deletionGracePeriodSeconds")
+                    grace = pod["spec"].get("terminationGracePeriodSeconds", 30) if grace is None else grace
+                    proc.term_sent = time.monotonic()
+                    proc.kill_at = proc.term_sent + float(grace)
+                    LOG.info("pod %s/%s: SIGTERM (grace %ss)", meta["namespace"], meta["name"], grace)
+                    kill_group(proc.popen.pid, signal.SIGTERM)
+                elif time.monotonic() >= (proc.kill_at or 0):
+                    kill_group(proc.popen.pid, signal.SIGKILL)
+                return
+            if proc is not None:
+                kill_group(proc.popen.pid, signal.SIGKILL)  # stragglers of the group
+                if not proc.reported:
+                    self.report_exit(pod, proc)
+            self.confirm_deletion(pod)
+            self.forget(uid)
+            return
+        if proc is None and uid not in self.procs:
+            if phase in ("Succeeded", "Failed"):
+                self.procs[uid] = None  # type: ignore[assignment]  # finished before this agent started
+                return
+            self.start(pod)
+            return
+        if proc is None:
+            return
+        if proc.popen.poll() is None:
+            if proc.mem_limit is not None and group_rss(proc.popen.pid) > proc.mem_limit:
+                LOG.info("pod %s/%s: over its memory limit: OOM kill", meta["namespace"], meta["name"])
+                proc.oom = True
+                kill_group(proc.popen.pid, signal.SIGKILL)
+            return
+        kill_group(proc.popen.pid, signal.SIGKILL)  # a dead container leaves no process behind
+        if not proc.reported:
+            self.report_exit(pod, proc)
+
+    def forget(self, uid: str) -> None:
+        self.procs.pop(uid, None)
+        shutil.rmtree(self.state / "pods" / uid, ignore_errors=True)
+
+    def sync(self) -> None:
+        self.check_down()
+        seen: set[str] = set()
+        for name in self.nodes:
+            if name in self.down:
+                continue
+            pods = self.api.list_pod_for_all_namespaces(field_selector=f"spec.nodeName={name}",
+                                                        _preload_content=False)
+            for pod in json.loads(pods.data)["items"]:
+                seen.add(pod["metadata"]["uid"])
+                try:
+                    self.sync_pod(pod)
+                except Exception as e:  # noqa: BLE001 (one pod must not stop the others)
+                    LOG.warning("pod %s/%s: %s", pod["metadata"]["namespace"], pod["metadata"]["name"], e)
+        for uid, proc in list(self.procs.items()):  # deleted behind our back (force delete): kill, forget
+            if uid not in seen and (proc is None or proc.extra.get("node") not in self.down):
+                if proc is not None:
+                    kill_group(proc.popen.pid, signal.SIGKILL)
+                    proc.popen.wait()
+                self.forget(uid)
+
+    def run(self) -> None:
+        self.register()
+        beat = threading.Thread(target=self.heartbeat_loop, name="heartbeat", daemon=True)
+        beat.start()
+        while not self.stop.is_set():
+            try:
+                self.sync()
+            except Exception as e:  # noqa: BLE001 (apiserver hiccups: try again next round)
+                LOG.warning("sync: %s", e)
+            self.stop.wait(POLL_S)
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        for proc in self.procs.values():
+            if proc is not None and proc.popen.poll() is None:
+                kill_group(proc.popen.pid, signal.SIGKILL)
+                proc.popen.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--kubeconfig", required=True)
+    p.add_argument("--state", required=True, help="folder for pod folders, volumes and node-down marks")
+    p.add_argument("--node", action="append", required=True, help="a node this agent owns (repeatable)")
+    p.add_argument("--label", action="append", default=[], help="KEY=VALUE on every node (repeatable)")
+    p.add_argument("--capacity", default="cpu=4,memory=8Gi,pods=110,ephemeral-storage=50Gi")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    from kubernetes import client, config
+
+    config.load_kube_config(args.kubeconfig)
+    agent = Agent(client.CoreV1Api(), client.CoordinationV1Api(), args.node, Path(args.state),
+                  dict(kv.split("=", 1) for kv in args.label), dict(kv.split("=", 1) for kv in args.capacity.split(",")))
+    signal.signal(signal.SIGTERM, lambda *_: agent.stop.set())
+    signal.signal(signal.SIGINT, lambda *_: agent.stop.set())
+    agent.run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
