@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Builds the external gang schedulers the gang-scheduling tests run against the testbed, from their Go modules:
+#   kueue                     sigs.k8s.io/kueue/cmd/kueue (Kueue's controller manager, webhooks included)
+#   scheduler-plugins         sigs.k8s.io/scheduler-plugins/cmd/scheduler (kube-scheduler with Coscheduling)
+# cached outside the clone keyed by version (only the first run builds; each is a multi-minute Go build).
+# Each module is built inside a copy of itself so its own go.mod (with its replace directives) applies.
+#
+#   scripts/gang-schedulers.sh           # build what is missing, print the folder
+#   scripts/gang-schedulers.sh --check   # exit 0 when both are cached (prints the folder), 1 otherwise
+set -euo pipefail
+
+KUEUE=${KUEUE_VERSION:-v0.19.2}                       # k8s.io client libraries v0.36.2 (control plane: 1.36)
+SCHEDULER_PLUGINS=${SCHEDULER_PLUGINS_VERSION:-v0.34.7}  # newest release (v0.34 libraries)
+CACHE_ROOT=${SEQTRAIN_K8S_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/seqtrain/k8s}
+DEST="$CACHE_ROOT/gang-kueue-$KUEUE-scheduler-plugins-$SCHEDULER_PLUGINS"
+
+complete() { [[ -x "$DEST/kueue" && -x "$DEST/scheduler-plugins" ]]; }
+if [[ ${1:-} == --check ]]; then complete && { echo "$DEST"; exit 0; }; exit 1; fi
+if complete; then echo "$DEST"; exit 0; fi
+command -v go >/dev/null || { echo "gang-schedulers: no Go toolchain on PATH" >&2; exit 1; }
+
+mkdir -p "$CACHE_ROOT"
+exec 9>"$CACHE_ROOT/.lock"  # the same lock as k8s-binaries.sh: one Go build at a time on this machine
+flock 9
+if complete; then echo "$DEST"; exit 0; fi
+WORK=$(mktemp -d "$CACHE_ROOT/.build-XXXXXX")
+trap 'chmod -R u+w "$WORK" 2>/dev/null; rm -rf "$WORK"' EXIT
+export GOFLAGS=-mod=mod CGO_ENABLED=0 GOTOOLCHAIN=local
+mkdir -p "$DEST"
+
+build() {  # MODULE VERSION PACKAGE OUTPUT
+    local dir
+    dir=$(go mod download -json "$1@$2" | python3 -c 'import json,sys; print(json.load(sys.stdin)["Dir"])')
+    cp -r "$dir" "$WORK/$4" && chmod -R u+w "$WORK/$4"
+    echo "gang-schedulers: building $1@$2 ./$3 (first run only)" >&2
+    (cd "$WORK/$4" && go build -trimpath -ldflags "-s -w" -o "$DEST/$4.tmp" "./$3") && mv "$DEST/$4.tmp" "$DEST/$4"
+}
+[[ -x "$DEST/kueue" ]] || build sigs.k8s.io/kueue "$KUEUE" cmd/kueue kueue
+[[ -x "$DEST/scheduler-plugins" ]] || build sigs.k8s.io/scheduler-plugins "$SCHEDULER_PLUGINS" cmd/scheduler scheduler-plugins
+echo "$DEST"
