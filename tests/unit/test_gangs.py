@@ -128,3 +128,17 @@ def test_a_partly_started_gang_is_not_queued():
     obs = Observed(replicas=_queued_gang(1, phases=("Running", "Pending")))
     d = decide(job(grace=60), st, obs, T0 + timedelta(seconds=61))
     assert [a.reason for a in d.of(DeleteGang)] == ["PendingTimeout"]
+
+
+@pytest.mark.parametrize(("scheduling", "words"), [
+    ({"gang": "kueue"}, "Kueue LocalQueue"),
+    ({"gang": "coscheduling", "queue": "q"}, "has no queues"),
+])
+def test_validate_refuses_a_queue_the_scheduler_cannot_use(scheduling, words):
+    from seqtrain.spec import SpecError, parse_job
+
+    doc = {"apiVersion": "seqtrain.dev/v1alpha1", "kind": "SeqTrainJob", "metadata": {"name": "g"},
+           "spec": {"replicas": 2, "training": {"globalBatchSize": 16}, "scheduling": scheduling}}
+    with pytest.raises(SpecError) as err:
+        parse_job(doc)
+    assert any(p.path == "spec.scheduling.queue" and words in p.message for p in err.value.problems)
