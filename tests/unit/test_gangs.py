@@ -82,6 +82,7 @@ def test_kueue_queued_only_while_gated_and_released_only_when_ended_and_held_by_
     assert not a.released(pod(phase="Running", finalizers=[kq.FINALIZER], deleting=True))  # still stopping
     assert not a.released(pod(phase="Failed", finalizers=[kq.FINALIZER]))  # not deleted by anyone
     assert not a.released(pod(phase="Failed", finalizers=["other/finalizer"], deleting=True))
+    assert a.released(pod(gates=[kq.GATE], finalizers=[kq.FINALIZER], deleting=True))  # deleted while queued
 
 
 def test_podgroup_schedulers_count_unbound_pods_as_queued():

@@ -71,8 +71,11 @@ class Kueue(GangScheduler):
         return GATE in [g.get("name") for g in (pod.get("spec") or {}).get("schedulingGates") or []]
 
     def released(self, pod: Pod) -> bool:
-        meta = pod.get("metadata") or {}
-        return bool(meta.get("deletionTimestamp")) and FINALIZER in (meta.get("finalizers") or []) and _terminated(pod)
+        meta, spec = pod.get("metadata") or {}, pod.get("spec") or {}
+        if not meta.get("deletionTimestamp") or FINALIZER not in (meta.get("finalizers") or []):
+            return False
+        never_started = bool(spec.get("schedulingGates")) and not spec.get("nodeName")  # deleted while queued
+        return _terminated(pod) or never_started
 
     async def _mark_unretriable(self, kube, pods: list[Pod]) -> None:  # type: ignore[no-untyped-def]
         for pod in pods:
