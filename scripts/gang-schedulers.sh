@@ -28,10 +28,34 @@ trap 'chmod -R u+w "$WORK" 2>/dev/null; rm -rf "$WORK"' EXIT
 export GOFLAGS=-mod=mod CGO_ENABLED=0 GOTOOLCHAIN=local
 mkdir -p "$DEST"
 
+# Some module proxies lack a few patch releases of k8s.io staging modules (here: scheduler-plugins v0.34.7 needs
+# e.g. k8s.io/csi-translation-lib v0.34.7, answered 403). Replace each missing one with the nearest older patch
+# release of the same minor and say so: the staging modules keep their API within a minor release.
+resolve_missing() {
+    local i out mod ver minor p cand found
+    for i in $(seq 1 40); do
+        out=$(go mod download 2>&1 | grep -v '^go: downloading' || true)
+        read -r mod ver < <(echo "$out" | grep -oE 'proxy[^ ]*/k8s\.io/[^@]+/@v/v[0-9.]+\.(mod|info|zip): 403' | head -1 |
+            sed -E 's#.*/(k8s\.io/[^@]+)/@v/(v[0-9.]+)\..*#\1 \2#') || true
+        [[ -z "${mod:-}" ]] && { [[ -z "$out" ]] && return 0; echo "$out" >&2; return 1; }
+        minor=${ver%.*}; found=""
+        for p in $(seq "${ver##*.}" -1 0); do
+            cand="$minor.$p"; [[ $cand == "$ver" ]] && continue
+            if go mod download -json "$mod@$cand" 2>/dev/null | grep -q '"Dir"'; then found=$cand; break; fi
+        done
+        [[ -z $found ]] && { echo "gang-schedulers: $mod $ver is not available, nor an older $minor.x" >&2; return 1; }
+        echo "gang-schedulers: $mod $ver not served by the module proxy; using $found" >&2
+        go mod edit -replace "$mod=$mod@$found"
+        mod=""
+    done
+    return 1
+}
+
 build() {  # MODULE VERSION PACKAGE OUTPUT
     local dir
     dir=$(go mod download -json "$1@$2" | python3 -c 'import json,sys; print(json.load(sys.stdin)["Dir"])')
     cp -r "$dir" "$WORK/$4" && chmod -R u+w "$WORK/$4"
+    (cd "$WORK/$4" && resolve_missing)
     echo "gang-schedulers: building $1@$2 ./$3 (first run only)" >&2
     (cd "$WORK/$4" && go build -trimpath -ldflags "-s -w" -o "$DEST/$4.tmp" "./$3") && mv "$DEST/$4.tmp" "$DEST/$4"
 }
