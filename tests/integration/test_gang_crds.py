@@ -169,6 +169,9 @@ def dry_run(tb: Testbed, obj: dict[str, Any], namespace: str) -> subprocess.Comp
 def test_objects_accepted_by_the_apiserver_with_the_real_crds(testbed: Testbed, gang: str):
     docs = crds(gang)
     install_crds(testbed, docs)
+    # the jobs name a PriorityClass; the Priority admission plugin refuses pods whose class does not exist
+    testbed.apply({"apiVersion": "scheduling.k8s.io/v1", "kind": "PriorityClass", "metadata": {"name": "high"},
+                   "value": 1000})
     ns = testbed.namespace(gang[:6])
     podgroup, pods = gang_objects(gang)
     for obj in ([podgroup] if podgroup else []) + pods:
