@@ -6,7 +6,7 @@
 # Each module is built inside a copy of itself so its own go.mod (with its replace directives) applies.
 #
 #   scripts/gang-schedulers.sh           # build what is missing, print the folder
-#   scripts/gang-schedulers.sh --check   # exit 0 when both are cached (prints the folder), 1 otherwise
+#   scripts/gang-schedulers.sh --check [kueue|scheduler-plugins]   # exit 0 when cached (prints the folder)
 set -euo pipefail
 
 KUEUE=${KUEUE_VERSION:-v0.19.2}                       # k8s.io client libraries v0.36.2 (control plane: 1.36)
@@ -15,7 +15,10 @@ CACHE_ROOT=${SEQTRAIN_K8S_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/seqtrain/k8s}
 DEST="$CACHE_ROOT/gang-kueue-$KUEUE-scheduler-plugins-$SCHEDULER_PLUGINS"
 
 complete() { [[ -x "$DEST/kueue" && -x "$DEST/scheduler-plugins" ]]; }
-if [[ ${1:-} == --check ]]; then complete && { echo "$DEST"; exit 0; }; exit 1; fi
+if [[ ${1:-} == --check ]]; then
+    if [[ -n ${2:-} ]]; then [[ -x "$DEST/$2" ]] && { echo "$DEST"; exit 0; }; exit 1; fi  # --check kueue
+    complete && { echo "$DEST"; exit 0; }; exit 1
+fi
 if complete; then echo "$DEST"; exit 0; fi
 command -v go >/dev/null || { echo "gang-schedulers: no Go toolchain on PATH" >&2; exit 1; }
 

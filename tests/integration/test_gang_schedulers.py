@@ -32,10 +32,11 @@ from testbed.fixtures import ROOT, TB, Operator, Testbed, free_port, unavailable
 pytestmark = pytest.mark.slow
 
 
-def gang_binaries() -> Path:
-    out = subprocess.run([str(ROOT / "scripts" / "gang-schedulers.sh"), "--check"], capture_output=True, text=True)
+def gang_binaries(name: str) -> Path:
+    out = subprocess.run([str(ROOT / "scripts" / "gang-schedulers.sh"), "--check", name], capture_output=True,
+                         text=True)
     if out.returncode != 0:
-        unavailable("Kueue / scheduler-plugins not built: run `scripts/gang-schedulers.sh` (one Go build each)")
+        unavailable(f"{name} not built: run `scripts/gang-schedulers.sh` (one Go build each)")
     return Path(out.stdout.strip())
 
 
@@ -66,7 +67,7 @@ def pods(tb: Testbed, ns: str, job: str) -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def coscheduler(testbed: Testbed) -> Iterator[None]:
-    bins = gang_binaries()
+    bins = gang_binaries("scheduler-plugins")
     if "coscheduling" not in FILES:
         unavailable("no scheduler-plugins CRDs: run scripts/gang-crds.sh")
     install_crds(testbed, [yaml.safe_load(p.read_text()) for p in FILES["coscheduling"]])
@@ -123,7 +124,7 @@ def test_coscheduling_binds_all_or_nothing(testbed: Testbed, seqtrain_operator: 
 
 @pytest.fixture(scope="module")
 def kueue(testbed: Testbed) -> Iterator[None]:
-    bins = gang_binaries()
+    bins = gang_binaries("kueue")
     if "kueue" not in FILES:
         unavailable("no Kueue CRDs: run scripts/gang-crds.sh")
     base = FILES["kueue"][0].parent
