@@ -88,13 +88,14 @@ def grants(rules: list[dict]) -> set[tuple[str, str, str]]:
 # Exactly what the operator calls (seqtrain_operator/k8s/client.py) and what kopf does for our handlers: nothing
 # missing (finalizers update: OwnerReferencesPermissionEnforcement; namespaces: kopf's globs), nothing more.
 OPERATOR_NAMESPACED = {
-    *(("seqtrain.dev", "seqtrainjobs", v) for v in ("get", "list", "watch", "patch")),
+    *(("seqtrain.dev", "seqtrainjobs", v) for v in ("get", "list", "watch", "patch", "delete")),  # delete: TTL
     ("seqtrain.dev", "seqtrainjobs/status", "patch"), ("seqtrain.dev", "seqtrainjobs/finalizers", "update"),
-    *(("", "pods", v) for v in ("list", "watch", "create", "deletecollection")),
+    *(("", "pods", v) for v in ("list", "watch", "create", "deletecollection", "patch")),  # patch: Kueue
     ("", "services", "create"), ("", "configmaps", "create"), ("", "configmaps", "deletecollection"),
     ("", "events", "create"),
     *((g, "podgroups", v) for g in ("scheduling.x-k8s.io", "scheduling.volcano.sh", "scheduling.run.ai")
       for v in ("create", "delete")),
+    ("kueue.x-k8s.io", "workloads", "delete"),
     *(("kopf.dev", "kopfpeerings", v) for v in ("get", "list", "watch", "patch")),
 }
 OPERATOR_CLUSTER = {

@@ -53,7 +53,7 @@ with `kubectl auth can-i --list` as the ServiceAccount.
 {{- define "seqtrain.namespacedRules" -}}
 - apiGroups: ["seqtrain.dev"]
   resources: ["seqtrainjobs"]
-  verbs: ["get", "list", "watch", "patch"]
+  verbs: ["get", "list", "watch", "patch", "delete"]
 - apiGroups: ["seqtrain.dev"]
   resources: ["seqtrainjobs/status"]
   verbs: ["patch"]
@@ -62,7 +62,7 @@ with `kubectl auth can-i --list` as the ServiceAccount.
   verbs: ["update"]
 - apiGroups: [""]
   resources: ["pods"]
-  verbs: ["list", "watch", "create", "deletecollection"]
+  verbs: ["list", "watch", "create", "deletecollection", "patch"]  # patch: Kueue's retriable-in-group, finalizer
 - apiGroups: [""]
   resources: ["services"]
   verbs: ["create"]
@@ -75,6 +75,9 @@ with `kubectl auth can-i --list` as the ServiceAccount.
 - apiGroups: ["scheduling.x-k8s.io", "scheduling.volcano.sh", "scheduling.run.ai"]
   resources: ["podgroups"]
   verbs: ["create", "delete"]
+- apiGroups: ["kueue.x-k8s.io"]  # a finished pod group's Workload
+  resources: ["workloads"]
+  verbs: ["delete"]
 - apiGroups: ["kopf.dev"]
   resources: ["kopfpeerings"]
   verbs: ["get", "list", "watch", "patch"]

@@ -17,6 +17,7 @@ from .types import (
     CreateGang,
     Decision,
     DeleteGang,
+    DeleteJob,
     Event,
     Observed,
     ReplicaObservation,
@@ -25,7 +26,8 @@ from .types import (
 )
 
 __all__ = [
-    "Action", "CreateGang", "Decision", "DeleteGang", "Event", "Observed", "ReplicaObservation", "ReplicaPhase",
-    "RequeueAfter", "Failure", "FailureClass", "backoff_seconds", "classify", "create_failed", "decide", "iso", "parse",
+    "Action", "CreateGang", "Decision", "DeleteGang", "DeleteJob", "Event", "Observed", "ReplicaObservation",
+    "ReplicaPhase", "RequeueAfter", "Failure", "FailureClass", "backoff_seconds", "classify", "create_failed", "decide",
+    "iso", "parse",
     "root_cause", "utcnow",
 ]

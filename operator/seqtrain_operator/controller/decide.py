@@ -29,6 +29,7 @@ from . import gang_policy, goodput
 from .backoff import backoff_seconds
 from .clock import iso, parse, seconds_between
 from .failure_policy import IMAGE_PULL_REASONS, Failure, FailureClass, hang_failure, root_cause
+from .ttl import expire
 from .types import Action, CreateGang, Decision, DeleteGang, Event, Observed, ReplicaObservation, RequeueAfter
 
 # How often to look again while waiting for capacity or for a dying gang to disappear.
@@ -87,6 +88,7 @@ def decide(job: SeqTrainJob, status: JobStatus, observed: Observed, now: datetim
         # Terminal phases stay terminal; only stop replicas that still run (e.g. a rank hanging after a peer failed).
         if any(r.phase in ("Pending", "Running") for r in gv.current):
             ctx.delete(st.attempt, f"Job{st.phase}")
+        ctx.actions += expire(job, st, now)  # spec.ttlSecondsAfterFinished
     elif job.spec.suspend:
         _suspend(ctx, gv.current)
     elif gv.current:
@@ -213,6 +215,13 @@ def _live_gang(ctx: _Ctx, current: tuple[ReplicaObservation, ...]) -> None:
     # Pending: admitted and created, waiting for every replica to start.
     if st.phase != "Scheduling":
         cond.enter_phase(st, "Scheduling", "GangCreated", f"attempt {st.attempt}: waiting for replicas", ctx.now)
+    if gang_policy.queued(job, current):
+        _queued(ctx, current)
+        return
+    if (c := cond.get(st, "Scheduled")) is not None and c.reason == "Queued":
+        # Admitted by the queue just now: pendingGraceSeconds counts from here, not from when it was queued.
+        cond.set_condition(st, "Scheduled", "False", "Admitted", f"attempt {st.attempt}: admitted, starting", ctx.now)
+        c.last_transition_time = iso(ctx.now)
     created = parse((c := cond.get(st, "Scheduled")) and c.last_transition_time)
     grace = job.spec.scheduling.pending_grace_seconds
     waited = seconds_between(created, ctx.now) if created else 0.0
@@ -260,6 +269,19 @@ def _tearing_down(st: JobStatus) -> bool:
     refused part of the gang)."""
     c = cond.get(st, "Scheduled")
     return st.phase == "Scheduling" and c is not None and c.reason in ("PendingTimeout", "CreateFailed")
+
+
+def _queued(ctx: _Ctx, current: tuple[ReplicaObservation, ...]) -> None:
+    """The whole gang waits in an external scheduler's queue: keep it (tearing it down would lose its place)."""
+    st, queue = ctx.st, ctx.job.spec.scheduling.queue
+    prev = cond.get(st, "Scheduled")
+    where = f"queue {queue}" if queue else f"the {ctx.job.spec.scheduling.gang} scheduler"
+    msg = f"attempt {st.attempt}: all {len(current)} replica(s) waiting in {where}"
+    if prev is None or prev.reason != "Queued":
+        cond.set_condition(st, "Scheduled", "False", "Queued", msg, ctx.now)
+        ctx.event("Normal", "Queued", msg)
+    st.message = msg
+    ctx.actions.append(RequeueAfter(POLL_SECONDS))
 
 
 def _hang(ctx: _Ctx) -> Failure | None:

@@ -78,3 +78,10 @@ def gang_phase(job: SeqTrainJob, current: tuple[ReplicaObservation, ...]) -> str
     if len(current) >= job.spec.replicas and all(p in ("Running", "Succeeded") for p in phases):
         return "Running"
     return "Pending"
+
+
+def queued(job: SeqTrainJob, current: tuple[ReplicaObservation, ...]) -> bool:
+    """The whole live gang is created and waiting in an external scheduler's queue (every replica Pending and
+    queued): not stuck, so pendingGraceSeconds does not apply. A gang partly started is not queued."""
+    return (len(current) >= job.spec.replicas and bool(current)
+            and all(r.phase == "Pending" and r.queued for r in current))

@@ -34,6 +34,8 @@ class ReplicaObservation:
     finished_at: when it terminated (ISO-8601; None while it runs or when the backend cannot tell).
     error: the one-line error the failing rank reported (`seqtrain train: error: ...`, read from its log or the
     pod's termination message), None when it reported none; the controller compares it across attempts.
+    queued: waiting in an external gang scheduler's queue (e.g. gated by Kueue until its Workload is admitted):
+    not stuck, so scheduling.pendingGraceSeconds does not tear the gang down.
     """
 
     replica: int
@@ -48,6 +50,7 @@ class ReplicaObservation:
     node_unready: bool = False
     finished_at: str | None = None
     error: str | None = None
+    queued: bool = False
 
 
 @dataclass(frozen=True)
@@ -128,7 +131,15 @@ class Event:
     message: str
 
 
-Action = CreateGang | DeleteGang | RequeueAfter | Event
+@dataclass(frozen=True)
+class DeleteJob:
+    """Delete the job itself (spec.ttlSecondsAfterFinished passed); its children go with it (ownerReferences).
+    The local backend has no job object and ignores it."""
+
+    reason: str
+
+
+Action = CreateGang | DeleteGang | RequeueAfter | Event | DeleteJob
 
 
 @dataclass(frozen=True)

@@ -219,7 +219,9 @@ async def node_changed(name: str, type: str, body: dict[str, Any], **_: Any) -> 
 @kopf.on.delete(API_GROUP, VERSION, PLURAL, id="cleanup")
 async def job_deleted(name: str, namespace: str, **_: Any) -> None:
     assert STATE.kube is not None
-    await cleanup(STATE.kube, namespace, name)
+    if not await cleanup(STATE.kube, namespace, name):
+        # a gang scheduler still holds a pod that is stopping (Kueue's finalizer): keep the job until it is released
+        raise kopf.TemporaryError("pods still stopping; releasing them again shortly", delay=2)
     STATE.metrics.job_phase(namespace, name, None)
     _last_counts.pop((namespace, name), None)
 

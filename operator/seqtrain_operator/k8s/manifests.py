@@ -17,12 +17,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from seqtrain.spec import API_VERSION, KIND, RuntimeConfig, SeqTrainJob, TrainerConfig, resolve
-from seqtrain.spec.names import configmap_name, hostname, pod_name, podgroup_name, service_name
+from seqtrain.spec.names import configmap_name, hostname, pod_name, service_name
 from seqtrain.train.launch import replica_command
 
 from ..planner.inventory import GPU_PRODUCT_LABEL, GPU_RESOURCE
 from ..planner.placement import pod_tolerations
 from ..planner.types import Plan
+from .gangs import ADAPTERS, adapter_for
+from .template import apply_pod_template
 
 GROUP = "seqtrain.dev"
 LABEL_JOB = f"{GROUP}/job"
@@ -38,16 +40,10 @@ CHECKPOINT_MOUNT = "/checkpoints"
 # kill them itself and exit with a code that says what happened.
 TERM_GRACE_MARGIN_SECONDS = 5
 
-# The external gang schedulers: the CRD that proves one is installed, its PodGroup API, its scheduler name.
-EXTERNAL = {
-    "coscheduling": {"crd": "podgroups.scheduling.x-k8s.io", "api": "scheduling.x-k8s.io/v1alpha1",
-                     "plural": "podgroups", "scheduler": "scheduler-plugins-scheduler"},
-    "volcano": {"crd": "podgroups.scheduling.volcano.sh", "api": "scheduling.volcano.sh/v1beta1",
-                "plural": "podgroups", "scheduler": "volcano"},
-    "kueue": {"crd": "workloads.kueue.x-k8s.io", "api": None, "plural": None, "scheduler": None},
-    "kai": {"crd": "podgroups.scheduling.run.ai", "api": "scheduling.run.ai/v2alpha2", "plural": "podgroups",
-            "scheduler": "kai-scheduler"},
-}
+# The external gang schedulers, one module each under k8s/gangs/; this table is the view main.py and older callers
+# read (the CRD that proves one is installed, its PodGroup API, its scheduler name).
+EXTERNAL = {name: {"crd": a.crd, "api": a.podgroup_api, "plural": a.podgroup_plural if a.podgroup_api else None,
+                   "scheduler": a.scheduler_name} for name, a in ADAPTERS.items()}
 
 
 @dataclass(frozen=True)
@@ -212,26 +208,8 @@ def _affinity(node: str | None) -> dict[str, Any] | None:
 
 def gang_metadata(job: SeqTrainJob, owner: Owner, attempt: int) -> tuple[dict[str, str], dict[str, str]]:
     """(labels, annotations) an external gang scheduler needs on every pod."""
-    gang, pg = job.spec.scheduling.gang, podgroup_name(owner.name, attempt)
-    queue = job.spec.scheduling.queue
-    labels: dict[str, str] = {}
-    annotations: dict[str, str] = {}
-    if gang == "coscheduling":
-        labels["scheduling.x-k8s.io/pod-group"] = pg
-    elif gang == "volcano":
-        annotations["scheduling.k8s.io/group-name"] = pg
-        if queue:
-            annotations["volcano.sh/queue-name"] = queue
-    elif gang == "kueue":
-        labels["kueue.x-k8s.io/pod-group-name"] = pg
-        if queue:
-            labels["kueue.x-k8s.io/queue-name"] = queue
-        annotations["kueue.x-k8s.io/pod-group-total-count"] = str(job.spec.replicas)
-    elif gang == "kai":
-        annotations["pod-group-name"] = pg
-        if queue:
-            labels["kai.scheduler/queue"] = queue
-    return labels, annotations
+    adapter = adapter_for(job.spec.scheduling.gang)
+    return adapter.pod_metadata(job, owner, attempt) if adapter is not None else ({}, {})
 
 
 def build_pod(job: SeqTrainJob, owner: Owner, attempt: int, replica: int, settings: Settings,
@@ -309,42 +287,24 @@ def build_pod(job: SeqTrainJob, owner: Owner, attempt: int, replica: int, settin
         spec["schedulerName"] = scheduler
     if (affinity := _affinity(node)) is not None:
         spec["affinity"] = affinity
-    return {
+    pod = {
         "apiVersion": "v1", "kind": "Pod",
         "metadata": _meta(pod_name(owner.name, attempt, replica), owner, labels, annotations or None),
         "spec": spec,
     }
+    adapter = adapter_for(s.scheduling.gang)
+    if adapter is not None and not adapter.pods_owned_by_job:
+        del pod["metadata"]["ownerReferences"]  # see gangs/kai.py: the operator deletes these pods itself
+    return apply_pod_template(pod, s.pod_template, CONTAINER)  # the user's overrides, owned fields kept
 
 
 def build_podgroup(job: SeqTrainJob, owner: Owner, attempt: int) -> dict[str, Any] | None:
-    """The PodGroup of an external gang scheduler with minMember = replicas (None: native, or kueue's labels)."""
-    s = job.spec
-    info = EXTERNAL.get(s.scheduling.gang)
-    if info is None or info["api"] is None:
+    """The PodGroup of an external gang scheduler with minMember = replicas (None: native, or Kueue's labels)."""
+    adapter = adapter_for(job.spec.scheduling.gang)
+    if adapter is None or adapter.podgroup_api is None:
         return None
-    spec: dict[str, Any] = {"minMember": s.replicas}
-    if s.scheduling.queue:
-        spec["queue"] = s.scheduling.queue
-    if s.scheduling.gang == "volcano":
-        if s.scheduling.priority_class_name:
-            spec["priorityClassName"] = s.scheduling.priority_class_name
-        per = _resources(job)["requests"]
-        spec["minResources"] = {k: _times(v, s.replicas) for k, v in per.items()}
-    if s.scheduling.gang == "coscheduling" and s.scheduling.timeout_seconds:
-        spec["scheduleTimeoutSeconds"] = s.scheduling.timeout_seconds
-    kind = "PodGroup"
-    return {"apiVersion": info["api"], "kind": kind,
-            "metadata": _meta(podgroup_name(owner.name, attempt), owner, attempt_labels(owner.name, attempt)),
-            "spec": spec}
-
-
-def _times(quantity: str, n: int) -> str:
-    """n x a Kubernetes quantity, keeping its suffix ("2Gi" x 3 = "6Gi", "500m" x 4 = "2000m")."""
-    digits = len(quantity) - len(quantity.lstrip("0123456789."))
-    number, suffix = quantity[:digits], quantity[digits:]
-    value = float(number) * n
-    text = str(int(value)) if value == int(value) else f"{value:g}"
-    return text + suffix
+    meta = _meta(adapter.group_name(job, owner, attempt), owner, attempt_labels(owner.name, attempt))
+    return adapter.podgroup(job, owner, attempt, meta, _resources(job)["requests"])
 
 
 @dataclass(frozen=True)

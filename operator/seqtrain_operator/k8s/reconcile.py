@@ -28,13 +28,26 @@ from kubernetes.client.rest import ApiException
 from seqtrain.spec import JobStatus, SeqTrainJob, SpecError, parse_job
 from seqtrain.spec.status import TERMINAL_PHASES
 
-from ..controller import CreateGang, DeleteGang, Event, Observed, RequeueAfter, create_failed, decide, utcnow
+from ..controller import (
+    CreateGang,
+    DeleteGang,
+    DeleteJob,
+    Event,
+    Observed,
+    ReplicaObservation,
+    RequeueAfter,
+    create_failed,
+    decide,
+    utcnow,
+)
 from ..controller import conditions as cond
 from ..controller.types import Decision
 from ..planner.inventory import inventory
 from ..planner.types import Node, Plan
+from . import calls
 from . import manifests as m
 from .client import Conflict, Kube, api_message
+from .gangs import ADAPTERS, GangScheduler, adapter_for
 from .observe import final_progress, observe_replicas, rank0_ip
 from .progress import poll_progress
 
@@ -71,12 +84,13 @@ async def admission(kube: Kube, job: SeqTrainJob) -> str | None:
     """Why an external gang scheduler cannot take the gang (None: it can). Native gangs are admitted by the core
     from Observed.capacity."""
     gang = job.spec.scheduling.gang
-    info = m.EXTERNAL[gang]
-    if gang == "kueue" and not job.spec.scheduling.queue:
-        return "scheduling.gang kueue needs scheduling.queue (the name of a Kueue LocalQueue in this namespace)"
-    if not await kube.crd_exists(info["crd"]):
+    adapter = adapter_for(gang)
+    assert adapter is not None, gang  # the spec admits only the gangs that have an adapter
+    if (problem := adapter.config_problem(job)) is not None:
+        return problem
+    if not await kube.crd_exists(adapter.crd):
         return (f"scheduling.gang is {gang}, but {gang} is not installed in this cluster (no CustomResourceDefinition "
-                f"{info['crd']}); install it or use gang: native")
+                f"{adapter.crd}); install it or use gang: native")
     return None
 
 
@@ -134,7 +148,8 @@ async def reconcile(kube: Kube, cfg: Config, namespace: str, name: str, emit: Ev
         pods, nodes = views.pods(namespace, name), views.nodes()
     else:  # no indexes (a one-off pass): read the API
         pods, nodes = await kube.list_pods(namespace, f"{m.LABEL_JOB}={name}"), await kube.list_nodes()
-    replicas = observe_replicas(pods, nodes, now, cfg.node_lost_grace)
+    adapter = adapter_for(job.spec.scheduling.gang)
+    replicas = _observe(adapter, pods, nodes, now, cfg)
     progress, checkpoint, unreachable = None, None, None
     ip = rank0_ip(pods, status.attempt)
     if cfg.poll_progress and cfg.settings.progress_port and ip:
@@ -152,11 +167,11 @@ async def reconcile(kube: Kube, cfg: Config, namespace: str, name: str, emit: Ev
                 observed = replace(observed, capacity=await capacity(kube, nodes))
             else:
                 observed = replace(observed, unschedulable=await admission(kube, job))
-        return await _decide_and_act(kube, cfg, body, job, status, observed, emit, now)
+        return await _decide_and_act(kube, cfg, body, job, status, observed, emit, now, pods)
 
 
 async def _decide_and_act(kube: Kube, cfg: Config, body: dict[str, Any], job: SeqTrainJob, status: JobStatus,
-                          observed: Observed, emit: EventSink, now: datetime) -> Outcome:
+                          observed: Observed, emit: EventSink, now: datetime, pods: list[dict]) -> Outcome:
     meta = body["metadata"]
     namespace, name, rv = meta["namespace"], meta["name"], meta["resourceVersion"]
     old_status = dict(body.get("status") or {})
@@ -182,8 +197,14 @@ async def _decide_and_act(kube: Kube, cfg: Config, body: dict[str, Any], job: Se
             except GangRefused as refused:
                 return await _create_failed(kube, cfg, body, job, owner, new, action.attempt, str(refused), emit,
                                             now)
+    adapter = adapter_for(job.spec.scheduling.gang)
+    if adapter is not None and new.phase in TERMINAL_PHASES:
+        await adapter.on_finished(kube, job, owner, pods)
     for ev in decision.of(Event):
         emit(body, ev.type, ev.reason, ev.message)
+    if decision.of(DeleteJob):  # last: the events above still name a live object
+        await calls.delete_job(kube, namespace, name)
+        return Outcome(requeue=None, status=new, events=tuple(decision.of(Event)))
     return Outcome(requeue=_requeue(decision, new, cfg), status=new, events=tuple(decision.of(Event)))
 
 
@@ -277,15 +298,37 @@ async def delete_gang(kube: Kube, job: SeqTrainJob, owner: m.Owner, attempt: int
         await kube.delete_pods(owner.namespace, selector, node=node, force=True)
     await kube.delete_pods(owner.namespace, selector)
     await kube.delete_configmaps(owner.namespace, selector)
-    info = m.EXTERNAL.get(job.spec.scheduling.gang)
-    if info and info["api"]:
-        await kube.delete_custom(info["api"], info["plural"], owner.namespace, m.podgroup_name(owner.name, attempt))
+    adapter = adapter_for(job.spec.scheduling.gang)
+    if adapter is not None and adapter.podgroup_api:
+        await kube.delete_custom(adapter.podgroup_api, adapter.podgroup_plural, owner.namespace,
+                                 adapter.group_name(job, owner, attempt))
 
 
-async def cleanup(kube: Kube, namespace: str, name: str) -> None:
+def _observe(adapter: GangScheduler | None, pods: list[dict], nodes: list[dict], now: datetime,
+             cfg: Config) -> tuple[ReplicaObservation, ...]:
+    """Pods -> replicas, through the gang scheduler's eyes: pods it merely keeps (its finalizer on an ended pod)
+    are left out, and pods waiting in its queue are marked queued."""
+    if adapter is None:
+        return observe_replicas(pods, nodes, now, cfg.node_lost_grace)
+    live = [p for p in pods if not adapter.released(p)]
+    queued = {(p["metadata"].get("labels") or {}).get(m.LABEL_ATTEMPT, "") + "/" +
+              (p["metadata"].get("labels") or {}).get(m.LABEL_REPLICA, "") for p in live if adapter.queued(p)}
+    return tuple(replace(r, queued=True) if r.phase == "Pending" and f"{r.attempt}/{r.replica}" in queued else r
+                 for r in observe_replicas(live, nodes, now, cfg.node_lost_grace))
+
+
+async def cleanup(kube: Kube, namespace: str, name: str) -> bool:
     """On deletion of the job (finalizer): stop the pods gracefully now rather than waiting for the garbage
-    collector; everything else goes with the ownerReferences."""
-    await kube.delete_pods(namespace, f"{m.LABEL_JOB}={name}")
+    collector (pods of a KAI gang have no ownerReference: this is what removes them); everything else goes with
+    the ownerReferences. Then each gang scheduler releases what it holds (Kueue: its Workload and finalizers).
+    False: something still holds a pod; call again shortly."""
+    selector = f"{m.LABEL_JOB}={name}"
+    await kube.delete_pods(namespace, selector)
+    pods = await kube.list_pods(namespace, selector)
+    done = True
+    for adapter in ADAPTERS.values():
+        done = await adapter.on_job_deleted(kube, namespace, name, pods) and done
+    return done
 
 
 ReconcileFn = Callable[[], Awaitable[Outcome]]

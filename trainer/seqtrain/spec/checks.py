@@ -11,6 +11,7 @@ import os
 from .job import SeqTrainJob
 from .problems import Problem
 from .resolve import resolved_model
+from .template import template_problems
 
 
 def _divisors_hint(n: int, limit: int = 6) -> str:
@@ -169,4 +170,12 @@ def check(job: SeqTrainJob) -> list[Problem]:
                            "use name: adamw, or set optimization.zero.offload: none"))
     if s.scheduling.topology.policy != "none" and not s.scheduling.topology.keys:
         out.append(Problem("spec.scheduling.topology.keys", f"policy {s.scheduling.topology.policy} needs at least one label key"))
+    out += [Problem(f"spec.podTemplate.{path}", msg) for path, msg in template_problems(s.pod_template)]
+    sched = s.scheduling
+    if sched.gang == "kueue" and not sched.queue:
+        out.append(Problem("spec.scheduling.queue", "gang kueue needs the name of a Kueue LocalQueue in the job's "
+                           "namespace"))
+    if sched.gang == "coscheduling" and sched.queue:
+        out.append(Problem("spec.scheduling.queue", "coscheduling has no queues (its PodGroup has no queue field); "
+                           "remove it, or use gang kueue, volcano or kai"))
     return out

@@ -12,6 +12,7 @@ from .data import DataSpec
 from .model import ModelSpec
 from .names import MAX_JOB_NAME, name_problems
 from .optimization import OptimizationSpec
+from .template import PodTemplate
 from .training import TrainingSpec
 
 API_GROUP = "seqtrain.dev"
@@ -54,6 +55,13 @@ class JobSpec(SpecModel):
     fault_tolerance: FaultToleranceSpec = Field(default_factory=FaultToleranceSpec, description="Restarts and backoff.")
     scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec, description="Gang scheduling and placement.")
     suspend: bool = Field(False, description="true: checkpoint and remove the gang; false: resume it.")
+    pod_template: PodTemplate = Field(
+        default_factory=PodTemplate, description="Kubernetes: labels, annotations, env, volumes, sidecars, init "
+        "containers, affinity, capabilities and extended resources merged over the generated trainer pods "
+        "(the operator's own fields cannot be overridden).")
+    ttl_seconds_after_finished: int | None = Field(
+        None, ge=0, description="Kubernetes: delete the job (and with it every object it owns) this many seconds "
+        "after it Succeeded or Failed; unset keeps it.")
 
     @property
     def world_size(self) -> int:

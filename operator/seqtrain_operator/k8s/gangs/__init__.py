@@ -1,0 +1,17 @@
+"""External gang schedulers, one module each behind `base.GangScheduler` (see base.py for the interface)."""
+
+from __future__ import annotations
+
+from . import coscheduling, kai, kueue, volcano
+from .base import GangScheduler
+
+ADAPTERS: dict[str, GangScheduler] = {a.name: a for a in (coscheduling.ADAPTER, volcano.ADAPTER, kueue.ADAPTER,
+                                                           kai.ADAPTER)}
+
+
+def adapter_for(gang: str) -> GangScheduler | None:
+    """The adapter of `spec.scheduling.gang` (None: native, placed by seqtrain itself)."""
+    return ADAPTERS.get(gang)
+
+
+__all__ = ["ADAPTERS", "GangScheduler", "adapter_for"]

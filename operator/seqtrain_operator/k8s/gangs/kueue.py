@@ -1,0 +1,114 @@
+"""Kueue plain pod groups (KEP-976; pkg/controller/jobs/pod): the label `kueue.x-k8s.io/queue-name`, the label
+`kueue.x-k8s.io/pod-group-name` and the annotation `kueue.x-k8s.io/pod-group-total-count` on every pod, the default
+scheduler. Kueue's webhook gates each pod (`kueue.x-k8s.io/admission`) and adds its finalizer
+`kueue.x-k8s.io/managed`; its controller creates a Workload named after the group and ungates the pods when the
+LocalQueue's ClusterQueue admits it.
+
+How seqtrain fits Kueue's group life cycle:
+- one group name for the whole job (`<job>-<uid prefix>`), not one per attempt: Kueue keeps an admitted group's
+  Workload and treats the next attempt's pods as replacements of the failed ones (it removes the finalizer of the
+  replaced pods and ungates the new ones without queueing again), so a gang restart keeps its admission;
+- a pod that has ended, is being deleted and is kept only by Kueue's finalizer is `released`: it no longer stops the
+  next attempt from being created (otherwise the two wait on each other: Kueue frees the old pods only once their
+  replacements exist);
+- gated pods are `queued`: a job waiting in its LocalQueue is not torn down after pendingGraceSeconds;
+- when the job ends, its pods get `kueue.x-k8s.io/retriable-in-group: "false"` so Kueue finishes the Workload and
+  drops its finalizers; once no pod carries the finalizer the Workload is deleted; when the job is deleted the
+  operator also removes the finalizer from its own ended pods (Kueue may be gone by then) and deletes the Workload.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from seqtrain.spec import SeqTrainJob
+
+from .. import calls
+from .base import GangScheduler, Pod
+
+log = logging.getLogger("seqtrain.operator")
+
+QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+GROUP_LABEL = "kueue.x-k8s.io/pod-group-name"
+TOTAL_ANNOTATION = "kueue.x-k8s.io/pod-group-total-count"
+RETRIABLE_ANNOTATION = "kueue.x-k8s.io/retriable-in-group"
+FINALIZER = "kueue.x-k8s.io/managed"
+GATE = "kueue.x-k8s.io/admission"
+WORKLOAD_API = "kueue.x-k8s.io/v1beta1"  # served by every Kueue release with plain pod groups (v0.19: also v1beta2)
+WORKLOADS = "workloads"
+
+
+def group_name_for(name: str, uid: str) -> str:
+    # Unique per job object (a deleted and re-created job must not adopt the old Workload), stable across attempts;
+    # a valid label value and resource name: <= 50 + 1 + 8 characters.
+    return f"{name}-{uid.replace('-', '')[:8]}"
+
+
+def _terminated(pod: Pod) -> bool:
+    status = pod.get("status") or {}
+    if status.get("phase") in ("Succeeded", "Failed"):
+        return True
+    states = [c.get("state") or {} for c in status.get("containerStatuses") or []]
+    return bool(states) and all("terminated" in s for s in states)
+
+
+class Kueue(GangScheduler):
+    def config_problem(self, job: SeqTrainJob) -> str | None:
+        if not job.spec.scheduling.queue:
+            return "scheduling.gang kueue needs scheduling.queue (the name of a Kueue LocalQueue in this namespace)"
+        return None
+
+    def group_name(self, job, owner, attempt):  # type: ignore[no-untyped-def]
+        return group_name_for(owner.name, owner.uid)
+
+    def pod_metadata(self, job, owner, attempt):  # type: ignore[no-untyped-def]
+        labels = {GROUP_LABEL: self.group_name(job, owner, attempt)}
+        if job.spec.scheduling.queue:
+            labels[QUEUE_LABEL] = job.spec.scheduling.queue
+        return labels, {TOTAL_ANNOTATION: str(job.spec.replicas)}
+
+    def queued(self, pod: Pod) -> bool:
+        return GATE in [g.get("name") for g in (pod.get("spec") or {}).get("schedulingGates") or []]
+
+    def released(self, pod: Pod) -> bool:
+        meta, spec = pod.get("metadata") or {}, pod.get("spec") or {}
+        if not meta.get("deletionTimestamp") or FINALIZER not in (meta.get("finalizers") or []):
+            return False
+        never_started = bool(spec.get("schedulingGates")) and not spec.get("nodeName")  # deleted while queued
+        return _terminated(pod) or never_started
+
+    async def _mark_unretriable(self, kube, pods: list[Pod]) -> None:  # type: ignore[no-untyped-def]
+        for pod in pods:
+            meta = pod["metadata"]
+            if (meta.get("annotations") or {}).get(RETRIABLE_ANNOTATION) != "false":
+                await calls.patch_pod(kube, meta["namespace"], meta["name"],
+                                      {"metadata": {"annotations": {RETRIABLE_ANNOTATION: "false"}}})
+
+    async def on_finished(self, kube, job, owner, pods):  # type: ignore[no-untyped-def]
+        group = self.group_name(job, owner, 0)
+        mine = [p for p in pods if (p["metadata"].get("labels") or {}).get(GROUP_LABEL) == group]
+        await self._mark_unretriable(kube, mine)
+        if not any(FINALIZER in (p["metadata"].get("finalizers") or []) for p in mine):
+            await calls.delete_custom(kube, WORKLOAD_API, WORKLOADS, owner.namespace, group)
+
+    async def on_job_deleted(self, kube, namespace, name, pods):  # type: ignore[no-untyped-def]
+        mine = [p for p in pods if GROUP_LABEL in (p["metadata"].get("labels") or {})]
+        if not mine:
+            return True
+        await self._mark_unretriable(kube, mine)
+        for group in sorted({p["metadata"]["labels"][GROUP_LABEL] for p in mine}):
+            await calls.delete_custom(kube, WORKLOAD_API, WORKLOADS, namespace, group)
+        held = False
+        for pod in mine:
+            if FINALIZER not in (pod["metadata"].get("finalizers") or []):
+                continue
+            if _terminated(pod) or (pod.get("spec") or {}).get("schedulingGates"):
+                # the job is gone: nothing may keep its pods, whether or not Kueue still runs
+                if await calls.remove_finalizer(kube, pod, FINALIZER):
+                    log.info("removed %s from %s/%s", FINALIZER, namespace, pod["metadata"]["name"])
+            else:
+                held = True  # still stopping: look again (the job's finalizer waits for it)
+        return not held
+
+
+ADAPTER = Kueue(name="kueue", crd="workloads.kueue.x-k8s.io", scheduler_name=None, podgroup_api=None)

@@ -1,0 +1,34 @@
+"""Volcano: a `scheduling.volcano.sh/v1beta1` PodGroup, the pod annotations `scheduling.k8s.io/group-name`
+(KubeGroupNameAnnotationKey) and `scheduling.volcano.sh/queue-name` (QueueNameAnnotationKey,
+staging/src/volcano.sh/apis/pkg/apis/scheduling/v1beta1/labels.go), schedulerName `volcano`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .base import GangScheduler, podgroup_object, times
+
+GROUP_ANNOTATION = "scheduling.k8s.io/group-name"
+QUEUE_ANNOTATION = "scheduling.volcano.sh/queue-name"
+
+
+class Volcano(GangScheduler):
+    def pod_metadata(self, job, owner, attempt):  # type: ignore[no-untyped-def]
+        annotations = {GROUP_ANNOTATION: self.group_name(job, owner, attempt)}
+        if job.spec.scheduling.queue:
+            annotations[QUEUE_ANNOTATION] = job.spec.scheduling.queue
+        return {}, annotations
+
+    def podgroup(self, job, owner, attempt, meta, requests):  # type: ignore[no-untyped-def]
+        s = job.spec
+        spec: dict[str, Any] = {"minMember": s.replicas,
+                                "minResources": {k: times(v, s.replicas) for k, v in requests.items()}}
+        if s.scheduling.queue:
+            spec["queue"] = s.scheduling.queue
+        if s.scheduling.priority_class_name:
+            spec["priorityClassName"] = s.scheduling.priority_class_name
+        return podgroup_object(self.podgroup_api or "", meta, spec)
+
+
+ADAPTER = Volcano(name="volcano", crd="podgroups.scheduling.volcano.sh", scheduler_name="volcano",
+                  podgroup_api="scheduling.volcano.sh/v1beta1")

@@ -1,0 +1,223 @@
+"""The real external gang schedulers on the testbed (scripts/gang-schedulers.sh builds them from their Go modules).
+
+- scheduler-plugins' scheduler (Coscheduling) as a second scheduler: all-or-nothing binding of a seqtrain gang
+  with its real PodGroup; a gang that does not fit stays wholly unbound, and binds once room frees.
+- Kueue's controller manager (its webhooks called by the apiserver over TLS at 127.0.0.1): a job queued in a
+  LocalQueue waits past pendingGraceSeconds without being torn down, is admitted when quota frees, trains,
+  survives a SIGKILLed rank with a gang restart, and leaves no pod, finalizer or Workload behind.
+
+Skipped (with the command that fixes it) when the schedulers or the control-plane binaries are not built.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from test_gang_crds import FILES, install_crds
+from test_testbed_e2e import RUN_TIMEOUT, cpu_job, job_status, wait_phase
+from test_testbed_e2e import ns as ns  # noqa: F401, F811 (a module fixture, found by name)
+
+from testbed.fixtures import ROOT, TB, Operator, Testbed, free_port, unavailable, wait
+
+pytestmark = pytest.mark.slow
+
+
+def gang_binaries(name: str) -> Path:
+    out = subprocess.run([str(ROOT / "scripts" / "gang-schedulers.sh"), "--check", name], capture_output=True,
+                         text=True)
+    if out.returncode != 0:
+        unavailable(f"{name} not built: run `scripts/gang-schedulers.sh` (one Go build each)")
+    return Path(out.stdout.strip())
+
+
+def start(tb: Testbed, argv: list[str], name: str) -> subprocess.Popen[bytes]:
+    log = TB / "logs" / f"{name}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "ab") as f:
+        return subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env={**os.environ, "KUBECONFIG": str(tb.kubeconfig)}, start_new_session=True)
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+
+
+def pods(tb: Testbed, ns: str, job: str) -> list[dict[str, Any]]:
+    return tb.get("pods", namespace=ns, selector=f"seqtrain.dev/job={job}")
+
+
+# ---- coscheduling ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def coscheduler(testbed: Testbed) -> Iterator[None]:
+    bins = gang_binaries("scheduler-plugins")
+    if "coscheduling" not in FILES:
+        unavailable("no scheduler-plugins CRDs: run scripts/gang-crds.sh")
+    install_crds(testbed, [yaml.safe_load(p.read_text()) for p in FILES["coscheduling"]])
+    cfg = TB / "scheduler-plugins.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "apiVersion": "kubescheduler.config.k8s.io/v1", "kind": "KubeSchedulerConfiguration",
+        "leaderElection": {"leaderElect": False}, "clientConnection": {"kubeconfig": str(testbed.kubeconfig)},
+        "profiles": [{"schedulerName": "scheduler-plugins-scheduler",
+                      "plugins": {"multiPoint": {"enabled": [{"name": "Coscheduling"}],
+                                                 "disabled": [{"name": "PrioritySort"}]}},
+                      "pluginConfig": [{"name": "Coscheduling", "args": {"permitWaitingTimeSeconds": 10}}]}]}))
+    proc = start(testbed, [str(bins / "scheduler-plugins"), f"--config={cfg}", "--bind-address=127.0.0.1",
+                           f"--secure-port={free_port()}"], "scheduler-plugins")
+    try:
+        wait("scheduler-plugins running", lambda: proc.poll() is None and (TB / "logs" / "scheduler-plugins.log")
+             .read_text(errors="replace").count("Starting Kubernetes Scheduler") > 0, 120)
+        yield
+    finally:
+        stop(proc)
+
+
+def gpu_gang(name: str, replicas: int) -> dict[str, Any]:
+    return {"apiVersion": "seqtrain.dev/v1alpha1", "kind": "SeqTrainJob", "metadata": {"name": name},
+            "spec": {"image": "seqtrain/trainer:dev", "replicas": replicas,
+                     "resources": {"gpus": 8, "cpu": "1", "memory": "4Gi", "gpuProduct": "NVIDIA-H100-80GB-HBM3"},
+                     "training": {"steps": 10, "globalBatchSize": 8 * replicas, "microBatchSize": 1},
+                     "scheduling": {"gang": "coscheduling", "topology": {"policy": "none"},
+                                    "pendingGraceSeconds": 600}}}
+
+
+def test_coscheduling_binds_all_or_nothing(testbed: Testbed, seqtrain_operator: Operator, coscheduler: None,
+                                           ns: str) -> None:
+    # 4 untainted H100 nodes of 8 GPUs: a 3-node gang fits, then a 2-node gang does not (1 node left).
+    testbed.apply(gpu_gang("fits", 3), ns)
+    wait("fits: all 3 pods bound", lambda: [p for p in pods(testbed, ns, "fits") if p["spec"].get("nodeName")]
+         if len([p for p in pods(testbed, ns, "fits") if p["spec"].get("nodeName")]) == 3 else None, 300)
+    pg = testbed.get("podgroups.scheduling.x-k8s.io", "fits-1", ns)
+    assert pg["spec"]["minMember"] == 3 and "queue" not in pg["spec"]
+    testbed.apply(gpu_gang("too-big", 2), ns)
+    wait("too-big: both pods created", lambda: len(pods(testbed, ns, "too-big")) == 2, 120)
+    # Wait until the scheduler has tried (the PodGroup's pods are reported unschedulable), then check none bound.
+    wait("too-big: the scheduler refused the gang", lambda: all(
+        any(c.get("type") == "PodScheduled" and c.get("status") == "False" for c in p["status"].get("conditions") or [])
+        for p in pods(testbed, ns, "too-big")), 120)
+    assert [p["spec"].get("nodeName") for p in pods(testbed, ns, "too-big")] == [None, None]
+    assert job_status(testbed, ns, "too-big")["conditions"]  # Scheduled=False: Queued (waiting for the scheduler)
+    testbed.kubectl("delete", "stj", "fits", "-n", ns, "--wait=true", "--timeout=180s", timeout=240)
+    wait("too-big: both bound once room freed", lambda: all(p["spec"].get("nodeName")
+                                                           for p in pods(testbed, ns, "too-big")), 300)
+
+
+# ---- Kueue ------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def kueue(testbed: Testbed) -> Iterator[None]:
+    bins = gang_binaries("kueue")
+    if "kueue" not in FILES:
+        unavailable("no Kueue CRDs: run scripts/gang-crds.sh")
+    base = FILES["kueue"][0].parent
+    install_crds(testbed, [yaml.safe_load(p.read_text()) for p in sorted(base.glob("*.yaml"))])
+    testbed.kubectl("create", "namespace", "kueue-system", check=False)
+    port = free_port()
+    certs = TB / "kueue-certs"
+    certs.mkdir(exist_ok=True)
+    for src, dst in (("webhook.crt", "tls.crt"), ("webhook.key", "tls.key")):
+        (certs / dst).write_bytes((TB / "pki" / src).read_bytes())
+    # Kueue's own webhook configurations, pointed at the local process (the testbed has no Service routing).
+    ca = base64.b64encode(testbed.ca_pem()).decode()
+    hooks = list(yaml.safe_load_all((base.parents[1] / "webhook" / "manifests.yaml").read_text()))
+    for doc in hooks:
+        doc["metadata"]["name"] = "kueue-" + doc["metadata"]["name"]
+        # only what this Kueue serves here: the pod integration and Kueue's own APIs (the others would refuse
+        # e.g. every batch Job on the testbed with a 404 from a framework that is not enabled)
+        doc["webhooks"] = [w for w in doc.get("webhooks", []) if "-v1-pod" in w["clientConfig"]["service"]["path"]
+                           or "kueue-x-k8s-io" in w["clientConfig"]["service"]["path"]]
+        for w in doc["webhooks"]:
+            path = w["clientConfig"]["service"]["path"]
+            w["clientConfig"] = {"url": f"https://127.0.0.1:{port}{path}", "caBundle": ca}
+            w.pop("namespaceSelector", None)
+            if "/mutate--v1-pod" in path or "/validate--v1-pod" in path:  # only seqtrain's test namespaces' pods
+                w["objectSelector"] = {"matchExpressions": [{"key": "seqtrain.dev/job", "operator": "Exists"}]}
+    testbed.apply(hooks)
+    cfg = TB / "kueue-config.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "apiVersion": "config.kueue.x-k8s.io/v1beta2", "kind": "Configuration", "namespace": "kueue-system",
+        "health": {"healthProbeBindAddress": f"127.0.0.1:{free_port()}"},
+        "metrics": {"bindAddress": f"127.0.0.1:{free_port()}"},
+        "webhook": {"port": port, "host": "127.0.0.1", "certDir": str(certs)},
+        "leaderElection": {"leaderElect": False}, "internalCertManagement": {"enable": False},
+        "integrations": {"frameworks": ["pod"]}}))
+    proc = start(testbed, [str(bins / "kueue"), f"--config={cfg}"], "kueue")
+    try:
+        def serving() -> bool:
+            assert proc.poll() is None, (TB / "logs" / "kueue.log").read_text(errors="replace")[-3000:]
+            with socket.create_connection(("127.0.0.1", port), timeout=2):
+                return True
+        wait("Kueue's webhook listening", serving, 180)
+        yield
+    finally:
+        stop(proc)
+        testbed.kubectl("delete", "-f", "-", "--ignore-not-found", input=yaml.safe_dump_all(hooks), check=False)
+
+
+def test_kueue_queue_admit_train_restart_and_clean_up(testbed: Testbed, seqtrain_operator: Operator, kueue: None,
+                                                      ns: str) -> None:
+    op = seqtrain_operator
+    testbed.apply([
+        {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "ResourceFlavor", "metadata": {"name": "cpu"},
+         "spec": {"nodeLabels": {"node.kubernetes.io/instance-type": "testbed-cpu"}}},
+        {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "ClusterQueue", "metadata": {"name": f"cq-{ns}"},
+         "spec": {"namespaceSelector": {}, "resourceGroups": [{"coveredResources": ["cpu", "memory"], "flavors": [
+             {"name": "cpu", "resources": [{"name": "cpu", "nominalQuota": "2"},
+                                           {"name": "memory", "nominalQuota": "64Gi"}]}]}]}},
+        {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "LocalQueue", "metadata": {"name": "team", "namespace": ns},
+         "spec": {"clusterQueue": f"cq-{ns}"}}])
+    # A blocker holds the whole quota: a job queued behind it must wait, gated, without being torn down.
+    blocker = cpu_job("blocker")
+    blocker["spec"]["training"]["steps"] = 100000
+    blocker["spec"]["scheduling"].update({"gang": "kueue", "queue": "team"})
+    testbed.apply(blocker, ns)
+    wait_phase(testbed, op, ns, "blocker", "Running")
+    job = cpu_job("queued")
+    job["spec"]["scheduling"].update({"gang": "kueue", "queue": "team", "pendingGraceSeconds": 5})
+    testbed.apply(job, ns)
+    first = wait("queued: its pods gated by Kueue", lambda: (ps := pods(testbed, ns, "queued")) and len(ps) == 2 and all(
+        any(g["name"] == "kueue.x-k8s.io/admission" for g in p["spec"].get("schedulingGates") or []) for p in ps)
+        and ps, 120)
+    wait("queued: condition Queued", lambda: any(c["type"] == "Scheduled" and c["reason"] == "Queued"
+                                                 for c in job_status(testbed, ns, "queued").get("conditions", [])), 60)
+    uids = sorted(p["metadata"]["uid"] for p in first)
+    since = time.monotonic()
+
+    def kept() -> bool:  # any teardown fails at once; passes once 3 x pendingGraceSeconds went by without one
+        now = sorted(p["metadata"]["uid"] for p in pods(testbed, ns, "queued"))
+        if now != uids or job_status(testbed, ns, "queued").get("attempt") != 1:
+            pytest.fail(f"a queued gang was torn down: pods {now} (were {uids})", pytrace=False)
+        return time.monotonic() - since > 15
+    wait("queued: kept past pendingGraceSeconds", kept, 120)
+    # Quota frees: admitted, trains; a SIGKILLed rank restarts the gang, which Kueue does not queue again.
+    testbed.kubectl("delete", "stj", "blocker", "-n", ns, "--wait=true", "--timeout=300s", timeout=360)
+    wait("queued past step 15", lambda: (job_status(testbed, ns, "queued").get("progress") or {}).get("step", 0) >= 15,
+         RUN_TIMEOUT, 1)
+    victim = testbed.get("pods", namespace=ns, selector="seqtrain.dev/job=queued,seqtrain.dev/replica=1")[0]
+    pid = testbed.pod_pid(victim["metadata"]["uid"])
+    assert pid is not None
+    os.killpg(pid, signal.SIGKILL)
+    done = wait_phase(testbed, op, ns, "queued", "Succeeded")
+    assert done["attempt"] >= 2 and done["restarts"] + done.get("infraRestarts", 0) >= 1, done
+    # Nothing left behind once the job is deleted: no pod, no Kueue finalizer, no Workload.
+    testbed.kubectl("delete", "stj", "queued", "-n", ns, "--wait=true", "--timeout=300s", timeout=360)
+    wait("no pods left", lambda: pods(testbed, ns, "queued") == [] and pods(testbed, ns, "blocker") == [], 300)
+    wait("no Workloads left", lambda: testbed.get("workloads.kueue.x-k8s.io", namespace=ns) == [], 120)

@@ -1,0 +1,145 @@
+"""External gang scheduler adapters (k8s/gangs/): the objects each one needs, what counts as queued or released,
+and the controller core keeping a queued gang instead of tearing it down."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+
+import pytest
+
+from seqtrain.spec import SeqTrainJob
+from seqtrain.spec.status import JobStatus
+from seqtrain_operator.controller import DeleteGang, Observed, ReplicaObservation, decide
+from seqtrain_operator.controller import conditions as cond
+from seqtrain_operator.k8s import manifests as m
+from seqtrain_operator.k8s.gangs import ADAPTERS, adapter_for
+from seqtrain_operator.k8s.gangs import kueue as kq
+from seqtrain_operator.k8s.reconcile import Config, _observe
+
+OWNER = m.Owner(name="gpt", namespace="ml", uid="0a1b2c3d-4e5f")
+T0 = datetime(2026, 11, 23, 12, 0, 0, tzinfo=timezone.utc)
+
+
+def job(gang: str = "kueue", queue: str | None = "team-a", replicas: int = 2, grace: int = 60) -> SeqTrainJob:
+    return SeqTrainJob.model_validate({
+        "apiVersion": "seqtrain.dev/v1alpha1", "kind": "SeqTrainJob", "metadata": {"name": "gpt", "namespace": "ml"},
+        "spec": {"replicas": replicas, "training": {"steps": 10, "globalBatchSize": 8 * replicas},
+                 "scheduling": {"gang": gang, "queue": queue, "pendingGraceSeconds": grace}}})
+
+
+def pod(attempt: int = 1, replica: int = 0, *, phase: str = "Pending", node: str | None = None, gates=(),
+        finalizers=(), deleting: bool = False) -> dict:
+    meta = {"name": f"gpt-{attempt}-{replica}", "namespace": "ml", "finalizers": list(finalizers),
+            "labels": {m.LABEL_JOB: "gpt", m.LABEL_ATTEMPT: str(attempt), m.LABEL_REPLICA: str(replica),
+                       kq.GROUP_LABEL: "gpt-0a1b2c3d"}}
+    if deleting:
+        meta["deletionTimestamp"] = "2026-11-23T12:00:00Z"
+    spec = {"schedulingGates": [{"name": g} for g in gates]}
+    if node:
+        spec["nodeName"] = node
+    return {"metadata": meta, "spec": spec, "status": {"phase": phase}}
+
+
+def test_every_gang_of_the_spec_has_an_adapter_and_every_adapter_its_crd():
+    gangs = SeqTrainJob.model_json_schema()["$defs"]["SchedulingSpec"]["properties"]["gang"]["enum"]
+    assert set(ADAPTERS) == set(gangs) - {"native"}
+    assert adapter_for("native") is None
+    assert {a.crd for a in ADAPTERS.values()} == {"podgroups.scheduling.x-k8s.io", "podgroups.scheduling.volcano.sh",
+                                                  "workloads.kueue.x-k8s.io", "podgroups.scheduling.run.ai"}
+
+
+def test_kueue_group_is_stable_across_attempts_and_unique_per_job():
+    a = adapter_for("kueue")
+    assert a.group_name(job(), OWNER, 1) == a.group_name(job(), OWNER, 7) == "gpt-0a1b2c3d"
+    other = m.Owner(name="gpt", namespace="ml", uid="ffff0000-1111")
+    assert a.group_name(job(), other, 1) != a.group_name(job(), OWNER, 1)
+
+
+@pytest.mark.parametrize(("gang", "queue", "problem"), [
+    ("kueue", None, "needs scheduling.queue"),
+    ("coscheduling", "q", "has no queues"),
+    ("coscheduling", None, None),
+    ("volcano", None, None),
+    ("kai", None, None),
+])
+def test_config_problems(gang, queue, problem):
+    found = adapter_for(gang).config_problem(job(gang, queue))
+    assert (found is None) if problem is None else (problem in found)
+
+
+def test_kai_defaults_to_its_default_queue():
+    g = m.build_gang(job("kai", None), OWNER, 1, m.Settings(), None)
+    assert g.podgroup["spec"]["queue"] == "default-queue"
+    assert g.pods[0]["metadata"]["labels"]["kai.scheduler/queue"] == "default-queue"
+    assert "ownerReferences" not in g.pods[0]["metadata"] and g.podgroup["metadata"]["ownerReferences"]
+
+
+def test_kueue_queued_only_while_gated_and_released_only_when_ended_and_held_by_its_finalizer():
+    a = adapter_for("kueue")
+    assert a.queued(pod(gates=[kq.GATE]))
+    assert not a.queued(pod())  # ungated: admitted, now the scheduler's
+    assert a.released(pod(phase="Failed", finalizers=[kq.FINALIZER], deleting=True))
+    assert not a.released(pod(phase="Running", finalizers=[kq.FINALIZER], deleting=True))  # still stopping
+    assert not a.released(pod(phase="Failed", finalizers=[kq.FINALIZER]))  # not deleted by anyone
+    assert not a.released(pod(phase="Failed", finalizers=["other/finalizer"], deleting=True))
+    assert a.released(pod(gates=[kq.GATE], finalizers=[kq.FINALIZER], deleting=True))  # deleted while queued
+
+
+def test_podgroup_schedulers_count_unbound_pods_as_queued():
+    a = adapter_for("coscheduling")
+    assert a.queued(pod()) and not a.queued(pod(node="n1"))
+
+
+def test_observe_leaves_out_released_pods_and_marks_queued_ones():
+    pods = [pod(1, 0, phase="Failed", finalizers=[kq.FINALIZER], deleting=True),
+            pod(1, 1, phase="Failed", finalizers=[kq.FINALIZER], deleting=True),
+            pod(2, 0, gates=[kq.GATE]), pod(2, 1, gates=[kq.GATE])]
+    seen = _observe(adapter_for("kueue"), pods, [], T0, Config())
+    assert [(r.attempt, r.replica, r.queued) for r in seen] == [(2, 0, True), (2, 1, True)]
+
+
+def _queued_gang(attempt: int, queued: bool = True, phases=("Pending", "Pending")):
+    return tuple(ReplicaObservation(replica=i, attempt=attempt, phase=ph, queued=queued and ph == "Pending")
+                 for i, ph in enumerate(phases))
+
+
+def _scheduling(since: datetime) -> JobStatus:
+    st = JobStatus(phase="Scheduling", attempt=1)
+    cond.set_condition(st, "Scheduled", "False", "GangCreated", "attempt 1 created", since)
+    return st
+
+
+def test_a_gang_waiting_in_the_queue_is_kept_past_pending_grace():
+    st = _scheduling(T0)
+    d = decide(job(grace=60), st, Observed(replicas=_queued_gang(1)), T0 + timedelta(seconds=3600))
+    assert d.of(DeleteGang) == []
+    c = cond.get(d.status, "Scheduled")
+    assert c.reason == "Queued" and "queue team-a" in c.message
+    # admitted an hour later: pendingGraceSeconds counts from the admission, not from the creation
+    later = T0 + timedelta(seconds=3600 + 5)
+    d2 = decide(job(grace=60), d.status, Observed(replicas=_queued_gang(1, queued=False)), later)
+    assert d2.of(DeleteGang) == [] and cond.get(d2.status, "Scheduled").reason == "Admitted"
+    d3 = decide(job(grace=60), d2.status, Observed(replicas=_queued_gang(1, queued=False)),
+                later + timedelta(seconds=61))
+    assert [a.reason for a in d3.of(DeleteGang)] == ["PendingTimeout"]
+
+
+def test_a_partly_started_gang_is_not_queued():
+    st = _scheduling(T0)
+    obs = Observed(replicas=_queued_gang(1, phases=("Running", "Pending")))
+    d = decide(job(grace=60), st, obs, T0 + timedelta(seconds=61))
+    assert [a.reason for a in d.of(DeleteGang)] == ["PendingTimeout"]
+
+
+@pytest.mark.parametrize(("scheduling", "words"), [
+    ({"gang": "kueue"}, "Kueue LocalQueue"),
+    ({"gang": "coscheduling", "queue": "q"}, "has no queues"),
+])
+def test_validate_refuses_a_queue_the_scheduler_cannot_use(scheduling, words):
+    from seqtrain.spec import SpecError, parse_job
+
+    doc = {"apiVersion": "seqtrain.dev/v1alpha1", "kind": "SeqTrainJob", "metadata": {"name": "g"},
+           "spec": {"replicas": 2, "training": {"globalBatchSize": 16}, "scheduling": scheduling}}
+    with pytest.raises(SpecError) as err:
+        parse_job(doc)
+    assert any(p.path == "spec.scheduling.queue" and words in p.message for p in err.value.problems)
