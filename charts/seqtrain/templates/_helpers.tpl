@@ -46,6 +46,10 @@ app.kubernetes.io/component: operator
 - apiGroups: ["seqtrain.dev"]
   resources: ["seqtrainjobs/status"]
   verbs: ["get", "patch"]
+# ownerReferences with blockOwnerDeletion on the gang's objects: OwnerReferencesPermissionEnforcement requires it.
+- apiGroups: ["seqtrain.dev"]
+  resources: ["seqtrainjobs/finalizers"]
+  verbs: ["update"]
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["get", "list", "watch", "create", "delete", "deletecollection"]
