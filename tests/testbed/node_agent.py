@@ -456,6 +456,8 @@ class Agent:
         for f in files:  # a config file naming a mount path names its local folder
             f.write_text(paths.rewrite(f.read_text()))
         env = container_env(pod, c, self.lookup(ns), paths)
+        # The trainer writes its final progress to the termination-message file; here that file is a local one.
+        env.setdefault("SEQTRAIN_TERMINATION_LOG", str(message_file))
         argv = [paths.rewrite(expand_refs(a, env)) for a in [*(c.get("command") or []), *(c.get("args") or [])]]
         cwd = paths.rewrite(c["workingDir"]) if c.get("workingDir") else str(root)
         return argv, env, root, message_file, cwd
