@@ -18,7 +18,8 @@ set -euo pipefail
 K8S_VERSION=${SEQTRAIN_K8S_VERSION:-v1.36.1}
 KWOK_VERSION=${SEQTRAIN_KWOK_VERSION:-v0.8.0}
 CACHE_ROOT=${SEQTRAIN_K8S_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/seqtrain/k8s}
-DEST="$CACHE_ROOT/kubernetes-$K8S_VERSION-kwok-$KWOK_VERSION"
+# -b2: the build recipe (b2 stamps the release version into the binaries); a new recipe is a new cache folder.
+DEST="$CACHE_ROOT/kubernetes-$K8S_VERSION-kwok-$KWOK_VERSION-b2"
 BINARIES=(etcd kube-apiserver kube-controller-manager kube-scheduler kwok)
 
 # kwok's default "fast" stages (nodes initialize and renew their Lease; pods become ready, complete, are deleted):
@@ -91,7 +92,12 @@ import (
 GO
 go mod tidy -e >/dev/null
 mkdir -p out
-go build -trimpath -ldflags "$LDFLAGS" -o out/ \
+# The version the apiserver reports (/version): without it, v0.0.0-master, which Helm charts' kubeVersion refuse.
+KV=k8s.io/component-base/version
+MINOR=${K8S_VERSION#v1.}; MINOR=${MINOR%%.*}
+K8S_LDFLAGS="$LDFLAGS -X $KV.gitVersion=$K8S_VERSION -X $KV.gitMajor=1 -X $KV.gitMinor=$MINOR -X $KV.gitTreeState=clean"
+K8S_LDFLAGS+=" -X $KV.buildDate=$(date -u +%Y-%m-%dT%H:%M:%SZ)"
+go build -trimpath -ldflags "$K8S_LDFLAGS" -o out/ \
     k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager \
     k8s.io/kubernetes/cmd/kube-scheduler
 go build -trimpath -ldflags "$LDFLAGS" -o out/etcd go.etcd.io/etcd/server/v3

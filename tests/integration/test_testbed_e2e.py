@@ -78,6 +78,7 @@ def losses(ns: str, job: str) -> dict[int, float]:
     return out
 
 
+@pytest.mark.timeout(2 * RUN_TIMEOUT + 300)
 def test_cpu_job_trains_and_a_killed_rank_restarts_the_gang_from_its_checkpoint(
         testbed: Testbed, seqtrain_operator: Operator, ns: str) -> None:
     op = seqtrain_operator

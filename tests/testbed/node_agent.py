@@ -358,6 +358,32 @@ class Agent:
                 return None
             raise
 
+    def _projection(self, pod: dict[str, Any], src: dict[str, Any]) -> list[tuple[str, str]]:
+        """(path, content) of one projected volume source, as the kubelet would write it."""
+        meta = pod["metadata"]
+        if "serviceAccountToken" in src:
+            t = src["serviceAccountToken"]
+            spec: dict[str, Any] = {"expirationSeconds": t.get("expirationSeconds", 3607),
+                                    "boundObjectRef": {"kind": "Pod", "apiVersion": "v1", "name": meta["name"],
+                                                       "uid": meta["uid"]}}
+            if t.get("audience"):
+                spec["audiences"] = [t["audience"]]
+            sa = pod["spec"].get("serviceAccountName") or "default"
+            got = self.api.create_namespaced_service_account_token(sa, meta["namespace"], {"spec": spec})
+            return [(t["path"], got.status.token)]
+        if "downwardAPI" in src:
+            return [(it["path"], resolve_field(pod, it["fieldRef"]["fieldPath"]))
+                    for it in src["downwardAPI"].get("items") or [] if "fieldRef" in it]
+        kind = "configmap" if "configMap" in src else "secret"
+        ref = src.get("configMap") or src.get("secret") or {}
+        data = self._data(kind, meta["namespace"], ref.get("name", ""))
+        if data is None:
+            if ref.get("optional"):
+                return []
+            raise ValueError(f"projected {kind} {ref.get('name')} not found")
+        items = ref.get("items") or [{"key": k, "path": k} for k in data]
+        return [(it["path"], data.get(it["key"], "")) for it in items]
+
     def _claim_dir(self, namespace: str, claim: str) -> Path:
         pvc = self.api.read_namespaced_persistent_volume_claim(claim, namespace)
         if pvc.spec.volume_name:
@@ -398,6 +424,13 @@ class Agent:
                     f.parent.mkdir(parents=True, exist_ok=True)
                     f.write_text(data.get(it["key"], ""))
                     files.append(f)
+            elif "projected" in v:  # e.g. kube-api-access-*: a bound token, the cluster CA, the namespace
+                local.mkdir(parents=True, exist_ok=True)
+                for src in v["projected"].get("sources") or []:
+                    for path, text in self._projection(pod, src):
+                        f = local / path
+                        f.parent.mkdir(parents=True, exist_ok=True)
+                        f.write_text(text)
             elif "emptyDir" in v:
                 local = Path("/dev/shm") if (v["emptyDir"] or {}).get("medium") == "Memory" and any(
                     m["name"] == v["name"] and m["mountPath"] == "/dev/shm" for m in c.get("volumeMounts") or []) else local
@@ -423,6 +456,8 @@ class Agent:
         for f in files:  # a config file naming a mount path names its local folder
             f.write_text(paths.rewrite(f.read_text()))
         env = container_env(pod, c, self.lookup(ns), paths)
+        # The trainer writes its final progress to the termination-message file; here that file is a local one.
+        env.setdefault("SEQTRAIN_TERMINATION_LOG", str(message_file))
         argv = [paths.rewrite(expand_refs(a, env)) for a in [*(c.get("command") or []), *(c.get("args") or [])]]
         cwd = paths.rewrite(c["workingDir"]) if c.get("workingDir") else str(root)
         return argv, env, root, message_file, cwd
@@ -612,7 +647,7 @@ def main(argv: list[str] | None = None) -> int:
     from kubernetes import client, config
 
     config.load_kube_config(args.kubeconfig)
-    agent = Agent(client.CoreV1Api(), client.CoordinationV1Api(), args.node, Path(args.state),
+    agent = Agent(client.CoreV1Api(), client.CoordinationV1Api(), args.node, Path(args.state).resolve(),
                   dict(kv.split("=", 1) for kv in args.label), dict(kv.split("=", 1) for kv in args.capacity.split(",")))
     signal.signal(signal.SIGTERM, lambda *_: agent.stop.set())
     signal.signal(signal.SIGINT, lambda *_: agent.stop.set())

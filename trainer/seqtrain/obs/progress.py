@@ -21,8 +21,13 @@ from seqtrain.spec.status import Progress
 
 PROGRESS_FILE = "progress.json"
 FILE_INTERVAL_S = 1.0
-# Kubernetes' default terminationMessagePath; only used when it exists (i.e. inside a container).
+# Kubernetes' default terminationMessagePath; only used when it exists (i.e. inside a container). Outside one
+# (the test suite's node agent runs pods as local processes) SEQTRAIN_TERMINATION_LOG names the file instead.
 TERMINATION_LOG = "/dev/termination-log"
+
+
+def termination_log() -> str:
+    return os.environ.get("SEQTRAIN_TERMINATION_LOG") or TERMINATION_LOG
 
 
 def now_iso() -> str:
@@ -75,9 +80,10 @@ class ProgressReporter:
     def finish(self) -> None:
         """Leave the final progress where the operator can read it after the process is gone."""
         self.update(flush=True)
-        if os.path.exists(TERMINATION_LOG) and os.access(TERMINATION_LOG, os.W_OK):
+        path = termination_log()
+        if os.path.exists(path) and os.access(path, os.W_OK):
             try:
-                with open(TERMINATION_LOG, "w", encoding="utf-8") as f:
+                with open(path, "w", encoding="utf-8") as f:
                     json.dump(self.progress.model_dump(by_alias=True, mode="json", exclude_none=True), f)
             except OSError:
                 pass  # best effort: progress.json in the workdir still has it
