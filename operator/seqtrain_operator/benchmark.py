@@ -5,7 +5,8 @@ operator as its own process (`seqtrain operator`, authenticated as the chart's S
 `helm install`) behind the fault proxy of tests/testbed (no faults: it only counts the operator's requests), applies
 `--jobs` SeqTrainJobs of `--replicas` pods each, and reports:
 
-- seconds from the first apply to all pods created, to all pods Running, and to every job's status Running;
+- seconds from the first apply to all pods created, to all pods Running, and to every job's status Running (when
+  that does not happen within `--timeout`, the result says `complete: false` and what ran by then);
 - the operator process's CPU seconds and peak RSS (from /proc), over the whole run;
 - API requests per job per minute at steady state (everything Running, over `--steady-seconds`), by verb/resource;
 - p50/p99 of one reconcile pass, from the operator's `seqtrain_reconcile_seconds` histogram (interpolated within
@@ -41,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[2]
 NAMESPACE = "seqtrain-bench"
 POOL = "seqtrain.bench/pool"
 GROUP, VERSION, PLURAL = "seqtrain.dev", "v1alpha1", "seqtrainjobs"
-RELEASE, RELEASE_NS, SERVICE_ACCOUNT = "seqtrain", "seqtrain-system", "seqtrain-seqtrain"
+RELEASE, RELEASE_NS, SERVICE_ACCOUNT = "seqtrain", "seqtrain-system", "seqtrain"
 
 
 def _log(msg: str) -> None:
@@ -161,7 +162,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         helm = str(ROOT / ".tools" / "bin" / "helm") if (ROOT / ".tools" / "bin" / "helm").exists() else "helm"
         subprocess.run([helm, "upgrade", "--install", RELEASE, str(ROOT / "charts" / "seqtrain"), "-n", RELEASE_NS,
-                        "--create-namespace", "--kubeconfig", kubeconfig, "--set", "replicaCount=0",
+                        "--create-namespace", "--kubeconfig", kubeconfig, "--set", "replicaCount=0", "--set", "fullnameOverride=seqtrain",
                         "--set", "webhook.enabled=false", "--set", "metrics.enabled=false", "--wait"],
                        check=True, capture_output=True)
         with ThreadPoolExecutor(8) as pool:
@@ -218,8 +219,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                 _log(f"t={now:.0f}s pods {len(pods)}/{want}, running {running}; jobs {dict(phases)}")
                 return len(marks) == 3
 
-            _wait(progress, args.timeout, "every pod Running and every job Running", interval=5.0)
+            try:
+                _wait(progress, args.timeout, "every pod Running and every job Running", interval=5.0)
+                result["complete"] = True
+            except TimeoutError as exc:  # measured as it is: what ran by then, and the steady state of that
+                result["complete"] = False
+                result["incomplete"] = f"{exc} (after --timeout {args.timeout:.0f}s)"
             result.update({k: round(v, 1) for k, v in marks.items()})
+            phases = [_pods(api, NAMESPACE)]
+            result["pods_running_at_end_of_wait"] = sum(1 for ph in phases[0] if ph == "Running")
+            result["pods_at_end_of_wait"] = len(phases[0])
 
             _log(f"steady state for {args.steady_seconds:.0f}s")
             h0, since = _histogram(metrics_url), time.monotonic()

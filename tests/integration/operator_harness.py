@@ -21,6 +21,7 @@ import os
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -178,17 +179,9 @@ class OperatorThread:
 # ---- objects (as the admin) -----------------------------------------------------------------------------------
 
 
-def namespace(cp: ControlPlane, name: str) -> str:
-    """A fresh namespace for one test (a leftover of an earlier run is deleted first)."""
-    try:
-        for j in cp.custom.list_namespaced_custom_object(GROUP, VERSION, name, PLURAL)["items"]:
-            # no operator may be running to release the finalizer of an interrupted run's job
-            patch_job(cp, name, j["metadata"]["name"], {"metadata": {"finalizers": None}})
-        cp.core.delete_namespace(name)
-        wait_for(lambda: _absent(lambda: cp.core.read_namespace(name)), 120, what=f"old namespace {name} gone")
-    except ApiException as exc:
-        if exc.status != 404:
-            raise
+def namespace(cp: ControlPlane, prefix: str) -> str:
+    """A fresh namespace for one test (a random suffix: an interrupted run's leftovers never collide)."""
+    name = f"{prefix}-{uuid.uuid4().hex[:5]}"
     cp.core.create_namespace({"metadata": {"name": name}})
     # the ServiceAccount the pods run as must exist before the operator creates pods
     wait_for(lambda: not _absent(lambda: cp.core.read_namespaced_service_account("default", name)), 30,
@@ -196,15 +189,16 @@ def namespace(cp: ControlPlane, name: str) -> str:
     return name
 
 
-def teardown(cp: ControlPlane, namespaces: list[str]) -> None:
+def teardown(cp: ControlPlane, namespaces: list[str], wait: bool = True) -> None:
     """Delete the tests' jobs while their operator still runs (it releases the finalizers), then the namespaces
-    and the nodes of their pools."""
+    and the nodes of their pools. wait=False: leave the finalizers to the next operator (the testbed fixture's)."""
     for ns in namespaces:
         for j in jobs(cp, ns):
             with _suppress_404():
                 delete_job(cp, ns, j["metadata"]["name"])
     for ns in namespaces:
-        wait_for(lambda ns=ns: not jobs(cp, ns), 60, what=f"jobs of {ns} deleted")
+        if wait:
+            wait_for(lambda ns=ns: not jobs(cp, ns), 60, what=f"jobs of {ns} deleted")
         with _suppress_404():
             cp.core.delete_namespace(ns)
         delete_nodes(cp, ns)

@@ -57,8 +57,9 @@ def env(seqtrain_operator, tmp_path_factory):
 
 def _ns(env, name: str) -> str:
     b, pools = env
-    pools.append(name)
-    return namespace(b.cp, name)
+    ns = namespace(b.cp, name)
+    pools.append(ns)
+    return ns
 
 
 def test_gang_objects_env_volumes_affinity_owners_and_success(env):

@@ -171,10 +171,13 @@ def test_two_replicas_one_acts_and_the_other_takes_over(ha_bed, tmp_path):
         assert set(creates.values()) == {1}
         assert len(pods_of(cp, ns, "j", 3)) == 2
         assert "Traceback" not in replicas[standby].text(), replicas[standby].text()[-3000:]
-        teardown(cp, [ns])  # while the survivor runs: it releases the job's finalizer
     finally:
         for r in replicas.values():
             r.stop()
+        # The webhook died with op-a if it was the one killed, and the chart's webhook sees every update of a job,
+        # finalizer removals included (issue 11 defect 8): the testbed fixture's operator, started again after this
+        # test, releases the job's finalizer.
+        teardown(cp, [ns], wait=False)
     print(f"hand-over took {took:.1f}s with --peering-lifetime={LIFETIME}")
 
 

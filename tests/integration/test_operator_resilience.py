@@ -54,10 +54,10 @@ def env(seqtrain_operator, tmp_path_factory):
 
 def _ns(env, name: str) -> str:
     b, pools = env
-    pools.append(name)
-    namespace(b.cp, name)
-    add_node(b.cp, f"{name}-0", pool=name)
-    return name
+    ns = namespace(b.cp, name)
+    pools.append(ns)
+    add_node(b.cp, f"{ns}-0", pool=ns)
+    return ns
 
 
 def test_operator_restart_mid_job_loses_nothing_duplicates_nothing(env):

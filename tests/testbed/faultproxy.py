@@ -253,7 +253,7 @@ class FaultProxy:
         body = await request.read()
         rec = Record(request.method, request.path, request.query_string, watch,
                      request.headers.get("User-Agent", ""), time.monotonic())
-        if body and request.content_type.endswith("json"):
+        if body and (request.content_type.endswith("json") or body[:1] in (b"{", b"[")):  # some clients send none
             with contextlib.suppress(ValueError):
                 rec.body = json.loads(body)
         with self._lock:
@@ -279,9 +279,11 @@ class FaultProxy:
         url = self.upstream.rstrip("/") + request.rel_url.raw_path_qs
         try:
             # No Content-Type invented for a body that came without one (aiohttp would say octet-stream, which the
-            # apiserver refuses; without one it reads JSON).
+            # apiserver refuses; without one it reads JSON), and no Accept-Encoding: the apiserver gzips large
+            # responses when asked, and the proxy passes bodies through as they are (and reads watch events).
             upstream = await self._session.request(request.method, url, headers=headers, data=body or None,
-                                                   allow_redirects=False, skip_auto_headers=("Content-Type",))
+                                                   allow_redirects=False,
+                                                   skip_auto_headers=("Content-Type", "Accept-Encoding"))
         except (aiohttp.ClientError, OSError) as exc:
             rec.status = 502
             return web.json_response(status_body(502, f"proxy: upstream unreachable: {exc}", "ServiceUnavailable"),
