@@ -50,6 +50,9 @@ CASES = [
         {"type": "DisruptionTarget", "status": "True", "reason": "PreemptionByScheduler"}]),
      "Failed", "Preempted", 143, FailureClass.INFRASTRUCTURE),
     ("deleted by someone", pod(deleting=True), "Failed", "Deleted", None, FailureClass.INFRASTRUCTURE),
+    ("evicted by the taint manager from a NotReady node", pod(deleting=True, conditions=[
+        {"type": "DisruptionTarget", "status": "True", "reason": "DeletionByTaintManager"}]),
+     "Failed", "NodeLost", None, FailureClass.INFRASTRUCTURE),
     ("node not ready long", pod(node_name="down"), "Failed", "NodeLost", None, FailureClass.INFRASTRUCTURE),
     ("node not ready briefly", pod(node_name="blip"), "Running", None, None, None),
     ("node removed", pod(node_name="gone"), "Failed", "NodeLost", None, FailureClass.INFRASTRUCTURE),

@@ -102,14 +102,15 @@ def replica_of(pod: Mapping[str, Any], nodes: Mapping[str, Mapping[str, Any]], n
             reason, message = waiting["reason"], waiting.get("message", "")
     terminating = bool(meta.get("deletionTimestamp"))
     if phase in ("Pending", "Running") and terminating:
-        phase, reason = "Failed", "Deleted"
+        # Who deleted it, when the API says (the taint manager evicting pods of a NotReady node: NodeLost).
+        phase, reason = "Failed", _disruption(pod) or "Deleted"
     node_lost = node_unready = False
     if node:
         gone = node not in nodes
         down = None if gone else not_ready_for(nodes[node], now)
         node_lost = gone or (down is not None and down >= node_lost_grace)
         node_unready = gone or down is not None
-        if node_lost and (phase in ("Pending", "Running") or reason == "Deleted"):
+        if node_lost and (phase in ("Pending", "Running") or (terminating and reason in ("Deleted", "NodeLost"))):
             phase, reason = "Failed", "NodeLost"
             message = f"node {node} {'was removed' if gone else f'has not been Ready for {down:.0f}s'}"
     if phase == "Failed" and reason is None and _disruption(pod):
