@@ -289,8 +289,26 @@ def part_mfu(args: argparse.Namespace, out: Path) -> dict[str, Any]:
 RUNNERS = {"tests": part_tests, "kernels": part_kernels, "training": part_training, "mfu": part_mfu}
 
 
+# Beyond torch (and triton for the kernels): what seqtrain itself imports on this path. Everything else
+# (deepspeed, tensorboard, prometheus_client, tokenizers, matplotlib, psutil, rich) stays unimported.
+REQUIRED = {"torch": "torch", "numpy": "numpy", "pydantic": "pydantic>=2.6", "yaml": "pyyaml"}
+
+
+def missing_modules() -> list[str]:
+    import importlib.util
+
+    return [pip for mod, pip in REQUIRED.items() if importlib.util.find_spec(mod) is None]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse(list(sys.argv[1:] if argv is None else argv))
+    missing = missing_modules()
+    if missing:
+        print(f"seqtrain bench gpu: missing Python packages: {', '.join(missing)}. Install them "
+              f"(pip install {' '.join(repr(m) for m in missing)}), or on a machine without network carry the "
+              "wheels: `pip download -d wheels ...` here, `pip install --no-index wheels/*.whl` there.",
+              file=sys.stderr)
+        return 2
     import torch
 
     if not torch.cuda.is_available():
