@@ -44,6 +44,13 @@ def test_kernels_part_runs_the_kernel_bench_on_the_interpreter(tmp_path: Path) -
     assert all(r["kernel_ms"] and r["reference_ms"] for r in kernels["summary"])
 
 
+def test_parts_past_the_budget_are_recorded_as_skipped(tmp_path: Path) -> None:
+    assert gpu.main(["--out", str(tmp_path), "--parts", "tests,training", "--budget-s", "-1"]) == 0
+    parts = json.loads((tmp_path / "summary.json").read_text())["parts"]
+    assert all(p["status"].startswith("skipped: over the") for p in parts.values())
+    assert not (tmp_path / "training.json").exists()
+
+
 def test_unknown_part_is_named() -> None:
     with pytest.raises(SystemExit):
         gpu.main(["--out", "/tmp/x", "--parts", "tests,gpu"])

@@ -56,7 +56,10 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                    help="tiny shapes and few steps: exercise every code path (implied without CUDA)")
     p.add_argument("--quick", action="store_true", help="half the timed steps (GPU)")
     p.add_argument("--micro-batch", type=int, default=4, help="sequences per step in the MFU part (default 4)")
-    p.add_argument("--tests-timeout", type=int, default=240, help="seconds for `pytest -m gpu` (default 240)")
+    p.add_argument("--tests-timeout", type=int, default=180, help="seconds for `pytest -m gpu` (default 180)")
+    p.add_argument("--budget-s", type=float, default=510.0,
+                   help="a part that would start after this many seconds is recorded as skipped (default 510: the "
+                        "9-minute limit of a lent H100 session, less a margin)")
     args = p.parse_args(argv)
     unknown = [x for x in args.parts.split(",") if x not in PARTS]
     if unknown:
@@ -112,7 +115,7 @@ def part_kernels(args: argparse.Namespace, out: Path) -> dict[str, Any]:
 
     target = out / "kernels-detail.json"
     if _cuda() and not args.dry_run:
-        argv = ["--device", "cuda", "--repeat", "10" if args.quick else "20", "--out", str(target)]
+        argv = ["--device", "cuda", "--repeat", "5" if args.quick else "10", "--out", str(target)]
     else:
         try:
             import triton  # noqa: F401
@@ -324,6 +327,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     t_all = time.perf_counter()
     for part in args.parts.split(","):
+        if time.perf_counter() - t_all > args.budget_s:
+            summary["parts"][part] = {"status": f"skipped: over the {args.budget_s:.0f}s budget", "seconds": 0.0}
+            continue
         t0 = time.perf_counter()
         print(f"seqtrain bench gpu: {part} ...", file=sys.stderr, flush=True)
         try:
