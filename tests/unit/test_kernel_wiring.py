@@ -258,6 +258,8 @@ def test_resolution_rules(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert resolve_kernels(None, cpu)[0] is False  # unset: off on the CPU
     assert resolve_kernels(False, torch.device("cuda"))[0] is False  # never probes the device
+    on, why = resolve_kernels(None, torch.device("cuda"))  # unset on CUDA: the reference until a GPU bench says
+    assert not on and "seqtrain bench gpu" in why  # otherwise (docs/benchmarks.md); no device probe either
     on, why = resolve_kernels(True, cpu)
     assert not on and "TRITON_INTERPRET=1 is not set" in why
     monkeypatch.setenv("TRITON_INTERPRET", "1")

@@ -56,7 +56,10 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                    help="tiny shapes and few steps: exercise every code path (implied without CUDA)")
     p.add_argument("--quick", action="store_true", help="half the timed steps (GPU)")
     p.add_argument("--micro-batch", type=int, default=4, help="sequences per step in the MFU part (default 4)")
-    p.add_argument("--tests-timeout", type=int, default=240, help="seconds for `pytest -m gpu` (default 240)")
+    p.add_argument("--tests-timeout", type=int, default=180, help="seconds for `pytest -m gpu` (default 180)")
+    p.add_argument("--budget-s", type=float, default=510.0,
+                   help="a part that would start after this many seconds is recorded as skipped (default 510: the "
+                        "9-minute limit of a lent H100 session, less a margin)")
     args = p.parse_args(argv)
     unknown = [x for x in args.parts.split(",") if x not in PARTS]
     if unknown:
@@ -112,7 +115,7 @@ def part_kernels(args: argparse.Namespace, out: Path) -> dict[str, Any]:
 
     target = out / "kernels-detail.json"
     if _cuda() and not args.dry_run:
-        argv = ["--device", "cuda", "--repeat", "10" if args.quick else "20", "--out", str(target)]
+        argv = ["--device", "cuda", "--repeat", "5" if args.quick else "10", "--out", str(target)]
     else:
         try:
             import triton  # noqa: F401
@@ -289,8 +292,26 @@ def part_mfu(args: argparse.Namespace, out: Path) -> dict[str, Any]:
 RUNNERS = {"tests": part_tests, "kernels": part_kernels, "training": part_training, "mfu": part_mfu}
 
 
+# Beyond torch (and triton for the kernels): what seqtrain itself imports on this path. Everything else
+# (deepspeed, tensorboard, prometheus_client, tokenizers, matplotlib, psutil, rich) stays unimported.
+REQUIRED = {"torch": "torch", "numpy": "numpy", "pydantic": "pydantic>=2.6", "yaml": "pyyaml"}
+
+
+def missing_modules() -> list[str]:
+    import importlib.util
+
+    return [pip for mod, pip in REQUIRED.items() if importlib.util.find_spec(mod) is None]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse(list(sys.argv[1:] if argv is None else argv))
+    missing = missing_modules()
+    if missing:
+        print(f"seqtrain bench gpu: missing Python packages: {', '.join(missing)}. Install them "
+              f"(pip install {' '.join(repr(m) for m in missing)}), or on a machine without network carry the "
+              "wheels: `pip download -d wheels ...` here, `pip install --no-index wheels/*.whl` there.",
+              file=sys.stderr)
+        return 2
     import torch
 
     if not torch.cuda.is_available():
@@ -306,6 +327,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     t_all = time.perf_counter()
     for part in args.parts.split(","):
+        if time.perf_counter() - t_all > args.budget_s:
+            summary["parts"][part] = {"status": f"skipped: over the {args.budget_s:.0f}s budget", "seconds": 0.0}
+            continue
         t0 = time.perf_counter()
         print(f"seqtrain bench gpu: {part} ...", file=sys.stderr, flush=True)
         try:
