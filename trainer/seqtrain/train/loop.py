@@ -95,6 +95,11 @@ class Trainer:
             from seqtrain.export.init import load_initial_weights
 
             self.log(load_initial_weights(self.model, self.spec.model.init))
+        if self.spec.model.lora is not None:  # freeze the model, add adapters: only they train and are saved
+            from seqtrain.models.lora import apply_lora
+
+            n = apply_lora(self.model, self.spec.model.lora, self.spec.model.arch)
+            self.log(f"LoRA: {n:,} trainable parameters (rank {self.spec.model.lora.rank})")
         self.model = parallelize(self.model, self.job, self.ctx)  # tensor parallel (before AC / compile)
         self.log(setup_kernels(self.model, self.job, self.ctx.device))  # optimization.kernels -> model and loss
         for line in prepare_model(self.model, self.job, self.ctx.device):  # activation checkpointing, compile
