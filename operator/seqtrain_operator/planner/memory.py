@@ -47,6 +47,7 @@ from seqtrain.parallel.compat import engine_of, pipeline_micro_batches
 from seqtrain.parallel.costs import ParamBreakdown, param_breakdown, stage_bounds
 from seqtrain.parallel.topology import INTERLEAVED_CHUNKS
 from seqtrain.spec import SeqTrainJob
+from seqtrain.spec.lora import lora_param_count
 from seqtrain.spec.model import ModelSpec
 from seqtrain.spec.resolve import resolved_model
 
@@ -178,6 +179,7 @@ class MemoryEstimate:
     pipeline_micro_batches: int
     total_params: int
     stages: tuple[RankMemory, ...]
+    trainable_params: int | None = None  # with model.lora: the adapters (everything else is frozen)
 
     @property
     def busiest(self) -> RankMemory:
@@ -215,6 +217,9 @@ def estimate(job: SeqTrainJob) -> MemoryEstimate:
         # parameter as the paper's mixed-precision Adam, split 4 + 4 + 8 instead of 2 + 2 + 12.
         ms = model_state_bytes(psi, opt.precision if engine == "deepspeed" else "fp32", zstage, dp,
                                opt.zero.offload)
+        if m.lora is not None:  # frozen weights: no gradients or optimizer states for them, only for adapters
+            ad = model_state_bytes(lora_param_count(m), "fp32", zstage, dp, opt.zero.offload)
+            ms = ModelStates(params=ms.params + ad.params, grads=ad.grads, optimizer=ad.optimizer, cpu=ad.cpu)
         params, grads = ms.params, ms.grads
         if engine == "fsdp2" and dp > 1:
             extra_p, extra_g = fsdp_working_set(p, tp, opt.precision, has_root=True)
@@ -237,7 +242,8 @@ def estimate(job: SeqTrainJob) -> MemoryEstimate:
         stages.append(RankMemory(stage=st, blocks=bounds[st], params_count=psi, params=params, grads=grads,
                                  optimizer=ms.optimizer, activations=acts, cpu=ms.cpu))
     return MemoryEstimate(engine=engine, zero_stage=zstage, precision=opt.precision, micro_batch=mb,
-                          pipeline_micro_batches=n_micro, total_params=p.total, stages=tuple(stages))
+                          pipeline_micro_batches=n_micro, total_params=p.total, stages=tuple(stages),
+                          trainable_params=lora_param_count(m) if m.lora is not None else None)
 
 
 def gib(x: float) -> str:

@@ -56,7 +56,8 @@ def plan_dict(job: SeqTrainJob, plan: Plan) -> dict:
         "engine": est.engine,
         "zeroStage": est.zero_stage,
         "precision": est.precision,
-        "model": {"arch": m.arch, "params": est.total_params, "layers": m.layers, "dim": m.dim},
+        "model": {"arch": m.arch, "params": est.total_params, "layers": m.layers, "dim": m.dim,
+                  "trainableParams": est.trainable_params if est.trainable_params is not None else est.total_params},
         "replicas": [{"replica": r.replica, "node": r.node, "ranks": list(r.ranks)} for r in plan.replicas],
         "groups": groups(plan.layout),
         "ranks": [r.to_dict() for r in rank_table(job, plan)],
@@ -86,7 +87,9 @@ def _notes(job: SeqTrainJob, plan: Plan, est: MemoryEstimate) -> list[str]:
 
 def render(d: dict) -> str:
     lines = [f"job {d['job']}: {d['model']['arch']} {d['model']['params']:,} parameters, "
-             f"world {d['worldSize']} = dp {d['layout']['dp']} x pp {d['layout']['pp']} x tp {d['layout']['tp']}",
+             f"world {d['worldSize']} = dp {d['layout']['dp']} x pp {d['layout']['pp']} x tp {d['layout']['tp']}"
+             + (f", LoRA: {d['model']['trainableParams']:,} trainable (the rest frozen)"
+                if d["model"]["trainableParams"] != d["model"]["params"] else ""),
              f"engine {d['engine']} (ZeRO-{d['zeroStage']} accounting), precision {d['precision']}, "
              f"micro-batch {d['microBatch']} sequences"]
     p = d["pipeline"]

@@ -9,6 +9,7 @@ folder back exactly.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -38,6 +39,7 @@ def export(source: str | Weights, out: str, fmt: str = "hf", merge_lora: bool = 
         if not merge_lora:
             raise WeightsError(f"{w.origin}: holds LoRA adapters; pass --merge-lora to write merged weights")
         w = merge_weights(w)
+    w = dataclasses.replace(w, spec=w.spec.model_copy(update={"init": None, "lora": None}))  # self-contained
     if fmt not in ("hf", "seqtrain"):
         raise WeightsError(f"--format: {fmt!r} is not hf or seqtrain")
     if fmt == "hf" and w.spec.arch != "gpt":

@@ -28,11 +28,12 @@ def _init_problems(job: SeqTrainJob, m) -> list[Problem]:  # noqa: ANN001 - the 
         return []
     desc = describe_init(init)
     if desc is None:
-        if os.environ.get("SEQTRAIN_CHECK_PATHS", "1") == "1":
-            why = "is not a folder" if not os.path.isdir(os.path.expanduser(init)) else \
-                "holds no model description (seqtrain.json, config.json, meta.json or a run's trainer config)"
-            return [Problem("spec.model.init", f"{init!r} {why}; give an export, run, checkpoint or Hugging Face "
-                                               "Llama folder")]
+        # A folder that does not exist yet is fine here (written by an export before the run, or present only in
+        # the pods); the trainer fails clearly if it is still missing. One that exists must describe a model.
+        if os.path.isdir(os.path.expanduser(init)) and os.environ.get("SEQTRAIN_CHECK_PATHS", "1") == "1":
+            return [Problem("spec.model.init", f"{init!r} holds no model description (seqtrain.json, config.json, "
+                                               "meta.json or a run's trainer config); give an export, run, "
+                                               "checkpoint or Hugging Face Llama folder")]
         return []
     aliases = {"vocab_size": "vocabSize", "kv_heads": "kvHeads", "ffn_dim": "ffnDim", "tie_embeddings": "tieEmbeddings"}
     out = []
@@ -102,6 +103,19 @@ def check(job: SeqTrainJob) -> list[Problem]:
                 alias = {"heads": "heads", "kv_heads": "kvHeads", "ffn_dim": "ffnDim"}[name]
                 out.append(Problem(f"spec.model.{alias}", f"only applies to arch gpt, not {m.arch}; remove it"))
     out += _init_problems(job, m)
+    if m.lora is not None:
+        from ..parallel.compat import engine_of
+        from .lora import unknown_targets
+        from .model import LORA_TARGETS
+
+        bad = unknown_targets(m)
+        if bad:
+            out.append(Problem("spec.model.lora.targetModules", f"{', '.join(bad)} not in {m.arch}'s targets; use "
+                                                                f"some of {', '.join(LORA_TARGETS[m.arch])}"))
+        if engine_of(job) != "ddp" or opt.tensor_parallel > 1 or opt.pipeline_parallel > 1:
+            out.append(Problem("spec.model.lora", "LoRA runs on the native data-parallel engine only (DDP or one "
+                                                  "process): set optimization.engine native, zero.stage 0, "
+                                                  "tensorParallel 1 and pipelineParallel 1"))
     tok_vocab = None
     if s.data.tokenizer.type == "byte" and s.data.source != "synthetic":
         tok_vocab = 256

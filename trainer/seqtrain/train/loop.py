@@ -108,11 +108,18 @@ class Trainer:
         init_mesh(self.ctx, self.job)  # dp/pp/tp groups; data shards by the dp rank from here on
         # torchtitan's order: build on the meta device, parallelise, then allocate and initialise only what this
         # rank holds (its tensor-parallel slices, its pipeline stages); the weights equal the single process's.
-        if self.spec.model.init:  # fine-tuning: the whole model is built for real and loaded before it is split
-            from seqtrain.export.init import load_initial_weights
-
+        if self.spec.model.init or self.spec.model.lora is not None:
+            # fine-tuning: the whole model is built for real and loaded, adapters added, before it is split
             self.model = build_model(self.spec.model)
-            self.log(load_initial_weights(self.model, self.spec.model.init))
+            if self.spec.model.init:
+                from seqtrain.export.init import load_initial_weights
+
+                self.log(load_initial_weights(self.model, self.spec.model.init))
+            if self.spec.model.lora is not None:  # freeze the model, add adapters: only they train and are saved
+                from seqtrain.models.lora import apply_lora
+
+                n = apply_lora(self.model, self.spec.model.lora, self.spec.model.arch)
+                self.log(f"LoRA: {n:,} trainable parameters (rank {self.spec.model.lora.rank})")
         else:
             self.model = new_model(self.spec.model)
         self.model = parallelize(self.model, self.job, self.ctx)  # tensor parallel (before AC / compile)
