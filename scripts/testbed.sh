@@ -88,7 +88,7 @@ EOF
 start() {  # name command...
     local name=$1; shift
     # setsid: its own session, so a Ctrl-C in the shell that ran `up` does not reach it; `down` stops it by pid.
-    setsid "$@" >"$LOGS/$name.log" 2>&1 </dev/null &
+    setsid "$@" >"$LOGS/$name.log" 2>&1 </dev/null 8>&- &
     echo $! >"$PIDS/$name"
 }
 
@@ -216,7 +216,7 @@ up() {
     # kwok manages only its nodes (label type=kwok), never the agent's.
     start kwok "$bin/kwok" --kubeconfig "$TB/kubeconfig" --manage-all-nodes=false \
         --manage-nodes-with-label-selector type=kwok --cidr 10.244.0.0/16 --node-ip 10.0.0.1 \
-        --server-address "127.0.0.1:$KWOK_PORT"
+        --server-address "127.0.0.1:$KWOK_PORT" --config /tmp/kwokcfg/stages.yaml
     local agent_args=()
     for c in "${AGENT_NODES[@]}"; do agent_args+=(--node "$c"); done
     start node-agent env PATH="$ROOT/.venv/bin:$PATH" PYTHONPATH="$ROOT/trainer:$ROOT/operator${PYTHONPATH:+:$PYTHONPATH}" \
