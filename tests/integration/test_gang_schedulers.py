@@ -209,6 +209,17 @@ def kueue(testbed: Testbed) -> Iterator[None]:
         "webhook": {"port": port, "host": "127.0.0.1", "certDir": str(certs)},
         "leaderElection": {"leaderElect": False}, "internalCertManagement": {"enable": False},
         "integrations": {"frameworks": ["pod"]}}))
+    # With its own certificate management off, Kueue v0.19 reads the metrics server's certificate from a fixed
+    # path (cmd/kueue/main.go); created here only when absent, and removed again.
+    metrics_certs = Path("/etc/kueue/metrics/certs")
+    created = not metrics_certs.exists()
+    if created:
+        try:
+            metrics_certs.mkdir(parents=True)
+        except OSError as exc:
+            unavailable(f"Kueue needs {metrics_certs} (its fixed metrics certificate path): {exc}")
+        for f in ("tls.crt", "tls.key"):
+            (metrics_certs / f).write_bytes((certs / f).read_bytes())
     proc = start(testbed, [str(bins / "kueue"), f"--config={cfg}"], "kueue")
     try:
         def serving() -> bool:
@@ -220,6 +231,11 @@ def kueue(testbed: Testbed) -> Iterator[None]:
     finally:
         stop(proc)
         testbed.kubectl("delete", "-f", "-", "--ignore-not-found", input=yaml.safe_dump_all(hooks), check=False)
+        if created:
+            for f in ("tls.crt", "tls.key"):
+                (metrics_certs / f).unlink(missing_ok=True)
+            for d in (metrics_certs, metrics_certs.parent, metrics_certs.parent.parent):
+                d.rmdir()
 
 
 def test_kueue_queue_admit_train_restart_and_clean_up(testbed: Testbed, operator: LocalOperator, kueue: None,
