@@ -220,7 +220,9 @@ def kueue(testbed: Testbed) -> Iterator[None]:
             unavailable(f"Kueue needs {metrics_certs} (its fixed metrics certificate path): {exc}")
         for f in ("tls.crt", "tls.key"):
             (metrics_certs / f).write_bytes((certs / f).read_bytes())
-    proc = start(testbed, [str(bins / "kueue"), f"--config={cfg}"], "kueue")
+    # its visibility API server wants certificates of its own; the scenario does not use it
+    proc = start(testbed, [str(bins / "kueue"), f"--config={cfg}", "--feature-gates=VisibilityOnDemand=false"],
+                 "kueue")
     try:
         def serving() -> bool:
             assert proc.poll() is None, (TB / "logs" / "kueue.log").read_text(errors="replace")[-3000:]
