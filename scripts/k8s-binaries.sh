@@ -46,7 +46,10 @@ if complete; then echo "$DEST"; exit 0; fi
 WORK=$(mktemp -d "$CACHE_ROOT/.build-XXXXXX")
 trap 'rm -rf "$WORK"' EXIT
 export GOFLAGS=-mod=mod CGO_ENABLED=0 GOTOOLCHAIN=local
-LDFLAGS="-s -w"
+# A version stamp, as release builds have: helm's kubeVersion checks and Kueue's server-version fetcher refuse
+# the unstamped v0.0.0-master+$Format:%H$ (seen on the testbed).
+V=k8s.io/component-base/version
+LDFLAGS="-s -w -X $V.gitVersion=$K8S_VERSION -X $V.gitMajor=1 -X $V.gitMinor=$(echo "$K8S_VERSION" | cut -d. -f2) -X $V.gitTreeState=clean"
 echo "k8s-binaries: building Kubernetes $K8S_VERSION and kwok $KWOK_VERSION into $DEST (first run only)" >&2
 
 cd "$WORK"

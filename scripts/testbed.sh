@@ -88,6 +88,7 @@ EOF
 start() {  # name command...
     local name=$1; shift
     # setsid: its own session, so a Ctrl-C in the shell that ran `up` does not reach it; `down` stops it by pid.
+    # 8>&-: not the lock `up`/`down` hold, or a later `up`/`down` would wait on it as long as this runs.
     setsid "$@" >"$LOGS/$name.log" 2>&1 </dev/null 8>&- &
     echo $! >"$PIDS/$name"
 }
@@ -116,6 +117,19 @@ all_nodes_ready() {
 
 # kwok's nodes: GPU pools with topology labels (zone > rack > NVLink domain); one pool tainted the way GKE and AKS
 # taint GPU nodes. Labels the planner reads: nvidia.com/gpu.product, nvidia.com/gpu.memory.
+# kwok v0.8 exits with "no stages found" unless it is given its node and pod stages (kwokctl normally passes
+# them): take the ones kwok ships (kustomize/stage/) from its module, which scripts/k8s-binaries.sh downloaded.
+kwok_stages() {
+    local dir out="$TB/kwok-stages.yaml" f
+    dir="$(go env GOMODCACHE 2>/dev/null)/sigs.k8s.io/kwok@${SEQTRAIN_KWOK_VERSION:-v0.8.0}/kustomize/stage"
+    [[ -d $dir ]] || die "no kwok stages in $dir (run scripts/k8s-binaries.sh, or go mod download sigs.k8s.io/kwok)"
+    : >"$out"
+    for f in "$dir"/node/fast/node-*.yaml "$dir"/node/heartbeat/node-*.yaml "$dir"/pod/fast/pod-*.yaml; do
+        cat "$f" >>"$out"; printf '\n---\n' >>"$out"
+    done
+    echo "$out"
+}
+
 kwok_nodes() {
     local name zone rack clique product taint
     while read -r name zone rack clique product taint; do
@@ -216,7 +230,7 @@ up() {
     # kwok manages only its nodes (label type=kwok), never the agent's.
     start kwok "$bin/kwok" --kubeconfig "$TB/kubeconfig" --manage-all-nodes=false \
         --manage-nodes-with-label-selector type=kwok --cidr 10.244.0.0/16 --node-ip 10.0.0.1 \
-        --server-address "127.0.0.1:$KWOK_PORT" --config /tmp/kwokcfg/stages.yaml
+        --server-address "127.0.0.1:$KWOK_PORT" --config "$(kwok_stages)"
     local agent_args=()
     for c in "${AGENT_NODES[@]}"; do agent_args+=(--node "$c"); done
     start node-agent env PATH="$ROOT/.venv/bin:$PATH" PYTHONPATH="$ROOT/trainer:$ROOT/operator${PYTHONPATH:+:$PYTHONPATH}" \
