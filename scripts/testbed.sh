@@ -88,7 +88,7 @@ EOF
 start() {  # name command...
     local name=$1; shift
     # setsid: its own session, so a Ctrl-C in the shell that ran `up` does not reach it; `down` stops it by pid.
-    # 8>&-: the lock of this script must not outlive it in the components.
+    # 8>&-: not the lock `up`/`down` hold, or a later `up`/`down` would wait on it as long as this runs.
     setsid "$@" >"$LOGS/$name.log" 2>&1 </dev/null 8>&- &
     echo $! >"$PIDS/$name"
 }

@@ -25,9 +25,8 @@ import pytest
 import yaml
 from test_gang_crds import FILES, install_crds
 from test_testbed_e2e import RUN_TIMEOUT, cpu_job, job_status, wait_phase
-from test_testbed_e2e import ns as ns  # noqa: F401, F811 (a module fixture, found by name)
 
-from testbed.fixtures import ROOT, TB, Operator, Testbed, free_port, unavailable, wait
+from testbed.fixtures import ROOT, TB, Testbed, free_port, unavailable, wait
 
 pytestmark = pytest.mark.slow
 
@@ -40,12 +39,13 @@ def gang_binaries(name: str) -> Path:
     return Path(out.stdout.strip())
 
 
-def start(tb: Testbed, argv: list[str], name: str) -> subprocess.Popen[bytes]:
+def start(tb: Testbed, argv: list[str], name: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     log = TB / "logs" / f"{name}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "ab") as f:
         return subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env={**os.environ, "KUBECONFIG": str(tb.kubeconfig)}, start_new_session=True)
+                                env={**os.environ, "KUBECONFIG": str(tb.kubeconfig), **(env or {})},
+                                start_new_session=True)
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
@@ -60,6 +60,56 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
 
 def pods(tb: Testbed, ns: str, job: str) -> list[dict[str, Any]]:
     return tb.get("pods", namespace=ns, selector=f"seqtrain.dev/job={job}")
+
+
+# ---- the operator ------------------------------------------------------------------------------------------------
+
+
+class LocalOperator:
+    """The operator as a local process with the testbed's admin kubeconfig and the CRD applied directly. (The
+    session's `seqtrain_operator` fixture helm-installs the chart, and helm refuses an apiserver built without a
+    version stamp, as scripts/k8s-binaries.sh builds it today; the chart's RBAC is covered there and in
+    test_chart.py.)"""
+
+    def __init__(self, tb: Testbed) -> None:
+        self.log = TB / "logs" / "gang-operator.log"
+        tb.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(ROOT / "crds" / "seqtrainjob.yaml"))
+        argv = [str(ROOT / ".venv" / "bin" / "seqtrain"), "operator", "--all-namespaces", "--standalone",
+                f"--progress-port={free_port()}", f"--master-port={free_port()}", "--termination-grace=30",
+                "--verbose"]
+        self.proc = start(tb, argv, "gang-operator", {"PYTHONPATH": f"{ROOT / 'trainer'}:{ROOT / 'operator'}"})
+
+    def logs(self, lines: int = 80) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+
+@pytest.fixture(scope="module")
+def operator(testbed: Testbed) -> Iterator[LocalOperator]:
+    op = LocalOperator(testbed)
+    try:
+        yield op
+    finally:
+        stop(op.proc)
+
+
+@pytest.fixture(scope="module")
+def ns(testbed: Testbed, operator: LocalOperator) -> str:
+    """A namespace with the ReadWriteMany claim `seqtrain-ckpt` (a hostPath PV the node agent maps)."""
+    name = testbed.namespace("gang")
+    folder = TB / "volumes" / name
+    folder.mkdir(parents=True, exist_ok=True)
+    testbed.apply([
+        {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": f"{name}-ckpt"},
+         "spec": {"capacity": {"storage": "5Gi"}, "accessModes": ["ReadWriteMany"],
+                  "persistentVolumeReclaimPolicy": "Retain", "storageClassName": "testbed",
+                  "hostPath": {"path": str(folder), "type": "Directory"}}},
+        {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "seqtrain-ckpt", "namespace": name},
+         "spec": {"accessModes": ["ReadWriteMany"], "storageClassName": "testbed", "volumeName": f"{name}-ckpt",
+                  "resources": {"requests": {"storage": "5Gi"}}}},
+    ])
+    wait("the checkpoint claim Bound",
+         lambda: (testbed.get("pvc", "seqtrain-ckpt", name) or {}).get("status", {}).get("phase") == "Bound", 120)
+    return name
 
 
 # ---- coscheduling ---------------------------------------------------------------------------------------------
@@ -98,7 +148,7 @@ def gpu_gang(name: str, replicas: int) -> dict[str, Any]:
                                     "pendingGraceSeconds": 600}}}
 
 
-def test_coscheduling_binds_all_or_nothing(testbed: Testbed, seqtrain_operator: Operator, coscheduler: None,
+def test_coscheduling_binds_all_or_nothing(testbed: Testbed, operator: LocalOperator, coscheduler: None,
                                            ns: str) -> None:
     # 4 untainted H100 nodes of 8 GPUs: a 3-node gang fits, then a 2-node gang does not (1 node left).
     testbed.apply(gpu_gang("fits", 3), ns)
@@ -159,7 +209,20 @@ def kueue(testbed: Testbed) -> Iterator[None]:
         "webhook": {"port": port, "host": "127.0.0.1", "certDir": str(certs)},
         "leaderElection": {"leaderElect": False}, "internalCertManagement": {"enable": False},
         "integrations": {"frameworks": ["pod"]}}))
-    proc = start(testbed, [str(bins / "kueue"), f"--config={cfg}"], "kueue")
+    # With its own certificate management off, Kueue v0.19 reads the metrics server's certificate from a fixed
+    # path (cmd/kueue/main.go); created here only when absent, and removed again.
+    metrics_certs = Path("/etc/kueue/metrics/certs")
+    created = not metrics_certs.exists()
+    if created:
+        try:
+            metrics_certs.mkdir(parents=True)
+        except OSError as exc:
+            unavailable(f"Kueue needs {metrics_certs} (its fixed metrics certificate path): {exc}")
+        for f in ("tls.crt", "tls.key"):
+            (metrics_certs / f).write_bytes((certs / f).read_bytes())
+    # its visibility API server wants certificates of its own; the scenario does not use it
+    proc = start(testbed, [str(bins / "kueue"), f"--config={cfg}", "--feature-gates=VisibilityOnDemand=false"],
+                 "kueue")
     try:
         def serving() -> bool:
             assert proc.poll() is None, (TB / "logs" / "kueue.log").read_text(errors="replace")[-3000:]
@@ -170,17 +233,22 @@ def kueue(testbed: Testbed) -> Iterator[None]:
     finally:
         stop(proc)
         testbed.kubectl("delete", "-f", "-", "--ignore-not-found", input=yaml.safe_dump_all(hooks), check=False)
+        if created:
+            for f in ("tls.crt", "tls.key"):
+                (metrics_certs / f).unlink(missing_ok=True)
+            for d in (metrics_certs, metrics_certs.parent, metrics_certs.parent.parent):
+                d.rmdir()
 
 
-def test_kueue_queue_admit_train_restart_and_clean_up(testbed: Testbed, seqtrain_operator: Operator, kueue: None,
+def test_kueue_queue_admit_train_restart_and_clean_up(testbed: Testbed, operator: LocalOperator, kueue: None,
                                                       ns: str) -> None:
-    op = seqtrain_operator
+    op = operator
     testbed.apply([
         {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "ResourceFlavor", "metadata": {"name": "cpu"},
          "spec": {"nodeLabels": {"node.kubernetes.io/instance-type": "testbed-cpu"}}},
         {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "ClusterQueue", "metadata": {"name": f"cq-{ns}"},
          "spec": {"namespaceSelector": {}, "resourceGroups": [{"coveredResources": ["cpu", "memory"], "flavors": [
-             {"name": "cpu", "resources": [{"name": "cpu", "nominalQuota": "2"},
+             {"name": "cpu", "resources": [{"name": "cpu", "nominalQuota": "1"},
                                            {"name": "memory", "nominalQuota": "64Gi"}]}]}]}},
         {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "LocalQueue", "metadata": {"name": "team", "namespace": ns},
          "spec": {"clusterQueue": f"cq-{ns}"}}])
