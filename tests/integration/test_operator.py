@@ -191,8 +191,6 @@ def stop_kwok_node(cp, name: str) -> None:
     cp.core.patch_node(name, {"metadata": {"labels": {"type": "dead"}}})
 
 
-@pytest.mark.xfail(strict=True, reason="issue 11 defect 1: a pod on a dead node keeps its deletionTimestamp (no "
-                                       "kubelet confirms), the operator never force-deletes it and never restarts")
 def test_node_loss_is_an_infrastructure_restart_on_another_node(env):
     b, _ = env
     cp = b.cp
