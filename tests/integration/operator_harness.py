@@ -43,7 +43,7 @@ POOL_LABEL = "seqtrain.test/pool"
 T = TypeVar("T")
 
 
-def wait_for(fn: Callable[[], T], timeout: float = 30.0, what: str = "condition", interval: float = 0.2) -> T:
+def wait_for(fn: Callable[[], T], timeout: float = 120.0, what: str = "condition", interval: float = 0.2) -> T:
     """Poll `fn` until it returns something truthy (returned); fail naming `what` after `timeout` seconds."""
     deadline = time.monotonic() + timeout
     last: Any = None
@@ -296,7 +296,7 @@ def status(cp: ControlPlane, ns: str, name: str) -> dict[str, Any]:
     return job(cp, ns, name).get("status") or {}
 
 
-def wait_phase(cp: ControlPlane, ns: str, name: str, phase: str, timeout: float = 30.0) -> dict[str, Any]:
+def wait_phase(cp: ControlPlane, ns: str, name: str, phase: str, timeout: float = 120.0) -> dict[str, Any]:
     return wait_for(lambda: (s := status(cp, ns, name)).get("phase") == phase and s, timeout,
                     what=f"{ns}/{name} phase {phase}")
 
@@ -311,7 +311,7 @@ def pods(cp: ControlPlane, ns: str, selector: str = "") -> list[dict[str, Any]]:
     return sorted(items, key=lambda p: p["metadata"]["name"])
 
 
-def wait_pods(cp: ControlPlane, ns: str, name: str, attempt: int, count: int, timeout: float = 30.0,
+def wait_pods(cp: ControlPlane, ns: str, name: str, attempt: int, count: int, timeout: float = 120.0,
               phase: str | None = None) -> list[dict[str, Any]]:
     """`count` pods of the attempt, none of them terminating (and all in `phase`, when given)."""
     def ready() -> list[dict[str, Any]] | None:
@@ -323,7 +323,7 @@ def wait_pods(cp: ControlPlane, ns: str, name: str, attempt: int, count: int, ti
                     + (f" {phase}" if phase else ""))
 
 
-def wait_running(cp: ControlPlane, ns: str, name: str, attempt: int, count: int, timeout: float = 60.0
+def wait_running(cp: ControlPlane, ns: str, name: str, attempt: int, count: int, timeout: float = 180.0
                  ) -> list[dict[str, Any]]:
     """kube-scheduler binds the gang's pods and kwok runs them."""
     return wait_pods(cp, ns, name, attempt, count, timeout, phase="Running")

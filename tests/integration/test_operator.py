@@ -36,7 +36,7 @@ from operator_harness import (
     wait_running,
 )
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = pytest.mark.timeout(600)
 
 
 @pytest.fixture(scope="module")

@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PEERING = ("kopf.dev", "v1", "clusterkopfpeerings")
 LIFETIME = 3  # --peering-lifetime: how stale the killed replica's keep-alive must get before the other acts
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(600)
 
 
 def peers(b: Bed) -> dict[str, Any]:

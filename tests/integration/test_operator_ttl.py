@@ -22,7 +22,7 @@ from operator_harness import (
     wait_running,
 )
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = pytest.mark.timeout(600)
 
 
 @pytest.fixture(scope="module")
