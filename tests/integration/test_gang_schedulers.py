@@ -150,22 +150,23 @@ def gpu_gang(name: str, replicas: int) -> dict[str, Any]:
 
 def test_coscheduling_binds_all_or_nothing(testbed: Testbed, operator: LocalOperator, coscheduler: None,
                                            ns: str) -> None:
-    # 4 untainted H100 nodes of 8 GPUs: a 3-node gang fits, then a 2-node gang does not (1 node left).
+    # 6 H100 nodes of 8 GPUs (the tainted pool is tolerated: ExtendedResourceToleration adds the toleration to pods
+    # that request nvidia.com/gpu): a 3-node gang fits, then a 4-node gang does not (3 nodes left).
     testbed.apply(gpu_gang("fits", 3), ns)
     wait("fits: all 3 pods bound", lambda: [p for p in pods(testbed, ns, "fits") if p["spec"].get("nodeName")]
          if len([p for p in pods(testbed, ns, "fits") if p["spec"].get("nodeName")]) == 3 else None, 300)
     pg = testbed.get("podgroups.scheduling.x-k8s.io", "fits-1", ns)
     assert pg["spec"]["minMember"] == 3 and "queue" not in pg["spec"]
-    testbed.apply(gpu_gang("too-big", 2), ns)
-    wait("too-big: both pods created", lambda: len(pods(testbed, ns, "too-big")) == 2, 120)
+    testbed.apply(gpu_gang("too-big", 4), ns)
+    wait("too-big: its 4 pods created", lambda: len(pods(testbed, ns, "too-big")) == 4, 120)
     # Wait until the scheduler has tried (the PodGroup's pods are reported unschedulable), then check none bound.
     wait("too-big: the scheduler refused the gang", lambda: all(
         any(c.get("type") == "PodScheduled" and c.get("status") == "False" for c in p["status"].get("conditions") or [])
         for p in pods(testbed, ns, "too-big")), 120)
-    assert [p["spec"].get("nodeName") for p in pods(testbed, ns, "too-big")] == [None, None]
+    assert [p["spec"].get("nodeName") for p in pods(testbed, ns, "too-big")] == [None] * 4  # none, not 3 of 4
     assert job_status(testbed, ns, "too-big")["conditions"]  # Scheduled=False: Queued (waiting for the scheduler)
     testbed.kubectl("delete", "stj", "fits", "-n", ns, "--wait=true", "--timeout=180s", timeout=240)
-    wait("too-big: both bound once room freed", lambda: all(p["spec"].get("nodeName")
+    wait("too-big: all 4 bound once room freed", lambda: all(p["spec"].get("nodeName")
                                                            for p in pods(testbed, ns, "too-big")), 300)
 
 
