@@ -65,7 +65,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     if args.nproc_per_node > 1:  # several ranks in this pod: our launcher keeps their exit codes (torchrun does not)
-        from seqtrain.train.launch import main as launch_main
+        from seqtrain.runtime.launch import main as launch_main
 
         return launch_main(args.config, args.nproc_per_node)
     from seqtrain.train.entry import main as train_main

@@ -14,7 +14,7 @@ from seqtrain.data import build_train_data
 from seqtrain.export.weights import load_source
 from seqtrain.export.writer import export
 from seqtrain.models import build_model
-from seqtrain.train.loss import CausalLMLoss
+from seqtrain.models.loss import CausalLMLoss
 
 pytestmark = pytest.mark.slow
 BASE = {"model.kvHeads": 2, "model.tieEmbeddings": False, "training.seed": 11}

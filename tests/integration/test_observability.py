@@ -20,8 +20,8 @@ import torch
 
 from seqtrain.data import eval_batches, load_corpus
 from seqtrain.models import build_model
+from seqtrain.models.loss import CausalLMLoss
 from seqtrain.spec import RuntimeConfig, load_job, resolve
-from seqtrain.train.loss import CausalLMLoss
 
 DEADLINE_S = 150
 
@@ -218,8 +218,8 @@ def test_report_of_the_run(early_stopped_run: dict[str, Any], capsys: pytest.Cap
 def test_endpoints_in_process(tmp_path: Path) -> None:
     """Single rank in this process: scrape /metrics and /progress from inside the step-2 callback, so the
     check does not depend on timing."""
-    from seqtrain.train.callbacks import BaseCallback, build_callbacks
-    from seqtrain.train.dist import DistContext
+    from seqtrain.runtime.callbacks import BaseCallback, build_callbacks
+    from seqtrain.runtime.dist import DistContext
     from seqtrain.train.loop import Trainer
 
     job = resolve(load_job(JOB, ["replicas=1", "training.steps=3", "training.profile=null",

@@ -40,11 +40,11 @@ def _shard_of(full: torch.Tensor, shard: torch.Tensor, rank: int) -> torch.Tenso
 def _grads_case(rank: int, tokens: torch.Tensor, doc_ids: torch.Tensor | None, policy: str,
                 autocast: bool) -> dict[str, float]:
     from seqtrain.models import build_model
-    from seqtrain.models.checkpointing import apply_activation_checkpointing
+    from seqtrain.models.activation_checkpointing import apply_activation_checkpointing
+    from seqtrain.models.loss import CausalLMLoss
     from seqtrain.parallel.sequence import apply_sequence_parallel
     from seqtrain.parallel.tensor import apply_tensor_parallel
     from seqtrain.spec.optimization import ActivationCheckpointingSpec
-    from seqtrain.train.loss import CausalLMLoss
 
     torch.manual_seed(0)
     ref = build_model(_spec())
@@ -101,7 +101,7 @@ def spawn_ranks(fn: Any, world: int, timeout: float = 240.0) -> dict[int, Any]:
     raises fails the caller with its traceback; every wait has a deadline."""
     import time
 
-    from seqtrain.train.launch import free_port
+    from seqtrain.runtime.launch import free_port
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()

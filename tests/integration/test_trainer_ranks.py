@@ -48,7 +48,7 @@ def make_run(tmp_path: Path, name: str, overrides: tuple[str, ...] = ()) -> Path
 
 
 def start_ranks(workdir: Path, world: int = 2, env: dict[str, str] | None = None) -> list[subprocess.Popen]:
-    # identities and rendezvous as the one launcher gives them (seqtrain.train.launch.rank_envs)
+    # identities and rendezvous as the one launcher gives them (seqtrain.runtime.launch.rank_envs)
     return launch.start_ranks(workdir / "trainer.json", workdir, world, {"OMP_NUM_THREADS": "1", **(env or {})})
 
 

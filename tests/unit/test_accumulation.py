@@ -15,8 +15,8 @@ from seqtrain.data import Batch, Corpus
 from seqtrain.data.packing import build_batch, plan_rows
 from seqtrain.engine.native import NativeEngine
 from seqtrain.models import build_model
+from seqtrain.runtime.dist import DistContext
 from seqtrain.spec import load_job, resolve
-from seqtrain.train.dist import DistContext
 
 JOB = """
 apiVersion: seqtrain.dev/v1alpha1

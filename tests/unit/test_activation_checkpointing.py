@@ -9,7 +9,11 @@ import pytest
 import torch
 
 from seqtrain.models import build_model
-from seqtrain.models.checkpointing import SavedActivationMeter, apply_activation_checkpointing, segments
+from seqtrain.models.activation_checkpointing import (
+    SavedActivationMeter,
+    apply_activation_checkpointing,
+    segments,
+)
 from seqtrain.spec.model import ModelSpec
 from seqtrain.spec.optimization import ActivationCheckpointingSpec as AC
 

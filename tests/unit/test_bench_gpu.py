@@ -57,8 +57,8 @@ def test_unknown_part_is_named() -> None:
 
 
 def test_mfu_model_is_about_1_3b_parameters() -> None:
+    from seqtrain.layout.costs import param_breakdown
     from seqtrain.obs.flops import token_flops
-    from seqtrain.parallel.costs import param_breakdown
 
     job = gpu._job(gpu.MFU_MODEL, gpu.MFU_SEQ, 4, 1, "bf16", "none", True)
     params = param_breakdown(job.spec.model).total

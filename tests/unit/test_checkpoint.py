@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from seqtrain.checkpoint import CheckpointManager, latest_checkpoint, latest_step, list_checkpoints
+from seqtrain.runtime.dist import DistContext
 from seqtrain.spec import RuntimeConfig, load_job, resolve
-from seqtrain.train.dist import DistContext
 
 
 def writer(names: list[str], fail: bool = False):  # noqa: ANN201

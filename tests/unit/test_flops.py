@@ -110,7 +110,7 @@ def test_unresolved_spec_is_rejected() -> None:
 def test_hardware_flops_match_checkpointed_models(policy: str, every: int) -> None:
     """HFU's numerator against torch's count of a model with the policy applied (recomputation included)."""
     from seqtrain.models import build_model
-    from seqtrain.models.checkpointing import apply_activation_checkpointing
+    from seqtrain.models.activation_checkpointing import apply_activation_checkpointing
     from seqtrain.spec.optimization import ActivationCheckpointingSpec
 
     spec = GPT_CASES["gpt-gqa"]  # 3 blocks: "every 2" checkpoints blocks 0 and 2, "sqrt" 2 segments

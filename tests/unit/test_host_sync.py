@@ -12,8 +12,8 @@ import torch
 
 from seqtrain.data import build_train_data
 from seqtrain.data.prefetch import Prefetcher
+from seqtrain.runtime.dist import DistContext
 from seqtrain.spec import RuntimeConfig, load_job, resolve
-from seqtrain.train.dist import DistContext
 from seqtrain.train.loop import Trainer
 
 YAML = textwrap.dedent("""

@@ -163,7 +163,7 @@ def test_error_line_from_the_termination_message_log_tail():
 
 
 def test_error_line_helpers():
-    from seqtrain.train.exitcodes import error_line, last_error
+    from seqtrain.runtime.exitcodes import error_line, last_error
 
     assert error_line(ValueError("bad\nsecond line")) == "ValueError: bad"
     assert error_line(KeyError()) == "KeyError"

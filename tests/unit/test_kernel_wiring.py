@@ -28,14 +28,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from seqtrain import kernels as K
 from seqtrain.data import Batch
 from seqtrain.models import build_model
-from seqtrain.models.checkpointing import apply_activation_checkpointing
+from seqtrain.models.activation_checkpointing import apply_activation_checkpointing
 from seqtrain.models.dispatch import apply_kernels, resolve_kernels, setup_kernels
+from seqtrain.models.loss import CausalLMLoss, linear_cross_entropy
 from seqtrain.parallel.pipeline import build_stages
+from seqtrain.runtime.dist import DistContext
 from seqtrain.spec import RuntimeConfig, load_job, resolve
 from seqtrain.spec.features import unavailable
 from seqtrain.spec.optimization import ActivationCheckpointingSpec
-from seqtrain.train.dist import DistContext
-from seqtrain.train.loss import CausalLMLoss, linear_cross_entropy
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
@@ -300,7 +300,7 @@ def test_a_cpu_run_that_does_not_ask_never_imports_triton(tmp_path: Path) -> Non
         import seqtrain.train.entry, seqtrain.train.loop, seqtrain.models, seqtrain.kernels
         at_import = "triton" in sys.modules
         from seqtrain.spec import RuntimeConfig, load_job, resolve
-        from seqtrain.train.dist import DistContext
+        from seqtrain.runtime.dist import DistContext
         from seqtrain.train.loop import Trainer
         sys.path.insert(0, {str(ROOT / "tests" / "unit")!r})
         from test_kernel_wiring import MODELS, job_yaml

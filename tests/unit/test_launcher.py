@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from seqtrain.runtime import launch as L
 from seqtrain.spec import SeqTrainJob
-from seqtrain.train import launch as L
 from seqtrain_operator import cli
 from seqtrain_operator.controller.failure_policy import FailureClass, classify
 from seqtrain_operator.k8s import manifests as m
@@ -264,7 +264,7 @@ def test_a_rank_that_cannot_start_fails_the_pod(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_signal_to_the_launcher_reaches_every_rank(tmp_path, sig):
-    driver = ("import sys; from seqtrain.train.launch import launch; "
+    driver = ("import sys; from seqtrain.runtime.launch import launch; "
               f"sys.exit(launch({FAKE_CMD!r}, 2, term_grace={DEADLINE_S}))")
     env = fake_env(tmp_path, ["wait", "wait"], PYTHONPATH=TRAINER_ROOT)
     launcher = subprocess.Popen([sys.executable, "-c", driver], env=env)
@@ -299,8 +299,8 @@ def test_gpu_job_without_cuda_is_a_device_fault_not_an_invalid_config(monkeypatc
     """Exit code 5 (the operator: infrastructure, avoid the node), not 3 (permanent)."""
     import torch
 
-    from seqtrain.train import dist
-    from seqtrain.train.exitcodes import DeviceUnavailable
+    from seqtrain.runtime import dist
+    from seqtrain.runtime.exitcodes import DeviceUnavailable
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):

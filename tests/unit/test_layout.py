@@ -9,9 +9,9 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from seqtrain.parallel.compat import engine_of, pipeline_micro_batches
-from seqtrain.parallel.costs import stage_bounds
-from seqtrain.parallel.topology import Coord, MeshShape, balanced_split, bubble_fraction
+from seqtrain.layout.costs import stage_bounds
+from seqtrain.layout.rules import engine_of, pipeline_micro_batches
+from seqtrain.layout.topology import Coord, MeshShape, balanced_split, bubble_fraction
 from seqtrain.spec import SpecError, apply_overrides, parse_job
 from seqtrain.spec.resolve import resolved_model
 from seqtrain_operator.planner.layout import rank_table, tp_groups_split_nodes

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from seqtrain.obs.early_stop import EarlyStopper
 from seqtrain.obs.progress import ProgressReporter
 from seqtrain.obs.prometheus import TrainerMetrics
 from seqtrain.obs.tensorboard import GroupGradNorms, layer_group
+from seqtrain.train.early_stop import EarlyStopper
 
 
 def test_early_stopper_counts_evaluations_without_improvement() -> None:
@@ -114,8 +114,8 @@ def test_validation_batches_score_what_training_scores() -> None:
     from types import SimpleNamespace
 
     from seqtrain.data import load_corpus
-    from seqtrain.obs.evaluation import Evaluation
     from seqtrain.spec import load_job, resolve
+    from seqtrain.train.evaluation import Evaluation
 
     job = resolve(load_job("""
 apiVersion: seqtrain.dev/v1alpha1

@@ -10,10 +10,10 @@ import torch
 from seqtrain.data import IGNORE_INDEX, Batch
 from seqtrain.engine import NativeEngine
 from seqtrain.models import build_model
+from seqtrain.optim.build import build_optimizer, build_scheduler, lr_factor, param_groups
+from seqtrain.runtime.dist import DistContext
 from seqtrain.spec import load_job, resolve
 from seqtrain.spec.training import OptimizerSpec, ScheduleSpec
-from seqtrain.train.dist import DistContext
-from seqtrain.train.optim import build_optimizer, build_scheduler, lr_factor, param_groups
 
 JOB = """
 apiVersion: seqtrain.dev/v1alpha1

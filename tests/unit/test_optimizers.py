@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from seqtrain.models import build_model
+from seqtrain.optim.build import build_optimizer, build_scheduler, lr_factor, param_groups
+from seqtrain.optim.optimizers import Lamb
 from seqtrain.spec.model import ModelSpec
 from seqtrain.spec.training import OptimizerSpec, ScheduleSpec
-from seqtrain.train.optim import build_optimizer, build_scheduler, lr_factor, param_groups
-from seqtrain.train.optimizers import Lamb
 
 GPT = ModelSpec(arch="gpt", vocab_size=32, dim=16, layers=2, heads=2, kv_heads=2, ffn_dim=32, max_seq_len=16,
                 tie_embeddings=False)
@@ -100,7 +100,7 @@ def test_fsdp2_mixed_precision_policy_gathers_bf16_and_reduces_fp32() -> None:
 def _tp_trust_ratio_rank(rank: int, port: int, name: str, out: str) -> None:
     import torch.distributed as dist
 
-    from seqtrain.train.optimizers import Lamb, Lars
+    from seqtrain.optim.optimizers import Lamb, Lars
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
@@ -130,7 +130,7 @@ def test_trust_ratios_under_tensor_parallel_use_the_full_tensor(name: str, tmp_p
 
     import torch.multiprocessing as mp
 
-    from seqtrain.train.optimizers import Lamb, Lars
+    from seqtrain.optim.optimizers import Lamb, Lars
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

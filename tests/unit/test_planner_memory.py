@@ -7,7 +7,7 @@ import json
 import pytest
 import yaml
 
-from seqtrain.parallel.costs import param_breakdown
+from seqtrain.layout.costs import param_breakdown
 from seqtrain.spec import apply_overrides, parse_job
 from seqtrain.spec.resolve import resolved_model
 from seqtrain_operator.planner.memory import estimate, model_state_bytes, stage_params
@@ -121,7 +121,7 @@ def test_zero_stage_lowers_busiest_rank_and_fsdp_counts_as_stage3() -> None:
 def test_fsdp2_counts_its_shards_plus_the_unsharded_working_set() -> None:
     """Shards 4 + 4 + 8 bytes / dp, plus: root unit and two blocks gathered (bf16 gather: 2 bytes), one block's
     fp32 gradient before its reduce-scatter. No full unsharded gradient (reduce-scatter every micro-batch)."""
-    from seqtrain.parallel.costs import param_breakdown
+    from seqtrain.layout.costs import param_breakdown
     from seqtrain.spec.resolve import resolved_model
 
     sets = {"replicas": 4, "optimization.engine": "native", "optimization.zero.stage": 3,

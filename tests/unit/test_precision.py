@@ -11,9 +11,9 @@ import torch
 from seqtrain.data import build_train_data
 from seqtrain.engine.native import NativeEngine
 from seqtrain.models import build_model
+from seqtrain.runtime.dist import DistContext
+from seqtrain.runtime.precision import DynamicLossScaler, MixedPrecision
 from seqtrain.spec import load_job, resolve
-from seqtrain.train.dist import DistContext
-from seqtrain.train.precision import DynamicLossScaler, MixedPrecision
 
 JOB = """
 apiVersion: seqtrain.dev/v1alpha1

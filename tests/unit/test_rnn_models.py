@@ -9,11 +9,11 @@ import torch
 from seqtrain.data.packing import DocumentBatches
 from seqtrain.data.synthetic import load_synthetic
 from seqtrain.models import build_model, count_parameters
+from seqtrain.models.loss import linear_cross_entropy
 from seqtrain.models.qrnn import linear_scan, reference_linear_scan
 from seqtrain.spec import load_job, resolve
 from seqtrain.spec.data import SyntheticSpec
 from seqtrain.spec.model import ModelSpec
-from seqtrain.train.loss import linear_cross_entropy
 
 JOB = """
 apiVersion: seqtrain.dev/v1alpha1

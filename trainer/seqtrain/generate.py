@@ -188,7 +188,7 @@ def load_generator(path: str, device: str | None = None) -> tuple[nn.Module, Any
 
     w = load_source(path)
     if w.lora is not None:
-        from seqtrain.models.lora import merge_weights
+        from seqtrain.export.merge import merge_weights
 
         w = merge_weights(w)
     if w.tokenizer.get("type") == "synthetic":

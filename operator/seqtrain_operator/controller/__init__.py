@@ -8,11 +8,11 @@ See `decide.py` for the phase machine and its invariants, `failure_policy.py` fo
 (user / infrastructure / permanent), `gang_policy.py` for gang admission and `backoff.py` for restart delays.
 """
 
-from .backoff import backoff_seconds
-from .clock import iso, parse, utcnow
-from .decide import create_failed, decide
-from .failure_policy import Failure, FailureClass, classify, root_cause
-from .types import (
+from seqtrain_operator.controller.backoff import backoff_seconds
+from seqtrain_operator.controller.clock import iso, parse, utcnow
+from seqtrain_operator.controller.decide import create_failed, decide
+from seqtrain_operator.controller.failure_policy import Failure, FailureClass, classify, root_cause
+from seqtrain_operator.controller.types import (
     Action,
     CreateGang,
     Decision,

@@ -6,8 +6,7 @@ from datetime import datetime
 from typing import Literal
 
 from seqtrain.spec.status import Condition, JobStatus
-
-from .clock import iso
+from seqtrain_operator.controller.clock import iso
 
 # One condition per phase that has a condition of its own; entering a phase sets its condition True and the
 # others False, so `kubectl wait --for=condition=Succeeded` works.

@@ -22,15 +22,29 @@ from datetime import datetime, timedelta
 
 from seqtrain.spec import SeqTrainJob
 from seqtrain.spec.status import TERMINAL_PHASES, JobStatus, Progress, ReplicaPlacement
-
-from ..planner.types import Unschedulable
-from . import conditions as cond
-from . import gang_policy, goodput
-from .backoff import backoff_seconds
-from .clock import iso, parse, seconds_between
-from .failure_policy import IMAGE_PULL_REASONS, Failure, FailureClass, hang_failure, root_cause
-from .ttl import expire
-from .types import Action, CreateGang, Decision, DeleteGang, Event, Observed, ReplicaObservation, RequeueAfter
+from seqtrain_operator.controller import conditions as cond
+from seqtrain_operator.controller import gang_policy, goodput
+from seqtrain_operator.controller.backoff import backoff_seconds
+from seqtrain_operator.controller.clock import iso, parse, seconds_between
+from seqtrain_operator.controller.failure_policy import (
+    IMAGE_PULL_REASONS,
+    Failure,
+    FailureClass,
+    hang_failure,
+    root_cause,
+)
+from seqtrain_operator.controller.ttl import expire
+from seqtrain_operator.controller.types import (
+    Action,
+    CreateGang,
+    Decision,
+    DeleteGang,
+    Event,
+    Observed,
+    ReplicaObservation,
+    RequeueAfter,
+)
+from seqtrain_operator.planner.types import Unschedulable
 
 # How often to look again while waiting for capacity or for a dying gang to disappear.
 POLL_SECONDS = 5.0

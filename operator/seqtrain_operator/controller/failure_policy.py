@@ -19,11 +19,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum
 
-from .types import ReplicaObservation
+from seqtrain_operator.controller.types import ReplicaObservation
 
-EXIT_INVALID_CONFIG = 3  # seqtrain.train.exitcodes: invalid config, permanent
+EXIT_INVALID_CONFIG = 3  # seqtrain.runtime.exitcodes: invalid config, permanent
 EXIT_COLLECTIVE_TIMEOUT = 4  # a peer died or hung; usually a consequence, not the cause
-EXIT_DEVICE_UNAVAILABLE = 5  # seqtrain.train.exitcodes: no CUDA device on a GPU pod: the node is broken
+EXIT_DEVICE_UNAVAILABLE = 5  # seqtrain.runtime.exitcodes: no CUDA device on a GPU pod: the node is broken
 
 INFRA_REASONS = frozenset({"Evicted", "Preempted", "NodeLost", "NodeShutdown", "Deleted", "Unschedulable",
                            "DeadlineExceeded", "Shutdown", "Terminated", "GPUUnavailable"})

@@ -6,11 +6,10 @@ from dataclasses import dataclass
 
 from seqtrain.spec import SeqTrainJob
 from seqtrain.spec.status import ReplicaPlacement
-
-from ..planner.local import layout_of
-from ..planner.placement import place
-from ..planner.types import Plan, ReplicaAssignment, Unschedulable
-from .types import Observed, ReplicaObservation
+from seqtrain_operator.controller.types import Observed, ReplicaObservation
+from seqtrain_operator.planner.local import layout_of
+from seqtrain_operator.planner.placement import place
+from seqtrain_operator.planner.types import Plan, ReplicaAssignment, Unschedulable
 
 
 @dataclass(frozen=True)

@@ -17,9 +17,8 @@ from __future__ import annotations
 from datetime import datetime
 
 from seqtrain.spec.status import JobStatus
-
-from .clock import parse, seconds_between
-from .conditions import get
+from seqtrain_operator.controller.clock import parse, seconds_between
+from seqtrain_operator.controller.conditions import get
 
 
 def running_seconds(status: JobStatus) -> float:

@@ -6,9 +6,8 @@ from datetime import datetime, timedelta
 
 from seqtrain.spec import SeqTrainJob
 from seqtrain.spec.status import TERMINAL_PHASES, JobStatus
-
-from .clock import parse, seconds_between
-from .types import Action, DeleteJob, Event, RequeueAfter
+from seqtrain_operator.controller.clock import parse, seconds_between
+from seqtrain_operator.controller.types import Action, DeleteJob, Event, RequeueAfter
 
 
 def expire(job: SeqTrainJob, status: JobStatus, now: datetime) -> list[Action]:

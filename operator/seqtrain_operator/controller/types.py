@@ -10,8 +10,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from seqtrain.spec.status import CheckpointRef, JobStatus, Progress
-
-from ..planner.types import Node, Plan
+from seqtrain_operator.planner.types import Node, Plan
 
 ReplicaPhase = Literal["Pending", "Running", "Succeeded", "Failed"]
 
@@ -24,7 +23,7 @@ class ReplicaObservation:
     attempt the local runner started it with). phase: Pending (created, not all ranks started), Running,
     Succeeded (every rank exited 0), Failed (any rank exited non-zero or the replica vanished).
     exit_code: the replica's exit code (128+N for signal N), or 0 / None: a pod's container code, or the local replica
-    process's, both `seqtrain.train.launch.replica_exit_code` of its ranks; the controller reads only this.
+    process's, both `seqtrain.runtime.launch.replica_exit_code` of its ranks; the controller reads only this.
     reason: what the backend knows beyond the code: OOMKilled, Evicted, Preempted, NodeLost, Deleted, Signal ...
     node: where it runs (None while unscheduled). message: free text for the status/event.
     terminating: the object is being deleted (deletionTimestamp set), by us or by someone else.

@@ -8,8 +8,7 @@ from typing import Any
 from kubernetes.client.rest import ApiException
 
 from seqtrain.spec import API_GROUP, API_VERSION, PLURAL
-
-from .client import Kube
+from seqtrain_operator.k8s.client import Kube
 
 _VERSION = API_VERSION.split("/")[1]
 

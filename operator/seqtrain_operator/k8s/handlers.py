@@ -23,11 +23,10 @@ from typing import Any
 import kopf
 
 from seqtrain.spec import API_GROUP, PLURAL, SpecError, parse_job
-
-from . import manifests as m
-from .client import Kube, load_config
-from .metrics import OperatorMetrics
-from .reconcile import Config, cleanup, reconcile
+from seqtrain_operator.k8s import manifests as m
+from seqtrain_operator.k8s.client import Kube, load_config
+from seqtrain_operator.k8s.metrics import OperatorMetrics
+from seqtrain_operator.k8s.reconcile import Config, cleanup, reconcile
 
 VERSION = "v1alpha1"
 FINALIZER = f"{API_GROUP}/cleanup"

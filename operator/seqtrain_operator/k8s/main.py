@@ -14,7 +14,7 @@ import random
 import sys
 from collections.abc import Sequence
 
-from .manifests import EXTERNAL
+from seqtrain_operator.k8s.manifests import EXTERNAL
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,9 +59,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import kopf
 
-    from . import handlers
-    from .manifests import Settings
-    from .reconcile import Config
+    from seqtrain_operator.k8s import handlers
+    from seqtrain_operator.k8s.manifests import Settings
+    from seqtrain_operator.k8s.reconcile import Config
 
     schedulers = {}
     for item in args.scheduler_name:
@@ -69,7 +69,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not sep or gang not in EXTERNAL:
             build_parser().error(f"--scheduler-name {item!r}: expected GANG=NAME with GANG one of {', '.join(EXTERNAL)}")
         schedulers[gang] = name
-    from .client import cluster_config_problem
+    from seqtrain_operator.k8s.client import cluster_config_problem
 
     # After the arguments (a usage error is reported as such), before kopf (which would retry forever).
     if (problem := cluster_config_problem()) is not None:

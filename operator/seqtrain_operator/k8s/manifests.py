@@ -6,7 +6,7 @@ Every object carries an ownerReference to the SeqTrainJob, so deleting the job g
 the labels `seqtrain.dev/job` / `seqtrain.dev/attempt` / `seqtrain.dev/replica` the operator selects them by.
 
 Pods run `seqtrain train --config ...` (one rank) or `seqtrain train --config ... --nproc-per-node N` (several ranks
-per pod: seqtrain.train.launch, which keeps the ranks' exit codes), always as an argv list: no user string ever
+per pod: seqtrain.runtime.launch, which keeps the ranks' exit codes), always as an argv list: no user string ever
 reaches a shell.
 """
 
@@ -16,15 +16,14 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from seqtrain.runtime.launch import replica_command
 from seqtrain.spec import API_VERSION, KIND, RuntimeConfig, SeqTrainJob, TrainerConfig, resolve
 from seqtrain.spec.names import configmap_name, hostname, pod_name, service_name
-from seqtrain.train.launch import replica_command
-
-from ..planner.inventory import GPU_PRODUCT_LABEL, GPU_RESOURCE
-from ..planner.placement import pod_tolerations
-from ..planner.types import Plan
-from .gangs import ADAPTERS, adapter_for
-from .template import apply_pod_template
+from seqtrain_operator.k8s.gangs import ADAPTERS, adapter_for
+from seqtrain_operator.k8s.template import apply_pod_template
+from seqtrain_operator.planner.inventory import GPU_PRODUCT_LABEL, GPU_RESOURCE
+from seqtrain_operator.planner.placement import pod_tolerations
+from seqtrain_operator.planner.types import Plan
 
 GROUP = "seqtrain.dev"
 LABEL_JOB = f"{GROUP}/job"
@@ -142,7 +141,7 @@ def build_configmap(job: SeqTrainJob, owner: Owner, attempt: int, settings: Sett
 
 
 def _command(job: SeqTrainJob, owner: Owner, replica: int, settings: Settings) -> list[str]:
-    # Several ranks per pod: our launcher (seqtrain.train.launch) gives them RANK = NODE_RANK*N + local rank from the
+    # Several ranks per pod: our launcher (seqtrain.runtime.launch) gives them RANK = NODE_RANK*N + local rank from the
     # env below and exits with replica_exit_code of theirs (torchrun would turn an invalid config's 3 into 1). No
     # restarts of its own: the operator restarts the whole gang. The local backend runs the same command.
     return replica_command(f"{CONFIG_DIR}/{CONFIG_FILE}", job.spec.resources.procs)

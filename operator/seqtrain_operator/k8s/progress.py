@@ -10,8 +10,7 @@ import json
 import aiohttp
 
 from seqtrain.spec.status import CheckpointRef, Progress
-
-from .observe import progress_from_json
+from seqtrain_operator.k8s.observe import progress_from_json
 
 
 async def poll_progress(ip: str, port: int, timeout: float = 2.0) -> tuple[Progress | None, CheckpointRef | None]:

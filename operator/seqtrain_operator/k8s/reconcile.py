@@ -27,8 +27,7 @@ from kubernetes.client.rest import ApiException
 
 from seqtrain.spec import JobStatus, SeqTrainJob, SpecError, parse_job
 from seqtrain.spec.status import TERMINAL_PHASES
-
-from ..controller import (
+from seqtrain_operator.controller import (
     CreateGang,
     DeleteGang,
     DeleteJob,
@@ -40,16 +39,16 @@ from ..controller import (
     decide,
     utcnow,
 )
-from ..controller import conditions as cond
-from ..controller.types import Decision
-from ..planner.inventory import inventory
-from ..planner.types import Node, Plan
-from . import calls
-from . import manifests as m
-from .client import Conflict, Kube, api_message
-from .gangs import ADAPTERS, GangScheduler, adapter_for
-from .observe import final_progress, observe_replicas, rank0_ip
-from .progress import poll_progress
+from seqtrain_operator.controller import conditions as cond
+from seqtrain_operator.controller.types import Decision
+from seqtrain_operator.k8s import calls
+from seqtrain_operator.k8s import manifests as m
+from seqtrain_operator.k8s.client import Conflict, Kube, api_message
+from seqtrain_operator.k8s.gangs import ADAPTERS, GangScheduler, adapter_for
+from seqtrain_operator.k8s.observe import final_progress, observe_replicas, rank0_ip
+from seqtrain_operator.k8s.progress import poll_progress
+from seqtrain_operator.planner.inventory import inventory
+from seqtrain_operator.planner.types import Node, Plan
 
 log = logging.getLogger("seqtrain.operator")
 

@@ -8,7 +8,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from .files import read_metrics
+from seqtrain_operator.local.files import read_metrics
 
 
 class ProgressView:

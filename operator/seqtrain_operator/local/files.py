@@ -12,8 +12,7 @@ from pydantic import ValidationError
 
 from seqtrain.checkpoint import discovery
 from seqtrain.spec.status import CheckpointRef, JobStatus, Progress
-
-from ..controller.clock import iso
+from seqtrain_operator.controller.clock import iso
 
 
 def atomic_write_text(path: str, text: str) -> None:

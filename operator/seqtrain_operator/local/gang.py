@@ -1,6 +1,6 @@
 """A gang of local replica processes: started together with a pod's bootstrap environment, observed, stopped together.
 
-Each replica runs exactly what its pod would (`seqtrain.train.launch.replica_command`): `seqtrain train --config F`
+Each replica runs exactly what its pod would (`seqtrain.runtime.launch.replica_command`): `seqtrain train --config F`
 for one rank, `seqtrain train --config F --nproc-per-node N` (the one launcher) for several, and its exit code is the
 replica's exit code by the launcher's one rule. Every process runs in its own session (process group) so that
 stopping it also stops anything it spawned (data workers, compilers), and so that Ctrl-C in the terminal reaches only
@@ -19,10 +19,9 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from seqtrain.train.exitcodes import last_error
-from seqtrain.train.launch import GRACE_ENV, LOG_DIR_ENV, free_port, normalize, replica_command
-
-from ..controller.types import ReplicaObservation
+from seqtrain.runtime.exitcodes import last_error
+from seqtrain.runtime.launch import GRACE_ENV, LOG_DIR_ENV, free_port, normalize, replica_command
+from seqtrain_operator.controller.types import ReplicaObservation
 
 NODE = "localhost"
 TERM_GRACE_SECONDS = 30.0  # SIGTERM -> SIGKILL: the trainer finishes its step and saves within this
@@ -113,7 +112,7 @@ class LocalGang:
                 else:
                     env[LOG_DIR_ENV] = log_dir  # the launcher writes rank-r.log and the ranks' pids here
                     env[GRACE_ENV] = str(max(1.0, TERM_GRACE_SECONDS - LAUNCHER_GRACE_MARGIN_SECONDS))
-                    argv = ([sys.executable, "-m", "seqtrain.train.launch", f"--nproc-per-node={procs_per_replica}",
+                    argv = ([sys.executable, "-m", "seqtrain.runtime.launch", f"--nproc-per-node={procs_per_replica}",
                              "--", *command] if command else replica_command(config_path, procs_per_replica, _CLI))
                     log_path = os.path.join(log_dir, f"replica-{replica}.log")
                 with open(log_path, "ab") as log:
@@ -141,7 +140,7 @@ class LocalGang:
             elif rc == 0:
                 out.append(ReplicaObservation(m.replica, self.attempt, "Succeeded", exit_code=0, node=NODE))
             else:
-                # The replica's code is already the one rule's answer (seqtrain.train.launch.replica_exit_code).
+                # The replica's code is already the one rule's answer (seqtrain.runtime.launch.replica_exit_code).
                 code = exit_code(rc)
                 logs = [os.path.join(m.log_dir, f"rank-{r}.log") for r in m.ranks]
                 error = next((e for e in (last_error(_tail(p)) for p in logs) if e), None)
@@ -236,7 +235,7 @@ def kill_leftovers(gang_file: str) -> int:
                 cmd = f.read().replace(b"\0", b" ")
         except OSError:
             continue
-        if b"seqtrain" in cmd and any(k in cmd for k in (b" train ", b"seqtrain.train.entry", b"seqtrain.train.launch")):
+        if b"seqtrain" in cmd and any(k in cmd for k in (b" train ", b"seqtrain.train.entry", b"seqtrain.runtime.launch")):
             try:
                 os.killpg(pid, signal.SIGKILL)
                 n += 1

@@ -30,13 +30,11 @@ from seqtrain.checkpoint.discovery import quarantined
 from seqtrain.spec import SeqTrainJob, SpecError, load_job_file, resolve
 from seqtrain.spec.runtime import RuntimeConfig, write_trainer_config
 from seqtrain.spec.status import TERMINAL_PHASES, JobStatus, Layout
-
-from ..controller import CreateGang, DeleteGang, Event, Observed, decide, utcnow
-from ..controller.conditions import enter_phase
-from ..controller.types import ReplicaObservation
-from ..planner import local_plan
-from .display import ProgressView, plot_loss
-from .files import (
+from seqtrain_operator.controller import CreateGang, DeleteGang, Event, Observed, decide, utcnow
+from seqtrain_operator.controller.conditions import enter_phase
+from seqtrain_operator.controller.types import ReplicaObservation
+from seqtrain_operator.local.display import ProgressView, plot_loss
+from seqtrain_operator.local.files import (
     MetricsTail,
     atomic_write_text,
     latest_checkpoint,
@@ -44,7 +42,8 @@ from .files import (
     with_trainer_progress,
     write_status,
 )
-from .gang import TERM_GRACE_SECONDS, LocalGang, kill_leftovers
+from seqtrain_operator.local.gang import TERM_GRACE_SECONDS, LocalGang, kill_leftovers
+from seqtrain_operator.planner import local_plan
 
 EXIT_OK, EXIT_FAILED, EXIT_INVALID, EXIT_INTERRUPTED = 0, 1, 2, 130
 POLL_SECONDS = 0.2

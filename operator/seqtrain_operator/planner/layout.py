@@ -1,20 +1,19 @@
 """Who is who in the gang: each rank's replica, node, local rank, mesh coordinates and pipeline blocks.
 
 The rank arithmetic itself (tensor parallel innermost, data parallel outermost) lives in
-`seqtrain.parallel.topology`, shared with the trainer so the plan shows exactly the groups it will build.
+`seqtrain.layout.topology`, shared with the trainer so the plan shows exactly the groups it will build.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from seqtrain.parallel.compat import pipeline_micro_batches
-from seqtrain.parallel.costs import stage_bounds
-from seqtrain.parallel.topology import INTERLEAVED_CHUNKS, MeshShape, bubble_fraction
+from seqtrain.layout.costs import stage_bounds
+from seqtrain.layout.rules import pipeline_micro_batches
+from seqtrain.layout.topology import INTERLEAVED_CHUNKS, MeshShape, bubble_fraction
 from seqtrain.spec import SeqTrainJob
 from seqtrain.spec.resolve import resolved_model
-
-from .types import Layout, Plan
+from seqtrain_operator.planner.types import Layout, Plan
 
 
 def mesh_of(layout: Layout) -> MeshShape:

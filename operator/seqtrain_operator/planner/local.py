@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from seqtrain.spec import SeqTrainJob
-
-from .types import Layout, Plan, ReplicaAssignment
+from seqtrain_operator.planner.types import Layout, Plan, ReplicaAssignment
 
 
 def layout_of(job: SeqTrainJob) -> Layout:

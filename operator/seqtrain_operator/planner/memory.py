@@ -43,9 +43,9 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from seqtrain.parallel.compat import engine_of, pipeline_micro_batches
-from seqtrain.parallel.costs import ParamBreakdown, param_breakdown, stage_bounds
-from seqtrain.parallel.topology import INTERLEAVED_CHUNKS
+from seqtrain.layout.costs import ParamBreakdown, param_breakdown, stage_bounds
+from seqtrain.layout.rules import engine_of, pipeline_micro_batches
+from seqtrain.layout.topology import INTERLEAVED_CHUNKS
 from seqtrain.spec import SeqTrainJob
 from seqtrain.spec.lora import lora_param_count
 from seqtrain.spec.model import ModelSpec

@@ -26,10 +26,9 @@ from dataclasses import dataclass
 
 from seqtrain.spec import SeqTrainJob
 from seqtrain.spec.cluster import Toleration
-
-from .inventory import GPU_PRODUCT_LABEL, GPU_RESOURCE, cpu_millis, memory_bytes
-from .local import layout_of
-from .types import Node, Plan, ReplicaAssignment, Unschedulable
+from seqtrain_operator.planner.inventory import GPU_PRODUCT_LABEL, GPU_RESOURCE, cpu_millis, memory_bytes
+from seqtrain_operator.planner.local import layout_of
+from seqtrain_operator.planner.types import Node, Plan, ReplicaAssignment, Unschedulable
 
 NO_LABEL = "<none>"
 

@@ -10,13 +10,12 @@ import yaml
 
 from seqtrain.spec import SeqTrainJob, SpecError, load_job_file
 from seqtrain.spec.resolve import resolved_model
-
-from .inventory import cpu_millis, inventory, memory_bytes
-from .layout import groups, pipeline_summary, rank_table, tp_groups_split_nodes
-from .local import local_plan
-from .memory import MemoryEstimate, estimate, gib, model_state_bytes
-from .placement import place
-from .types import Node, Plan, Unschedulable
+from seqtrain_operator.planner.inventory import cpu_millis, inventory, memory_bytes
+from seqtrain_operator.planner.layout import groups, pipeline_summary, rank_table, tp_groups_split_nodes
+from seqtrain_operator.planner.local import local_plan
+from seqtrain_operator.planner.memory import MemoryEstimate, estimate, gib, model_state_bytes
+from seqtrain_operator.planner.placement import place
+from seqtrain_operator.planner.types import Node, Plan, Unschedulable
 
 EXIT_OK, EXIT_UNSCHEDULABLE, EXIT_INVALID = 0, 1, 2
 

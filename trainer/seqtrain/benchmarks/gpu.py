@@ -111,7 +111,7 @@ def part_tests(args: argparse.Namespace, out: Path) -> dict[str, Any]:
 # ---- kernels --------------------------------------------------------------------------------------------------
 
 def part_kernels(args: argparse.Namespace, out: Path) -> dict[str, Any]:
-    from . import kernels
+    from seqtrain.benchmarks import kernels
 
     target = out / "kernels-detail.json"
     if _cuda() and not args.dry_run:
@@ -165,8 +165,8 @@ def _run_steps(job: Any, steps: int, warmup: int) -> dict[str, Any]:
     import torch
 
     from seqtrain.models import count_parameters
+    from seqtrain.runtime.dist import DistContext
     from seqtrain.spec import RuntimeConfig
-    from seqtrain.train.dist import DistContext
     from seqtrain.train.loop import Trainer
 
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")

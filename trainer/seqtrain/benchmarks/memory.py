@@ -30,10 +30,10 @@ import torch
 
 from seqtrain.data.builtin import Corpus
 from seqtrain.models import build_model, count_parameters
-from seqtrain.models.checkpointing import SavedActivationMeter, apply_activation_checkpointing
+from seqtrain.models.activation_checkpointing import SavedActivationMeter, apply_activation_checkpointing
+from seqtrain.models.loss import linear_cross_entropy
 from seqtrain.spec.model import ModelSpec
 from seqtrain.spec.optimization import ActivationCheckpointingSpec
-from seqtrain.train.loss import linear_cross_entropy
 
 GPT_POLICIES = ["none", "full", "every", "sqrt", "selective"]
 RNN_POLICIES = ["none", "full"]  # recurrent models: any policy means time-chunk checkpointing

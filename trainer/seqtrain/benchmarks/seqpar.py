@@ -27,12 +27,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from seqtrain.models import build_model
-from seqtrain.models.checkpointing import SavedActivationMeter, apply_activation_checkpointing
+from seqtrain.models.activation_checkpointing import SavedActivationMeter, apply_activation_checkpointing
+from seqtrain.models.loss import CausalLMLoss
 from seqtrain.parallel.sequence import apply_sequence_parallel
 from seqtrain.parallel.tensor import apply_tensor_parallel
 from seqtrain.spec.model import ModelSpec
 from seqtrain.spec.optimization import ActivationCheckpointingSpec
-from seqtrain.train.loss import CausalLMLoss
 
 
 def gpt_spec(dim: int, layers: int, heads: int, max_seq_len: int) -> ModelSpec:
@@ -92,7 +92,7 @@ def _rank(rank: int, tp: int, port: int, spec: ModelSpec, cases: list[dict[str, 
 
 def measure_tp(spec: ModelSpec, tp: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Run `cases` ({seq_len, batch, sp, policy}) on `tp` spawned ranks; rank 0's rows."""
-    from seqtrain.train.launch import free_port
+    from seqtrain.runtime.launch import free_port
 
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()

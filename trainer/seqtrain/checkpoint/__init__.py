@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .discovery import (
+from seqtrain.checkpoint.discovery import (
            CheckpointInfo,
            latest_checkpoint,
            latest_step,
@@ -10,7 +10,7 @@ from .discovery import (
            read_complete,
            step_dir,
 )
-from .manager import CheckpointManager
+from seqtrain.checkpoint.manager import CheckpointManager
 
 __all__ = ["CheckpointInfo", "CheckpointManager", "latest_checkpoint", "latest_step", "list_checkpoints",
            "read_complete", "step_dir"]

@@ -15,9 +15,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from seqtrain.train import faults
-
-from .discovery import (
+from seqtrain.checkpoint.discovery import (
     BAD_PREFIX,
     DELETE_PREFIX,
     META_FILE,
@@ -31,9 +29,10 @@ from .discovery import (
     read_complete,
     step_dir,
 )
+from seqtrain.runtime import faults
 
 if TYPE_CHECKING:
-    from seqtrain.train.dist import DistContext
+    from seqtrain.runtime.dist import DistContext
 
 
 def _fsync_path(path: str) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from seqtrain.train.exitcodes import InvalidConfig
+from seqtrain.runtime.exitcodes import InvalidConfig
 
 
 class UnusableCheckpoint(Exception):

@@ -5,14 +5,13 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from seqtrain.data.builtin import Corpus, load_builtin
+from seqtrain.data.tokenizer import ByteTokenizer
 from seqtrain.spec.job import SeqTrainJob
 
-from .builtin import Corpus, load_builtin
-from .tokenizer import ByteTokenizer
-
 if TYPE_CHECKING:
-    from .batches import IGNORE_INDEX, Batch, SequenceBatches, eval_batches, window_batch
-    from .packing import DocumentBatches
+    from seqtrain.data.batches import IGNORE_INDEX, Batch, SequenceBatches, eval_batches, window_batch
+    from seqtrain.data.packing import DocumentBatches
 
 # The torch-based batchers load on first use, so torch-free tools in this package (`seqtrain prepare-data`,
 # `seqtrain.data.prepare`) do not pay torch's import (about 600 MB of resident memory).
@@ -35,14 +34,14 @@ def load_corpus(job: SeqTrainJob, split: str) -> Corpus:
     d = job.spec.data
     if d.source == "builtin" and d.tokenizer.type == "byte":
         return load_builtin(split, d.validation_fraction)
-    from .sources import load_source  # text, jsonl, token files, synthetic tasks, tokenizer.json
+    from seqtrain.data.sources import load_source  # text, jsonl, token files, synthetic tasks, tokenizer.json
 
     return load_source(d, split, job.spec.training.seed)
 
 
 def build_train_data(job: SeqTrainJob, dp_rank: int, dp_size: int) -> SequenceBatches | DocumentBatches:
-    from .batches import SequenceBatches
-    from .packing import DocumentBatches
+    from seqtrain.data.batches import SequenceBatches
+    from seqtrain.data.packing import DocumentBatches
 
     s = job.spec
     corpus = load_corpus(job, "train")

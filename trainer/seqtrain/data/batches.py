@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .builtin import Corpus
+from seqtrain.data.builtin import Corpus
 
 IGNORE_INDEX = -100
 

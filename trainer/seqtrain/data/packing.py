@@ -22,8 +22,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .batches import IGNORE_INDEX, Batch
-from .builtin import Corpus
+from seqtrain.data.batches import IGNORE_INDEX, Batch
+from seqtrain.data.builtin import Corpus
 
 _BUCKET_WINDOW = 64  # micro-batches' worth of rows sorted together when bucketing (keeps randomness across windows)
 

@@ -12,7 +12,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any, Protocol
 
-from .batches import Batch
+from seqtrain.data.batches import Batch
 
 
 class StepSource(Protocol):

@@ -16,10 +16,9 @@ from typing import Any
 
 import numpy as np
 
+from seqtrain.data.builtin import Corpus, in_validation
+from seqtrain.data.tokenizer import ByteTokenizer
 from seqtrain.spec.data import DataSpec
-
-from .builtin import Corpus, in_validation
-from .tokenizer import ByteTokenizer
 
 EOS_TOKENS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "[EOS]", "<|eot_id|>")
 
@@ -212,11 +211,11 @@ def load_source(spec: DataSpec, split: str, seed: int = 0) -> Corpus:
     if split not in ("train", "validation"):
         raise ValueError(f"split must be train or validation, not {split!r}")
     if spec.source == "synthetic":
-        from .synthetic import load_synthetic
+        from seqtrain.data.synthetic import load_synthetic
 
         return load_synthetic(spec.synthetic, split, seed)
     if spec.source == "tokens":
-        from .tokens import is_prepared, load_prepared
+        from seqtrain.data.tokens import is_prepared, load_prepared
 
         prepared = [is_prepared(p) for p in spec.paths]
         if all(prepared):
@@ -233,7 +232,7 @@ def load_source(spec: DataSpec, split: str, seed: int = 0) -> Corpus:
     if spec.source == "jsonl":
         return load_jsonl(spec, split, tok)
     if spec.source == "builtin":
-        from .builtin import load_builtin
+        from seqtrain.data.builtin import load_builtin
 
         raw = load_builtin(split, spec.validation_fraction)
         if isinstance(tok, ByteTokenizer):

@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from seqtrain.data.builtin import Corpus
 from seqtrain.spec.data import SyntheticSpec
-
-from .builtin import Corpus
 
 SPECIALS = 4
 

@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from .builtin import Corpus
-from .prepare import INDEX
+from seqtrain.data.builtin import Corpus
+from seqtrain.data.prepare import INDEX
 
 
 def is_prepared(path: str) -> bool:

@@ -9,11 +9,10 @@ from collections.abc import Callable
 
 from torch import nn
 
+from seqtrain.engine.base import Engine, StepStats
+from seqtrain.engine.native import NativeEngine
+from seqtrain.runtime.dist import DistContext
 from seqtrain.spec.job import SeqTrainJob
-from seqtrain.train.dist import DistContext
-
-from .base import Engine, StepStats
-from .native import NativeEngine
 
 __all__ = ["ENGINES", "Engine", "NativeEngine", "StepStats", "build_engine", "engine_name"]
 
@@ -29,6 +28,6 @@ def engine_name(job: SeqTrainJob) -> str:
 
 def build_engine(model: nn.Module, job: SeqTrainJob, ctx: DistContext) -> Engine:
     # the layout (tp/pp) and ZeRO stage pick the class: DDP, FSDP2, tensor/pipeline parallel or DeepSpeed
-    from .select import create_engine
+    from seqtrain.engine.select import create_engine
 
     return create_engine(model, job, ctx)

@@ -1,7 +1,7 @@
 """Engine: owns the wrapped model, optimizer, scheduler and the optimizer step; the loop owns everything else.
 
 `step(micro_batches)` runs forward/backward over this rank's micro-batches with the global-batch loss
-normalisation (see `seqtrain.train.loss`), clips, steps the optimizer and the schedule, and returns global
+normalisation (see `seqtrain.models.loss`), clips, steps the optimizer and the schedule, and returns global
 `StepStats`. Checkpoints go through `save(dir)` / `load(dir)`: every rank calls both; the default writes one
 file from rank 0 (replicated data parallel). Sharded engines (FSDP, ZeRO) override them to write per-rank files.
 """
@@ -20,11 +20,11 @@ from torch import nn
 
 from seqtrain.checkpoint.safe_load import load_plain
 from seqtrain.data import Batch
+from seqtrain.models.loss import CausalLMLoss
+from seqtrain.optim.build import build_optimizer, build_scheduler
+from seqtrain.runtime.dist import DistContext
+from seqtrain.runtime.precision import MixedPrecision
 from seqtrain.spec.job import SeqTrainJob
-from seqtrain.train.dist import DistContext
-from seqtrain.train.loss import CausalLMLoss
-from seqtrain.train.optim import build_optimizer, build_scheduler
-from seqtrain.train.precision import MixedPrecision
 
 
 @dataclass

@@ -23,11 +23,10 @@ from torch import nn
 
 from seqtrain.checkpoint.safe_load import require_layout
 from seqtrain.data import Batch
+from seqtrain.engine.base import Engine, StepStats
+from seqtrain.optim.build import build_scheduler, param_groups
+from seqtrain.runtime.dist import DistContext
 from seqtrain.spec.job import SeqTrainJob
-from seqtrain.train.dist import DistContext
-from seqtrain.train.optim import build_scheduler, param_groups
-
-from .base import Engine, StepStats
 
 TAG = "zero"
 

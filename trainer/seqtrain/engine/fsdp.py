@@ -34,13 +34,12 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from seqtrain.checkpoint.safe_load import load_plain, require_layout
 from seqtrain.data import Batch
+from seqtrain.engine.base import Engine, StepStats
+from seqtrain.models.loss import CausalLMLoss
 from seqtrain.parallel.grads import clip_grad_norm
 from seqtrain.parallel.tensor import tp_param_names
+from seqtrain.runtime.dist import DistContext
 from seqtrain.spec.job import SeqTrainJob
-from seqtrain.train.dist import DistContext
-from seqtrain.train.loss import CausalLMLoss
-
-from .base import Engine, StepStats
 
 SCHEDULER_FILE = "scheduler.pt"
 

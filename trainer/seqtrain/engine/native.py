@@ -8,10 +8,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from seqtrain.data import Batch
+from seqtrain.engine.base import Engine, StepStats
+from seqtrain.runtime.dist import DistContext
 from seqtrain.spec.job import SeqTrainJob
-from seqtrain.train.dist import DistContext
-
-from .base import Engine, StepStats
 
 
 class NativeEngine(Engine):

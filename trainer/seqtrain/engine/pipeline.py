@@ -18,7 +18,10 @@ import torch
 from torch import nn
 
 from seqtrain.data import Batch
-from seqtrain.parallel.compat import pipeline_micro_batches
+from seqtrain.engine.base import Engine, StepStats
+from seqtrain.engine.sharded import load_shard, save_shard
+from seqtrain.layout.rules import pipeline_micro_batches
+from seqtrain.layout.topology import INTERLEAVED_CHUNKS
 from seqtrain.parallel.grads import all_reduce_grads, clip_grad_norm
 from seqtrain.parallel.pipeline import (
     TIED_COPY,
@@ -29,12 +32,8 @@ from seqtrain.parallel.pipeline import (
     schedule_class,
 )
 from seqtrain.parallel.tensor import tp_param_names
-from seqtrain.parallel.topology import INTERLEAVED_CHUNKS
+from seqtrain.runtime.dist import DistContext
 from seqtrain.spec.job import SeqTrainJob
-from seqtrain.train.dist import DistContext
-
-from .base import Engine, StepStats
-from .sharded import load_shard, save_shard
 
 
 class PipelineEngine(Engine):

@@ -1,4 +1,4 @@
-"""Which engine class runs a job: the layout (tp, pp) and ZeRO stage decide (table in seqtrain.parallel.compat).
+"""Which engine class runs a job: the layout (tp, pp) and ZeRO stage decide (table in seqtrain.layout.rules).
 
 native + pp > 1         -> PipelineEngine (tensor parallel inside stages, data parallel across pipelines)
 native + zero.stage 3   -> FSDPEngine (FSDP2; tensor parallel inside)
@@ -12,34 +12,33 @@ from __future__ import annotations
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from seqtrain.parallel.compat import engine_of
+from seqtrain.engine.base import Engine
+from seqtrain.layout.rules import engine_of
+from seqtrain.runtime.dist import DistContext
 from seqtrain.spec.job import SeqTrainJob
-from seqtrain.train.dist import DistContext
-
-from .base import Engine
 
 
 def create_engine(model: nn.Module, job: SeqTrainJob, ctx: DistContext) -> Engine:
     kind = engine_of(job)
     opt = job.spec.optimization
     if kind == "deepspeed":
-        from .deepspeed import DeepSpeedEngine
+        from seqtrain.engine.deepspeed import DeepSpeedEngine
 
         return DeepSpeedEngine(model, job, ctx)
     if opt.pipeline_parallel > 1:
-        from .pipeline import PipelineEngine
+        from seqtrain.engine.pipeline import PipelineEngine
 
         return PipelineEngine(model, job, ctx)
     if kind == "fsdp2":
-        from .fsdp import FSDPEngine
+        from seqtrain.engine.fsdp import FSDPEngine
 
         return FSDPEngine(model, job, ctx)
     if opt.tensor_parallel > 1:
-        from .tensor import TensorParallelEngine
+        from seqtrain.engine.tensor import TensorParallelEngine
 
         engine: Engine = TensorParallelEngine(model, job, ctx)
     else:
-        from .native import NativeEngine
+        from seqtrain.engine.native import NativeEngine
 
         engine = NativeEngine(model, job, ctx)
     wrapped = getattr(engine, "wrapped", None)

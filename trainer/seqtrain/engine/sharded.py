@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from seqtrain.checkpoint.safe_load import load_plain
-from seqtrain.train.dist import DistContext
+from seqtrain.runtime.dist import DistContext
 
 
 def shard_file(ctx: DistContext) -> str:

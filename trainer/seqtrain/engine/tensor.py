@@ -8,13 +8,12 @@ import math
 import torch
 from torch import nn
 
+from seqtrain.engine.native import NativeEngine
+from seqtrain.engine.sharded import load_shard, save_shard
 from seqtrain.parallel.grads import clip_grad_norm
 from seqtrain.parallel.tensor import tp_param_names
+from seqtrain.runtime.dist import DistContext
 from seqtrain.spec.job import SeqTrainJob
-from seqtrain.train.dist import DistContext
-
-from .native import NativeEngine
-from .sharded import load_shard, save_shard
 
 
 class TensorParallelEngine(NativeEngine):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .weights import check_shapes, load_source
+from seqtrain.export.weights import check_shapes, load_source
 
 
 def load_initial_weights(model: torch.nn.Module, path: str) -> str:
@@ -12,7 +12,7 @@ def load_initial_weights(model: torch.nn.Module, path: str) -> str:
     a shape mismatch raises WeightsError naming every offending tensor. Returns a log line."""
     w = load_source(path)
     if w.lora is not None:  # a LoRA run as the starting point: its adapters merged into its base
-        from seqtrain.models.lora import merge_weights
+        from seqtrain.export.merge import merge_weights
 
         w = merge_weights(w)
     origin = f"model.init {path!r}"

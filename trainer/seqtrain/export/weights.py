@@ -18,10 +18,9 @@ from typing import Any
 
 import torch
 
+from seqtrain.spec import hf
 from seqtrain.spec.job import SeqTrainJob
 from seqtrain.spec.model import ModelSpec
-
-from . import hf
 
 SEQTRAIN_JSON = "seqtrain.json"
 # wrappers that may prefix parameter names (torch.compile, activation checkpointing, DDP-style modules)

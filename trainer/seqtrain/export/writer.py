@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from . import hf
-from .weights import SEQTRAIN_JSON, Weights, WeightsError, load_source
+from seqtrain.export.weights import SEQTRAIN_JSON, Weights, WeightsError, load_source
+from seqtrain.spec import hf
 
 
 def _write_json(path: str, data: dict[str, Any]) -> None:
@@ -34,7 +34,7 @@ def export(source: str | Weights, out: str, fmt: str = "hf", merge_lora: bool = 
 
     w = source if isinstance(source, Weights) else load_source(source)
     if w.lora is not None:
-        from seqtrain.models.lora import merge_weights
+        from seqtrain.export.merge import merge_weights
 
         if not merge_lora:
             raise WeightsError(f"{w.origin}: holds LoRA adapters; pass --merge-lora to write merged weights")

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 from torch import nn
 
+from seqtrain.models.gpt import GPT
+from seqtrain.models.gru import GRULM
+from seqtrain.models.lstm import LSTMLM
+from seqtrain.models.qrnn import QRNNLM
 from seqtrain.spec.model import ModelSpec
-
-from .gpt import GPT
-from .gru import GRULM
-from .lstm import LSTMLM
-from .qrnn import QRNNLM
 
 __all__ = ["GPT", "GRULM", "LSTMLM", "QRNNLM", "build_model", "count_parameters"]
 

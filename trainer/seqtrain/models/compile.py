@@ -20,9 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from seqtrain.models.activation_checkpointing import apply_activation_checkpointing
 from seqtrain.spec.job import SeqTrainJob
-
-from .checkpointing import apply_activation_checkpointing
 
 
 def compile_backend_problem(device: torch.device) -> str | None:

@@ -34,9 +34,8 @@ from seqtrain.kernels._runtime import (
     interpret_requested,
     triton_import_error,
 )
+from seqtrain.models.compile import compile_backend_problem
 from seqtrain.spec.job import SeqTrainJob
-
-from .compile import compile_backend_problem
 
 
 def resolve_kernels(setting: bool | None, device: torch.device) -> tuple[bool, str]:

@@ -12,9 +12,8 @@ import math
 import torch
 from torch import nn
 
+from seqtrain.models.layers import CausalSelfAttention, RMSNorm, SwiGLU, document_positions, rope_tables
 from seqtrain.spec.model import ModelSpec
-
-from .layers import CausalSelfAttention, RMSNorm, SwiGLU, document_positions, rope_tables
 
 
 class Block(nn.Module):

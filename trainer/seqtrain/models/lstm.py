@@ -9,9 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from seqtrain.models.recurrent import RecurrentLM
 from seqtrain.spec.model import ModelSpec
-
-from .recurrent import RecurrentLM
 
 
 class LSTMLM(RecurrentLM):

@@ -14,9 +14,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from seqtrain.models import build_model
 from seqtrain.spec.model import ModelSpec
-
-from . import build_model
 
 
 def builds_on_meta(spec: ModelSpec) -> bool:

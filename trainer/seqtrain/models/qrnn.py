@@ -15,9 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from seqtrain.models.recurrent import RecurrentLM
 from seqtrain.spec.model import ModelSpec
-
-from .recurrent import RecurrentLM
 
 
 def reference_linear_scan(a: torch.Tensor, b: torch.Tensor, h0: torch.Tensor | None = None) -> torch.Tensor:

@@ -7,7 +7,7 @@ longest first), run from a zero state, and scattered back. Processing goes in ti
 has ended drops out of the batch (like `PackedSequence`), so padding costs at most one chunk per document.
 
 Activation checkpointing for recurrent models (`ac_time_chunks`, set by
-`seqtrain.models.checkpointing.apply_activation_checkpointing`) runs the whole stack — embedding included — per
+`seqtrain.models.activation_checkpointing.apply_activation_checkpointing`) runs the whole stack — embedding included — per
 time chunk under one checkpoint: what stays stored is the token ids and the recurrent state at each chunk
 boundary, about sqrt(T) states instead of T time steps of every layer's internals.
 """
@@ -21,10 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from seqtrain.models.activation_checkpointing import checkpoint
+from seqtrain.models.layers import RMSNorm, document_positions
 from seqtrain.spec.model import ModelSpec
-
-from .checkpointing import checkpoint
-from .layers import RMSNorm, document_positions
 
 # Time-chunk length when regrouped documents run without checkpointing: finished documents leave the
 # batch at chunk boundaries, so shorter chunks waste less compute on padding but launch more kernels.

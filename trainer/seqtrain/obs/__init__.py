@@ -1,5 +1,5 @@
-"""Evaluation, throughput accounting (FLOPs, MFU), TensorBoard, Prometheus, progress, profiling and reports.
+"""Observers of a run: throughput accounting (FLOPs, MFU), TensorBoard, Prometheus, progress, profiling, reports.
 
-The trainer gets these as callbacks (`build_obs_callbacks`); `report.report_command` backs `seqtrain report`.
-`flops` and `peaks` are torch-free apart from the device query, so the planner can use them.
+`seqtrain.train.callbacks.build_callbacks` assembles them with evaluation (a training feature, in `train/`);
+`report.report_command` backs `seqtrain report`. `flops` and `peaks` are torch-free apart from the device query.
 """

@@ -12,9 +12,8 @@ import socket
 from typing import TYPE_CHECKING, Any
 
 from seqtrain.checkpoint.discovery import read_complete, step_dir
-from seqtrain.train.callbacks import BaseCallback
-
-from .progress import ProgressReporter, write_json_atomic
+from seqtrain.obs.progress import ProgressReporter, write_json_atomic
+from seqtrain.runtime.callbacks import BaseCallback
 
 if TYPE_CHECKING:
     from seqtrain.train.loop import Trainer
@@ -46,7 +45,7 @@ class PrometheusExporter(BaseCallback):
     """Every rank serves `/metrics` on `runtime.metricsPort + local rank` (port 0: any free port)."""
 
     def __init__(self, trainer: Trainer, port: int) -> None:
-        from .prometheus import TrainerMetrics
+        from seqtrain.obs.prometheus import TrainerMetrics
 
         s = trainer.spec
         info = {"arch": s.model.arch, "world_size": str(trainer.ctx.world_size), "attempt": str(trainer.runtime.attempt)}
@@ -107,24 +106,3 @@ class ProgressPublisher(BaseCallback):
         self.reporter.update(flush=True, **self._checkpoint(trainer, trainer.step))
         self.reporter.finish()
         self.reporter.close()
-
-
-def build_obs_callbacks(trainer: Trainer) -> list[Any]:
-    from .evaluation import Evaluation
-    from .throughput import Throughput
-
-    spec, runtime, ctx = trainer.spec, trainer.runtime, trainer.ctx
-    out: list[Any] = [Throughput(trainer)]
-    if spec.training.eval.batches > 0:
-        out.append(Evaluation(trainer))
-    if spec.training.profile is not None:
-        from .profiler import Profiler
-
-        out.append(Profiler(trainer))
-    if runtime.metrics_port is not None:
-        out.append(PrometheusExporter(trainer, runtime.metrics_port))
-    if ctx.is_main:
-        from .tensorboard import TensorBoard
-
-        out += [ProgressPublisher(trainer, runtime.progress_port), TensorBoard(trainer)]
-    return out

@@ -81,7 +81,7 @@ def token_flops(spec: ModelSpec, seq_len: int) -> TokenFlops:
 def recomputed_flops(spec: ModelSpec, seq_len: int, policy: str, every: int = 2) -> float:
     """Forward FLOPs per token that an activation-checkpointing policy runs again in backward.
 
-    Mirrors `seqtrain.models.checkpointing`: full checkpoints every block; every checkpoints the blocks with
+    Mirrors `seqtrain.models.activation_checkpointing`: full checkpoints every block; every checkpoints the blocks with
     index % k == 0; sqrt checkpoints about sqrt(L) consecutive segments covering all blocks; selective
     checkpoints each block's attention and MLP modules (only norms keep their outputs). torch's non-reentrant
     checkpoint stops recomputing once the tensors backward needs are back, so the last matmul of each

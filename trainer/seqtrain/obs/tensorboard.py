@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from seqtrain.train.callbacks import BaseCallback
+from seqtrain.runtime.callbacks import BaseCallback
 
 if TYPE_CHECKING:
     from seqtrain.train.loop import Trainer

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from seqtrain.train.callbacks import BaseCallback
-
-from .flops import recomputed_flops, token_flops
-from .peaks import device_peak_flops, utilization
+from seqtrain.obs.flops import recomputed_flops, token_flops
+from seqtrain.obs.peaks import device_peak_flops, utilization
+from seqtrain.runtime.callbacks import BaseCallback
 
 if TYPE_CHECKING:
     from seqtrain.train.loop import Trainer

@@ -1,4 +1,4 @@
-"""Parallelism: rank topology (torch-free), tensor and pipeline parallel modules, device mesh.
+"""Parallelism: tensor, sequence and pipeline parallel modules, the device mesh, gradient utilities.
 
-Importing this package does not import torch: `topology` and `costs` are shared with the torch-free planner.
+The torch-free rank arithmetic they share with the spec and the planner is in `seqtrain.layout`.
 """

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 from torch import nn
 
+from seqtrain.parallel.mesh import init_mesh
+from seqtrain.parallel.sequence import apply_sequence_parallel
+from seqtrain.parallel.tensor import apply_tensor_parallel
+from seqtrain.runtime.dist import DistContext
 from seqtrain.spec.job import SeqTrainJob
-from seqtrain.train.dist import DistContext
-
-from .mesh import init_mesh
-from .sequence import apply_sequence_parallel
-from .tensor import apply_tensor_parallel
 
 __all__ = ["init_mesh", "parallelize"]
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from seqtrain.train.dist import DistContext
+from seqtrain.runtime.dist import DistContext
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

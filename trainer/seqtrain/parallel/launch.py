@@ -1,6 +1,6 @@
 """Start a whole job's rank processes on this machine without the controller, for the parity tests, the trainer's
 rank tests and the layout benchmark (which need each rank's own exit code). Identity and rendezvous come from the one
-launcher (`seqtrain.train.launch`: `rank_envs`, `free_port`), exactly as it gives them to a pod's ranks; `seqtrain
+launcher (`seqtrain.runtime.launch`: `rank_envs`, `free_port`), exactly as it gives them to a pod's ranks; `seqtrain
 run` (the local backend, with restarts and status) runs the pod's command itself. Every wait has a deadline.
 """
 
@@ -12,8 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+from seqtrain.runtime.launch import free_port, rank_envs
 from seqtrain.spec import RuntimeConfig, SeqTrainJob, write_trainer_config
-from seqtrain.train.launch import free_port, rank_envs
 
 __all__ = ["free_port", "run_ranks", "start_ranks", "wait_ranks"]
 

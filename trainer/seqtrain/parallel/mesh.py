@@ -1,6 +1,6 @@
 """The dp x pp x tp device mesh: process groups for every axis, stored on the `DistContext`.
 
-Rank order is `seqtrain.parallel.topology` (tensor parallel innermost), which is also DeviceMesh's row-major
+Rank order is `seqtrain.layout.topology` (tensor parallel innermost), which is also DeviceMesh's row-major
 order for mesh shape (dp, pp, tp): `init_device_mesh` builds the groups, FSDP2 takes the `dp` sub-mesh.
 """
 
@@ -9,11 +9,10 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+from seqtrain.layout.topology import MeshShape
+from seqtrain.parallel import watchdog
+from seqtrain.runtime.dist import DistContext
 from seqtrain.spec.job import SeqTrainJob
-from seqtrain.train.dist import DistContext
-
-from . import watchdog
-from .topology import MeshShape
 
 
 def mesh_shape(job: SeqTrainJob) -> MeshShape:

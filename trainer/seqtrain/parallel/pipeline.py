@@ -1,6 +1,6 @@
 """Pipeline stages cut from a built model: embedding + first blocks | middle blocks | last blocks + norm + head.
 
-Block ranges come from `seqtrain.parallel.costs.stage_bounds` (balanced by forward compute, the same split
+Block ranges come from `seqtrain.layout.costs.stage_bounds` (balanced by forward compute, the same split
 `seqtrain plan` prints). Module names keep the full model's (`blocks.3.attn.q.weight`), so a stage's state
 dict is a slice of the single-process one. With tied embeddings the last stage keeps its own copy of the
 embedding matrix as the output projection; the engine sums the two copies' gradients after each step
@@ -15,11 +15,10 @@ import torch
 from torch import nn
 
 from seqtrain.data import IGNORE_INDEX
-from seqtrain.train.loss import linear_cross_entropy
-
-from .costs import stage_bounds
-from .sequence import gather_rows
-from .tensor import copy_to_tp, vocab_parallel_cross_entropy
+from seqtrain.layout.costs import stage_bounds
+from seqtrain.models.loss import linear_cross_entropy
+from seqtrain.parallel.sequence import gather_rows
+from seqtrain.parallel.tensor import copy_to_tp, vocab_parallel_cross_entropy
 
 TIED_COPY = "output.weight"  # name of the last stage's copy of a tied embedding
 
@@ -123,7 +122,7 @@ def build_stages(model: nn.Module, bounds: list[tuple[int, int]], indices: list[
 
 def layout(job: Any, pp_size: int, pp_rank: int) -> tuple[list[tuple[int, int]], list[int]]:
     """(block bounds of every stage, this rank's stage numbers): interleaved ranks hold stages r, r + pp, ..."""
-    from seqtrain.parallel.topology import INTERLEAVED_CHUNKS
+    from seqtrain.layout.topology import INTERLEAVED_CHUNKS
     from seqtrain.spec.resolve import resolved_model
 
     chunks = INTERLEAVED_CHUNKS if job.spec.optimization.pipeline_schedule == "interleaved" else 1

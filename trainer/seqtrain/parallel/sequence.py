@@ -35,8 +35,13 @@ from torch import nn
 from seqtrain import kernels as K
 from seqtrain.models.gpt import GPT
 from seqtrain.models.layers import RMSNorm, rms_norm, swiglu
-
-from .tensor import TPAttention, TPSwiGLU, VocabParallelEmbedding, VocabParallelLMLoss, copy_to_tp
+from seqtrain.parallel.tensor import (
+    TPAttention,
+    TPSwiGLU,
+    VocabParallelEmbedding,
+    VocabParallelLMLoss,
+    copy_to_tp,
+)
 
 # torch >= 2.13 names; the older ones are deprecated there but are the only ones before
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Iterator
 
-from seqtrain.train.exitcodes import COMM_TIMEOUT
+from seqtrain.runtime.exitcodes import COMM_TIMEOUT
 
 _lock = threading.Lock()
 _active: dict[str, float] = {}  # label -> monotonic start (the main thread's current wait)

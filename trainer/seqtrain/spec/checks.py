@@ -8,10 +8,11 @@ from __future__ import annotations
 import glob
 import os
 
-from .job import SeqTrainJob
-from .problems import Problem
-from .resolve import resolved_model
-from .template import template_problems
+from seqtrain.layout.rules import parallel_problems
+from seqtrain.spec.job import SeqTrainJob
+from seqtrain.spec.problems import Problem
+from seqtrain.spec.resolve import resolved_model
+from seqtrain.spec.template import template_problems
 
 
 def _divisors_hint(n: int, limit: int = 6) -> str:
@@ -21,7 +22,7 @@ def _divisors_hint(n: int, limit: int = 6) -> str:
 
 def _init_problems(job: SeqTrainJob, m) -> list[Problem]:  # noqa: ANN001 - the resolved ModelSpec
     """model.init: the weights must exist (where this process can look) and fit the explicit dims."""
-    from .init_source import SHAPE_FIELDS, describe_init, tensor_hint
+    from seqtrain.spec.init_source import SHAPE_FIELDS, describe_init, tensor_hint
 
     init = job.spec.model.init
     if not init or "://" in init:
@@ -81,9 +82,8 @@ def check(job: SeqTrainJob) -> list[Problem]:
                            f"(e.g. {lo} or {lo + per_step})"))
 
     m = resolved_model(job)
-    from ..parallel.compat import parallel_problems  # late: compat imports the spec package
 
-    out += parallel_problems(job, m)
+    out += [Problem(r.path, r.message) for r in parallel_problems(job, m)]
     if s.data.seq_len > (m.max_seq_len or 0):
         out.append(Problem("spec.data.seqLen",
                            f"{s.data.seq_len} is longer than the model accepts (model.maxSeqLen = {m.max_seq_len}); "
@@ -104,9 +104,9 @@ def check(job: SeqTrainJob) -> list[Problem]:
                 out.append(Problem(f"spec.model.{alias}", f"only applies to arch gpt, not {m.arch}; remove it"))
     out += _init_problems(job, m)
     if m.lora is not None:
-        from ..parallel.compat import engine_of
-        from .lora import unknown_targets
-        from .model import LORA_TARGETS
+        from seqtrain.layout.rules import engine_of
+        from seqtrain.spec.lora import unknown_targets
+        from seqtrain.spec.model import LORA_TARGETS
 
         bad = unknown_targets(m)
         if bad:
@@ -149,7 +149,7 @@ def check(job: SeqTrainJob) -> list[Problem]:
         elif any(w <= 0 for w in d.weights):
             out.append(Problem("spec.data.weights", "every weight must be above 0 (drop a dataset from paths instead)"))
     if d.source == "tokens" and m.vocab_size is not None:
-        from .resolve import _prepared_vocab
+        from seqtrain.spec.resolve import _prepared_vocab
 
         need = _prepared_vocab(d.paths)
         if need is not None and m.vocab_size < need:

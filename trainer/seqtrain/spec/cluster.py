@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from .base import SpecModel
+from seqtrain.spec.base import SpecModel
 
 _INT_OR_STRING = {"x-kubernetes-int-or-string": True}
 # resource.ParseQuantity's grammar, without a sign (requests are never negative): 2, 0.5, .5, 500m, 8Gi, 1e3.

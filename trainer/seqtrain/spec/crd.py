@@ -10,8 +10,8 @@ from typing import Any
 
 import yaml
 
-from .job import API_GROUP, API_VERSION_NAME, KIND, PLURAL, SHORT_NAMES, JobSpec
-from .status import JobStatus
+from seqtrain.spec.job import API_GROUP, API_VERSION_NAME, KIND, PLURAL, SHORT_NAMES, JobSpec
+from seqtrain.spec.status import JobStatus
 
 # Keys of JSON Schema that Kubernetes' OpenAPI v3 subset understands (others are dropped).
 _KEEP = {

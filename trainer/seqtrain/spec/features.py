@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .job import SeqTrainJob
-from .problems import Problem
+from seqtrain.spec.job import SeqTrainJob
+from seqtrain.spec.problems import Problem
 
 # (field path, predicate that is True when the job asks for the missing feature, message)
 _Check = tuple[str, Callable[[SeqTrainJob], bool], str]

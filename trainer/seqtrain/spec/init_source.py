@@ -23,7 +23,7 @@ def _json(path: str) -> dict[str, Any] | None:
 
 
 def _model_of_job(job: dict[str, Any]) -> dict[str, Any] | None:
-    from .model import ModelSpec
+    from seqtrain.spec.model import ModelSpec
 
     model = (job.get("spec") or {}).get("model")
     if not isinstance(model, dict):
@@ -42,13 +42,13 @@ def describe_init(path: str) -> dict[str, Any] | None:
         return None
     info = _json(os.path.join(path, "seqtrain.json"))
     if info and isinstance(info.get("model"), dict):
-        from .model import ModelSpec
+        from seqtrain.spec.model import ModelSpec
 
         fields = ModelSpec.model_validate(info["model"]).model_dump()
     elif (meta := _json(os.path.join(path, "meta.json"))) is not None:
         fields = _model_of_job(meta["job"]) if isinstance(meta.get("job"), dict) else None
     elif (cfg := _json(os.path.join(path, "config.json"))) is not None and "job" not in cfg:
-        from seqtrain.export.hf import spec_from_llama_config
+        from seqtrain.spec.hf import spec_from_llama_config
 
         try:
             fields = spec_from_llama_config(cfg, os.path.join(path, "config.json")).model_dump()

@@ -6,14 +6,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from .base import SpecModel
-from .cluster import CheckpointSpec, FaultToleranceSpec, ResourcesSpec, SchedulingSpec
-from .data import DataSpec
-from .model import ModelSpec
-from .names import MAX_JOB_NAME, name_problems
-from .optimization import OptimizationSpec
-from .template import PodTemplate
-from .training import TrainingSpec
+from seqtrain.spec.base import SpecModel
+from seqtrain.spec.cluster import CheckpointSpec, FaultToleranceSpec, ResourcesSpec, SchedulingSpec
+from seqtrain.spec.data import DataSpec
+from seqtrain.spec.model import ModelSpec
+from seqtrain.spec.names import MAX_JOB_NAME, name_problems
+from seqtrain.spec.optimization import OptimizationSpec
+from seqtrain.spec.template import PodTemplate
+from seqtrain.spec.training import TrainingSpec
 
 API_GROUP = "seqtrain.dev"
 API_VERSION_NAME = "v1alpha1"

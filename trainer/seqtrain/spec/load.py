@@ -8,10 +8,10 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from .checks import check
-from .features import unavailable
-from .job import API_VERSION, KIND, SeqTrainJob
-from .problems import Problem, SpecError, from_validation_error
+from seqtrain.spec.checks import check
+from seqtrain.spec.features import unavailable
+from seqtrain.spec.job import API_VERSION, KIND, SeqTrainJob
+from seqtrain.spec.problems import Problem, SpecError, from_validation_error
 
 
 def parse_yaml_documents(text: str) -> list[Any]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .model import LORA_TARGETS, ModelSpec
+from seqtrain.spec.model import LORA_TARGETS, ModelSpec
 
 
 def target_shapes(m: ModelSpec) -> dict[str, tuple[int, int]]:

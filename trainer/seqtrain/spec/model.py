@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from .base import SpecModel
+from seqtrain.spec.base import SpecModel
 
 Arch = Literal["gpt", "lstm", "gru", "qrnn"]
 

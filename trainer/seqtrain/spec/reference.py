@@ -13,7 +13,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from .job import JobSpec
+from seqtrain.spec.job import JobSpec
 
 
 def _type_name(ann: Any) -> str:

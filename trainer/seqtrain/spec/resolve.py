@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 import os
 
-from .init_source import describe_init
-from .job import SeqTrainJob
-from .model import ModelSpec
-from .presets import presets_for
+from seqtrain.spec.init_source import describe_init
+from seqtrain.spec.job import SeqTrainJob
+from seqtrain.spec.model import ModelSpec
+from seqtrain.spec.presets import presets_for
 
 BYTE_VOCAB = 256
 

@@ -11,8 +11,8 @@ from typing import Any
 
 from pydantic import Field
 
-from .base import SpecModel
-from .job import SeqTrainJob
+from seqtrain.spec.base import SpecModel
+from seqtrain.spec.job import SeqTrainJob
 
 
 class RuntimeConfig(SpecModel):

@@ -23,7 +23,7 @@ from typing import Any
 
 from pydantic import Field
 
-from .base import SpecModel
+from seqtrain.spec.base import SpecModel
 
 TRAINER_CONTAINER = "trainer"
 # Ports the trainer container listens on with the operator's defaults (--master-port, --progress-port); a sidecar

@@ -1,1 +1,2 @@
-"""The training runtime: rank bootstrap (dist), loss, optimizer + schedules, loop, callbacks, entrypoint."""
+"""The training loop on top of every other layer: the Trainer, the per-rank entrypoint, evaluation and early
+stopping, and the run's callback list (see docs/architecture.md, "Layers")."""

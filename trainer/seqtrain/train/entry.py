@@ -10,11 +10,10 @@ from types import FrameType
 
 from pydantic import ValidationError
 
+from seqtrain.runtime import exitcodes
+from seqtrain.runtime.exitcodes import DeviceUnavailable, InvalidConfig
 from seqtrain.spec import SpecError, TrainerConfig, parse_job, read_trainer_config, resolve
 from seqtrain.spec.job import SeqTrainJob
-
-from . import exitcodes
-from .exitcodes import DeviceUnavailable, InvalidConfig
 
 
 def _load(config_path: str) -> tuple[TrainerConfig, SeqTrainJob]:
@@ -70,16 +69,16 @@ def main(config_path: str) -> int:
     try:
         cfg, job = _load(config_path)
         # Heavy imports only after the config is known to be good.
-        from .callbacks import build_callbacks
-        from .dist import init_distributed
-        from .loop import Trainer
+        from seqtrain.runtime.dist import init_distributed
+        from seqtrain.train.callbacks import build_callbacks
+        from seqtrain.train.loop import Trainer
 
         ctx = init_distributed(use_gpu=job.spec.resources.gpus > 0,
                                timeout_seconds=job.spec.optimization.comm_timeout_seconds,
                                expected_world=job.spec.world_size)
         trainer = Trainer(job, cfg.runtime, ctx)
         flag.attach(trainer)
-        from .faults import maybe_fail_setup
+        from seqtrain.runtime.faults import maybe_fail_setup
 
         maybe_fail_setup()
         trainer.setup()
@@ -108,7 +107,7 @@ def main(config_path: str) -> int:
         return exitcodes.ERROR
     finally:
         if ctx is not None:
-            from .dist import shutdown
+            from seqtrain.runtime.dist import shutdown
 
             with contextlib.suppress(Exception):  # never mask the real exit code
                 shutdown(ctx)

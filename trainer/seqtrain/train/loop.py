@@ -27,15 +27,14 @@ from seqtrain.models.materialize import materialize, new_model
 from seqtrain.parallel.apply import init_mesh, parallelize
 from seqtrain.parallel.pipeline import local_modules
 from seqtrain.parallel.watchdog import waiting
+from seqtrain.runtime import faults
+from seqtrain.runtime.callbacks import CallbackList
+from seqtrain.runtime.dist import DistContext
+from seqtrain.runtime.exitcodes import InvalidConfig
+from seqtrain.runtime.precision import enable_tf32
 from seqtrain.spec.job import SeqTrainJob
 from seqtrain.spec.runtime import RuntimeConfig
-
-from . import faults
-from .callbacks import CallbackList
-from .dist import DistContext
-from .exitcodes import InvalidConfig
-from .metrics import MetricsWriter, peak_memory_mb
-from .precision import enable_tf32
+from seqtrain.train.metrics import MetricsWriter, peak_memory_mb
 
 TRAINER_STATE = "trainer.pt"
 

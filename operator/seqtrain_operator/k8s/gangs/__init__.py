@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from . import coscheduling, kai, kueue, volcano
-from .base import GangScheduler
+from seqtrain_operator.k8s.gangs import coscheduling, kai, kueue, volcano
+from seqtrain_operator.k8s.gangs.base import GangScheduler
 
 ADAPTERS: dict[str, GangScheduler] = {a.name: a for a in (coscheduling.ADAPTER, volcano.ADAPTER, kueue.ADAPTER,
                                                            kai.ADAPTER)}

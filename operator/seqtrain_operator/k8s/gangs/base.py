@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any
 from seqtrain.spec import SeqTrainJob
 
 if TYPE_CHECKING:
-    from ..client import Kube
-    from ..manifests import Owner
+    from seqtrain_operator.k8s.client import Kube
+    from seqtrain_operator.k8s.manifests import Owner
 
 Pod = dict[str, Any]
 

@@ -10,8 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from seqtrain.spec import SeqTrainJob
-
-from .base import GangScheduler, podgroup_object, times
+from seqtrain_operator.k8s.gangs.base import GangScheduler, podgroup_object, times
 
 LABEL = "scheduling.x-k8s.io/pod-group"
 

@@ -15,8 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from seqtrain.spec import SeqTrainJob
-
-from .base import GangScheduler, podgroup_object
+from seqtrain_operator.k8s.gangs.base import GangScheduler, podgroup_object
 
 GROUP_ANNOTATION = "pod-group-name"
 QUEUE_LABEL = "kai.scheduler/queue"

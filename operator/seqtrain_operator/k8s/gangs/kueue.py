@@ -22,9 +22,8 @@ from __future__ import annotations
 import logging
 
 from seqtrain.spec import SeqTrainJob
-
-from .. import calls
-from .base import GangScheduler, Pod
+from seqtrain_operator.k8s import calls
+from seqtrain_operator.k8s.gangs.base import GangScheduler, Pod
 
 log = logging.getLogger("seqtrain.operator")
 

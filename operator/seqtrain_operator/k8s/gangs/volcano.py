@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import GangScheduler, podgroup_object, times
+from seqtrain_operator.k8s.gangs.base import GangScheduler, podgroup_object, times
 
 GROUP_ANNOTATION = "scheduling.k8s.io/group-name"
 QUEUE_ANNOTATION = "scheduling.volcano.sh/queue-name"

@@ -36,7 +36,7 @@ import time
 from collections.abc import Mapping, Sequence
 from types import FrameType
 
-from . import exitcodes
+from seqtrain.runtime import exitcodes
 
 GRACE_ENV = "SEQTRAIN_TERM_GRACE_SECONDS"
 LOG_DIR_ENV = "SEQTRAIN_RANK_LOG_DIR"
@@ -296,7 +296,7 @@ def main(config: str, nproc: int, command: Sequence[str] | None = None) -> int:
 if __name__ == "__main__":
     import argparse
 
-    ap = argparse.ArgumentParser(prog="python -m seqtrain.train.launch",
+    ap = argparse.ArgumentParser(prog="python -m seqtrain.runtime.launch",
                                  description="start N rank processes of `seqtrain train` (see the module doc)")
     ap.add_argument("--config", default="")
     ap.add_argument("--nproc-per-node", type=int, required=True)

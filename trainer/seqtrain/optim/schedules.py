@@ -1,4 +1,4 @@
-"""Learning-rate schedules after warmup, beyond constant and cosine (`seqtrain.train.optim.lr_factor`).
+"""Learning-rate schedules after warmup, beyond constant and cosine (`seqtrain.optim.build.lr_factor`).
 
 `step` is the 0-based index of the optimizer update about to be applied; warmup is handled by the caller.
 - linear: straight line from 1 at the end of warmup down to minLrRatio at the last step

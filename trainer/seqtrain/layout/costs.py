@@ -8,10 +8,12 @@ built model, so the formulas cannot drift from the code.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from seqtrain.spec.model import ModelSpec
+from seqtrain.layout.topology import balanced_split
 
-from .topology import balanced_split
+if TYPE_CHECKING:  # annotations only: layout sits below the spec and never imports it
+    from seqtrain.spec.model import ModelSpec
 
 
 @dataclass(frozen=True)

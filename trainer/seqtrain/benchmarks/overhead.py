@@ -1,4 +1,4 @@
-"""Measure what observability costs per optimizer step: `python -m seqtrain.obs.overhead [--steps N] [--out F]`.
+"""Measure what observability costs per optimizer step: `python -m seqtrain.benchmarks.overhead [--steps N] [--out F]`.
 
 Runs the same single-rank job in this process under three settings, interleaved over several rounds so machine
 noise hits all of them alike:
@@ -41,8 +41,8 @@ spec:
 
 
 def _run(setting: str, steps: int, eval_every: int, eval_batches: int, warmup: int) -> dict[str, float]:
+    from seqtrain.runtime.dist import DistContext
     from seqtrain.train.callbacks import build_callbacks
-    from seqtrain.train.dist import DistContext
     from seqtrain.train.loop import Trainer
 
     overrides = [f"training.steps={steps}", "training.logEvery=1000000"]
@@ -112,7 +112,7 @@ def summarize(rounds: list[dict[str, Any]], eval_every: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m seqtrain.obs.overhead", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m seqtrain.benchmarks.overhead", description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--eval-every", type=int, default=20)

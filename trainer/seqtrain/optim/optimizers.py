@@ -1,7 +1,7 @@
 """Optimizers beyond AdamW: LAMB, LARS (layer-wise trust ratios), Adafactor and SGD with momentum.
 
 Parameter groups (weight-decay exclusions for norms and biases, `embeddingLrScale` for embeddings) come from
-`seqtrain.train.optim.param_groups`; `make_optimizer` only picks the update rule.
+`seqtrain.optim.build.param_groups`; `make_optimizer` only picks the update rule.
 """
 
 from __future__ import annotations
@@ -124,7 +124,7 @@ def _trust_ratio(w_norm: torch.Tensor, u_norm: torch.Tensor, max_trust: float) -
 
 
 def make_optimizer(groups: list[dict[str, Any]], spec: OptimizerSpec) -> Optimizer:
-    """The optimizer named in `training.optimizer` over parameter groups from `seqtrain.train.optim.param_groups`.
+    """The optimizer named in `training.optimizer` over parameter groups from `seqtrain.optim.build.param_groups`.
 
     LAMB/LARS apply their trust ratio only to groups with weight decay (matrices and embeddings), never to
     norm scales and biases, as in the papers.

@@ -23,10 +23,9 @@ import torch
 
 from seqtrain.checkpoint.discovery import read_complete, step_dir
 from seqtrain.data import Corpus, DocumentBatches, eval_batches, load_corpus
-from seqtrain.train.callbacks import BaseCallback
-
-from .early_stop import EarlyStopper
-from .progress import write_json_atomic
+from seqtrain.obs.progress import write_json_atomic
+from seqtrain.runtime.callbacks import BaseCallback
+from seqtrain.train.early_stop import EarlyStopper
 
 if TYPE_CHECKING:
     from seqtrain.data import Batch

@@ -39,7 +39,7 @@ def param_groups(model: nn.Module, spec: OptimizerSpec) -> list[dict[str, Any]]:
 
 def build_optimizer(model: nn.Module, spec: OptimizerSpec) -> torch.optim.Optimizer:
     if spec.name != "adamw":
-        from .optimizers import make_optimizer  # LAMB, LARS, Adafactor, SGD-momentum
+        from seqtrain.optim.optimizers import make_optimizer  # LAMB, LARS, Adafactor, SGD-momentum
 
         return make_optimizer(param_groups(model, spec), spec)
     groups = param_groups(model, spec)
@@ -63,7 +63,7 @@ def lr_factor(step: int, spec: ScheduleSpec, total_steps: int) -> float:
         span = max(1, total_steps - 1 - warm)
         progress = min(1.0, (step - warm) / span)
         return spec.min_lr_ratio + (1 - spec.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-    from .schedules import after_warmup_factor  # linear, wsd, cyclic
+    from seqtrain.optim.schedules import after_warmup_factor  # linear, wsd, cyclic
 
     return after_warmup_factor(step, spec, total_steps)
 

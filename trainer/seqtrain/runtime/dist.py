@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .exitcodes import DeviceUnavailable, InvalidConfig
+from seqtrain.runtime.exitcodes import DeviceUnavailable, InvalidConfig
 
 
 @dataclass
