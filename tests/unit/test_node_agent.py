@@ -126,6 +126,8 @@ class FakeCore:
 
 
 def make_pod(name: str, script: str, grace: int = 30, policy: str = "File", **extra: Any) -> dict[str, Any]:
+    # The emptyDir is mounted at /scratch, not /tmp: the command is this interpreter, which lives under /tmp when
+    # the clone does, and the agent maps mount paths in argv.
     return {"metadata": {"name": name, "namespace": "ns", "uid": f"uid-{name}"},
             "spec": {"nodeName": "cpu-0", "terminationGracePeriodSeconds": grace, "restartPolicy": "Never",
                      "volumes": [{"name": "config", "configMap": {"name": "cfg"}},
@@ -135,7 +137,7 @@ def make_pod(name: str, script: str, grace: int = 30, policy: str = "File", **ex
                                      "env": [{"name": "POD_NAME", "valueFrom": {"fieldRef": {
                                          "fieldPath": "metadata.name"}}}],
                                      "volumeMounts": [{"name": "config", "mountPath": "/etc/app"},
-                                                      {"name": "tmp", "mountPath": "/tmp"}],
+                                                      {"name": "tmp", "mountPath": "/scratch"}],
                                      "terminationMessagePath": "/dev/termination-log",
                                      "terminationMessagePolicy": policy, **extra}]},
             "status": {"phase": "Pending"}}
@@ -144,7 +146,7 @@ def make_pod(name: str, script: str, grace: int = 30, policy: str = "File", **ex
 @pytest.fixture
 def agent(tmp_path: Path) -> Any:
     core = FakeCore()
-    core.configmaps[("ns", "cfg")] = {"conf.json": json.dumps({"out": "/tmp/out.txt"})}
+    core.configmaps[("ns", "cfg")] = {"conf.json": json.dumps({"out": "/scratch/out.txt"})}
     a = na.Agent(core, None, ["cpu-0"], tmp_path, {}, {})
     yield a, core
     a.shutdown()
@@ -174,7 +176,7 @@ def test_a_pod_runs_with_its_config_and_reports_completed_with_the_message(agent
     term = core.pods["ok"]["status"]["containerStatuses"][0]["state"]["terminated"]
     assert (term["exitCode"], term["reason"], term["message"]) == (0, "Completed", "all good")
     out = a.state / "pods" / "uid-ok" / "volumes" / "tmp" / "out.txt"
-    assert out.read_text() == "ok"  # $(POD_NAME) expanded; /tmp mapped to the pod's emptyDir
+    assert out.read_text() == "ok"  # $(POD_NAME) expanded; /scratch mapped to the pod's emptyDir
 
 
 def test_a_failure_falls_back_to_the_log_when_the_message_file_is_empty(agent: Any) -> None:
@@ -190,7 +192,7 @@ def test_a_failure_falls_back_to_the_log_when_the_message_file_is_empty(agent: A
 def test_deletion_sends_sigterm_and_confirms_only_after_the_process_exits(agent: Any) -> None:
     a, core = agent
     script = ("import signal,sys,time\n"
-              "def term(*_):\n  open('/tmp/got-term','w').write('1'); sys.exit(143)\n"
+              "def term(*_):\n  open('/scratch/got-term','w').write('1'); sys.exit(143)\n"
               "signal.signal(signal.SIGTERM, term)\nprint('ready', flush=True)\ntime.sleep(600)")
     core.pods["t"] = make_pod("t", script)
     run_until(a, lambda: core.pods["t"]["status"]["phase"] == "Running")
