@@ -208,8 +208,9 @@ def test_the_service_account_can_do_exactly_what_the_operator_does(testbed: Test
     g = can_i(testbed, ns)
     assert g["seqtrainjobs.seqtrain.dev/finalizers"] == {"update"}
     assert g["seqtrainjobs.seqtrain.dev/status"] == {"patch"}
-    assert g["seqtrainjobs.seqtrain.dev"] == {"get", "list", "watch", "patch"}
-    assert g["pods"] == {"list", "watch", "create", "deletecollection"}
+    assert g["seqtrainjobs.seqtrain.dev"] == {"get", "list", "watch", "patch", "delete"}  # delete: TTL
+    assert g["pods"] == {"list", "watch", "create", "deletecollection", "patch"}  # patch: Kueue's pod group
+    assert g["workloads.kueue.x-k8s.io"] == {"delete"}
     assert g["services"] == {"create"} and g["configmaps"] == {"create", "deletecollection"}
     assert g["namespaces"] == {"list", "watch"} and g["nodes"] == {"list", "watch"}
     assert "secrets" not in g and "*" not in g and "deployments.apps" not in g
