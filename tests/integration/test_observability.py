@@ -218,8 +218,9 @@ def test_report_of_the_run(early_stopped_run: dict[str, Any], capsys: pytest.Cap
 def test_endpoints_in_process(tmp_path: Path) -> None:
     """Single rank in this process: scrape /metrics and /progress from inside the step-2 callback, so the
     check does not depend on timing."""
-    from seqtrain.runtime.callbacks import BaseCallback, build_callbacks
+    from seqtrain.runtime.callbacks import BaseCallback
     from seqtrain.runtime.dist import DistContext
+    from seqtrain.train.callbacks import build_callbacks
     from seqtrain.train.loop import Trainer
 
     job = resolve(load_job(JOB, ["replicas=1", "training.steps=3", "training.profile=null",
