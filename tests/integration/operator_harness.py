@@ -94,7 +94,10 @@ class Bed:
 
 def bed(fixture_operator: Operator, tmp: Path) -> Iterator[Bed]:
     """Generator for a module fixture (see the module's docstring)."""
-    os.environ.setdefault("SEQTRAIN_CHECK_PATHS", "0")
+    # The operator in this process skips data-path checks (paths exist in the pods); restored after the module so
+    # later tests in the same pytest process validate paths again.
+    old_check = os.environ.get("SEQTRAIN_CHECK_PATHS")
+    os.environ["SEQTRAIN_CHECK_PATHS"] = "0"
     tb = fixture_operator.tb
     cp = ControlPlane(str(tb.kubeconfig), tb.server(), str(TB / "pki" / "ca.crt"),
                       config.new_client_from_config(config_file=str(tb.kubeconfig)))
@@ -112,6 +115,10 @@ def bed(fixture_operator: Operator, tmp: Path) -> Iterator[Bed]:
             os.environ.pop("KUBECONFIG", None)
         else:
             os.environ["KUBECONFIG"] = old
+        if old_check is None:
+            os.environ.pop("SEQTRAIN_CHECK_PATHS", None)
+        else:
+            os.environ["SEQTRAIN_CHECK_PATHS"] = old_check
         fixture_operator.start()
 
 
