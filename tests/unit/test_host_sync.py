@@ -79,3 +79,18 @@ def test_a_native_engine_step_reads_the_device_once(tmp_path: Path, monkeypatch:
     trainer.prefetcher.close()
     assert len(reads) == 1 and reads[0].startswith("tolist at base.py"), reads
     assert stats.target_tokens > 0 and stats.grad_norm > 0 and not stats.skipped
+
+
+def test_a_sigterm_handled_right_after_the_step_all_reduce_is_not_lost(tmp_path: Path) -> None:
+    """A Python signal handler runs at the first bytecode after the blocking all-reduce returns, i.e. before its
+    result is stored: the agreed flag must not overwrite the signal (every rank would lose it and train on)."""
+    trainer = Trainer(job(), RuntimeConfig(workdir=str(tmp_path), checkpoint_dir=str(tmp_path / "ck")), DistContext())
+
+    def all_reduce_then_signal(tensor: torch.Tensor, op: str = "sum") -> None:
+        trainer.terminate_signal = True  # what the SIGTERM handler does, after the collective took the old value
+
+    trainer.ctx.all_reduce = all_reduce_then_signal  # type: ignore[method-assign]
+    trainer.agree()
+    assert not trainer.terminate_requested  # the signal came after this step's agreement ...
+    trainer.agree()
+    assert trainer.terminate_requested  # ... and the next one carries it to every rank

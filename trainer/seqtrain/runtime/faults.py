@@ -59,17 +59,19 @@ def in_save(step: int, rank: int) -> None:
         time.sleep(float(what.split(":", 1)[1]))
 
 
-def hold_after_step(step: int, terminated: Callable[[], bool]) -> None:
+def hold_after_step(step: int, terminated: Callable[[], bool]) -> bool:
+    """True when it held (every rank holds at the same step, so the caller may agree on the signal again)."""
     raw = os.environ.get("SEQTRAIN_FAULT_HOLD_AT_STEP", "").strip()
     if not raw or not _armed():
-        return
+        return False
     at, _, limit = raw.partition(":")
     if int(at) != step:
-        return
+        return False
     print(f"seqtrain: fault injection: holding after step {step} until SIGTERM", flush=True)
     deadline = time.monotonic() + float(limit or 300)
     while not terminated() and time.monotonic() < deadline:
         time.sleep(0.05)
+    return True
 
 
 def maybe_fail_setup() -> None:

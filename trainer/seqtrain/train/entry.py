@@ -55,11 +55,11 @@ class _TerminateFlag:
     def __call__(self, signum: int, frame: FrameType | None) -> None:
         self.received = True
         if self.trainer is not None:
-            self.trainer.terminate_requested = True
+            self.trainer.terminate_signal = True
 
     def attach(self, trainer) -> None:  # noqa: ANN001
         self.trainer = trainer
-        trainer.terminate_requested = trainer.terminate_requested or self.received
+        trainer.terminate_signal = trainer.terminate_signal or self.received
 
 
 def main(config_path: str) -> int:

@@ -87,7 +87,11 @@ class Trainer:
         self.step = 0  # optimizer steps completed
         self.tokens_seen = 0  # real target tokens over all ranks and steps
         self.resumed_from: CheckpointInfo | None = None
-        self.terminate_requested = False  # set by the SIGTERM handler
+        # The SIGTERM handler sets terminate_signal (sticky); terminate_requested is what all ranks agreed on at the
+        # end of a step. Two fields, because a handler that ran right after the agreeing all-reduce returned would
+        # otherwise be overwritten by its (older) result and the signal lost on every rank.
+        self.terminate_signal = False
+        self.terminate_requested = False
         self.stop_training = False  # set by callbacks (early stopping)
         self.stop_reason = ""
         self.last_metrics: dict[str, Any] = {}
@@ -226,7 +230,7 @@ class Trainer:
         self.tokens_seen += stats.target_tokens
         faults.maybe_kill_after_step(self.step, self.ctx.rank)
         if faults.term_requested_at(self.step):
-            self.terminate_requested = True
+            self.terminate_signal = True
         with waiting(f"step {self.step}: the end-of-step all-reduce (memory peak, stop flags) over all ranks"):
             mem_mb = self.agree()
         return self.step_metrics(stats, lr, time.perf_counter() - t0, mem_mb)
@@ -237,7 +241,7 @@ class Trainer:
         # them on the collective's device, and reading the result is the step's second host sync (all ranks
         # must agree on stopping before the next step starts).
         flags = torch.tensor(
-            [peak_memory_mb(self.ctx.device), float(self.terminate_requested), float(self.stop_training)],
+            [peak_memory_mb(self.ctx.device), float(self.terminate_signal), float(self.stop_training)],
             dtype=torch.float64, device=self.ctx.device if self.ctx.distributed else "cpu",
         )
         self.ctx.all_reduce(flags, op="max")
@@ -277,7 +281,8 @@ class Trainer:
             if self.ctx.is_main:
                 self.metrics_writer.append(metrics)
                 self.log_step(metrics)
-            faults.hold_after_step(self.step, lambda: self.terminate_requested)  # tests only (unset normally)
+            if faults.hold_after_step(self.step, lambda: self.terminate_signal):  # tests only (unset normally)
+                self.agree()  # the signal that ended the hold, agreed by every rank (all held at this step)
             if self.terminate_requested or self.stop_training:
                 reason = "terminated" if self.terminate_requested else "stopped"
                 if reason == "stopped" or self.spec.checkpoint.save_on_sigterm:
