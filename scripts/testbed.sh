@@ -214,8 +214,11 @@ up() {
     start kube-scheduler "$bin/kube-scheduler" --kubeconfig "$TB/scheduler.kubeconfig" \
         --authentication-kubeconfig "$TB/scheduler.kubeconfig" --authorization-kubeconfig "$TB/scheduler.kubeconfig" \
         --leader-elect=false --secure-port 0 --profiling=false
-    # kwok manages only its nodes (label type=kwok), never the agent's.
+    # kwok manages only its nodes (label type=kwok), never the agent's. It renews a node's lease every quarter of
+    # its duration: kwok's default (40 s: every 10 s) against the 10 s grace above made healthy nodes blink
+    # NotReady whenever a renewal came a little late; 12 s renews every 3 s (TESTBED_KWOK_LEASE_SECONDS).
     start kwok "$bin/kwok" --kubeconfig "$TB/kubeconfig" --config "$bin/kwok-stages.yaml" \
+        --node-lease-duration-seconds "${TESTBED_KWOK_LEASE_SECONDS:-12}" \
         --manage-nodes-with-label-selector type=kwok --cidr 10.244.0.0/16 --node-ip 10.0.0.1 \
         --server-address "127.0.0.1:$KWOK_PORT"
     local agent_args=()

@@ -126,8 +126,9 @@ def bed(fixture_operator: Operator, tmp: Path) -> Iterator[Bed]:
 
 
 def fast_config(**settings: Any) -> Config:
-    """Short polls so tests finish quickly; nothing else differs from production."""
-    grace = settings.pop("node_lost_grace", 0.0)
+    """Short polls so tests finish quickly; nothing else differs from production (whose node-lost grace is 40 s: a
+    node NotReady for a moment, as a late heartbeat on a busy machine makes it, is not a lost node)."""
+    grace = settings.pop("node_lost_grace", 5.0)
     return Config(settings=Settings(progress_port=settings.pop("progress_port", None), **settings),
                   node_lost_grace=grace, running_poll=0.3, idle_poll=1.0, progress_timeout=1.0)
 
@@ -304,8 +305,16 @@ def status(cp: ControlPlane, ns: str, name: str) -> dict[str, Any]:
 
 
 def wait_phase(cp: ControlPlane, ns: str, name: str, phase: str, timeout: float = 120.0) -> dict[str, Any]:
-    return wait_for(lambda: (s := status(cp, ns, name)).get("phase") == phase and s, timeout,
-                    what=f"{ns}/{name} phase {phase}")
+    try:
+        return wait_for(lambda: (s := status(cp, ns, name)).get("phase") == phase and s, timeout,
+                        what=f"{ns}/{name} phase {phase}")
+    except AssertionError as exc:  # say what the job and its pods were doing instead
+        pods_now = [(p["metadata"]["name"], p["status"].get("phase"), bool(p["metadata"].get("deletionTimestamp")),
+                     p["spec"].get("nodeName")) for p in pods_of(cp, ns, name)]
+        told = [(e.reason, e.message) for e in cp.core.list_namespaced_event(ns).items
+                if e.involved_object.name == name]
+        raise AssertionError(f"{exc}\nstatus: {status(cp, ns, name)}\npods (name, phase, terminating, node): "
+                             f"{pods_now}\nevents: {told}") from None
 
 
 def pods_of(cp: ControlPlane, ns: str, name: str, attempt: int | None = None) -> list[dict[str, Any]]:

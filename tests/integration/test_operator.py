@@ -134,7 +134,6 @@ def test_no_capacity_no_pods_and_a_condition_then_capacity_starts_gang(env):
     wait_for(lambda: "Unschedulable" in reasons(cp, ns), what="Unschedulable event")
 
 
-@pytest.mark.xfail(strict=False, reason="after merging issues 11 and 13 a rank failure on a kwok node is charged to infrastructure (infraRestarts 1, node avoided) instead of to the user; not diagnosed")
 def test_pod_failure_restarts_whole_gang_then_max_restarts_fails(env):
     b, _ = env
     cp = b.cp
@@ -252,7 +251,6 @@ PODGROUP_CRD = {
                  "type": "object", "x-kubernetes-preserve-unknown-fields": True}}}]}}
 
 
-@pytest.mark.xfail(strict=False, reason="after the gang-scheduler adapters were merged over issue 11's admission, the not-installed condition was not seen within 120 s; not diagnosed")
 def test_external_gang_scheduler_missing_then_installed(env):
     b, _ = env
     cp = b.cp

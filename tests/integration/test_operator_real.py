@@ -84,11 +84,11 @@ def node_back(testbed: Testbed) -> Iterator[list[str]]:
 
 def test_node_loss_force_deletes_restarts_from_the_checkpoint_charged_to_infrastructure(
         testbed: Testbed, seqtrain_operator: Operator, ns: str, node_back: list[str]) -> None:
-    job = cpu_job("node-loss")
+    job = cpu_job("node-loss", hold_at_step=15)  # past the checkpoint of step 10: the node dies during training
     job["spec"]["training"]["steps"] = 40
     job["spec"]["faultTolerance"]["maxRestarts"] = 0  # a restart charged to the user would fail the job
     testbed.apply(job, ns)
-    wait("node-loss past its first checkpoint",
+    wait("node-loss held at step 15, past its first checkpoint",
          lambda: (job_status(testbed, ns, "node-loss").get("progress") or {}).get("step", 0) >= 15, RUN_TIMEOUT, 1)
     victim = next(p for p in pods_of(testbed, ns, "node-loss") if p["metadata"]["labels"]["seqtrain.dev/replica"] == "1")
     dead = victim["spec"]["nodeName"]
@@ -211,6 +211,8 @@ def test_the_service_account_can_do_exactly_what_the_operator_does(testbed: Test
     assert g["seqtrainjobs.seqtrain.dev"] == {"get", "list", "watch", "patch", "delete"}  # delete: TTL
     assert g["pods"] == {"list", "watch", "create", "deletecollection", "patch"}  # patch: Kueue's pod group
     assert g["workloads.kueue.x-k8s.io"] == {"delete"}
+    assert g["podgroups.scheduling.x-k8s.io"] == {"create", "delete", "patch"}  # patch: coscheduling's retry
+    assert g["podgroups.scheduling.volcano.sh"] == {"create", "delete"}
     assert g["services"] == {"create"} and g["configmaps"] == {"create", "deletecollection"}
     assert g["namespaces"] == {"list", "watch"} and g["nodes"] == {"list", "watch"}
     assert "secrets" not in g and "*" not in g and "deployments.apps" not in g

@@ -25,12 +25,18 @@ STEPS = 60  # the example's; run 2 needs time left after its checkpoint at step 
 RUN_TIMEOUT = 900  # seconds for a 2-rank CPU run on a loaded 2-core machine; a deadline, not a measurement
 
 
-def cpu_job(name: str) -> dict[str, Any]:
-    """examples/k8s-cpu.yaml, fewer steps, kept on the agent's CPU nodes (kwok's GPU nodes would not run it)."""
+def cpu_job(name: str, hold_at_step: int | None = None) -> dict[str, Any]:
+    """examples/k8s-cpu.yaml, fewer steps, kept on the agent's CPU nodes (kwok's GPU nodes would not run it).
+    `hold_at_step`: the first gang holds after that step until it is terminated (seqtrain.runtime.faults), so a
+    test acts "during training" however fast this machine runs the rest; restarted gangs run clean."""
     job = yaml.safe_load((ROOT / "examples" / "k8s-cpu.yaml").read_text())
     job["metadata"]["name"] = name
     job["spec"]["training"]["steps"] = STEPS
     job["spec"]["scheduling"]["nodeSelector"] = {"node.kubernetes.io/instance-type": "testbed-cpu"}
+    if hold_at_step is not None:
+        hold = [{"name": "SEQTRAIN_FAULT_HOLD_AT_STEP", "value": f"{hold_at_step}:900"},
+                {"name": "SEQTRAIN_FAULT_ATTEMPT", "value": "1"}]
+        job["spec"]["podTemplate"] = {"spec": {"containers": [{"name": "trainer", "env": hold}]}}
     return job
 
 
@@ -106,8 +112,8 @@ def test_cpu_job_trains_and_a_killed_rank_restarts_the_gang_from_its_checkpoint(
     reference = losses(ns, "cpu-ref")
     assert sorted(reference) == list(range(1, STEPS + 1))
 
-    # Run 2: SIGKILL one rank's process once it is past the checkpoint at step 10.
-    testbed.apply(cpu_job("cpu-kill"), ns)
+    # Run 2: SIGKILL one rank's process once it is past the checkpoint at step 10 (held there).
+    testbed.apply(cpu_job("cpu-kill", hold_at_step=12), ns)
     metrics = TB / "volumes" / ns / "cpu-kill" / "metrics.jsonl"  # read where the ranks write it: no lag
     wait("cpu-kill past its first checkpoint (step 10)",
          lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 12, RUN_TIMEOUT, 0.5)

@@ -64,12 +64,15 @@ class Rule:
     gone: bool = False
     times: int | None = 1
     after: int = 0
+    query: re.Pattern[str] | None = None  # searched in the query string (None: any)
     seen: int = 0  # matching requests so far (the first `after` are let through)
     hits: int = 0  # requests this rule acted on
 
-    def take(self, method: str, path: str, watch: bool) -> bool:
+    def take(self, method: str, path: str, watch: bool, query: str = "") -> bool:
         """Whether this rule acts on the request (and counts it)."""
         if self.method not in ("*", method) or not self.path.search(path):
+            return False
+        if self.query is not None and not self.query.search(query):
             return False
         if self.watch is not None and self.watch != watch:
             return False
@@ -130,14 +133,14 @@ class FaultProxy:
 
     def add_rule(self, method: str, path: str, *, watch: bool | None = None, status: int | None = None,
                  message: str = "", delay: float = 0.0, drop_after: int | None = None, gone: bool = False,
-                 times: int | None = 1, after: int = 0) -> Rule:
+                 times: int | None = 1, after: int = 0, query: str | None = None) -> Rule:
         if sum(x is not None and x is not False for x in (status, drop_after, gone or None)) > 1:
             raise ValueError("a rule does one of status=, drop_after=, gone=")
         if (drop_after is not None or gone) and watch is False:
             raise ValueError("drop_after= and gone= act on watch streams; leave watch= unset or True")
         rule = Rule(method.upper(), re.compile(path), watch=True if (drop_after is not None or gone) else watch,
                     status=status, message=message, delay=delay, drop_after=drop_after, gone=gone, times=times,
-                    after=after)
+                    after=after, query=re.compile(query) if query is not None else None)
         with self._lock:
             self.rules.append(rule)
         return rule
@@ -258,7 +261,7 @@ class FaultProxy:
                 rec.body = json.loads(body)
         with self._lock:
             self.records.append(rec)
-            rule = next((r for r in self.rules if r.take(request.method, request.path, watch)), None)
+            rule = next((r for r in self.rules if r.take(request.method, request.path, watch, request.query_string)), None)
         if rule is not None and rule.delay:
             await asyncio.sleep(rule.delay)  # the client may give up meanwhile: this handler is then cancelled
         if rule is not None and rule.status is not None:

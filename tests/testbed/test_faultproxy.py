@@ -130,6 +130,15 @@ def test_status_rules_answer_a_kubernetes_status_without_forwarding_then_stop(en
     assert sum(1 for m, p, _ in up.seen if m == "PATCH") == 2 and sum(1 for m, _, _ in up.seen if m == "GET") == 2
 
 
+def test_a_rule_with_a_query_acts_only_on_requests_whose_query_matches(env):
+    _, proxy = env
+    listing = proxy.add_rule("GET", r"^/api/v1/pods$", query=r"fieldSelector=", status=500)
+    assert requests.get(proxy.url + "/api/v1/pods?limit=5", timeout=10).status_code == 200
+    assert requests.get(proxy.url + "/api/v1/pods?fieldSelector=status.phase%21%3DFailed",
+                        timeout=10).status_code == 500
+    assert listing.hits == 1
+
+
 def test_delay_past_the_clients_timeout_is_a_timeout_and_the_next_request_passes(env):
     _, proxy = env
     hang = proxy.add_rule("GET", r"/api/v1/nodes$", delay=30.0)
@@ -140,10 +149,11 @@ def test_delay_past_the_clients_timeout_is_a_timeout_and_the_next_request_passes
     assert requests.get(proxy.url + "/api/v1/nodes", timeout=10).status_code == 200
 
 
-def _watch_lines(proxy: FaultProxy, path: str, read_timeout: float = 3.0) -> tuple[list[dict], str]:
-    """The events a watch client gets, and how the stream ended: 'cut' (broken mid-stream), 'end' (closed
-    cleanly) or 'open' (still open when the client stopped waiting)."""
-    events = []
+def _watch_lines(proxy: FaultProxy, path: str, read_timeout: float = 3.0,
+                 events: list[dict] | None = None) -> tuple[list[dict], str]:
+    """The events a watch client gets (appended to `events` as they come), and how the stream ended: 'cut' (broken
+    mid-stream), 'end' (closed cleanly) or 'open' (still open when the client stopped waiting)."""
+    events = [] if events is None else events
     try:
         with requests.get(proxy.url + path, stream=True, timeout=(5, read_timeout)) as r:
             for line in r.iter_lines():
@@ -180,14 +190,14 @@ def test_watch_streams_pass_through_dropped_watches_and_410_gone(env):
 def test_drop_watches_cuts_the_open_streams_only(env):
     _, proxy = env
     out: dict[str, tuple[list[dict], str]] = {}
+    seen: list[dict] = []
     t = threading.Thread(target=lambda: out.setdefault("w", _watch_lines(
-        proxy, "/api/v1/namespaces/a/pods?watch=1", read_timeout=20)))
+        proxy, "/api/v1/namespaces/a/pods?watch=1", read_timeout=20, events=seen)))
     t.start()
-    wait = time.monotonic() + 10
-    while proxy.count("GET", r"/pods$", watch=True) < 1 or proxy.drop_watches("/nodes") != 0:
-        assert time.monotonic() < wait
+    wait = time.monotonic() + 30
+    while len(seen) < 3 or proxy.drop_watches("/nodes") != 0:  # the three events are through
+        assert time.monotonic() < wait and t.is_alive()
         time.sleep(0.05)
-    time.sleep(0.3)  # the three events are through
     assert proxy.drop_watches(r"/pods$") == 1
     t.join(10)
     events, how = out["w"]

@@ -95,6 +95,7 @@ OPERATOR_NAMESPACED = {
     ("", "events", "create"),
     *((g, "podgroups", v) for g in ("scheduling.x-k8s.io", "scheduling.volcano.sh", "scheduling.run.ai")
       for v in ("create", "delete")),
+    ("scheduling.x-k8s.io", "podgroups", "patch"),  # coscheduling's retry nudge
     ("kueue.x-k8s.io", "workloads", "delete"),
     *(("kopf.dev", "kopfpeerings", v) for v in ("get", "list", "watch", "patch")),
 }

@@ -47,7 +47,8 @@ with `kubectl auth can-i --list` as the ServiceAccount.
   blockOwnerDeletion on pods/Services/ConfigMaps are refused without it (OwnerReferencesPermissionEnforcement).
 - pods: kopf's watch (wake-ups), reconcile's LIST by label, create, deletecollection (gang teardown, and the forced
   delete of pods on lost nodes). No get, no single delete: never called.
-- services, configmaps, podgroups: create (409 = already there); configmaps deletecollection, podgroups delete.
+- services, configmaps, podgroups: create (409 = already there); configmaps deletecollection, podgroups delete;
+  coscheduling's podgroups patch (an annotation on a queued gang: the plugin retries only on PodGroup updates).
 - events: kopf.event POSTs core/v1 Events.
 */}}
 {{- define "seqtrain.namespacedRules" -}}
@@ -75,6 +76,9 @@ with `kubectl auth can-i --list` as the ServiceAccount.
 - apiGroups: ["scheduling.x-k8s.io", "scheduling.volcano.sh", "scheduling.run.ai"]
   resources: ["podgroups"]
   verbs: ["create", "delete"]
+- apiGroups: ["scheduling.x-k8s.io"]  # coscheduling: touch a queued gang's PodGroup so the plugin retries it
+  resources: ["podgroups"]
+  verbs: ["patch"]
 - apiGroups: ["kueue.x-k8s.io"]  # a finished pod group's Workload
   resources: ["workloads"]
   verbs: ["delete"]

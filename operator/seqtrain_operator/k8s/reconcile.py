@@ -199,6 +199,8 @@ async def _decide_and_act(kube: Kube, cfg: Config, body: dict[str, Any], job: Se
     adapter = adapter_for(job.spec.scheduling.gang)
     if adapter is not None and new.phase in TERMINAL_PHASES:
         await adapter.on_finished(kube, job, owner, pods)
+    elif adapter is not None and (c := cond.get(new, "Scheduled")) is not None and c.reason == "Queued":
+        await adapter.on_queued(kube, job, owner, new.attempt)
     for ev in decision.of(Event):
         emit(body, ev.type, ev.reason, ev.message)
     if decision.of(DeleteJob):  # last: the events above still name a live object

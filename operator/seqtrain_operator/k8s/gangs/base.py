@@ -62,6 +62,9 @@ class GangScheduler:
 
     # ---- I/O hooks -------------------------------------------------------------------------------------------
 
+    async def on_queued(self, kube: Kube, job: SeqTrainJob, owner: Owner, attempt: int) -> None:
+        """On every pass while the whole gang waits in the scheduler's queue (the Scheduled condition says Queued)."""
+
     async def on_finished(self, kube: Kube, job: SeqTrainJob, owner: Owner, pods: list[Pod]) -> None:
         """On every pass of a Succeeded or Failed job (idempotent)."""
 

@@ -7,12 +7,22 @@ Its PodGroupSpec has minMember, minResources and scheduleTimeoutSeconds, and no 
 
 from __future__ import annotations
 
+import time
+from datetime import UTC, datetime
 from typing import Any
 
 from seqtrain.spec import SeqTrainJob
+from seqtrain_operator.k8s import calls
 from seqtrain_operator.k8s.gangs.base import GangScheduler, podgroup_object, times
 
 LABEL = "scheduling.x-k8s.io/pod-group"
+RETRY_ANNOTATION = "seqtrain.dev/retry-scheduling"
+# The plugin asks kube-scheduler to retry a gang it refused only when a pod is added or a PodGroup is added or
+# updated (Coscheduling.EventsToRegister): not when pods are deleted. A gang refused for want of room would wait
+# for podMaxInUnschedulablePodsDuration (5 min) after room freed, unless something else happened to be created.
+# Touching the PodGroup of a queued gang this often bounds that wait.
+RETRY_SECONDS = 20.0
+_touched: dict[tuple[str, str], float] = {}  # (namespace, PodGroup) -> monotonic time of the last touch
 
 
 class Coscheduling(GangScheduler):
@@ -33,6 +43,19 @@ class Coscheduling(GangScheduler):
         if s.scheduling.timeout_seconds:
             spec["scheduleTimeoutSeconds"] = s.scheduling.timeout_seconds
         return podgroup_object(self.podgroup_api or "", meta, spec)
+
+
+    async def on_queued(self, kube, job, owner, attempt):  # type: ignore[no-untyped-def]
+        group = self.group_name(job, owner, attempt)
+        key, now = (owner.namespace, group), time.monotonic()
+        if now - _touched.get(key, now - RETRY_SECONDS) < RETRY_SECONDS:
+            return
+        _touched[key] = now
+        for stale in [k for k, t in _touched.items() if now - t > 10 * RETRY_SECONDS]:
+            del _touched[stale]  # gangs no longer queued
+        stamp = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        await calls.patch_custom(kube, self.podgroup_api or "", self.podgroup_plural, owner.namespace, group,
+                                 {"metadata": {"annotations": {RETRY_ANNOTATION: stamp}}})
 
 
 ADAPTER = Coscheduling(name="coscheduling", crd="podgroups.scheduling.x-k8s.io",
