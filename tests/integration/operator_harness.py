@@ -122,6 +122,27 @@ def bed(fixture_operator: Operator, tmp: Path) -> Iterator[Bed]:
         fixture_operator.start()
 
 
+def module_env(fixture_operator: Operator, tmp: Path, *, operator: bool) -> Iterator[tuple[Bed, list[str]]]:
+    """Generator for a module's `env` fixture: the bed and the namespaces its tests make (deleted at the end).
+    `operator`: one in-process operator serves the whole module; else each test starts its own, and one runs only
+    for the teardown (the jobs' finalizers need an operator to be released)."""
+    gen = bed(fixture_operator, tmp)
+    b = next(gen)
+    op = OperatorThread(fast_config(), b.webhook()).start() if operator else None
+    pools: list[str] = []
+    try:
+        yield b, pools
+    finally:
+        try:
+            if op is None:
+                op = OperatorThread(fast_config(), b.webhook()).start()
+            b.proxy.clear_rules()
+            teardown(b.cp, pools)
+        finally:
+            op.stop()
+            gen.close()
+
+
 # ---- the operator -------------------------------------------------------------------------------------------
 
 

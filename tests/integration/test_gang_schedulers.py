@@ -95,21 +95,7 @@ def operator(testbed: Testbed) -> Iterator[LocalOperator]:
 @pytest.fixture(scope="module")
 def ns(testbed: Testbed, operator: LocalOperator) -> str:
     """A namespace with the ReadWriteMany claim `seqtrain-ckpt` (a hostPath PV the node agent maps)."""
-    name = testbed.namespace("gang")
-    folder = TB / "volumes" / name
-    folder.mkdir(parents=True, exist_ok=True)
-    testbed.apply([
-        {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": f"{name}-ckpt"},
-         "spec": {"capacity": {"storage": "5Gi"}, "accessModes": ["ReadWriteMany"],
-                  "persistentVolumeReclaimPolicy": "Retain", "storageClassName": "testbed",
-                  "hostPath": {"path": str(folder), "type": "Directory"}}},
-        {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "seqtrain-ckpt", "namespace": name},
-         "spec": {"accessModes": ["ReadWriteMany"], "storageClassName": "testbed", "volumeName": f"{name}-ckpt",
-                  "resources": {"requests": {"storage": "5Gi"}}}},
-    ])
-    wait("the checkpoint claim Bound",
-         lambda: (testbed.get("pvc", "seqtrain-ckpt", name) or {}).get("status", {}).get("phase") == "Bound", 120)
-    return name
+    return testbed.checkpoint_namespace("gang")
 
 
 # ---- coscheduling ---------------------------------------------------------------------------------------------

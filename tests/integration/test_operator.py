@@ -11,16 +11,14 @@ import pytest
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 from operator_harness import (
-    OperatorThread,
     add_node,
-    bed,
     condition,
     delete_job,
-    fast_config,
     finish_pods,
     job,
     job_doc,
     jobs,
+    module_env,
     namespace,
     patch_job,
     pinned_node,
@@ -29,7 +27,6 @@ from operator_harness import (
     set_pod,
     status,
     submit,
-    teardown,
     wait_for,
     wait_phase,
     wait_pods,
@@ -41,18 +38,7 @@ pytestmark = pytest.mark.timeout(600)
 
 @pytest.fixture(scope="module")
 def env(seqtrain_operator, tmp_path_factory):
-    gen = bed(seqtrain_operator, tmp_path_factory.mktemp("kube"))
-    b = next(gen)
-    op = OperatorThread(fast_config(), b.webhook()).start()
-    pools: list[str] = []
-    try:
-        yield b, pools
-    finally:
-        try:
-            teardown(b.cp, pools)
-        finally:
-            op.stop()
-            gen.close()
+    yield from module_env(seqtrain_operator, tmp_path_factory.mktemp("kube"), operator=True)
 
 
 def _ns(env, name: str) -> str:

@@ -16,7 +16,7 @@ import pytest
 import yaml
 from test_testbed_e2e import cpu_job, job_status, losses, wait_phase
 
-from testbed.fixtures import RELEASE, RELEASE_NS, ROOT, TB, Operator, Testbed, wait
+from testbed.fixtures import RELEASE, RELEASE_NS, ROOT, Operator, Testbed, wait
 
 pytestmark = pytest.mark.slow
 
@@ -27,21 +27,7 @@ SA = f"system:serviceaccount:{RELEASE_NS}:seqtrain"
 @pytest.fixture(scope="module")
 def ns(testbed: Testbed, seqtrain_operator: Operator) -> str:
     """A namespace with the ReadWriteMany claim `seqtrain-ckpt` (a hostPath PV the node agent maps)."""
-    name = testbed.namespace("op")
-    folder = TB / "volumes" / name
-    folder.mkdir(parents=True, exist_ok=True)
-    testbed.apply([
-        {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": f"{name}-ckpt"},
-         "spec": {"capacity": {"storage": "5Gi"}, "accessModes": ["ReadWriteMany"],
-                  "persistentVolumeReclaimPolicy": "Retain", "storageClassName": "testbed",
-                  "hostPath": {"path": str(folder), "type": "Directory"}}},
-        {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "seqtrain-ckpt", "namespace": name},
-         "spec": {"accessModes": ["ReadWriteMany"], "storageClassName": "testbed", "volumeName": f"{name}-ckpt",
-                  "resources": {"requests": {"storage": "5Gi"}}}},
-    ])
-    wait("the checkpoint claim Bound",
-         lambda: (testbed.get("pvc", "seqtrain-ckpt", name) or {}).get("status", {}).get("phase") == "Bound", 120)
-    return name
+    return testbed.checkpoint_namespace("op")
 
 
 def gpu_job(name: str, replicas: int = 1, gpus: int = 8, **scheduling: Any) -> dict[str, Any]:

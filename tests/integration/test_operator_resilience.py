@@ -13,18 +13,17 @@ from kubernetes.client.rest import ApiException
 from operator_harness import (
     OperatorThread,
     add_node,
-    bed,
     fast_config,
     finish_pods,
     job_doc,
     jobs,
+    module_env,
     namespace,
     pods_of,
     reasons,
     set_pod,
     status,
     submit,
-    teardown,
     wait_for,
     wait_phase,
     wait_pods,
@@ -36,20 +35,7 @@ pytestmark = pytest.mark.timeout(600)
 
 @pytest.fixture(scope="module")
 def env(seqtrain_operator, tmp_path_factory):
-    gen = bed(seqtrain_operator, tmp_path_factory.mktemp("kube"))
-    b = next(gen)
-    pools: list[str] = []
-    try:
-        yield b, pools
-    finally:
-        # the jobs' finalizers need an operator to be released
-        op = OperatorThread(fast_config(), b.webhook()).start()
-        try:
-            b.proxy.clear_rules()
-            teardown(b.cp, pools)
-        finally:
-            op.stop()
-            gen.close()
+    yield from module_env(seqtrain_operator, tmp_path_factory.mktemp("kube"), operator=False)
 
 
 def _ns(env, name: str) -> str:

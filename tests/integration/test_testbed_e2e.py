@@ -44,21 +44,7 @@ def cpu_job(name: str, hold_at_step: int | None = None) -> dict[str, Any]:
 def ns(testbed: Testbed, seqtrain_operator: Operator) -> str:
     """A namespace with the ReadWriteMany claim `seqtrain-ckpt` the example names: a hostPath PV on this machine
     (the node agent maps the claim to its PV's folder), bound by the controller-manager's PV controller."""
-    name = testbed.namespace("e2e")
-    folder = TB / "volumes" / name
-    folder.mkdir(parents=True, exist_ok=True)
-    testbed.apply([
-        {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": f"{name}-ckpt"},
-         "spec": {"capacity": {"storage": "5Gi"}, "accessModes": ["ReadWriteMany"],
-                  "persistentVolumeReclaimPolicy": "Retain", "storageClassName": "testbed",
-                  "hostPath": {"path": str(folder), "type": "Directory"}}},
-        {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "seqtrain-ckpt", "namespace": name},
-         "spec": {"accessModes": ["ReadWriteMany"], "storageClassName": "testbed", "volumeName": f"{name}-ckpt",
-                  "resources": {"requests": {"storage": "5Gi"}}}},
-    ])
-    wait("the checkpoint claim Bound",
-         lambda: (testbed.get("pvc", "seqtrain-ckpt", name) or {}).get("status", {}).get("phase") == "Bound", 120)
-    return name
+    return testbed.checkpoint_namespace("e2e")
 
 
 def job_status(tb: Testbed, ns: str, name: str) -> dict[str, Any]:

@@ -134,6 +134,27 @@ class Testbed:
         wait(f"default ServiceAccount in {name}", lambda: self.get("serviceaccount", "default", name), 120)
         return name
 
+    def checkpoint_namespace(self, prefix: str) -> str:
+        """A fresh namespace with the ReadWriteMany claim `seqtrain-ckpt` that examples/k8s-cpu.yaml names: a
+        hostPath PV on this machine (the node agent maps the claim to its PV's folder, .testbed/volumes/<ns>),
+        bound by the controller-manager's PV controller."""
+        name = self.namespace(prefix)
+        folder = TB / "volumes" / name
+        folder.mkdir(parents=True, exist_ok=True)
+        self.apply([
+            {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": f"{name}-ckpt"},
+             "spec": {"capacity": {"storage": "5Gi"}, "accessModes": ["ReadWriteMany"],
+                      "persistentVolumeReclaimPolicy": "Retain", "storageClassName": "testbed",
+                      "hostPath": {"path": str(folder), "type": "Directory"}}},
+            {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+             "metadata": {"name": "seqtrain-ckpt", "namespace": name},
+             "spec": {"accessModes": ["ReadWriteMany"], "storageClassName": "testbed", "volumeName": f"{name}-ckpt",
+                      "resources": {"requests": {"storage": "5Gi"}}}},
+        ])
+        wait("the checkpoint claim Bound",
+             lambda: (self.get("pvc", "seqtrain-ckpt", name) or {}).get("status", {}).get("phase") == "Bound", 120)
+        return name
+
     def ca_pem(self) -> bytes:
         return (TB / "pki" / "ca.crt").read_bytes()
 

@@ -143,3 +143,30 @@ def test_validate_refuses_a_queue_the_scheduler_cannot_use(scheduling, words):
     with pytest.raises(SpecError) as err:
         parse_job(doc)
     assert any(p.path == "spec.scheduling.queue" and words in p.message for p in err.value.problems)
+
+
+def test_a_queued_coscheduling_gang_has_its_podgroup_touched_at_most_every_retry_interval(monkeypatch):
+    """Coscheduling retries a refused gang only on a PodGroup update (or a pod add): the operator touches the queued
+    gang's PodGroup, throttled per group."""
+    import asyncio
+
+    from seqtrain_operator.k8s import calls
+    from seqtrain_operator.k8s.gangs import coscheduling as cs
+
+    patches: list[tuple[str, str, dict]] = []
+
+    async def patch_custom(kube, api, plural, namespace, name, patch):  # noqa: ANN001, ANN202
+        patches.append((api, f"{namespace}/{name}", patch))
+
+    clock = [1000.0]
+    monkeypatch.setattr(calls, "patch_custom", patch_custom)
+    monkeypatch.setattr(cs.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(cs, "_touched", {})
+    adapter, j = adapter_for("coscheduling"), job("coscheduling", queue=None)
+    for dt in (0.0, 1.0, cs.RETRY_SECONDS):  # at once, not again a second later, again after the interval
+        clock[0] += dt
+        asyncio.run(adapter.on_queued(None, j, OWNER, 1))
+    assert [(a, where) for a, where, _ in patches] == [("scheduling.x-k8s.io/v1alpha1", "ml/gpt-1")] * 2
+    assert cs.RETRY_ANNOTATION in patches[0][2]["metadata"]["annotations"]
+    asyncio.run(adapter_for("volcano").on_queued(None, job("volcano"), OWNER, 1))  # others need no touch
+    assert len(patches) == 2
