@@ -155,3 +155,11 @@ def test_sidecar_may_mount_the_checkpoint_volume_read_only():
     p = pod({"spec": {"containers": [{"name": "s", "image": "x",
                                       "volumeMounts": [{"name": "checkpoints", "mountPath": "/ck"}]}]}})
     assert p["spec"]["containers"][1]["volumeMounts"][0]["name"] == "checkpoints"
+
+
+def test_a_fault_drill_env_var_reaches_the_trainer_though_other_seqtrain_vars_are_the_operators():
+    drill = {"spec": {"containers": [{"name": "trainer", "env": [
+        {"name": "SEQTRAIN_FAULT_KILL_AT_STEP", "value": "20:1"}, {"name": "SEQTRAIN_FAULT_ATTEMPT", "value": "1"}]}]}}
+    env = {e["name"]: e.get("value") for e in pod(drill)["spec"]["containers"][0]["env"]}
+    assert env["SEQTRAIN_FAULT_KILL_AT_STEP"] == "20:1" and env["SEQTRAIN_FAULT_ATTEMPT"] == "1"
+    assert env["SEQTRAIN_ATTEMPT"] == "1"  # still the operator's

@@ -19,11 +19,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from seqtrain.spec.template import OWNED_ENV, OWNED_ENV_PREFIXES, PodTemplate
-
-
-def _is_owned_env(name: str) -> bool:
-    return name in OWNED_ENV or name.startswith(OWNED_ENV_PREFIXES)
+from seqtrain.spec.template import PodTemplate, owned_env
 
 
 def _merge_env(ours: list[dict[str, Any]], theirs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -31,7 +27,7 @@ def _merge_env(ours: list[dict[str, Any]], theirs: list[dict[str, Any]]) -> list
     index = {e["name"]: i for i, e in enumerate(out)}
     for e in theirs:
         name = e.get("name", "")
-        if _is_owned_env(name):
+        if owned_env(name):
             continue
         if name in index:
             out[index[name]] = copy.deepcopy(e)  # a default the operator only suggests (HOME, caches ...)

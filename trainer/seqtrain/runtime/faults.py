@@ -1,4 +1,5 @@
-"""Deterministic fault injection for tests and drills, driven by environment variables (all unset normally).
+"""Deterministic fault injection for tests and drills, driven by environment variables (all unset normally). On a
+cluster they go in the trainer container's env (spec.podTemplate): the one SEQTRAIN_ prefix a job may set.
 
 - SEQTRAIN_FAULT_TERM_AT_STEP=N: behave as if SIGTERM arrived during step N (every rank): save, exit 143.
 - SEQTRAIN_FAULT_KILL_AT_STEP=N[:RANK]: the rank (default 0) SIGKILLs itself right after step N, before

@@ -37,6 +37,8 @@ OWNED_ENV = frozenset({
     "GROUP_RANK", "ROLE_RANK", "POD_NAME", "POD_IP", "NODE_NAME",
 })
 OWNED_ENV_PREFIXES = ("SEQTRAIN_", "TORCHELASTIC_")
+# ... except the fault-injection variables (seqtrain.runtime.faults): a user may run a fault drill on a cluster.
+DRILL_ENV_PREFIX = "SEQTRAIN_FAULT_"
 # Label / annotation prefixes the operator or the gang schedulers it drives own.
 OWNED_META_PREFIXES = (
     "seqtrain.dev/", "app.kubernetes.io/managed-by", "kueue.x-k8s.io/", "scheduling.x-k8s.io/",
@@ -97,8 +99,9 @@ def _owned_meta(key: str) -> bool:
     return any(key == p or key.startswith(p) for p in OWNED_META_PREFIXES)
 
 
-def _owned_env(name: str) -> bool:
-    return name in OWNED_ENV or name.startswith(OWNED_ENV_PREFIXES)
+def owned_env(name: str) -> bool:
+    """An env var of the trainer container that only the operator sets."""
+    return name in OWNED_ENV or (name.startswith(OWNED_ENV_PREFIXES) and not name.startswith(DRILL_ENV_PREFIX))
 
 
 def _path_clash(path: str) -> str | None:
@@ -132,7 +135,7 @@ def _container(c: dict[str, Any], where: str, out: list[tuple[str, str]], sideca
         n = e.get("name") if isinstance(e, dict) else None
         if not n:
             out.append((f"{where}.env[{i}].name", "required"))
-        elif not sidecar and _owned_env(n):
+        elif not sidecar and owned_env(n):
             out.append((f"{where}.env[{i}].name", f"{n} is set by the operator (rank and rendezvous): remove it"))
     for i, m in enumerate(c.get("volumeMounts") or []):
         path = m.get("mountPath") if isinstance(m, dict) else None
