@@ -138,26 +138,31 @@ def test_coscheduling_binds_all_or_nothing(testbed: Testbed, operator: LocalOper
                                            ns: str) -> None:
     # 6 H100 nodes of 8 GPUs (the tainted pool is tolerated: ExtendedResourceToleration adds the toleration to pods
     # that request nvidia.com/gpu): a 3-node gang fits, then a 4-node gang does not (3 nodes left).
-    testbed.apply(gpu_gang("fits", 3), ns)
-    wait("fits: all 3 pods bound", lambda: [p for p in pods(testbed, ns, "fits") if p["spec"].get("nodeName")]
-         if len([p for p in pods(testbed, ns, "fits") if p["spec"].get("nodeName")]) == 3 else None, 300)
-    pg = testbed.get("podgroups.scheduling.x-k8s.io", "fits-1", ns)
-    assert pg["spec"]["minMember"] == 3 and "queue" not in pg["spec"]
-    testbed.apply(gpu_gang("too-big", 4), ns)
-    wait("too-big: its 4 pods created", lambda: len(pods(testbed, ns, "too-big")) == 4, 120)
-    # Wait until the scheduler has tried (the PodGroup's pods are reported unschedulable), then check none bound.
-    wait("too-big: the scheduler refused the gang", lambda: all(
-        any(c.get("type") == "PodScheduled" and c.get("status") == "False" for c in p["status"].get("conditions") or [])
-        for p in pods(testbed, ns, "too-big")), 120)
-    assert [p["spec"].get("nodeName") for p in pods(testbed, ns, "too-big")] == [None] * 4  # none, not 3 of 4
-    assert job_status(testbed, ns, "too-big")["conditions"]  # Scheduled=False: Queued (waiting for the scheduler)
-    testbed.kubectl("delete", "stj", "fits", "-n", ns, "--wait=true", "--timeout=180s", timeout=240)
-    # Deleting pods does not make the plugin retry a refused gang; the operator touches the queued gang's PodGroup
-    # (every RETRY_SECONDS), which does: bound well before the scheduler's own 5-minute flush.
-    wait("too-big: all 4 bound once room freed", lambda: all(p["spec"].get("nodeName")
-                                                           for p in pods(testbed, ns, "too-big")), 240)
-    pg = testbed.get("podgroups.scheduling.x-k8s.io", "too-big-1", ns)
-    assert "seqtrain.dev/retry-scheduling" in pg["metadata"]["annotations"]
+    try:
+        testbed.apply(gpu_gang("fits", 3), ns)
+        wait("fits: all 3 pods bound", lambda: [p for p in pods(testbed, ns, "fits") if p["spec"].get("nodeName")]
+             if len([p for p in pods(testbed, ns, "fits") if p["spec"].get("nodeName")]) == 3 else None, 300)
+        pg = testbed.get("podgroups.scheduling.x-k8s.io", "fits-1", ns)
+        assert pg["spec"]["minMember"] == 3 and "queue" not in pg["spec"]
+        testbed.apply(gpu_gang("too-big", 4), ns)
+        wait("too-big: its 4 pods created", lambda: len(pods(testbed, ns, "too-big")) == 4, 120)
+        # Wait until the scheduler has tried (the PodGroup's pods are reported unschedulable), then check none bound.
+        wait("too-big: the scheduler refused the gang", lambda: all(
+            any(c.get("type") == "PodScheduled" and c.get("status") == "False" for c in p["status"].get("conditions") or [])
+            for p in pods(testbed, ns, "too-big")), 120)
+        assert [p["spec"].get("nodeName") for p in pods(testbed, ns, "too-big")] == [None] * 4  # none, not 3 of 4
+        assert job_status(testbed, ns, "too-big")["conditions"]  # Scheduled=False: Queued (waiting for the scheduler)
+        testbed.kubectl("delete", "stj", "fits", "-n", ns, "--wait=true", "--timeout=180s", timeout=240)
+        # Deleting pods does not make the plugin retry a refused gang; the operator touches the queued gang's PodGroup
+        # (every RETRY_SECONDS), which does: bound well before the scheduler's own 5-minute flush.
+        wait("too-big: all 4 bound once room freed", lambda: all(p["spec"].get("nodeName")
+                                                               for p in pods(testbed, ns, "too-big")), 240)
+        pg = testbed.get("podgroups.scheduling.x-k8s.io", "too-big-1", ns)
+        assert "seqtrain.dev/retry-scheduling" in pg["metadata"]["annotations"]
+    finally:  # the GPU nodes are free for the tests after this one
+        for name in ("fits", "too-big"):
+            testbed.kubectl("delete", "stj", name, "-n", ns, "--ignore-not-found", "--wait=true", "--timeout=180s",
+                            timeout=240)
 
 
 # ---- Kueue ------------------------------------------------------------------------------------------------------
@@ -247,36 +252,41 @@ def test_kueue_queue_admit_train_restart_and_clean_up(testbed: Testbed, operator
     blocker = cpu_job("blocker")
     blocker["spec"]["training"]["steps"] = 100000
     blocker["spec"]["scheduling"].update({"gang": "kueue", "queue": "team"})
-    testbed.apply(blocker, ns)
-    wait_phase(testbed, op, ns, "blocker", "Running")
-    job = cpu_job("queued", hold_at_step=15)  # the first gang waits at step 15 for the rank kill below
-    job["spec"]["scheduling"].update({"gang": "kueue", "queue": "team", "pendingGraceSeconds": 5})
-    testbed.apply(job, ns)
-    first = wait("queued: its pods gated by Kueue", lambda: (ps := pods(testbed, ns, "queued")) and len(ps) == 2 and all(
-        any(g["name"] == "kueue.x-k8s.io/admission" for g in p["spec"].get("schedulingGates") or []) for p in ps)
-        and ps, 120)
-    wait("queued: condition Queued", lambda: any(c["type"] == "Scheduled" and c["reason"] == "Queued"
-                                                 for c in job_status(testbed, ns, "queued").get("conditions", [])), 60)
-    uids = sorted(p["metadata"]["uid"] for p in first)
-    since = time.monotonic()
+    try:
+        testbed.apply(blocker, ns)
+        wait_phase(testbed, op, ns, "blocker", "Running")
+        job = cpu_job("queued", hold_at_step=15)  # the first gang waits at step 15 for the rank kill below
+        job["spec"]["scheduling"].update({"gang": "kueue", "queue": "team", "pendingGraceSeconds": 5})
+        testbed.apply(job, ns)
+        first = wait("queued: its pods gated by Kueue", lambda: (ps := pods(testbed, ns, "queued")) and len(ps) == 2 and all(
+            any(g["name"] == "kueue.x-k8s.io/admission" for g in p["spec"].get("schedulingGates") or []) for p in ps)
+            and ps, 120)
+        wait("queued: condition Queued", lambda: any(c["type"] == "Scheduled" and c["reason"] == "Queued"
+                                                     for c in job_status(testbed, ns, "queued").get("conditions", [])), 60)
+        uids = sorted(p["metadata"]["uid"] for p in first)
+        since = time.monotonic()
 
-    def kept() -> bool:  # any teardown fails at once; passes once 3 x pendingGraceSeconds went by without one
-        now = sorted(p["metadata"]["uid"] for p in pods(testbed, ns, "queued"))
-        if now != uids or job_status(testbed, ns, "queued").get("attempt") != 1:
-            pytest.fail(f"a queued gang was torn down: pods {now} (were {uids})", pytrace=False)
-        return time.monotonic() - since > 15
-    wait("queued: kept past pendingGraceSeconds", kept, 120)
-    # Quota frees: admitted, trains; a SIGKILLed rank restarts the gang, which Kueue does not queue again.
-    testbed.kubectl("delete", "stj", "blocker", "-n", ns, "--wait=true", "--timeout=300s", timeout=360)
-    wait("queued past step 15", lambda: (job_status(testbed, ns, "queued").get("progress") or {}).get("step", 0) >= 15,
-         RUN_TIMEOUT, 1)
-    victim = testbed.get("pods", namespace=ns, selector="seqtrain.dev/job=queued,seqtrain.dev/replica=1")[0]
-    pid = testbed.pod_pid(victim["metadata"]["uid"])
-    assert pid is not None
-    os.killpg(pid, signal.SIGKILL)
-    done = wait_phase(testbed, op, ns, "queued", "Succeeded")
-    assert done["attempt"] >= 2 and done["restarts"] + done.get("infraRestarts", 0) >= 1, done
-    # Nothing left behind once the job is deleted: no pod, no Kueue finalizer, no Workload.
-    testbed.kubectl("delete", "stj", "queued", "-n", ns, "--wait=true", "--timeout=300s", timeout=360)
-    wait("no pods left", lambda: pods(testbed, ns, "queued") == [] and pods(testbed, ns, "blocker") == [], 300)
-    wait("no Workloads left", lambda: testbed.get("workloads.kueue.x-k8s.io", namespace=ns) == [], 120)
+        def kept() -> bool:  # any teardown fails at once; passes once 3 x pendingGraceSeconds went by without one
+            now = sorted(p["metadata"]["uid"] for p in pods(testbed, ns, "queued"))
+            if now != uids or job_status(testbed, ns, "queued").get("attempt") != 1:
+                pytest.fail(f"a queued gang was torn down: pods {now} (were {uids})", pytrace=False)
+            return time.monotonic() - since > 15
+        wait("queued: kept past pendingGraceSeconds", kept, 120)
+        # Quota frees: admitted, trains; a SIGKILLed rank restarts the gang, which Kueue does not queue again.
+        testbed.kubectl("delete", "stj", "blocker", "-n", ns, "--wait=true", "--timeout=300s", timeout=360)
+        wait("queued past step 15", lambda: (job_status(testbed, ns, "queued").get("progress") or {}).get("step", 0) >= 15,
+             RUN_TIMEOUT, 1)
+        victim = testbed.get("pods", namespace=ns, selector="seqtrain.dev/job=queued,seqtrain.dev/replica=1")[0]
+        pid = testbed.pod_pid(victim["metadata"]["uid"])
+        assert pid is not None
+        os.killpg(pid, signal.SIGKILL)
+        done = wait_phase(testbed, op, ns, "queued", "Succeeded")
+        assert done["attempt"] >= 2 and done["restarts"] + done.get("infraRestarts", 0) >= 1, done
+        # Nothing left behind once the job is deleted: no pod, no Kueue finalizer, no Workload.
+        testbed.kubectl("delete", "stj", "queued", "-n", ns, "--wait=true", "--timeout=300s", timeout=360)
+        wait("no pods left", lambda: pods(testbed, ns, "queued") == [] and pods(testbed, ns, "blocker") == [], 300)
+        wait("no Workloads left", lambda: testbed.get("workloads.kueue.x-k8s.io", namespace=ns) == [], 120)
+    finally:  # a failure above must not leave the blocker training on the CPU nodes for the tests after this one
+        for name in ("blocker", "queued"):
+            testbed.kubectl("delete", "stj", name, "-n", ns, "--ignore-not-found", "--wait=true", "--timeout=300s",
+                            timeout=360)
