@@ -6,7 +6,8 @@
   LocalQueue waits past pendingGraceSeconds without being torn down, is admitted when quota frees, trains,
   survives a SIGKILLed rank with a gang restart, and leaves no pod, finalizer or Workload behind.
 
-Skipped (with the command that fixes it) when the schedulers or the control-plane binaries are not built.
+The operator is the session's (helm-installed, authenticated as the chart's ServiceAccount). Skipped (with the
+command that fixes it) when the schedulers or the control-plane binaries are not built.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import yaml
 from test_gang_crds import FILES, install_crds
 from test_testbed_e2e import RUN_TIMEOUT, cpu_job, job_status, wait_phase
 
-from testbed.fixtures import ROOT, TB, Testbed, free_port, unavailable, wait
+from testbed.fixtures import ROOT, TB, Operator, Testbed, free_port, unavailable, wait
 
 pytestmark = pytest.mark.slow
 
@@ -65,35 +66,15 @@ def pods(tb: Testbed, ns: str, job: str) -> list[dict[str, Any]]:
 # ---- the operator ------------------------------------------------------------------------------------------------
 
 
-class LocalOperator:
-    """The operator as a local process with the testbed's admin kubeconfig and the CRD applied directly. (The
-    session's `seqtrain_operator` fixture helm-installs the chart, and helm refuses an apiserver built without a
-    version stamp, as scripts/k8s-binaries.sh builds it today; the chart's RBAC is covered there and in
-    test_chart.py.)"""
-
-    def __init__(self, tb: Testbed) -> None:
-        self.log = TB / "logs" / "gang-operator.log"
-        tb.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(ROOT / "crds" / "seqtrainjob.yaml"))
-        argv = [str(ROOT / ".venv" / "bin" / "seqtrain"), "operator", "--all-namespaces", "--standalone",
-                f"--progress-port={free_port()}", f"--master-port={free_port()}", "--termination-grace=30",
-                "--verbose"]
-        self.proc = start(tb, argv, "gang-operator", {"PYTHONPATH": f"{ROOT / 'trainer'}:{ROOT / 'operator'}"})
-
-    def logs(self, lines: int = 80) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+@pytest.fixture(scope="module")
+def operator(seqtrain_operator: Operator) -> Operator:
+    """The session's operator: helm-installed chart, run as the chart's ServiceAccount, so Kueue's pod patches and
+    Workload deletes and coscheduling's PodGroup writes pass its RBAC here, as they must on a real cluster."""
+    return seqtrain_operator
 
 
 @pytest.fixture(scope="module")
-def operator(testbed: Testbed) -> Iterator[LocalOperator]:
-    op = LocalOperator(testbed)
-    try:
-        yield op
-    finally:
-        stop(op.proc)
-
-
-@pytest.fixture(scope="module")
-def ns(testbed: Testbed, operator: LocalOperator) -> str:
+def ns(testbed: Testbed, operator: Operator) -> str:
     """A namespace with the ReadWriteMany claim `seqtrain-ckpt` (a hostPath PV the node agent maps)."""
     return testbed.checkpoint_namespace("gang")
 
@@ -134,7 +115,7 @@ def gpu_gang(name: str, replicas: int) -> dict[str, Any]:
                                     "pendingGraceSeconds": 600}}}
 
 
-def test_coscheduling_binds_all_or_nothing(testbed: Testbed, operator: LocalOperator, coscheduler: None,
+def test_coscheduling_binds_all_or_nothing(testbed: Testbed, operator: Operator, coscheduler: None,
                                            ns: str) -> None:
     # 6 H100 nodes of 8 GPUs (the tainted pool is tolerated: ExtendedResourceToleration adds the toleration to pods
     # that request nvidia.com/gpu): a 3-node gang fits, then a 4-node gang does not (3 nodes left).
@@ -236,7 +217,7 @@ def kueue(testbed: Testbed) -> Iterator[None]:
                 d.rmdir()
 
 
-def test_kueue_queue_admit_train_restart_and_clean_up(testbed: Testbed, operator: LocalOperator, kueue: None,
+def test_kueue_queue_admit_train_restart_and_clean_up(testbed: Testbed, operator: Operator, kueue: None,
                                                       ns: str) -> None:
     op = operator
     testbed.apply([
