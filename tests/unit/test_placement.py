@@ -350,3 +350,35 @@ def test_gpu_pool_tainted_like_managed_clouds_works_for_gpu_jobs_only():
     assert isinstance(place(job(replicas=1, gpus=1, keys=()), inv), Plan)
     cpu_only = place(job(replicas=1, gpus=0, keys=()), inv)
     assert isinstance(cpu_only, Unschedulable) and "taint nvidia.com/gpu=present:NoSchedule" in cpu_only.reason
+
+
+def test_admissions_share_one_cluster_wide_list_and_count_the_pods_created_since(monkeypatch):
+    """One LIST of every pod serves the admissions within its ttl; the gangs created meanwhile count as busy; the
+    admitted job's own pods from that LIST do not (it has none live: they are its previous gang, going)."""
+    import asyncio
+
+    from seqtrain_operator.k8s import reconcile
+
+    class Kube:
+        lists = 0
+
+        async def list_pods(self, namespace, label_selector="", field_selector=""):  # noqa: ANN001, ANN202
+            Kube.lists += 1
+            assert namespace is None and "status.phase!=Succeeded" in field_selector
+            old = job_pod("old", node="g1", gpus=8, phase="Running")
+            old["metadata"].update(namespace="ml", labels={"seqtrain.dev/job": "gpt"})
+            return [job_pod("other", node="g2", gpus=8, phase="Running"), old]
+
+    clock = [100.0]
+    monkeypatch.setattr(reconcile.time, "monotonic", lambda: clock[0])
+    nodes, busy, kube = [k8s_node("g1"), k8s_node("g2"), k8s_node("g3")], reconcile.BusyPods(ttl=5.0), Kube()
+
+    def free(job_key):  # noqa: ANN001, ANN202
+        return {n.name: n.gpus for n in asyncio.run(reconcile.capacity(kube, nodes, busy, job_key))}
+
+    assert free(("ml", "gpt")) == {"g1": 8, "g2": 0, "g3": 8}  # its own previous gang does not block it
+    busy.created.append(job_pod("new", pinned="g3", gpus=8))  # a gang this operator just created
+    clock[0] += 4.0
+    assert free(("ml", "bert")) == {"g1": 0, "g2": 0, "g3": 0} and Kube.lists == 1
+    clock[0] += 2.0  # past the ttl: listed again (the new pod is in the LIST now, or gone)
+    assert free(("ml", "bert"))["g3"] == 8 and Kube.lists == 2 and busy.created == []

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from datetime import datetime
@@ -56,6 +57,29 @@ EventSink = Callable[[dict[str, Any], str, str, str], None]
 
 
 @dataclass
+class BusyPods:
+    """The cluster's non-terminated pods as of the last cluster-wide LIST, plus the pods this operator created since
+    (kube-scheduler's "assumed" pods): one LIST serves every admission within `ttl` seconds instead of one LIST of
+    every pod in the cluster per admission (1000 jobs queued at once would LIST 8000 pods 1000 times)."""
+
+    ttl: float = 5.0
+    listed: list[dict] = field(default_factory=list)
+    listed_at: float = float("-inf")  # time.monotonic() of the LIST
+    created: list[dict] = field(default_factory=list)
+
+    async def current(self, kube: Kube, exclude_job: tuple[str, str]) -> list[dict]:
+        """Busy pods, less those of `exclude_job` (namespace, name): a job being admitted has no live pods, so any
+        the last LIST still showed are gone or going (a restart must not be blocked by its own previous gang)."""
+        if time.monotonic() - self.listed_at > self.ttl:
+            self.listed = await kube.list_pods(None, field_selector="status.phase!=Succeeded,status.phase!=Failed")
+            self.listed_at, self.created = time.monotonic(), []
+        ns, name = exclude_job
+        return [p for p in (*self.listed, *self.created)
+                if not (p["metadata"].get("namespace") == ns
+                        and (p["metadata"].get("labels") or {}).get(m.LABEL_JOB) == name)]
+
+
+@dataclass
 class Config:
     settings: m.Settings = field(default_factory=m.Settings)
     node_lost_grace: float = 40.0  # a node NotReady this long counts as lost for its pods
@@ -63,6 +87,7 @@ class Config:
     idle_poll: float = 60.0  # and this often otherwise (events wake the loop sooner)
     progress_timeout: float = 2.0
     poll_progress: bool = True
+    busy: BusyPods = field(default_factory=BusyPods)  # admission's view of the cluster's pods (state, not a knob)
 
 
 @dataclass
@@ -93,11 +118,10 @@ async def admission(kube: Kube, job: SeqTrainJob) -> str | None:
     return None
 
 
-async def capacity(kube: Kube, nodes: list[dict]) -> tuple[Node, ...]:
+async def capacity(kube: Kube, nodes: list[dict], busy: BusyPods, job: tuple[str, str]) -> tuple[Node, ...]:
     """Free capacity per node: allocatable minus the requests of every non-terminated pod bound or pinned to it,
     cluster-wide (what kube-scheduler subtracts too; pods created but not bound yet included)."""
-    busy = await kube.list_pods(None, field_selector="status.phase!=Succeeded,status.phase!=Failed")
-    return tuple(inventory(nodes, busy))
+    return tuple(inventory(nodes, await busy.current(kube, job)))
 
 
 # One admission at a time in this operator: two jobs planned concurrently would both see the same free GPUs
@@ -163,7 +187,7 @@ async def reconcile(kube: Kube, cfg: Config, namespace: str, name: str, emit: Ev
     async with _ADMISSION if admitting else contextlib.nullcontext():
         if admitting:
             if job.spec.scheduling.gang == "native":
-                observed = replace(observed, capacity=await capacity(kube, nodes))
+                observed = replace(observed, capacity=await capacity(kube, nodes, cfg.busy, (namespace, name)))
             else:
                 observed = replace(observed, unschedulable=await admission(kube, job))
         return await _decide_and_act(kube, cfg, body, job, status, observed, emit, now, pods)
@@ -192,7 +216,8 @@ async def _decide_and_act(kube: Kube, cfg: Config, body: dict[str, Any], job: Se
             await delete_gang(kube, job, owner, action.attempt, action.force_nodes)
         elif isinstance(action, CreateGang):
             try:
-                await create_gang(kube, job, owner, action.attempt, cfg.settings, action.plan)
+                created = await create_gang(kube, job, owner, action.attempt, cfg.settings, action.plan)
+                cfg.busy.created.extend(created)
             except GangRefused as refused:
                 return await _create_failed(kube, cfg, body, job, owner, new, action.attempt, str(refused), emit,
                                             now)
@@ -275,9 +300,9 @@ class GangRefused(Exception):
 
 
 async def create_gang(kube: Kube, job: SeqTrainJob, owner: m.Owner, attempt: int, settings: m.Settings,
-                      plan: Plan | None) -> None:
-    """Create what is absent of this attempt's objects; existing ones (a repeat after a crash) are kept. Raises
-    GangRefused when the API server refuses one: the caller tears the partial gang down."""
+                      plan: Plan | None) -> list[dict]:
+    """Create what is absent of this attempt's objects; existing ones (a repeat after a crash) are kept; returns the
+    gang's pods. Raises GangRefused when the API server refuses one: the caller tears the partial gang down."""
     gang = m.build_gang(job, owner, attempt, settings, plan)
     objects = [m.build_service(owner, settings), gang.configmap, *([gang.podgroup] if gang.podgroup else []),
                *gang.pods]
@@ -288,6 +313,7 @@ async def create_gang(kube: Kube, job: SeqTrainJob, owner: m.Owner, attempt: int
             if exc.status in (400, 403, 422):
                 raise GangRefused(f"{obj['kind']} {obj['metadata']['name']}: {api_message(exc)}") from exc
             raise
+    return gang.pods
 
 
 async def delete_gang(kube: Kube, job: SeqTrainJob, owner: m.Owner, attempt: int,
