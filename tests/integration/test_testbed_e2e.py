@@ -160,7 +160,8 @@ def leftovers(tb: Testbed) -> list[str]:
     """Everything the release or its jobs could leave behind, as `kind/namespace/name` strings."""
     found = []
     kinds = ("deployment", "serviceaccount", "secret", "service", "role", "rolebinding", "configmap", "clusterrole",
-             "clusterrolebinding", "validatingwebhookconfiguration", "kopfpeering", "clusterkopfpeering")
+             "clusterrolebinding", "validatingwebhookconfiguration", "kopfpeering", "clusterkopfpeering",
+             "jobs.batch", "pods")  # the uninstall hook's Job and pod
     for kind in kinds:
         found += items(tb, kind, f"app.kubernetes.io/instance={RELEASE}")
     for kind in ("pods", "configmaps", "services"):
@@ -194,12 +195,17 @@ def test_helm_upgrade_then_uninstall_leave_nothing_behind(testbed: Testbed, seqt
     refused = testbed.apply(INVALID, ns, check=False)
     assert refused.returncode != 0 and "spec.training.globalBatchSize" in refused.stderr, refused.stderr
     assert job_status(testbed, ns, "gpu-upgrade").get("phase") in ("Scheduling", "Running", "Pending")
-    # Delete the jobs while the operator runs (it removes its finalizers), then uninstall.
     before = copy.deepcopy(job_status(testbed, ns, "gpu-upgrade"))
-    testbed.kubectl("delete", "seqtrainjobs", "--all", "-A", "--wait=true", "--timeout=300s", timeout=360)
+    assert "seqtrain.dev/cleanup" in testbed.get("seqtrainjob", "gpu-upgrade", ns)["metadata"]["finalizers"]
+    # Uninstall with the job still there, the operator gone first (as the Deployment goes): the chart's post-delete
+    # hook (a Job the node agent runs, as the hook's own ServiceAccount) releases the finalizer; the job stays.
     op.stop()
-    testbed.helm("uninstall", RELEASE, "--namespace", RELEASE_NS, "--wait", "--timeout", "180s", timeout=300)
     try:
+        testbed.helm("uninstall", RELEASE, "--namespace", RELEASE_NS, "--wait", "--timeout", "240s", timeout=360)
+        kept = testbed.get("seqtrainjob", "gpu-upgrade", ns)
+        assert kept is not None and "seqtrain.dev/cleanup" not in (kept["metadata"].get("finalizers") or []), kept
+        # ... and it can be deleted with no operator: its pods go with it (ownerReferences)
+        testbed.kubectl("delete", "stj", "gpu-upgrade", "-n", ns, "--wait=true", "--timeout=120s", timeout=180)
         wait("nothing left of the release and its jobs", lambda: not leftovers(testbed), 180)
     finally:
         op.install()  # the session's operator comes back for whatever runs next

@@ -215,7 +215,9 @@ class Operator:
 
     def values(self) -> list[str]:
         ca = base64.b64encode(self.tb.ca_pem()).decode()
+        # replicaCount 0: the operator runs here as a process; the uninstall hook's Job runs on the agent's nodes.
         return ["--set", "replicaCount=0", "--set", "fullnameOverride=seqtrain",
+                "--set", r"nodeSelector.node\.kubernetes\.io/instance-type=testbed-cpu",
                 "--set", f"webhook.url=https://127.0.0.1:{self.webhook_port}/validate-seqtrainjob",
                 "--set", f"webhook.caBundle={ca}"]
 

@@ -46,6 +46,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -157,6 +158,15 @@ def container_env(pod: Mapping[str, Any], container: Mapping[str, Any],
     for k, v in env.items():
         out[k] = POD_IP if _SVC_HOST.match(v) else paths.rewrite(v)
     return out
+
+
+def service_env(server: str) -> dict[str, str]:
+    """What the kubelet sets in every container for the `kubernetes` Service, here the apiserver's own address (with
+    a mounted service-account token, in-cluster clients then reach the API as the pod's ServiceAccount)."""
+    u = urllib.parse.urlsplit(server)
+    host, port = u.hostname or "127.0.0.1", str(u.port or 443)
+    return {"KUBERNETES_SERVICE_HOST": host, "KUBERNETES_SERVICE_PORT": port, "KUBERNETES_SERVICE_PORT_HTTPS": port,
+            "KUBERNETES_PORT": f"tcp://{host}:{port}"}
 
 
 def fallback_message(log_tail: bytes) -> str:
@@ -479,6 +489,7 @@ class Agent:
             return
         base = {k: os.environ[k] for k in ("PATH", "PYTHONPATH", "LANG", "OMP_NUM_THREADS", "VIRTUAL_ENV")
                 if k in os.environ}
+        base.update(service_env(self.api.api_client.configuration.host))
         log = root / "container.log"
         exe = shutil.which(argv[0], path=env.get("PATH") or base.get("PATH"))
         if exe is None:

@@ -37,8 +37,10 @@ def render(*sets: str) -> list[dict]:
     return [d for d in yaml.safe_load_all(out.stdout) if d]
 
 
-def by_kind(docs: list[dict], kind: str) -> list[dict]:
-    return [d for d in docs if d["kind"] == kind]
+def by_kind(docs: list[dict], kind: str, hooks: bool = False) -> list[dict]:
+    """The release's objects of one kind; Helm hooks (the uninstall hook's own RBAC) only with hooks=True."""
+    return [d for d in docs if d["kind"] == kind
+            and hooks == ("helm.sh/hook" in (d["metadata"].get("annotations") or {}))]
 
 
 def test_chart_crd_equals_generated_and_committed():
@@ -163,3 +165,28 @@ def test_webhook_certificate_is_looked_up_and_kept_across_upgrades():
     assert hook["webhooks"][0]["clientConfig"]["caBundle"] == secret["data"]["ca.crt"]
     text = (CHART / "templates" / "webhook.yaml").read_text()
     assert 'lookup "v1" "Secret" .Release.Namespace (printf "%s-tls" $svc)' in text
+
+
+@pytest.mark.parametrize("scope", ["", "watchNamespaces={team-a,team-b}"])
+def test_uninstall_hook_releases_finalizers_after_the_operator_is_gone_with_only_that_right(scope):
+    docs = render(*([scope] if scope else []))
+    (job,) = by_kind(docs, "Job", hooks=True)
+    assert job["metadata"]["annotations"]["helm.sh/hook"] == "post-delete"  # the operator is deleted by then
+    pod = job["spec"]["template"]["spec"]
+    cmd = pod["containers"][0]["command"]
+    assert cmd[:3] == ["seqtrain", "operator", "--release-finalizers"] and pod["restartPolicy"] == "Never"
+    assert pod["serviceAccountName"] == by_kind(docs, "ServiceAccount", hooks=True)[0]["metadata"]["name"]
+    kinds = ("Role", "RoleBinding") if scope else ("ClusterRole", "ClusterRoleBinding")
+    roles = by_kind(docs, kinds[0], hooks=True)
+    assert all(grants(r["rules"]) == {("seqtrain.dev", "seqtrainjobs", v) for v in ("get", "list", "patch")}
+               for r in roles)
+    if scope:
+        assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
+        assert "--namespace=team-a" in cmd and "--namespace=team-b" in cmd
+    else:
+        assert len(roles) == 1 and not [c for c in cmd if c.startswith("--namespace")]
+    # every hook object goes again once it succeeded
+    for d in docs:
+        if "helm.sh/hook" in (d["metadata"].get("annotations") or {}):
+            assert "hook-succeeded" in d["metadata"]["annotations"]["helm.sh/hook-delete-policy"]
+    assert not by_kind(render("uninstallHook.enabled=false"), "Job", hooks=True)

@@ -27,9 +27,9 @@ from seqtrain_operator.k8s import manifests as m
 from seqtrain_operator.k8s.client import Kube, load_config
 from seqtrain_operator.k8s.metrics import OperatorMetrics
 from seqtrain_operator.k8s.reconcile import Config, cleanup, reconcile
+from seqtrain_operator.k8s.release import FINALIZER
 
 VERSION = "v1alpha1"
-FINALIZER = f"{API_GROUP}/cleanup"
 WEBHOOK_ID = "validate-seqtrainjob"
 log = logging.getLogger("seqtrain.operator")
 

@@ -44,6 +44,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"schedulerName for an external gang scheduler ({', '.join(EXTERNAL)}), repeatable")
     p.add_argument("--webhook-port", type=int, default=9443)
     p.add_argument("--webhook-cert-dir", help="serve the validating webhook with tls.crt/tls.key from here")
+    p.add_argument("--release-finalizers", action="store_true",
+                   help="do not run: remove the operator's finalizer from every SeqTrainJob in scope and exit "
+                        "(helm uninstall's post-delete hook: the jobs stay, and stay deletable)")
+    p.add_argument("--service-account-dir", metavar="DIR",
+                   help="with --release-finalizers: the pod's service-account token and CA are here (default: "
+                        "the in-cluster location, else the kubeconfig)")
     p.add_argument("-v", "--verbose", action="store_true")
     p.add_argument("--debug", action="store_true")
     return p
@@ -54,6 +60,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.peering_lifetime < 2:
         build_parser().error(f"--peering-lifetime {args.peering_lifetime}: must be at least 2 seconds (keep-alives "
                              "go out every second at best)")
+    if args.release_finalizers:
+        from seqtrain_operator.k8s.release import release_finalizers
+
+        return release_finalizers(args.namespace, args.service_account_dir)
     # The trainer's data paths exist inside the pods, not here: do not check them against this filesystem.
     os.environ.setdefault("SEQTRAIN_CHECK_PATHS", "0")
 
