@@ -171,6 +171,36 @@ def test_eviction_is_an_infrastructure_restart(env):
     assert st["infraRestarts"] == 1 and st["restarts"] == 0
 
 
+@pytest.mark.parametrize(("how", "charged"), [
+    # the kubelet refused the pod at admission: its view of the node disagreed with the scheduler's
+    ({"reason": "OutOfnvidia.com/gpu", "message": "Node didn't have enough resource: nvidia.com/gpu"}, "infra"),
+    # a GPU pod's trainer found no CUDA device (seqtrain.runtime.exitcodes): a driver/device-plugin fault
+    ({"exit_code": 5, "message": "seqtrain: no CUDA device visible"}, "infra"),
+    # over its memory limit: the user's, with the reason and the fix in the status
+    ({"exit_code": 137, "container_reason": "OOMKilled"}, "user"),
+], ids=["kubelet-rejected", "no-cuda-device", "oom-killed"])
+def test_what_a_kubelet_reports_decides_who_a_restart_is_charged_to(env, how, charged):
+    b, _ = env
+    cp = b.cp
+    ns = _ns(env, "op-classify")
+    add_node(cp, f"{ns}-0", pool=ns)
+    add_node(cp, f"{ns}-1", pool=ns)
+    submit(cp, job_doc("c", ns, replicas=1))
+    node = wait_running(cp, ns, "c", 1, 1)[0]["spec"]["nodeName"]
+    wait_phase(cp, ns, "c", "Running")
+    set_pod(cp, ns, "c-1-0", "Failed", **how)
+    pod2 = wait_pods(cp, ns, "c", 2, 1)[0]
+    st = status(cp, ns, "c")
+    if charged == "infra":
+        assert st["infraRestarts"] == 1 and st["restarts"] == 0 and node in st["failedNodes"], st
+        assert pinned_node(pod2) != node  # the node is avoided for a while
+    else:
+        assert st["restarts"] == 1 and st["infraRestarts"] == 0 and node not in st.get("failedNodes", {}), st
+        told = wait_for(lambda: [e.message for e in cp.core.list_namespaced_event(ns).items if e.reason == "OOMKilled"],
+                        what="the OOMKilled event")
+        assert "spec.resources.memory" in told[0], told  # the fix, named
+
+
 def stop_kwok_node(cp, name: str) -> None:
     """The node dies the way real nodes do: kwok stops heartbeating it (it manages only nodes labelled type=kwok),
     so the node lifecycle controller marks it NotReady and taints it, and nothing confirms its pods' deletion."""

@@ -196,8 +196,11 @@ def test_helm_upgrade_then_uninstall_leave_nothing_behind(testbed: Testbed, seqt
     assert refused.returncode != 0 and "spec.training.globalBatchSize" in refused.stderr, refused.stderr
     assert job_status(testbed, ns, "gpu-upgrade").get("phase") in ("Scheduling", "Running", "Pending")
     before = copy.deepcopy(job_status(testbed, ns, "gpu-upgrade"))
+    # The other jobs go while the operator runs (its finalizer stops their pods gracefully) ...
+    testbed.kubectl("delete", "seqtrainjobs", "-A", "--field-selector", "metadata.name!=gpu-upgrade", "--wait=true",
+                    "--timeout=300s", timeout=360)
     assert "seqtrain.dev/cleanup" in testbed.get("seqtrainjob", "gpu-upgrade", ns)["metadata"]["finalizers"]
-    # Uninstall with the job still there, the operator gone first (as the Deployment goes): the chart's post-delete
+    # ... this one stays for the uninstall, the operator gone first (as the Deployment goes): the chart's post-delete
     # hook (a Job the node agent runs, as the hook's own ServiceAccount) releases the finalizer; the job stays.
     op.stop()
     try:
@@ -206,7 +209,11 @@ def test_helm_upgrade_then_uninstall_leave_nothing_behind(testbed: Testbed, seqt
         assert kept is not None and "seqtrain.dev/cleanup" not in (kept["metadata"].get("finalizers") or []), kept
         # ... and it can be deleted with no operator: its pods go with it (ownerReferences)
         testbed.kubectl("delete", "stj", "gpu-upgrade", "-n", ns, "--wait=true", "--timeout=120s", timeout=180)
-        wait("nothing left of the release and its jobs", lambda: not leftovers(testbed), 180)
+        def nothing_left() -> bool:
+            if left := leftovers(testbed):
+                raise AssertionError(f"left: {left}")  # wait() reports the last probe's exception
+            return True
+        wait("nothing left of the release and its jobs", nothing_left, 180)
     finally:
         op.install()  # the session's operator comes back for whatever runs next
         op.start()

@@ -144,6 +144,9 @@ def test_operator_pod_is_hardened_and_wired():
     assert c["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
                                     "capabilities": {"drop": ["ALL"]}}
     assert dep["spec"]["replicas"] == 2 and "--peering=seqtrain" in c["args"]  # two replicas, one acts
+    # a hash prefix like "3171742045e11098" is a float to YAML: the apiserver refused the Deployment (quoted now)
+    assert isinstance(dep["spec"]["template"]["metadata"]["annotations"]["checksum/webhook-cert"], str)
+    assert "| quote" in (CHART / "templates" / "deployment.yaml").read_text().split("checksum/webhook-cert:")[1]
     assert "--webhook-cert-dir=/certs" in c["args"] and "--metrics-port=9090" in c["args"]
     assert by_kind(docs, "ClusterKopfPeering")[0]["metadata"]["name"] == "seqtrain"
     # webhook: the served certificate is signed by the CA given to the API server
