@@ -66,3 +66,13 @@ def test_ttl_deletes_even_while_a_leftover_replica_is_stopped():
     obs = Observed(replicas=(ReplicaObservation(replica=0, attempt=2, phase="Running"),))
     d = decide(make_job(5), st, obs, T0 + timedelta(seconds=5))
     assert d.of(DeleteGang) and d.of(DeleteJob)
+
+
+def test_the_pass_that_finishes_a_job_asks_for_the_pass_at_its_ttl():
+    """A finished job is not polled: without a requeue from the finishing pass, nothing might wake it at its TTL
+    (the pods' last events can all arrive before that pass)."""
+    st = JobStatus(phase="Running", attempt=1)
+    done = tuple(ReplicaObservation(replica=r, attempt=1, phase="Succeeded") for r in range(2))
+    d = decide(make_job(30), st, Observed(replicas=done), T0)
+    assert d.status.phase == "Succeeded" and not d.of(DeleteJob)
+    assert [r.seconds for r in d.of(RequeueAfter)] == [pytest.approx(30.0)]

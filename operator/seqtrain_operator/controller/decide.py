@@ -102,13 +102,15 @@ def decide(job: SeqTrainJob, status: JobStatus, observed: Observed, now: datetim
         # Terminal phases stay terminal; only stop replicas that still run (e.g. a rank hanging after a peer failed).
         if any(r.phase in ("Pending", "Running") for r in gv.current):
             ctx.delete(st.attempt, f"Job{st.phase}")
-        ctx.actions += expire(job, st, now)  # spec.ttlSecondsAfterFinished
     elif job.spec.suspend:
         _suspend(ctx, gv.current)
     elif gv.current:
         _live_gang(ctx, gv.current)
     else:
         _no_gang(ctx)
+    # spec.ttlSecondsAfterFinished, from the pass that finished the job on: a finished job is not polled, so the
+    # pass that finishes it must ask for the one at its TTL (nothing else may wake it).
+    ctx.actions += expire(job, st, now)
     goodput.account(status, st, now)
     return Decision(tuple(ctx.actions), st)
 
