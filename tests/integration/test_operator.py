@@ -272,6 +272,14 @@ def test_external_gang_scheduler_missing_then_installed(env):
     cp = b.cp
     ns = _ns(env, "op-volcano")
     ext = client.ApiextensionsV1Api(cp.api)
+    try:  # not installed, whatever ran before
+        ext.delete_custom_resource_definition(PODGROUP_CRD["metadata"]["name"])
+    except ApiException as exc:
+        if exc.status != 404:
+            raise
+    wait_for(lambda: PODGROUP_CRD["metadata"]["name"] not in {c.metadata.name for c in
+                                                             ext.list_custom_resource_definition().items},
+             what="no Volcano PodGroup CRD")
     submit(cp, job_doc("v", ns, scheduling={"gang": "volcano", "queue": "research"}))
     st = wait_for(lambda: condition(s := status(cp, ns, "v"), "Scheduled").get("reason") == "Unschedulable"
                   and s, what="not-installed condition")

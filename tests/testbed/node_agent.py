@@ -255,8 +255,9 @@ class Agent:
     """Owns `nodes`; polls the API for their pods and runs them. All API calls go through `api` (CoreV1Api)."""
 
     def __init__(self, api: Any, coord: Any, nodes: Iterable[str], state: Path, labels: Mapping[str, str],
-                 capacity: Mapping[str, str]) -> None:
+                 capacity: Mapping[str, str], server: str | None = None) -> None:
         self.api, self.coord = api, coord
+        self.server = server  # the apiserver's URL, for the kubelet's KUBERNETES_SERVICE_* env (None: not set)
         self.nodes = list(nodes)
         self.state = state
         self.labels = dict(labels)
@@ -489,7 +490,8 @@ class Agent:
             return
         base = {k: os.environ[k] for k in ("PATH", "PYTHONPATH", "LANG", "OMP_NUM_THREADS", "VIRTUAL_ENV")
                 if k in os.environ}
-        base.update(service_env(self.api.api_client.configuration.host))
+        if self.server:
+            base.update(service_env(self.server))
         log = root / "container.log"
         exe = shutil.which(argv[0], path=env.get("PATH") or base.get("PATH"))
         if exe is None:
@@ -659,7 +661,8 @@ def main(argv: list[str] | None = None) -> int:
 
     config.load_kube_config(args.kubeconfig)
     agent = Agent(client.CoreV1Api(), client.CoordinationV1Api(), args.node, Path(args.state).resolve(),
-                  dict(kv.split("=", 1) for kv in args.label), dict(kv.split("=", 1) for kv in args.capacity.split(",")))
+                  dict(kv.split("=", 1) for kv in args.label), dict(kv.split("=", 1) for kv in args.capacity.split(",")),
+                  server=client.Configuration.get_default_copy().host)
     signal.signal(signal.SIGTERM, lambda *_: agent.stop.set())
     signal.signal(signal.SIGINT, lambda *_: agent.stop.set())
     agent.run()

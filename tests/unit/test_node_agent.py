@@ -262,3 +262,9 @@ def test_a_pod_it_cannot_run_says_why(tmp_path: Path) -> None:
     a.sync()
     waiting = core.pods["x"]["status"]["containerStatuses"][0]["state"]["waiting"]
     assert waiting["reason"] == "CreateContainerConfigError" and "no command" in waiting["message"]
+
+
+def test_the_kubernetes_service_env_names_the_apiserver() -> None:
+    assert na.service_env("https://127.0.0.1:6443") == {
+        "KUBERNETES_SERVICE_HOST": "127.0.0.1", "KUBERNETES_SERVICE_PORT": "6443",
+        "KUBERNETES_SERVICE_PORT_HTTPS": "6443", "KUBERNETES_PORT": "tcp://127.0.0.1:6443"}
