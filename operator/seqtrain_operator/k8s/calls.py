@@ -9,6 +9,7 @@ from kubernetes.client.rest import ApiException
 
 from seqtrain.spec import API_GROUP, API_VERSION, PLURAL
 from seqtrain_operator.k8s.client import Kube
+from seqtrain_operator.k8s.patches import remove_finalizer_ops
 
 _VERSION = API_VERSION.split("/")[1]
 
@@ -38,12 +39,8 @@ async def remove_finalizer(kube: Kube, pod: dict[str, Any], finalizer: str) -> b
     """Drop one finalizer from a pod with a JSON patch guarded by a test of the list (so a concurrent change of the
     finalizers makes the patch fail instead of dropping someone else's). True when it was removed."""
     meta = pod["metadata"]
-    finalizers = list(meta.get("finalizers") or [])
-    if finalizer not in finalizers:
+    if (ops := remove_finalizer_ops(meta, finalizer)) is None:
         return False
-    i = finalizers.index(finalizer)
-    ops = [{"op": "test", "path": f"/metadata/finalizers/{i}", "value": finalizer},
-           {"op": "remove", "path": f"/metadata/finalizers/{i}"}]
     try:
         await kube._call(kube.core.patch_namespaced_pod, meta["namespace"], meta["name"], ops,
                          _content_type="application/json-patch+json")

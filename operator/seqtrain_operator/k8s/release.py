@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from seqtrain.spec import API_GROUP, API_VERSION, PLURAL
+from seqtrain_operator.k8s.patches import remove_finalizer_ops
 
 FINALIZER = f"{API_GROUP}/cleanup"  # the operator's (kopf's settings.persistence.finalizer, k8s/handlers.py)
 _VERSION = API_VERSION.split("/")[1]
@@ -49,12 +50,8 @@ def release_one(api: Any, job: dict[str, Any], attempts: int = 5) -> bool:
 
     meta = job["metadata"]
     for _ in range(attempts):
-        finalizers = list(meta.get("finalizers") or [])
-        if FINALIZER not in finalizers:
+        if (ops := remove_finalizer_ops(meta, FINALIZER)) is None:
             return False
-        i = finalizers.index(FINALIZER)
-        ops = [{"op": "test", "path": f"/metadata/finalizers/{i}", "value": FINALIZER},
-               {"op": "remove", "path": f"/metadata/finalizers/{i}"}]
         try:
             api.patch_namespaced_custom_object(API_GROUP, _VERSION, meta["namespace"], PLURAL, meta["name"], ops,
                                                _content_type="application/json-patch+json")
