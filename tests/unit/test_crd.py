@@ -60,7 +60,8 @@ def test_status_subresource_columns_and_names():
     doc = yaml.safe_load(crd_yaml())
     v = doc["spec"]["versions"][0]
     assert v["subresources"] == {"status": {}}
-    assert [c["name"] for c in v["additionalPrinterColumns"]] == ["Phase", "Step", "Loss", "Tok/s", "Restarts", "Age"]
+    assert [c["name"] for c in v["additionalPrinterColumns"]] == [
+        "Phase", "Replicas", "Step", "Loss", "Tok/s", "Restarts", "Age"]
     assert "stj" in doc["spec"]["names"]["shortNames"]
     assert doc["metadata"]["name"] == "seqtrainjobs.seqtrain.dev"
 

@@ -54,6 +54,8 @@ MAX_CAPACITY_POLL_SECONDS = 60.0
 # the wrong budget and avoid the wrong node: a user-class failure is acted on only after this long, or at once when
 # nothing of the gang runs any more; a replica on a NotReady node is waited for until it is lost or back.
 FAILURE_SETTLE_SECONDS = 15.0
+# An elastic gang running below its size grows back only after running this long at the smaller one.
+ELASTIC_GROW_AFTER_SECONDS = 30.0
 
 
 @dataclass
@@ -63,6 +65,11 @@ class _Ctx:
     observed: Observed
     now: datetime
     actions: list[Action] = field(default_factory=list)
+
+    @property
+    def gang_job(self) -> SeqTrainJob:
+        """The job as the live attempt runs it (an elastic gang may run fewer than spec.replicas)."""
+        return self.job.with_replicas(self.st.replicas or self.job.spec.replicas)
 
     def event(self, type_: str, reason: str, message: str) -> None:
         self.actions.append(Event(type_, reason, message))  # type: ignore[arg-type]
@@ -87,7 +94,9 @@ def decide(job: SeqTrainJob, status: JobStatus, observed: Observed, now: datetim
     """
     ctx = _Ctx(job, status.model_copy(deep=True), observed, now)
     st = ctx.st
-    st.world_size = job.spec.world_size
+    if st.replicas is None:
+        st.replicas = job.spec.replicas
+    st.world_size = ctx.gang_job.spec.world_size
     if observed.generation is not None:
         st.observed_generation = observed.generation
     _record_progress(ctx)
@@ -190,7 +199,8 @@ def _live_gang(ctx: _Ctx, current: tuple[ReplicaObservation, ...]) -> None:
         ctx.actions.append(RequeueAfter(POLL_SECONDS))
         return
     _placement(ctx, current)
-    phase = gang_policy.gang_phase(job, current)
+    gang = ctx.gang_job
+    phase = gang_policy.gang_phase(gang, current)
     if phase == "Failed":
         failure = root_cause(current)
         assert failure is not None
@@ -199,7 +209,7 @@ def _live_gang(ctx: _Ctx, current: tuple[ReplicaObservation, ...]) -> None:
             return
         _on_failure(ctx, failure)
         return
-    missing = gang_policy.missing(job, current)
+    missing = gang_policy.missing(gang, current)
     if missing and st.phase == "Running":
         _on_failure(ctx, Failure(FailureClass.INFRASTRUCTURE, "Deleted",
                                  f"replica {missing[0]} disappeared while the gang was running"))
@@ -225,13 +235,15 @@ def _live_gang(ctx: _Ctx, current: tuple[ReplicaObservation, ...]) -> None:
         hang = _hang(ctx)
         if hang is not None:
             _on_failure(ctx, hang)
+        elif (grow := _growth(ctx)) is not None:
+            _scale_up(ctx, grow)
         elif (limit := job.spec.fault_tolerance.hang_timeout_seconds) is not None:
             ctx.actions.append(RequeueAfter(float(limit)))
         return
     # Pending: admitted and created, waiting for every replica to start.
     if st.phase != "Scheduling":
         cond.enter_phase(st, "Scheduling", "GangCreated", f"attempt {st.attempt}: waiting for replicas", ctx.now)
-    if gang_policy.queued(job, current):
+    if gang_policy.queued(gang, current):
         _queued(ctx, current)
         return
     if (c := cond.get(st, "Scheduled")) is not None and c.reason == "Queued":
@@ -346,8 +358,8 @@ def _no_gang(ctx: _Ctx) -> None:
     if st.phase == "Scheduling" and scheduled is not None and scheduled.reason == "GangCreated" and st.attempt > 0:
         # Created but not observed yet (a lagging cache, or the create failed half-way): create what is absent,
         # on the nodes the status says it was planned on.
-        plan = gang_policy.plan_of(job, st.placement) if obs.capacity is not None else None
-        ctx.actions.append(CreateGang(st.attempt, _resume_step(ctx), _avoid(ctx), plan))
+        plan = gang_policy.plan_of(ctx.gang_job, st.placement) if obs.capacity is not None else None
+        ctx.actions.append(CreateGang(st.attempt, _resume_step(ctx), _avoid(ctx), plan, _size_override(ctx)))
         ctx.actions.append(RequeueAfter(POLL_SECONDS))
         return
 
@@ -356,22 +368,39 @@ def _no_gang(ctx: _Ctx) -> None:
         _unschedulable(ctx, admitted.reason)
         return
     restarting = st.phase == "Restarting"
+    before = st.replicas
     st.attempt += 1
+    st.replicas = admitted.replicas
+    st.world_size = ctx.gang_job.spec.world_size
     st.next_restart_time = None
     st.attempt_start_time = iso(ctx.now)
     if st.start_time is None:
         st.start_time = iso(ctx.now)
     resume = _resume_step(ctx)
-    ctx.actions.append(CreateGang(st.attempt, resume, _avoid(ctx), admitted))
-    st.placement = gang_policy.placement_of(admitted) if admitted is not None else []
-    cond.set_condition(st, "Scheduled", "False", "GangCreated", f"attempt {st.attempt} created", ctx.now)
+    ctx.actions.append(CreateGang(st.attempt, resume, _avoid(ctx), admitted.plan, _size_override(ctx)))
+    st.placement = gang_policy.placement_of(admitted.plan) if admitted.plan is not None else []
+    size = f"{admitted.replicas} of {job.spec.replicas}" if admitted.replicas < job.spec.replicas else \
+        f"{admitted.replicas}"
+    cond.set_condition(st, "Scheduled", "False", "GangCreated", f"attempt {st.attempt} created ({size} replicas)",
+                       ctx.now)
     where = f"from checkpoint step {resume}" if resume is not None else "from scratch"
-    cond.enter_phase(st, "Scheduling", "GangCreated", f"attempt {st.attempt}: starting {where}", ctx.now)
+    cond.enter_phase(st, "Scheduling", "GangCreated", f"attempt {st.attempt}: starting {size} replica(s) {where}",
+                     ctx.now)
     if restarting:
-        ctx.event("Normal", "Restarted", f"attempt {st.attempt}: gang restarted {where}")
+        ctx.event("Normal", "Restarted", f"attempt {st.attempt}: gang of {size} replica(s) restarted {where}")
     else:
-        ctx.event("Normal", "GangCreated", f"attempt {st.attempt}: gang of {job.spec.replicas} replica(s) "
-                  f"created {where}")
+        ctx.event("Normal", "GangCreated", f"attempt {st.attempt}: gang of {size} replica(s) created {where}")
+    if admitted.replicas < job.spec.replicas:
+        full, now_ = job.spec.grad_accum, ctx.gang_job.spec.grad_accum
+        msg = (f"attempt {st.attempt}: elastic gang runs {admitted.replicas} of {job.spec.replicas} replicas "
+               f"(spec.minReplicas {job.spec.min_replicas}) because the full gang does not fit: {admitted.short}; "
+               f"global batch {job.spec.training.global_batch_size} kept ({now_} micro-batches per rank instead of "
+               f"{full}); it grows back when capacity returns")
+        st.message = msg[:1000]
+        ctx.event("Warning", "ScaledDown", msg)
+    elif before is not None and before < admitted.replicas and st.attempt > 1:
+        ctx.event("Normal", "ScaledUp", f"attempt {st.attempt}: back to all {admitted.replicas} replicas "
+                  f"(the previous attempt ran {before})")
 
 
 def _unschedulable(ctx: _Ctx, reason: str) -> None:
@@ -416,6 +445,35 @@ def create_failed(job: SeqTrainJob, status: JobStatus, attempt: int, message: st
     ctx.actions.append(RequeueAfter(delay))
     ctx.event("Warning", "CreateFailed", msg)
     return Decision(tuple(ctx.actions), st)
+
+
+def _size_override(ctx: _Ctx) -> int | None:
+    """CreateGang.replicas: the attempt's size when it is not spec.replicas (an elastic gang running smaller)."""
+    return ctx.st.replicas if ctx.st.replicas != ctx.job.spec.replicas else None
+
+
+def _growth(ctx: _Ctx) -> gang_policy.Admitted | None:
+    """A larger size the elastic gang fits at now, once it has run at its current size for a while (a node that
+    flaps must not rescale the gang back and forth)."""
+    st = ctx.st
+    running = cond.get(st, "Running")
+    since = parse(running.last_transition_time if running else None)
+    if not ctx.job.spec.elastic or since is None or seconds_between(since, ctx.now) < ELASTIC_GROW_AFTER_SECONDS:
+        return None
+    return gang_policy.growth(ctx.job, st.replicas or ctx.job.spec.replicas, ctx.observed, _avoid(ctx))
+
+
+def _scale_up(ctx: _Ctx, grow: gang_policy.Admitted) -> None:
+    """Capacity is back: stop the smaller gang gracefully (the trainer checkpoints on SIGTERM, so nothing is lost)
+    and start the larger one at once. Not a failure: no budget is charged and no node avoided."""
+    st = ctx.st
+    ctx.delete(st.attempt, "ScalingUp")
+    msg = (f"attempt {st.attempt}: {grow.replicas} of {ctx.job.spec.replicas} replicas fit again (running "
+           f"{st.replicas}): checkpointing and restarting the gang at {grow.replicas}")
+    cond.enter_phase(st, "Restarting", "ScalingUp", msg, ctx.now)
+    st.next_restart_time = iso(ctx.now)
+    ctx.event("Normal", "ScalingUp", msg)
+    ctx.actions.append(RequeueAfter(POLL_SECONDS))
 
 
 def _resume_step(ctx: _Ctx) -> int | None:

@@ -1,10 +1,14 @@
-"""Gang semantics: all replicas of one incarnation exist together or the gang is torn down; never two gangs."""
+"""Gang semantics: all replicas of one incarnation exist together or the gang is torn down; never two gangs.
+
+The functions that count replicas take the job as its live attempt runs it (`SeqTrainJob.with_replicas`): an elastic
+gang's attempt may run fewer than spec.replicas."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from seqtrain.spec import SeqTrainJob
+from seqtrain.spec.elastic import sizes
 from seqtrain.spec.status import ReplicaPlacement
 from seqtrain_operator.controller.types import Observed, ReplicaObservation
 from seqtrain_operator.planner.local import layout_of
@@ -35,14 +39,46 @@ def may_create(observed: Observed) -> bool:
     return not observed.replicas
 
 
-def admit(job: SeqTrainJob, observed: Observed, avoid: tuple[str, ...]) -> Plan | Unschedulable | None:
-    """Gang admission, all replicas or none: Unschedulable (why), a Plan (the core placed the gang on
-    Observed.capacity, the same arithmetic as kube-scheduler's), or None (admitted; the backend places it)."""
+@dataclass(frozen=True)
+class Admitted:
+    """A gang admitted: `replicas` of them (fewer than spec.replicas only for an elastic job), placed by `plan`
+    (None: the backend's scheduler places it). short: why the full gang did not fit, when it runs smaller."""
+
+    replicas: int
+    plan: Plan | None = None
+    short: str | None = None
+
+
+def admit(job: SeqTrainJob, observed: Observed, avoid: tuple[str, ...]) -> Admitted | Unschedulable:
+    """Gang admission, all replicas of one size or none: Unschedulable (why), or Admitted. With Observed.capacity
+    the core places the gang itself (the same arithmetic as kube-scheduler's): the full size if it fits, else an
+    elastic job's largest size that does (spec.minReplicas)."""
     if observed.unschedulable:
         return Unschedulable(observed.unschedulable)
     if observed.capacity is None:
+        return Admitted(job.spec.replicas)
+    full: Unschedulable | None = None
+    for n in sizes(job):
+        got = place(job.with_replicas(n), observed.capacity, avoid)
+        if isinstance(got, Plan):
+            return Admitted(n, got, full.reason if full else None)
+        full = full or got
+    assert full is not None
+    return full
+
+
+def growth(job: SeqTrainJob, running: int, observed: Observed, avoid: tuple[str, ...]) -> Admitted | None:
+    """An elastic gang running `running` replicas: the larger size that would fit now (Observed.capacity without
+    this job's own pods, which a rescale frees), or None."""
+    if observed.capacity is None or running >= job.spec.replicas:
         return None
-    return place(job, observed.capacity, avoid)
+    for n in sizes(job):
+        if n <= running:
+            return None
+        got = place(job.with_replicas(n), observed.capacity, avoid)
+        if isinstance(got, Plan):
+            return Admitted(n, got)
+    return None
 
 
 def plan_of(job: SeqTrainJob, placement: list[ReplicaPlacement]) -> Plan | None:

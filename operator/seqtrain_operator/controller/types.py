@@ -64,7 +64,8 @@ class Observed:
     scheduler that is not installed); the text is shown in the Scheduled condition.
     capacity: the free capacity of every node (after the requests of every pod bound or pinned to it), when the
     core itself places the gang (native gang scheduling on Kubernetes); None: the backend places it (local runs,
-    external gang schedulers). Read only when a gang is to be created.
+    external gang schedulers). Read only when a gang is to be created, and while an elastic gang runs below its size
+    (can it grow back?); it must leave out this job's own pods.
     progress_unreachable: why the backend could not read the trainer's progress (e.g. the progress endpoint did not
     answer: a NetworkPolicy, a service mesh, an operator outside the cluster); None: it could, or it does not try.
     Hang detection then says ProgressUnknown instead of failing a job that may be healthy.
@@ -94,12 +95,15 @@ class CreateGang:
     checkpoint by themselves; resume_from_step is the step the core expects (None: from scratch), for logs/events.
     avoid_nodes: nodes that failed recently (placement should skip them while others fit).
     plan: where each replica goes, when the core placed the gang (Observed.capacity given); None: the backend's
-    scheduler places it."""
+    scheduler places it.
+    replicas: how many replicas this attempt runs when not spec.replicas (an elastic gang admitted smaller: build
+    the gang from `job.with_replicas(replicas)`); None: spec.replicas."""
 
     attempt: int
     resume_from_step: int | None = None
     avoid_nodes: tuple[str, ...] = ()
     plan: Plan | None = None
+    replicas: int | None = None
 
 
 @dataclass(frozen=True)

@@ -184,6 +184,11 @@ async def reconcile(kube: Kube, cfg: Config, namespace: str, name: str, emit: Ev
     observed = Observed(replicas=replicas, latest_checkpoint=checkpoint, progress=progress,
                         progress_unreachable=unreachable, generation=body["metadata"].get("generation"))
     admitting = not replicas and status.phase not in TERMINAL_PHASES and not job.spec.suspend
+    # An elastic gang running below its size: can it grow back? (the same capacity read, without creating)
+    growing = (job.spec.elastic and status.phase == "Running" and not job.spec.suspend
+               and (status.replicas or job.spec.replicas) < job.spec.replicas)
+    if growing:
+        observed = replace(observed, capacity=await capacity(kube, nodes, cfg.busy, (namespace, name)))
     async with _ADMISSION if admitting else contextlib.nullcontext():
         if admitting:
             if job.spec.scheduling.gang == "native":
@@ -216,7 +221,8 @@ async def _decide_and_act(kube: Kube, cfg: Config, body: dict[str, Any], job: Se
             await delete_gang(kube, job, owner, action.attempt, action.force_nodes)
         elif isinstance(action, CreateGang):
             try:
-                created = await create_gang(kube, job, owner, action.attempt, cfg.settings, action.plan)
+                sized = job.with_replicas(action.replicas) if action.replicas is not None else job
+                created = await create_gang(kube, sized, owner, action.attempt, cfg.settings, action.plan)
                 cfg.busy.created.extend(created)
             except GangRefused as refused:
                 return await _create_failed(kube, cfg, body, job, owner, new, action.attempt, str(refused), emit,

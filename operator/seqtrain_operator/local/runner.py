@@ -180,6 +180,8 @@ class LocalRun:
 
     def _start_gang(self, action: CreateGang) -> None:
         job = resolve(self.job)
+        if action.replicas is not None:
+            job = job.with_replicas(action.replicas)
         adir = os.path.join(self.workdir, "attempts", str(action.attempt))
         os.makedirs(adir, exist_ok=True)
         cfg = os.path.join(adir, "config.json")

@@ -8,16 +8,11 @@ from __future__ import annotations
 import glob
 import os
 
-from seqtrain.layout.rules import parallel_problems
+from seqtrain.spec.elastic import divisors_hint, elastic_problems, size_problems
 from seqtrain.spec.job import SeqTrainJob
 from seqtrain.spec.problems import Problem
 from seqtrain.spec.resolve import resolved_model
 from seqtrain.spec.template import template_problems
-
-
-def _divisors_hint(n: int, limit: int = 6) -> str:
-    divs = [d for d in range(1, n + 1) if n % d == 0][:limit]
-    return ", ".join(str(d) for d in divs)
 
 
 def _init_problems(job: SeqTrainJob, m) -> list[Problem]:  # noqa: ANN001 - the resolved ModelSpec
@@ -59,31 +54,15 @@ def check(job: SeqTrainJob) -> list[Problem]:
         out.append(Problem("spec.resources.processesPerReplica",
                            f"must equal resources.gpus ({res.gpus}) on GPUs: one rank per GPU"))
 
-    world = s.world_size
-    model_par = opt.tensor_parallel * opt.pipeline_parallel
-    if world % model_par != 0:
-        out.append(Problem("spec.optimization.tensorParallel",
-                           f"tensorParallel x pipelineParallel = {model_par} must divide the world size {world} "
-                           f"(replicas x processesPerReplica); divisors of {world}: {_divisors_hint(world)}"))
     if opt.tensor_parallel > res.procs:
         out.append(Problem("spec.optimization.tensorParallel",
                            f"tensor-parallel groups must fit inside one replica ({res.procs} processes); "
                            f"use at most {res.procs}"))
-    dp = s.dp
-    per_step = tr.micro_batch_size * dp
-    if tr.global_batch_size < per_step:
-        out.append(Problem("spec.training.globalBatchSize",
-                           f"{tr.global_batch_size} sequences cannot feed {dp} data-parallel ranks x microBatchSize "
-                           f"{tr.micro_batch_size}; use at least {per_step} or lower training.microBatchSize"))
-    elif tr.global_batch_size % per_step != 0:
-        lo = tr.global_batch_size // per_step * per_step
-        out.append(Problem("spec.training.globalBatchSize",
-                           f"must be a multiple of microBatchSize x data-parallel ranks = {per_step} "
-                           f"(e.g. {lo} or {lo + per_step})"))
 
     m = resolved_model(job)
 
-    out += [Problem(r.path, r.message) for r in parallel_problems(job, m)]
+    out += size_problems(job, m)
+    out += elastic_problems(job, m)
     if s.data.seq_len > (m.max_seq_len or 0):
         out.append(Problem("spec.data.seqLen",
                            f"{s.data.seq_len} is longer than the model accepts (model.maxSeqLen = {m.max_seq_len}); "
@@ -92,7 +71,7 @@ def check(job: SeqTrainJob) -> list[Problem]:
         assert m.dim and m.heads and m.kv_heads
         if m.dim % m.heads != 0:
             out.append(Problem("spec.model.heads", f"model.dim {m.dim} must be divisible by heads {m.heads}; "
-                                                   f"divisors of {m.dim}: {_divisors_hint(m.dim, 10)}"))
+                                                   f"divisors of {m.dim}: {divisors_hint(m.dim, 10)}"))
         elif (m.dim // m.heads) % 2 != 0:
             out.append(Problem("spec.model.heads", f"head dim {m.dim // m.heads} must be even for RoPE"))
         if m.heads % m.kv_heads != 0:

@@ -76,6 +76,10 @@ CROSS_FIELD_RULES: dict[str, list[dict[str, str]]] = {
         "message": "optimization.tensorParallel x pipelineParallel must divide the world size (replicas x "
                    "processesPerReplica)",
         "fieldPath": ".optimization.tensorParallel",
+    }, {
+        "rule": "!has(self.minReplicas) || self.minReplicas <= self.replicas",
+        "message": "must be at most replicas (the gang's full size)",
+        "fieldPath": ".minReplicas",
     }],
     "resources": [{
         "rule": "self.gpus == 0 || !has(self.processesPerReplica) || self.processesPerReplica == self.gpus",
@@ -185,6 +189,7 @@ def openapi_schema() -> dict[str, Any]:
 
 PRINTER_COLUMNS = [
     {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+    {"name": "Replicas", "type": "integer", "jsonPath": ".status.replicas"},
     {"name": "Step", "type": "integer", "jsonPath": ".status.progress.step"},
     {"name": "Loss", "type": "number", "jsonPath": ".status.progress.loss"},
     {"name": "Tok/s", "type": "number", "jsonPath": ".status.progress.tokensPerSecond"},

@@ -46,6 +46,11 @@ class Metadata(BaseModel):
 class JobSpec(SpecModel):
     image: str = Field(DEFAULT_IMAGE, description="Trainer container image (Kubernetes only).")
     replicas: int = Field(1, ge=1, description="Replicas (pods) in the gang; each runs resources.processesPerReplica ranks.")
+    min_replicas: int | None = Field(
+        None, ge=1, description="Elastic gang: the fewest replicas an attempt may start with when the full gang "
+        "does not fit (a lost node, short capacity); it grows back to `replicas` when capacity returns. The global "
+        "batch stays the same (gradient accumulation makes up the difference) and the resume reshards the latest "
+        "checkpoint. Unset: always `replicas`.")
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec, description="Per-replica resources.")
     model: ModelSpec = Field(default_factory=ModelSpec, description="Model architecture and size.")
     data: DataSpec = Field(default_factory=DataSpec, description="Data source, tokenizer and batching.")
@@ -66,6 +71,11 @@ class JobSpec(SpecModel):
     @property
     def world_size(self) -> int:
         return self.replicas * self.resources.procs
+
+    @property
+    def elastic(self) -> bool:
+        """The gang may run with fewer than `replicas` (spec.minReplicas below it)."""
+        return self.min_replicas is not None and self.min_replicas < self.replicas
 
     @property
     def dp(self) -> int:
@@ -98,6 +108,15 @@ class SeqTrainJob(BaseModel):
         if problems := name_problems(self.metadata.name, self.spec.replicas):
             raise ValueError("metadata.name: " + "; ".join(problems))
         return self
+
+    def with_replicas(self, replicas: int) -> SeqTrainJob:
+        """This job as one attempt of an elastic gang runs it: `replicas` replicas, the same global batch (the
+        world size, data-parallel degree and accumulation derive from it). Not re-validated: `replicas` must be one
+        of `seqtrain.spec.elastic.sizes(self)`."""
+        if replicas == self.spec.replicas:
+            return self
+        spec = self.spec.model_copy(update={"replicas": replicas, "min_replicas": None})
+        return self.model_copy(update={"spec": spec})
 
     def to_dict(self) -> dict:
         """Fully resolved wire form (defaults filled), without status."""

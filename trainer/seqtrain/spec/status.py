@@ -66,7 +66,10 @@ class JobStatus(_StatusModel):
     conditions: list[Condition] = Field(default_factory=list)
     restarts: int = Field(0, description="Gang restarts caused by failures of the training itself.")
     infra_restarts: int = Field(0, description="Gang restarts caused by infrastructure (eviction, node loss).")
-    world_size: int | None = None
+    replicas: int | None = Field(None, description="Replicas the current attempt runs: spec.replicas, or fewer "
+                                 "for an elastic gang (spec.minReplicas) while the full gang does not fit.")
+    world_size: int | None = Field(None, description="Rank processes of the current attempt (replicas x "
+                                   "processesPerReplica).")
     layout: Layout | None = None
     placement: list[ReplicaPlacement] = Field(default_factory=list)
     progress: Progress | None = None
