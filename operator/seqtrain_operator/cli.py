@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import sys
 from collections.abc import Sequence
 
@@ -53,7 +54,39 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 def _cmd_crd(args: argparse.Namespace) -> int:
     from seqtrain.spec.crd import crd_yaml
 
+    if args.check:
+        return _check_crd()
     sys.stdout.write(crd_yaml())
+    return EXIT_OK
+
+
+def _check_crd() -> int:
+    """Compare the cluster's CRD (KUBECONFIG or in-cluster) with this version's: exit 1 naming what it lacks."""
+    from kubernetes import client
+    from kubernetes.client.rest import ApiException
+
+    from seqtrain.spec import API_GROUP, PLURAL
+    from seqtrain.spec.crd import UPGRADE_HINT, drift_message, missing_fields
+    from seqtrain_operator.k8s.client import load_config
+
+    name = f"{PLURAL}.{API_GROUP}"
+    try:
+        installed = client.ApiextensionsV1Api(load_config()).read_custom_resource_definition(
+            name, _preload_content=False)
+    except ApiException as exc:
+        if exc.status == 404:
+            print(f"seqtrain crd --check: {name} is not installed; {UPGRADE_HINT}", file=sys.stderr)
+            return 1
+        print(f"seqtrain crd --check: could not read {name}: {exc.status} {exc.reason}", file=sys.stderr)
+        return 1
+    except Exception as exc:  # noqa: BLE001 - no cluster configured or reachable
+        print(f"seqtrain crd --check: could not reach the cluster: {exc}", file=sys.stderr)
+        return 1
+    missing = missing_fields(json.loads(installed.data))
+    if missing:
+        print(f"seqtrain crd --check: {drift_message(missing)}", file=sys.stderr)
+        return 1
+    print(f"{name}: up to date with this seqtrain")
     return EXIT_OK
 
 
@@ -160,6 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.set_defaults(func=_cmd_validate)
 
     c = sub.add_parser("crd", help="print the CustomResourceDefinition generated from the spec models")
+    c.add_argument("--check", action="store_true", help="instead, compare the cluster's CRD with this version's "
+                   "and exit 1 naming the fields it lacks (an older CRD prunes them from every job)")
     c.set_defaults(func=_cmd_crd)
 
     r = sub.add_parser("run", help="run a job on this machine (local backend)")

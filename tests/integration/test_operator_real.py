@@ -8,7 +8,9 @@ a deadline and no assertion is about timing.
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,7 +18,7 @@ import pytest
 import yaml
 from test_testbed_e2e import cpu_job, job_status, losses, wait_phase
 
-from testbed.fixtures import RELEASE, RELEASE_NS, ROOT, Operator, Testbed, wait
+from testbed.fixtures import RELEASE, RELEASE_NS, ROOT, TB, Operator, Testbed, wait
 
 pytestmark = pytest.mark.slow
 
@@ -254,6 +256,12 @@ def test_cel_rules_refuse_changing_a_running_gang_and_the_apiserver_agrees_on_qu
         delete_job(testbed, ns, "frozen")
 
 
+def crd_check(tb: Testbed) -> subprocess.CompletedProcess[str]:
+    """`seqtrain crd --check` against the testbed (what a user runs before `helm upgrade`)."""
+    return subprocess.run([str(ROOT / ".venv" / "bin" / "seqtrain"), "crd", "--check"], capture_output=True,
+                          text=True, timeout=60, env={**os.environ, "KUBECONFIG": str(TB / "kubeconfig")})
+
+
 def test_the_documented_crd_upgrade_path_upgrades_the_schema(testbed: Testbed, seqtrain_operator: Operator,
                                                              ns: str) -> None:
     """docs/user-guide.md "Upgrading the CRD": Helm never upgrades crds/, so an older CRD prunes new fields until
@@ -268,6 +276,8 @@ def test_the_documented_crd_upgrade_path_upgrades_the_schema(testbed: Testbed, s
     job["spec"]["faultTolerance"] = {"imagePullTimeoutSeconds": 1234}
     try:
         testbed.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-", input=yaml.safe_dump(old))
+        check = crd_check(testbed)
+        assert check.returncode == 1 and "lacks spec.faultTolerance.imagePullTimeoutSeconds" in check.stderr, check
         refused = testbed.apply(job, ns, check=False)
         assert refused.returncode != 0 and 'unknown field "spec.faultTolerance.imagePullTimeoutSeconds"' in \
             refused.stderr, refused.stderr
@@ -281,6 +291,8 @@ def test_the_documented_crd_upgrade_path_upgrades_the_schema(testbed: Testbed, s
         testbed.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(current))
         testbed.helm("upgrade", RELEASE, str(ROOT / "charts" / "seqtrain"), "--namespace", RELEASE_NS,
                      *seqtrain_operator.values(), "--wait", "--timeout", "180s", timeout=300)
+    check = crd_check(testbed)
+    assert check.returncode == 0 and "up to date" in check.stdout, check
     testbed.apply(job, ns)
     try:
         stored = testbed.get("seqtrainjob", "crd-upgrade", ns)["spec"]["faultTolerance"]

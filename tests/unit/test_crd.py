@@ -101,3 +101,23 @@ def test_cel_rules_guard_running_gangs_and_cross_field_rules_and_name_real_field
         assert node(path)["x-kubernetes-validations"] == rules
         for r in rules:
             node(f"{path}.{r['fieldPath'].lstrip('.')}".lstrip("."))
+
+
+def test_an_older_installed_crd_is_named_with_the_fields_it_lacks_and_the_fix():
+    import copy
+
+    from seqtrain.spec.crd import crd, drift_message, missing_fields
+
+    current = crd()
+    assert missing_fields(current) == []
+    old = copy.deepcopy(current)
+    spec = old["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+    del spec["minReplicas"]
+    del spec["faultTolerance"]["properties"]["imagePullTimeoutSeconds"]
+    missing = missing_fields(old)
+    assert missing == ["spec.minReplicas", "spec.faultTolerance.imagePullTimeoutSeconds"]
+    msg = drift_message(missing)
+    assert "lacks spec.minReplicas, spec.faultTolerance.imagePullTimeoutSeconds" in msg
+    assert "kubectl apply --server-side --force-conflicts -f charts/seqtrain/crds/seqtrainjob.yaml" in msg
+    old["spec"]["versions"][0]["name"] = "v1beta9"
+    assert missing_fields(old) == ["seqtrain.dev/v1alpha1 (the installed CRD does not serve it)"]

@@ -155,12 +155,14 @@ class Kube:
         return (await self._call(self.core.list_node)).get("items", [])
 
     async def crd_exists(self, name: str) -> bool:
+        return await self.get_crd(name) is not None
+
+    async def get_crd(self, name: str) -> dict[str, Any] | None:
         try:
-            await self._call(self.ext.read_custom_resource_definition, name)
-            return True
+            return await self._call(self.ext.read_custom_resource_definition, name)
         except ApiException as exc:
             if exc.status == 404:
-                return False
+                return None
             raise
 
     # ---- writes ----------------------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from typing import Any
 import kopf
 
 from seqtrain.spec import API_GROUP, PLURAL, SpecError, parse_job
+from seqtrain.spec.crd import drift_message, missing_fields
 from seqtrain_operator.k8s import manifests as m
 from seqtrain_operator.k8s.client import Kube, load_config
 from seqtrain_operator.k8s.metrics import OperatorMetrics
@@ -83,10 +84,25 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
         settings.admission.server = kopf.WebhookServer(port=w.port, certfile=w.certfile, pkeyfile=w.keyfile,
                                                        insecure=w.insecure, addr="0.0.0.0" if not w.insecure else "127.0.0.1")
     STATE.kube = Kube(load_config())
+    await warn_if_crd_is_old(STATE.kube)
     STATE.wakeups.clear()
     STATE.nodes_seen.clear()
     if STATE.metrics_port:
         STATE.metrics.serve(STATE.metrics_port)
+
+
+async def warn_if_crd_is_old(kube: Kube) -> list[str]:
+    """An installed CRD older than this operator prunes the fields it lacks from every job (Helm never upgrades
+    crds/): say so at startup, with the fix. Returns the missing fields."""
+    try:
+        installed = await kube.get_crd(f"{PLURAL}.{API_GROUP}")
+    except Exception as exc:  # noqa: BLE001 - a check, never a reason not to start
+        log.warning("could not read the SeqTrainJob CRD to compare it with this version: %s", exc)
+        return []
+    missing = missing_fields(installed) if installed else []
+    if missing:
+        log.warning("%s", drift_message(missing))
+    return missing
 
 
 @kopf.on.login()
