@@ -318,6 +318,10 @@ def test_unusable_checkpoint_is_skipped_for_the_previous_one(damage: str, job_fi
     st = status(tmp_path)
     assert st["phase"] == "Succeeded" and want in st["skippedCheckpoints"]["20"]
     assert (tmp_path / "checkpoints" / ".bad-step-20" / "REASON").is_file()  # kept for inspection
+    # The progress document says so too: on Kubernetes the operator reads it (GET /progress, or the termination
+    # message) and makes the same Warning Event.
+    [reported] = json.loads((tmp_path / "progress.json").read_text())["skippedCheckpoints"]
+    assert reported["step"] == 20 and want in reported["reason"], reported
     assert losses(tmp_path) == losses(reference)  # resumed exactly from step 10
 
 

@@ -99,13 +99,15 @@ def test_pods_without_labels_are_ignored_and_order_is_stable():
 
 def test_progress_sources():
     data = {"step": 5, "totalSteps": 9, "loss": 1.5, "lastCheckpoint": {"step": 4, "path": "/c/step-4"}}
-    prog, ck = progress_from_json(data)
-    assert prog.step == 5 and prog.loss == 1.5 and ck.step == 4
-    assert progress_from_json({"nope": 1}) == (None, None)
+    prog, ck, skipped = progress_from_json(data)
+    assert prog.step == 5 and prog.loss == 1.5 and ck.step == 4 and skipped == ()
+    assert progress_from_json({"nope": 1}) == (None, None, ())
+    data["skippedCheckpoints"] = [{"step": 3, "reason": "refused: planted pickle"}, {"bad": 1}]
+    assert progress_from_json(data).skipped == ((3, "refused: planted pickle"),)
     done = pod(phase="Succeeded", term={"exitCode": 0, "message": json.dumps({"step": 9, "loss": 0.5})})
-    prog, ck = final_progress([done], attempt=1)
+    prog, ck, _ = final_progress([done], attempt=1)
     assert prog.step == 9 and ck is None
-    assert final_progress([done], attempt=2) == (None, None)
+    assert final_progress([done], attempt=2) == (None, None, ())
     assert rank0_ip([pod(ip="10.0.0.5"), pod(replica=1, ip="10.0.0.6")], 1) == "10.0.0.5"
 
 

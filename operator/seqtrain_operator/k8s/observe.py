@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Mapping
 from datetime import datetime
-from typing import Any
+from typing import Any, NamedTuple
 
 from seqtrain.runtime.exitcodes import last_error
 from seqtrain.spec.status import CheckpointRef, Progress
@@ -131,26 +131,39 @@ def observe_replicas(pods: Iterable[Mapping[str, Any]], nodes: Iterable[Mapping[
     return tuple(sorted(out, key=lambda r: (r.attempt, r.replica)))
 
 
-def progress_from_json(data: Any) -> tuple[Progress | None, CheckpointRef | None]:
-    """The trainer's progress JSON (GET /progress, or the termination message) -> Progress and, when the trainer
-    reports it (`lastCheckpoint: {step, path, time}`), the latest complete checkpoint."""
+class Reported(NamedTuple):
+    """What the trainer's progress document says: its progress, the latest complete checkpoint it reports
+    (`lastCheckpoint: {step, path, time}`), and the checkpoints it set aside as unusable
+    (`skippedCheckpoints: [{step, reason}]`)."""
+
+    progress: Progress | None = None
+    checkpoint: CheckpointRef | None = None
+    skipped: tuple[tuple[int, str], ...] = ()
+
+
+def progress_from_json(data: Any) -> Reported:
+    """The trainer's progress JSON (GET /progress, or the termination message) -> what it reports."""
     if not isinstance(data, dict) or "step" not in data:
-        return None, None
+        return Reported()
     ck = data.get("lastCheckpoint")
     try:
-        progress = Progress.model_validate({k: v for k, v in data.items() if k != "lastCheckpoint"})
+        progress = Progress.model_validate({k: v for k, v in data.items()
+                                            if k not in ("lastCheckpoint", "skippedCheckpoints")})
     except ValueError:
-        return None, None
+        return Reported()
     ref = None
     if isinstance(ck, dict) and isinstance(ck.get("step"), int):
         try:
             ref = CheckpointRef.model_validate(ck)
         except ValueError:
             ref = None
-    return progress, ref
+    skipped = tuple((int(s["step"]), str(s.get("reason") or "unusable"))
+                    for s in data.get("skippedCheckpoints") or []
+                    if isinstance(s, dict) and isinstance(s.get("step"), int))
+    return Reported(progress, ref, skipped)
 
 
-def final_progress(pods: Iterable[Mapping[str, Any]], attempt: int) -> tuple[Progress | None, CheckpointRef | None]:
+def final_progress(pods: Iterable[Mapping[str, Any]], attempt: int) -> Reported:
     """Progress rank 0 left in its termination message when it exited (the HTTP server is gone by then)."""
     for pod in pods:
         labels = (pod.get("metadata") or {}).get("labels") or {}
@@ -160,8 +173,8 @@ def final_progress(pods: Iterable[Mapping[str, Any]], attempt: int) -> tuple[Pro
                 try:
                     return progress_from_json(json.loads(text))  # type: ignore[arg-type]
                 except ValueError:
-                    return None, None
-    return None, None
+                    return Reported()
+    return Reported()
 
 
 def rank0_ip(pods: Iterable[Mapping[str, Any]], attempt: int) -> str | None:

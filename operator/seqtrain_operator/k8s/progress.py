@@ -9,17 +9,16 @@ import json
 
 import aiohttp
 
-from seqtrain.spec.status import CheckpointRef, Progress
-from seqtrain_operator.k8s.observe import progress_from_json
+from seqtrain_operator.k8s.observe import Reported, progress_from_json
 
 
-async def poll_progress(ip: str, port: int, timeout: float = 2.0) -> tuple[Progress | None, CheckpointRef | None]:
+async def poll_progress(ip: str, port: int, timeout: float = 2.0) -> Reported:
     url = f"http://{ip}:{port}/progress"
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session, \
                 session.get(url) as resp:
             if resp.status != 200:
-                return None, None
+                return Reported()
             return progress_from_json(json.loads(await resp.text()))
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, OSError):
-        return None, None
+        return Reported()

@@ -46,7 +46,7 @@ from seqtrain_operator.k8s import calls
 from seqtrain_operator.k8s import manifests as m
 from seqtrain_operator.k8s.client import Conflict, Kube, api_message
 from seqtrain_operator.k8s.gangs import ADAPTERS, GangScheduler, adapter_for
-from seqtrain_operator.k8s.observe import final_progress, observe_replicas, rank0_ip
+from seqtrain_operator.k8s.observe import Reported, final_progress, observe_replicas, rank0_ip
 from seqtrain_operator.k8s.progress import poll_progress
 from seqtrain_operator.planner.inventory import inventory
 from seqtrain_operator.planner.types import Node, Plan
@@ -173,16 +173,17 @@ async def reconcile(kube: Kube, cfg: Config, namespace: str, name: str, emit: Ev
         pods, nodes = await kube.list_pods(namespace, f"{m.LABEL_JOB}={name}"), await kube.list_nodes()
     adapter = adapter_for(job.spec.scheduling.gang)
     replicas = _observe(adapter, pods, nodes, now, cfg)
-    progress, checkpoint, unreachable = None, None, None
+    reported, unreachable = Reported(), None
     ip = rank0_ip(pods, status.attempt)
     if cfg.poll_progress and cfg.settings.progress_port and ip:
-        progress, checkpoint = await poll_progress(ip, cfg.settings.progress_port, cfg.progress_timeout)
-        if progress is None:
+        reported = await poll_progress(ip, cfg.settings.progress_port, cfg.progress_timeout)
+        if reported.progress is None:
             unreachable = f"GET http://{ip}:{cfg.settings.progress_port}/progress did not answer"
-    if progress is None:
-        progress, checkpoint = final_progress(pods, status.attempt)
-    observed = Observed(replicas=replicas, latest_checkpoint=checkpoint, progress=progress,
-                        progress_unreachable=unreachable, generation=body["metadata"].get("generation"))
+    if reported.progress is None:
+        reported = final_progress(pods, status.attempt)
+    observed = Observed(replicas=replicas, latest_checkpoint=reported.checkpoint, progress=reported.progress,
+                        progress_unreachable=unreachable, generation=body["metadata"].get("generation"),
+                        skipped_checkpoints=reported.skipped)
     admitting = not replicas and status.phase not in TERMINAL_PHASES and not job.spec.suspend
     # An elastic gang running below its size: can it grow back? (the same capacity read, without creating)
     growing = (job.spec.elastic and status.phase == "Running" and not job.spec.suspend

@@ -11,7 +11,7 @@ import os
 import socket
 from typing import TYPE_CHECKING, Any
 
-from seqtrain.checkpoint.discovery import read_complete, step_dir
+from seqtrain.checkpoint.discovery import quarantined, read_complete, step_dir
 from seqtrain.obs.progress import ProgressReporter, write_json_atomic
 from seqtrain.runtime.callbacks import BaseCallback
 
@@ -77,8 +77,12 @@ class ProgressPublisher(BaseCallback):
         record_endpoint(trainer, "progress", self.reporter.port)
         last = trainer.last_metrics
         # stop fields from a previous attempt's early stop must not stick to this one
+        # Checkpoints set aside as unusable (this start or an earlier one): the operator turns each into one
+        # Warning Event, whichever backend runs the job.
+        skipped = [{"step": step, "reason": why} for step, why in quarantined(trainer.runtime.checkpoint_dir)]
         self.reporter.update(flush=True, step=trainer.step, loss=last.get("loss"), stop_reason=None, stop_message=None,
-                             **self._checkpoint(trainer, trainer.step) if trainer.resumed_from else {})
+                             **self._checkpoint(trainer, trainer.step) if trainer.resumed_from else {},
+                             **{"skippedCheckpoints": skipped} if skipped else {})
 
     def on_step_end(self, trainer: Trainer, step: int, metrics: dict[str, Any]) -> None:
         saved = self._checkpoint(trainer, self._saving) if self._saving is not None else {}
