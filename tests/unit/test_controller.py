@@ -696,3 +696,19 @@ def test_a_user_failure_is_charged_after_the_settle_time_or_once_nothing_runs() 
     assert decide(job, st, Observed(replicas=(crash, alive)), T0 + timedelta(seconds=16)).status.restarts == 1
     both = (crash, replace(alive, phase="Failed", exit_code=4))
     assert decide(job, st, Observed(replicas=both), T0 + timedelta(seconds=1)).status.restarts == 1
+
+
+def test_a_gang_admitted_after_a_long_wait_for_capacity_gets_its_full_pending_grace() -> None:
+    # Found by the 1000-job benchmark: the Scheduled condition stayed False from the wait for capacity to the gang's
+    # creation, so its transition time was the wait's start, and the new gang was torn down as pending too long at
+    # once (PendingTimeout), re-planned, torn down again, for ever.
+    job = make_job(2, pending_grace=300)
+    st = decide(job, JobStatus(), Observed(unschedulable="no room"), T0).status
+    later = T0 + timedelta(seconds=400)
+    d = decide(job, st, Observed(), later)
+    assert d.of(CreateGang)
+    pending = Observed(replicas=gang(1, "Pending", "Pending"))
+    d2 = decide(job, d.status, pending, later + timedelta(seconds=10))
+    assert not d2.of(DeleteGang) and d2.status.phase == "Scheduling"
+    d3 = decide(job, d2.status, pending, later + timedelta(seconds=301))
+    assert d3.of(DeleteGang) == [DeleteGang(1, "PendingTimeout")]  # the grace still applies, from creation

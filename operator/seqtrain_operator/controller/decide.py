@@ -383,6 +383,9 @@ def _no_gang(ctx: _Ctx) -> None:
         f"{admitted.replicas}"
     cond.set_condition(st, "Scheduled", "False", "GangCreated", f"attempt {st.attempt} created ({size} replicas)",
                        ctx.now)
+    # pendingGraceSeconds counts from here: the condition may have been False for long already (waiting for
+    # capacity, a torn-down attempt), and that wait must not tear the new gang down before its pods could start.
+    cond.get(st, "Scheduled").last_transition_time = iso(ctx.now)  # type: ignore[union-attr]
     where = f"from checkpoint step {resume}" if resume is not None else "from scratch"
     cond.enter_phase(st, "Scheduling", "GangCreated", f"attempt {st.attempt}: starting {size} replica(s) {where}",
                      ctx.now)
