@@ -171,3 +171,15 @@ def test_error_line_helpers():
     assert error_line(KeyError()) == "KeyError"
     assert last_error("x\nseqtrain train: error: A: 1\ny\nseqtrain train: error: B: 2\nz") == "B: 2"
     assert last_error("no marker here") is None and last_error(None) is None
+
+
+def test_a_pod_is_awaiting_the_scheduler_until_bound_or_refused():
+    from seqtrain_operator.k8s.observe import awaiting_scheduler
+
+    fresh = {"spec": {}, "status": {"phase": "Pending"}}
+    assert awaiting_scheduler(fresh)
+    assert not awaiting_scheduler({"spec": {"nodeName": "n1"}, "status": {"phase": "Pending"}})
+    refused = {"spec": {}, "status": {"phase": "Pending", "conditions": [
+        {"type": "PodScheduled", "status": "False", "reason": "Unschedulable"}]}}
+    assert not awaiting_scheduler(refused)
+    assert not awaiting_scheduler({"spec": {}, "status": {"phase": "Running"}})

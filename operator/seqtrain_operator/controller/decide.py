@@ -243,7 +243,8 @@ def _live_gang(ctx: _Ctx, current: tuple[ReplicaObservation, ...]) -> None:
     # Pending: admitted and created, waiting for every replica to start.
     if st.phase != "Scheduling":
         cond.enter_phase(st, "Scheduling", "GangCreated", f"attempt {st.attempt}: waiting for replicas", ctx.now)
-    if gang_policy.queued(gang, current):
+    native = job.spec.scheduling.gang == "native"
+    if not native and gang_policy.queued(gang, current):
         _queued(ctx, current)
         return
     if (c := cond.get(st, "Scheduled")) is not None and c.reason == "Queued":
@@ -267,7 +268,10 @@ def _live_gang(ctx: _Ctx, current: tuple[ReplicaObservation, ...]) -> None:
         st.message = f"attempt {st.attempt}: {where} is retrying the image pull ({r.reason}): {r.message}"[:1000]
         ctx.actions.append(RequeueAfter(max(1.0, min(POLL_SECONDS * 6, limit - waited))))
         return
-    if waited > grace:
+    # Replicas still in kube-scheduler's queue (native gangs: not yet tried, not refused) are not stuck; a burst of
+    # thousands of pods takes it a while. Stuck: refused by the scheduler, or bound and not starting.
+    stuck = [r for r in current if r.phase == "Pending" and not (native and r.queued)]
+    if waited > grace and stuck:
         # A partly started gang holds resources others need: tear it down and re-plan from scratch.
         ctx.delete(st.attempt, "PendingTimeout")
         cond.set_condition(st, "Scheduled", "False", "PendingTimeout",

@@ -131,6 +131,17 @@ def observe_replicas(pods: Iterable[Mapping[str, Any]], nodes: Iterable[Mapping[
     return tuple(sorted(out, key=lambda r: (r.attempt, r.replica)))
 
 
+def awaiting_scheduler(pod: Mapping[str, Any]) -> bool:
+    """Created, not bound, and not refused by kube-scheduler (no PodScheduled=False): still in the scheduler's
+    queue. Not stuck: a burst of thousands of pods takes the scheduler a while, and tearing such a gang down
+    would only send it to the back of the queue."""
+    status = pod.get("status") or {}
+    if status.get("phase", "Pending") != "Pending" or (pod.get("spec") or {}).get("nodeName"):
+        return False
+    return not any(c.get("type") == "PodScheduled" and c.get("status") == "False"
+                   for c in status.get("conditions") or [])
+
+
 class Reported(NamedTuple):
     """What the trainer's progress document says: its progress, the latest complete checkpoint it reports
     (`lastCheckpoint: {step, path, time}`), and the checkpoints it set aside as unusable

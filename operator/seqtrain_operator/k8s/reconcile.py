@@ -46,7 +46,13 @@ from seqtrain_operator.k8s import calls
 from seqtrain_operator.k8s import manifests as m
 from seqtrain_operator.k8s.client import Conflict, Kube, api_message
 from seqtrain_operator.k8s.gangs import ADAPTERS, GangScheduler, adapter_for
-from seqtrain_operator.k8s.observe import Reported, final_progress, observe_replicas, rank0_ip
+from seqtrain_operator.k8s.observe import (
+    Reported,
+    awaiting_scheduler,
+    final_progress,
+    observe_replicas,
+    rank0_ip,
+)
 from seqtrain_operator.k8s.progress import poll_progress
 from seqtrain_operator.planner.inventory import inventory
 from seqtrain_operator.planner.types import Node, Plan
@@ -342,11 +348,12 @@ def _observe(adapter: GangScheduler | None, pods: list[dict], nodes: list[dict],
              cfg: Config) -> tuple[ReplicaObservation, ...]:
     """Pods -> replicas, through the gang scheduler's eyes: pods it merely keeps (its finalizer on an ended pod)
     are left out, and pods waiting in its queue are marked queued."""
-    if adapter is None:
-        return observe_replicas(pods, nodes, now, cfg.node_lost_grace)
-    live = [p for p in pods if not adapter.released(p)]
+    if adapter is None:  # native: kube-scheduler's queue
+        live, waiting = pods, awaiting_scheduler
+    else:
+        live, waiting = [p for p in pods if not adapter.released(p)], adapter.queued
     queued = {(p["metadata"].get("labels") or {}).get(m.LABEL_ATTEMPT, "") + "/" +
-              (p["metadata"].get("labels") or {}).get(m.LABEL_REPLICA, "") for p in live if adapter.queued(p)}
+              (p["metadata"].get("labels") or {}).get(m.LABEL_REPLICA, "") for p in live if waiting(p)}
     return tuple(replace(r, queued=True) if r.phase == "Pending" and f"{r.attempt}/{r.replica}" in queued else r
                  for r in observe_replicas(live, nodes, now, cfg.node_lost_grace))
 
