@@ -85,7 +85,11 @@ def _job(name: str, replicas: int) -> dict[str, Any]:
     return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "SeqTrainJob", "metadata": {"name": name, "namespace": NAMESPACE},
             "spec": {"replicas": replicas, "resources": {"gpus": 0, "cpu": "1", "memory": "1Gi"},
                      "training": {"steps": 1000000, "globalBatchSize": replicas, "microBatchSize": 1},
-                     "scheduling": {"topology": {"policy": "none"}, "nodeSelector": {POOL: "bench"}}}}
+                     # The operator's throughput is what is measured. On a small machine kwok and the watch fall
+                     # minutes behind a burst of 8000 pods: pods look pending long after they were bound, and the
+                     # default 300 s grace would tear gangs down and re-create them (measuring the churn instead).
+                     "scheduling": {"topology": {"policy": "none"}, "nodeSelector": {POOL: "bench"},
+                                    "pendingGraceSeconds": 3600}}}
 
 
 def _proc_cpu_rss(pid: int) -> tuple[float, float]:

@@ -317,15 +317,26 @@ async def create_gang(kube: Kube, job: SeqTrainJob, owner: m.Owner, attempt: int
     """Create what is absent of this attempt's objects; existing ones (a repeat after a crash) are kept; returns the
     gang's pods. Raises GangRefused when the API server refuses one: the caller tears the partial gang down."""
     gang = m.build_gang(job, owner, attempt, settings, plan)
-    objects = [m.build_service(owner, settings), gang.configmap, *([gang.podgroup] if gang.podgroup else []),
-               *gang.pods]
-    for obj in objects:
+
+    async def create(obj: dict[str, Any]) -> None:
         try:
             await kube.create(obj)
         except ApiException as exc:
             if exc.status in (400, 403, 422):
                 raise GangRefused(f"{obj['kind']} {obj['metadata']['name']}: {api_message(exc)}") from exc
             raise
+
+    for obj in [m.build_service(owner, settings), gang.configmap, *([gang.podgroup] if gang.podgroup else [])]:
+        await create(obj)  # what the pods refer to, first
+    # The pods together: one admission holds the admission lock until its pods exist, so their creation time is
+    # every queued job's wait. All are attempted; the first refusal (or error) is raised after.
+    results = await asyncio.gather(*(create(p) for p in gang.pods), return_exceptions=True)
+    for r in results:
+        if isinstance(r, GangRefused):
+            raise r
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
     return gang.pods
 
 
