@@ -66,7 +66,10 @@ def _testbed(started: list[bool]) -> str:
         raise SystemExit("seqtrain bench operator needs a source checkout (scripts/testbed.sh, charts/, tests/testbed/)")
     if subprocess.run([str(script), "status"], capture_output=True).returncode != 0:
         _log("starting the testbed (scripts/testbed.sh up)")
-        subprocess.run([str(script), "up"], check=True, stdout=subprocess.DEVNULL)
+        # Hundreds of kwok nodes on a small machine: the tests' 10 s node-monitor grace (kwok renewing leases every
+        # 3 s) would let a CPU-starved kwok miss renewals, and nodes would go NotReady and evict their pods.
+        env = {"TESTBED_KWOK_LEASE_SECONDS": "40", "TESTBED_NODE_GRACE_SECONDS": "60", **os.environ}
+        subprocess.run([str(script), "up"], check=True, stdout=subprocess.DEVNULL, env=env)
         started.append(True)
     return str(ROOT / ".testbed" / "kubeconfig")
 
