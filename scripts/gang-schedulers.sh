@@ -2,29 +2,19 @@
 # Builds the external gang schedulers the gang-scheduling tests run against the testbed, from their Go modules:
 #   kueue                     sigs.k8s.io/kueue/cmd/kueue (Kueue's controller manager, webhooks included)
 #   scheduler-plugins         sigs.k8s.io/scheduler-plugins/cmd/scheduler (kube-scheduler with Coscheduling)
-#   volcano-scheduler         volcano.sh/volcano/cmd/scheduler (Volcano's scheduler; its own cache folder)
 # cached outside the clone keyed by version (only the first run builds; each is a multi-minute Go build).
 # Each module is built inside a copy of itself so its own go.mod (with its replace directives) applies.
 #
-#   scripts/gang-schedulers.sh           # build what is missing (kueue, scheduler-plugins), print the folder
-#   scripts/gang-schedulers.sh volcano   # build Volcano's scheduler if missing, print its folder
-#   scripts/gang-schedulers.sh --check [kueue|scheduler-plugins|volcano]   # exit 0 when cached (prints the folder)
+#   scripts/gang-schedulers.sh           # build what is missing, print the folder
+#   scripts/gang-schedulers.sh --check [kueue|scheduler-plugins]   # exit 0 when cached (prints the folder)
 set -euo pipefail
 
 KUEUE=${KUEUE_VERSION:-v0.19.2}                       # k8s.io client libraries v0.36.2 (control plane: 1.36)
 SCHEDULER_PLUGINS=${SCHEDULER_PLUGINS_VERSION:-v0.34.7}  # newest release (v0.34 libraries)
 CACHE_ROOT=${SEQTRAIN_K8S_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/seqtrain/k8s}
-VOLCANO=${VOLCANO_VERSION:-v1.15.1}                    # k8s.io/kubernetes v1.35 libraries
 DEST="$CACHE_ROOT/gang-kueue-$KUEUE-scheduler-plugins-$SCHEDULER_PLUGINS"
-VOLCANO_DEST="$CACHE_ROOT/gang-volcano-$VOLCANO"
-if [[ ${1:-} == volcano || ${2:-} == volcano ]]; then
-    # Volcano has its own folder: adding it did not invalidate the others' cache.
-    DEST=$VOLCANO_DEST
-    complete() { [[ -x "$DEST/volcano-scheduler" ]]; }
-    if [[ ${1:-} == --check ]]; then complete && { echo "$DEST"; exit 0; }; exit 1; fi
-fi
 
-declare -F complete >/dev/null || complete() { [[ -x "$DEST/kueue" && -x "$DEST/scheduler-plugins" ]]; }
+complete() { [[ -x "$DEST/kueue" && -x "$DEST/scheduler-plugins" ]]; }
 if [[ ${1:-} == --check ]]; then
     if [[ -n ${2:-} ]]; then [[ -x "$DEST/$2" ]] && { echo "$DEST"; exit 0; }; exit 1; fi  # --check kueue
     complete && { echo "$DEST"; exit 0; }; exit 1
@@ -72,10 +62,6 @@ build() {  # MODULE VERSION PACKAGE OUTPUT
     echo "gang-schedulers: building $1@$2 ./$3 (first run only)" >&2
     (cd "$WORK/$4" && go build -trimpath -ldflags "-s -w" -o "$DEST/$4.tmp" "./$3") && mv "$DEST/$4.tmp" "$DEST/$4"
 }
-if [[ $DEST == "$VOLCANO_DEST" ]]; then
-    build volcano.sh/volcano "$VOLCANO" cmd/scheduler volcano-scheduler
-else
-    [[ -x "$DEST/kueue" ]] || build sigs.k8s.io/kueue "$KUEUE" cmd/kueue kueue
-    [[ -x "$DEST/scheduler-plugins" ]] || build sigs.k8s.io/scheduler-plugins "$SCHEDULER_PLUGINS" cmd/scheduler scheduler-plugins
-fi
+[[ -x "$DEST/kueue" ]] || build sigs.k8s.io/kueue "$KUEUE" cmd/kueue kueue
+[[ -x "$DEST/scheduler-plugins" ]] || build sigs.k8s.io/scheduler-plugins "$SCHEDULER_PLUGINS" cmd/scheduler scheduler-plugins
 echo "$DEST"

@@ -1,8 +1,5 @@
 """The real external gang schedulers on the testbed (scripts/gang-schedulers.sh builds them from their Go modules).
 
-- Volcano's scheduler (its chart's default configuration, every CRD of its module): the same all-or-nothing
-  scenario with Volcano's PodGroup.
-
 - scheduler-plugins' scheduler (Coscheduling) as a second scheduler: all-or-nothing binding of a seqtrain gang
   with its real PodGroup; a gang that does not fit stays wholly unbound, and binds once room frees.
 - Kueue's controller manager (its webhooks called by the apiserver over TLS at 127.0.0.1): a job queued in a
@@ -35,17 +32,12 @@ from testbed.fixtures import ROOT, TB, Operator, Testbed, free_port, unavailable
 pytestmark = pytest.mark.slow
 
 
-def gang_binaries(name: str, build: str | None = None) -> Path:
-    """The folder holding `name`'s binary. `build`: the script's argument that builds it when it is not cached
-    (a multi-minute Go build, once per machine)."""
-    script = str(ROOT / "scripts" / "gang-schedulers.sh")
-    out = subprocess.run([script, "--check", name], capture_output=True, text=True)
-    if out.returncode != 0 and build is not None:
-        out = subprocess.run([script, build], capture_output=True, text=True, timeout=3600)
+def gang_binaries(name: str) -> Path:
+    out = subprocess.run([str(ROOT / "scripts" / "gang-schedulers.sh"), "--check", name], capture_output=True,
+                         text=True)
     if out.returncode != 0:
-        unavailable(f"{name} not built: run `scripts/gang-schedulers.sh{' ' + build if build else ''}` (one Go "
-                    f"build each){': ' + out.stderr[-2000:] if out.stderr else ''}")
-    return Path(out.stdout.strip().splitlines()[-1])
+        unavailable(f"{name} not built: run `scripts/gang-schedulers.sh` (one Go build each)")
+    return Path(out.stdout.strip())
 
 
 def start(tb: Testbed, argv: list[str], name: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
@@ -114,17 +106,13 @@ def coscheduler(testbed: Testbed) -> Iterator[None]:
         stop(proc)
 
 
-def gpu_gang(name: str, replicas: int, gang: str = "coscheduling") -> dict[str, Any]:
+def gpu_gang(name: str, replicas: int) -> dict[str, Any]:
     return {"apiVersion": "seqtrain.dev/v1alpha1", "kind": "SeqTrainJob", "metadata": {"name": name},
             "spec": {"image": "seqtrain/trainer:dev", "replicas": replicas,
                      "resources": {"gpus": 8, "cpu": "1", "memory": "4Gi", "gpuProduct": "NVIDIA-H100-80GB-HBM3"},
                      "training": {"steps": 10, "globalBatchSize": 8 * replicas, "microBatchSize": 1},
-                     "scheduling": {"gang": gang, "topology": {"policy": "none"},
+                     "scheduling": {"gang": "coscheduling", "topology": {"policy": "none"},
                                     "pendingGraceSeconds": 600}}}
-
-
-def bound(tb: Testbed, ns: str, job: str) -> list[dict[str, Any]]:
-    return [p for p in pods(tb, ns, job) if p["spec"].get("nodeName")]
 
 
 def test_coscheduling_binds_all_or_nothing(testbed: Testbed, operator: Operator, coscheduler: None,
@@ -154,82 +142,6 @@ def test_coscheduling_binds_all_or_nothing(testbed: Testbed, operator: Operator,
         assert "seqtrain.dev/retry-scheduling" in pg["metadata"]["annotations"]
     finally:  # the GPU nodes are free for the tests after this one
         for name in ("fits", "too-big"):
-            testbed.kubectl("delete", "stj", name, "-n", ns, "--ignore-not-found", "--wait=true", "--timeout=180s",
-                            timeout=240)
-
-
-# ---- Volcano ----------------------------------------------------------------------------------------------------
-
-# The chart's default (installer/helm/chart/volcano/config/volcano-scheduler.conf of the module).
-VOLCANO_CONF = """actions: "enqueue, allocate, backfill"
-tiers:
-- plugins:
-  - name: priority
-  - name: gang
-    enablePreemptable: false
-  - name: conformance
-- plugins:
-  - name: overcommit
-  - name: drf
-    enablePreemptable: false
-  - name: predicates
-  - name: proportion
-  - name: nodeorder
-  - name: binpack
-"""
-
-
-@pytest.fixture(scope="module")
-def volcano(testbed: Testbed) -> Iterator[None]:
-    bins = gang_binaries("volcano", build="volcano")
-    if "volcano" not in FILES:
-        unavailable("no Volcano CRDs: run scripts/gang-crds.sh")
-    # Every CRD of Volcano's module: its scheduler's informers wait for HyperNodes, NodeShards, ... too.
-    docs = [yaml.safe_load(p.read_text()) for p in sorted(FILES["volcano"][0].parent.glob("*.yaml"))]
-    install_crds(testbed, docs)
-    cfg = TB / "volcano-scheduler.conf"
-    cfg.write_text(VOLCANO_CONF)
-    proc = start(testbed, [str(bins / "volcano-scheduler"), f"--kubeconfig={testbed.kubeconfig}",
-                           f"--scheduler-conf={cfg}", "--scheduler-name=volcano", "--leader-elect=false",
-                           f"--listen-address=127.0.0.1:{free_port()}", f"--healthz-address=127.0.0.1:{free_port()}",
-                           "--schedule-period=1s", "--cache-dumper=false", "--logtostderr", "-v=3"],
-                 "volcano-scheduler")
-    try:
-        # It creates its default queue once its caches synced: ready to schedule.
-        wait("volcano-scheduler running with its default queue", lambda: proc.poll() is None and testbed.get(
-            "queues.scheduling.volcano.sh", "default") is not None, 180)
-        yield
-    finally:
-        stop(proc)
-        # The operator's "not installed" test wants Volcano's PodGroup CRD absent again.
-        testbed.kubectl("delete", "crd", "--ignore-not-found", "--wait=true", "--timeout=120s",
-                        *[d["metadata"]["name"] for d in docs], timeout=180, check=False)
-
-
-def test_volcano_binds_all_or_nothing(testbed: Testbed, operator: Operator, volcano: None, ns: str) -> None:
-    # The same cluster as the coscheduling test: 6 H100 nodes of 8 GPUs; a 3-node gang fits, then 4 do not.
-    try:
-        testbed.apply(gpu_gang("vc-fits", 3, "volcano"), ns)
-        wait("vc-fits: all 3 pods bound", lambda: len(bound(testbed, ns, "vc-fits")) == 3, 300)
-        pg = testbed.get("podgroups.scheduling.volcano.sh", "vc-fits-1", ns)
-        assert pg["spec"]["minMember"] == 3, pg
-        assert all(p["spec"]["schedulerName"] == "volcano" for p in pods(testbed, ns, "vc-fits"))
-        wait("vc-fits: its PodGroup Running", lambda: (testbed.get("podgroups.scheduling.volcano.sh", "vc-fits-1", ns)
-                                                     .get("status") or {}).get("phase") == "Running", 120)
-        testbed.apply(gpu_gang("vc-too-big", 4, "volcano"), ns)
-        wait("vc-too-big: its 4 pods created", lambda: len(pods(testbed, ns, "vc-too-big")) == 4, 120)
-
-        def refused() -> bool:  # Volcano has looked at the group and left it unscheduled
-            pg = testbed.get("podgroups.scheduling.volcano.sh", "vc-too-big-1", ns) or {}
-            return any(c.get("type") == "Unschedulable" for c in (pg.get("status") or {}).get("conditions") or [])
-        wait("vc-too-big: Volcano reports the gang unschedulable", refused, 180)
-        assert bound(testbed, ns, "vc-too-big") == []  # none, not 3 of 4
-        testbed.kubectl("delete", "stj", "vc-fits", "-n", ns, "--wait=true", "--timeout=180s", timeout=240)
-        wait("vc-too-big: all 4 bound once room freed", lambda: len(bound(testbed, ns, "vc-too-big")) == 4, 300)
-        st = job_status(testbed, ns, "vc-too-big")
-        assert st["attempt"] == 1, st  # the queued gang was kept, not torn down and re-created
-    finally:
-        for name in ("vc-fits", "vc-too-big"):
             testbed.kubectl("delete", "stj", name, "-n", ns, "--ignore-not-found", "--wait=true", "--timeout=180s",
                             timeout=240)
 
