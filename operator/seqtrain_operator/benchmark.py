@@ -256,6 +256,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             cpu, rss = _proc_cpu_rss(op.pid)
             result["operator"] = {"cpu_seconds": round(cpu, 1), "peak_rss_mib": round(rss, 1),
                                   "requests_total": proxy.count()}
+            if args.out:  # now, not after the clean-up: deleting 8000 pods can take longer than the run
+                Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
         if not args.keep:
             _log("deleting the jobs (the operator releases their finalizers), the namespace and the nodes")
             custom.delete_collection_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL)
