@@ -66,7 +66,7 @@ def test_cpu_job_succeeds_with_status_columns():
         assert st["phase"] == "Succeeded", st.get("message")
         assert st["progress"]["step"] == 20 and st["worldSize"] == 2
         cols = kubectl("-n", NS, "get", "stj", name).stdout.splitlines()[0].split()
-        assert cols[:4] == ["NAME", "PHASE", "STEP", "LOSS"]
+        assert cols[:5] == ["NAME", "PHASE", "REPLICAS", "STEP", "LOSS"]
     finally:
         kubectl("-n", NS, "delete", "stj", name, "--wait=true", "--timeout=120s", check=False, timeout=150)
     assert kubectl("-n", NS, "get", "pods", "-l", f"seqtrain.dev/job={name}", "-o", "name").stdout.strip() == ""
