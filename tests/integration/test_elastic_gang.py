@@ -8,7 +8,6 @@ for 1.5 CPUs, so each node holds two and one node alone holds only two: the size
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from datetime import datetime
 
 import pytest
@@ -26,14 +25,6 @@ HOLD = 15  # every attempt holds after this step until it is terminated: the tes
 @pytest.fixture(scope="module")
 def ns(testbed: Testbed, seqtrain_operator: Operator) -> str:
     return testbed.checkpoint_namespace("el")
-
-
-@pytest.fixture
-def node_back(testbed: Testbed) -> Iterator[list[str]]:
-    down: list[str] = []
-    yield down
-    for node in down:
-        testbed.node_up(node)
 
 
 def events(tb: Testbed, ns: str) -> list[dict]:

@@ -11,7 +11,6 @@ import json
 import os
 import re
 import subprocess
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -56,15 +55,6 @@ def events(tb: Testbed, ns: str, job: str) -> list[dict]:
 
 def delete_job(tb: Testbed, ns: str, name: str) -> None:
     tb.kubectl("delete", "stj", name, "-n", ns, "--ignore-not-found", "--wait=true", "--timeout=180s", timeout=240)
-
-
-@pytest.fixture
-def node_back(testbed: Testbed) -> Iterator[list[str]]:
-    """Nodes a test takes down come back afterwards, whatever happened."""
-    down: list[str] = []
-    yield down
-    for node in down:
-        testbed.node_up(node)
 
 
 # ---- 1. a dead node; 4. its peer's echo is not the user's --------------------------------------------------------

@@ -286,3 +286,12 @@ def seqtrain_operator(testbed: Testbed) -> Iterator[Operator]:
         yield op
     finally:
         op.stop()
+
+
+@pytest.fixture
+def node_back(testbed: Testbed) -> Iterator[list[str]]:
+    """Nodes a test takes down (`Testbed.node_down`) come back afterwards, whatever happened."""
+    down: list[str] = []
+    yield down
+    for node in down:
+        testbed.node_up(node)
