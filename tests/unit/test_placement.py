@@ -353,32 +353,87 @@ def test_gpu_pool_tainted_like_managed_clouds_works_for_gpu_jobs_only():
 
 
 def test_admissions_share_one_cluster_wide_list_and_count_the_pods_created_since(monkeypatch):
-    """One LIST of every pod serves the admissions within its ttl; the gangs created meanwhile count as busy; the
-    admitted job's own pods from that LIST do not (it has none live: they are its previous gang, going)."""
+    """Without an index: one LIST of every pod serves the admissions within its ttl; reserved gangs count as busy
+    until a LIST shows them; the admitted job's own pods from that LIST do not (it has none live: they are its
+    previous gang, going)."""
     import asyncio
 
+    from seqtrain_operator.k8s import busy as busy_mod
     from seqtrain_operator.k8s import reconcile
+
+    new = job_pod("new", pinned="g3", gpus=8)
+    new["metadata"]["namespace"] = "ml"
 
     class Kube:
         lists = 0
+        has_new = False
 
         async def list_pods(self, namespace, label_selector="", field_selector=""):  # noqa: ANN001, ANN202
             Kube.lists += 1
-            assert namespace is None and "status.phase!=Succeeded" in field_selector
+            assert namespace is None and label_selector == "" and "status.phase!=Succeeded" in field_selector
             old = job_pod("old", node="g1", gpus=8, phase="Running")
             old["metadata"].update(namespace="ml", labels={"seqtrain.dev/job": "gpt"})
-            return [job_pod("other", node="g2", gpus=8, phase="Running"), old]
+            return [job_pod("other", node="g2", gpus=8, phase="Running"), old, *([new] if Kube.has_new else [])]
 
     clock = [100.0]
-    monkeypatch.setattr(reconcile.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(busy_mod.time, "monotonic", lambda: clock[0])
     nodes, busy, kube = [k8s_node("g1"), k8s_node("g2"), k8s_node("g3")], reconcile.BusyPods(ttl=5.0), Kube()
 
     def free(job_key):  # noqa: ANN001, ANN202
         return {n.name: n.gpus for n in asyncio.run(reconcile.capacity(kube, nodes, busy, job_key))}
 
     assert free(("ml", "gpt")) == {"g1": 8, "g2": 0, "g3": 8}  # its own previous gang does not block it
-    busy.created.append(job_pod("new", pinned="g3", gpus=8))  # a gang this operator just created
+    busy.reserve([new])  # a gang this operator decided to create
     clock[0] += 4.0
     assert free(("ml", "bert")) == {"g1": 0, "g2": 0, "g3": 0} and Kube.lists == 1
-    clock[0] += 2.0  # past the ttl: listed again (the new pod is in the LIST now, or gone)
-    assert free(("ml", "bert"))["g3"] == 8 and Kube.lists == 2 and busy.created == []
+    clock[0] += 2.0  # past the ttl: listed again, but the LIST does not show the pod yet: still reserved
+    assert free(("ml", "bert"))["g3"] == 0 and Kube.lists == 2 and busy.reserved
+    Kube.has_new = True
+    clock[0] += 6.0  # the LIST shows it: counted once, no longer reserved
+    assert free(("ml", "bert"))["g3"] == 0 and Kube.lists == 3 and not busy.reserved
+    Kube.has_new = False  # deleted since
+    clock[0] += 6.0
+    assert free(("ml", "bert"))["g3"] == 8
+
+
+def test_admission_with_the_index_lists_only_foreign_pods_and_reservations_end_when_the_index_shows_them(
+        monkeypatch):
+    """With the operator's pod index: the LIST asks only for pods without the job label (other tenants), however
+    many jobs run; our pods come from the index; a reservation ends when its pod is in the index, is released by
+    a failed write, or is RESERVE_SECONDS old."""
+    import asyncio
+
+    from seqtrain_operator.k8s import busy as busy_mod
+    from seqtrain_operator.k8s import reconcile
+
+    class Kube:
+        selectors: list[str] = []
+
+        async def list_pods(self, namespace, label_selector="", field_selector=""):  # noqa: ANN001, ANN202
+            Kube.selectors.append(label_selector)
+            return [job_pod("tenant", node="g1", gpus=4, phase="Running")]
+
+    clock = [100.0]
+    monkeypatch.setattr(busy_mod.time, "monotonic", lambda: clock[0])
+    nodes, busy, kube = [k8s_node("g1"), k8s_node("g2"), k8s_node("g3")], reconcile.BusyPods(ttl=5.0), Kube()
+    running = job_pod("a-1-0", node="g2", gpus=8, phase="Running")
+    done = job_pod("b-1-0", node="g3", gpus=8, phase="Succeeded")
+    for p, job_name in ((running, "a"), (done, "b")):
+        p["metadata"].update(namespace="ml", labels={"seqtrain.dev/job": job_name})
+    planned = job_pod("c-1-0", pinned="g3", gpus=8)
+    planned["metadata"].update(namespace="ml", labels={"seqtrain.dev/job": "c"})
+
+    def free(ours, job_key=("ml", "d")):  # noqa: ANN001, ANN202
+        return {n.name: n.gpus for n in asyncio.run(reconcile.capacity(kube, nodes, busy, job_key, ours))}
+
+    assert free([running, done]) == {"g1": 4, "g2": 0, "g3": 8}  # a finished pod takes nothing
+    assert Kube.selectors == ["!seqtrain.dev/job"]
+    keys = busy.reserve([planned])
+    assert free([running, done])["g3"] == 0  # not in the index yet: reserved
+    assert free([running, done, planned])["g3"] == 0 and not busy.reserved  # in the index: counted once
+    busy.reserve([planned])
+    busy.release(keys)  # its status write lost a conflict: nothing was created
+    assert free([running, done])["g3"] == 8
+    busy.reserve([planned])
+    clock[0] += busy_mod.RESERVE_SECONDS + 1  # created and deleted before anyone saw it
+    assert free([running, done])["g3"] == 8 and Kube.selectors == ["!seqtrain.dev/job"] * 2

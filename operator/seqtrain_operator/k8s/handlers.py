@@ -136,13 +136,16 @@ class IndexViews:
     def pods(self, namespace: str, job: str) -> list[dict]:
         return list(self.pods_index.get((namespace, job), ()))
 
+    def all_pods(self) -> list[dict]:
+        return [body for bodies in self.pods_index.values() for body in bodies]
+
     def nodes(self) -> list[dict]:
         return [body for bodies in self.nodes_index.values() for body in bodies]
 
 
 @kopf.daemon(API_GROUP, VERSION, PLURAL, id="reconcile", cancellation_timeout=10.0)
 async def reconcile_loop(name: str, namespace: str, stopped: kopf.DaemonStopped, job_pods: Any = None,
-                         cluster_nodes: Any = None, **_: Any) -> None:
+                         cluster_nodes: Any = None, body: Any = None, **_: Any) -> None:
     key = (namespace, name)
     wake = STATE.wakeups.setdefault(key, asyncio.Event())
     failures = 0
@@ -154,7 +157,8 @@ async def reconcile_loop(name: str, namespace: str, stopped: kopf.DaemonStopped,
                 assert STATE.kube is not None
                 views = IndexViews(job_pods, cluster_nodes) if job_pods is not None and cluster_nodes is not None \
                     else None
-                outcome = await reconcile(STATE.kube, STATE.config, namespace, name, _emit, views=views)
+                # body: kopf's live view of the job, replaced on every watch event (a GET only when it may be stale)
+                outcome = await reconcile(STATE.kube, STATE.config, namespace, name, _emit, views=views, live=body)
                 failures = 0
                 delay = outcome.requeue
                 if outcome.status is not None:
@@ -239,6 +243,7 @@ async def job_deleted(name: str, namespace: str, **_: Any) -> None:
         raise kopf.TemporaryError("pods still stopping; releasing them again shortly", delay=2)
     STATE.metrics.job_phase(namespace, name, None)
     _last_counts.pop((namespace, name), None)
+    STATE.config.known.pop((namespace, name), None)
 
 
 def enable_webhook(config: WebhookConfig) -> None:

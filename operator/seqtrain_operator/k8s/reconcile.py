@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import logging
-import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any, Protocol
@@ -44,6 +44,7 @@ from seqtrain_operator.controller import conditions as cond
 from seqtrain_operator.controller.types import Decision
 from seqtrain_operator.k8s import calls
 from seqtrain_operator.k8s import manifests as m
+from seqtrain_operator.k8s.busy import BusyPods
 from seqtrain_operator.k8s.client import Conflict, Kube, api_message
 from seqtrain_operator.k8s.gangs import ADAPTERS, GangScheduler, adapter_for
 from seqtrain_operator.k8s.observe import (
@@ -63,29 +64,6 @@ EventSink = Callable[[dict[str, Any], str, str, str], None]
 
 
 @dataclass
-class BusyPods:
-    """The cluster's non-terminated pods as of the last cluster-wide LIST, plus the pods this operator created since
-    (kube-scheduler's "assumed" pods): one LIST serves every admission within `ttl` seconds instead of one LIST of
-    every pod in the cluster per admission (1000 jobs queued at once would LIST 8000 pods 1000 times)."""
-
-    ttl: float = 5.0
-    listed: list[dict] = field(default_factory=list)
-    listed_at: float = float("-inf")  # time.monotonic() of the LIST
-    created: list[dict] = field(default_factory=list)
-
-    async def current(self, kube: Kube, exclude_job: tuple[str, str]) -> list[dict]:
-        """Busy pods, less those of `exclude_job` (namespace, name): a job being admitted has no live pods, so any
-        the last LIST still showed are gone or going (a restart must not be blocked by its own previous gang)."""
-        if time.monotonic() - self.listed_at > self.ttl:
-            self.listed = await kube.list_pods(None, field_selector="status.phase!=Succeeded,status.phase!=Failed")
-            self.listed_at, self.created = time.monotonic(), []
-        ns, name = exclude_job
-        return [p for p in (*self.listed, *self.created)
-                if not (p["metadata"].get("namespace") == ns
-                        and (p["metadata"].get("labels") or {}).get(m.LABEL_JOB) == name)]
-
-
-@dataclass
 class Config:
     settings: m.Settings = field(default_factory=m.Settings)
     node_lost_grace: float = 40.0  # a node NotReady this long counts as lost for its pods
@@ -94,6 +72,9 @@ class Config:
     progress_timeout: float = 2.0
     poll_progress: bool = True
     busy: BusyPods = field(default_factory=BusyPods)  # admission's view of the cluster's pods (state, not a knob)
+    # (namespace, name) -> the job's resourceVersion this operator last read or wrote (state, not a knob): a pass
+    # whose watch-fed body has it reads no GET (see `reconcile`)
+    known: dict[tuple[str, str], str] = field(default_factory=dict)
 
 
 @dataclass
@@ -124,14 +105,17 @@ async def admission(kube: Kube, job: SeqTrainJob) -> str | None:
     return None
 
 
-async def capacity(kube: Kube, nodes: list[dict], busy: BusyPods, job: tuple[str, str]) -> tuple[Node, ...]:
+async def capacity(kube: Kube, nodes: list[dict], busy: BusyPods, job: tuple[str, str],
+                   ours: list[dict] | None = None) -> tuple[Node, ...]:
     """Free capacity per node: allocatable minus the requests of every non-terminated pod bound or pinned to it,
-    cluster-wide (what kube-scheduler subtracts too; pods created but not bound yet included)."""
-    return tuple(inventory(nodes, await busy.current(kube, job)))
+    cluster-wide (what kube-scheduler subtracts too; pods created but not bound yet, and reserved ones, included).
+    `ours`: this operator's pods from its index (None: LIST them too)."""
+    return tuple(inventory(nodes, await busy.current(kube, job, ours)))
 
 
-# One admission at a time in this operator: two jobs planned concurrently would both see the same free GPUs
-# before either's pods exist. Held from reading the capacity until the gang's pods are created.
+# One admission decision at a time in this operator: two jobs planned concurrently would both see the same free
+# GPUs. Held from reading the capacity until the planned pods are reserved in `Config.busy`; the status write and
+# the creations happen after, while the next job is planned around the reservation.
 _ADMISSION = asyncio.Lock()
 
 
@@ -157,14 +141,37 @@ class Views(Protocol):
 
     def pods(self, namespace: str, job: str) -> list[dict]: ...
 
+    def all_pods(self) -> list[dict]: ...
+
     def nodes(self) -> list[dict]: ...
 
 
-async def reconcile(kube: Kube, cfg: Config, namespace: str, name: str, emit: EventSink,
-                    now: datetime | None = None, views: Views | None = None) -> Outcome:
-    now = now or utcnow()
+async def _read_job(kube: Kube, cfg: Config, namespace: str, name: str,
+                    live: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """The job as of the newest version this operator knows. The watch-fed body (kopf's live view) serves when its
+    resourceVersion is the one this operator last read or wrote; otherwise (our own write not echoed by the watch
+    yet, or a change by someone else) a GET. A running job thus costs no request per pass while nothing changes;
+    a stale read is caught by the optimistic lock of the status write, as with a GET."""
+    key = (namespace, name)
+    rv = ((live or {}).get("metadata") or {}).get("resourceVersion")
+    if rv is not None and rv == cfg.known.get(key):
+        return copy.deepcopy(dict(live))  # type: ignore[arg-type]
     body = await kube.get_job(namespace, name)
+    if body is None:
+        cfg.known.pop(key, None)
+    else:
+        cfg.known[key] = body["metadata"]["resourceVersion"]
+    return body
+
+
+async def reconcile(kube: Kube, cfg: Config, namespace: str, name: str, emit: EventSink,
+                    now: datetime | None = None, views: Views | None = None,
+                    live: Mapping[str, Any] | None = None) -> Outcome:
+    """One pass. `live`: the job's body as the watch last delivered it (None: GET it)."""
+    now = now or utcnow()
+    body = await _read_job(kube, cfg, namespace, name, live)
     if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
+        cfg.known.pop((namespace, name), None)
         return Outcome(requeue=None)
     old_status = dict(body.get("status") or {})
     status = JobStatus.model_validate(old_status)
@@ -177,6 +184,7 @@ async def reconcile(kube: Kube, cfg: Config, namespace: str, name: str, emit: Ev
         pods, nodes = views.pods(namespace, name), views.nodes()
     else:  # no indexes (a one-off pass): read the API
         pods, nodes = await kube.list_pods(namespace, f"{m.LABEL_JOB}={name}"), await kube.list_nodes()
+    ours = views.all_pods() if views is not None else None
     adapter = adapter_for(job.spec.scheduling.gang)
     replicas = _observe(adapter, pods, nodes, now, cfg)
     reported, unreachable = Reported(), None
@@ -195,43 +203,60 @@ async def reconcile(kube: Kube, cfg: Config, namespace: str, name: str, emit: Ev
     growing = (job.spec.elastic and status.phase == "Running" and not job.spec.suspend
                and (status.replicas or job.spec.replicas) < job.spec.replicas)
     if growing:
-        observed = replace(observed, capacity=await capacity(kube, nodes, cfg.busy, (namespace, name)))
+        observed = replace(observed, capacity=await capacity(kube, nodes, cfg.busy, (namespace, name), ours))
+    owner = m.Owner(name=name, namespace=namespace, uid=body["metadata"]["uid"])
+    reserved: list[tuple[str, str]] = []
     async with _ADMISSION if admitting else contextlib.nullcontext():
         if admitting:
             if job.spec.scheduling.gang == "native":
-                observed = replace(observed, capacity=await capacity(kube, nodes, cfg.busy, (namespace, name)))
+                observed = replace(observed, capacity=await capacity(kube, nodes, cfg.busy, (namespace, name), ours))
             else:
                 observed = replace(observed, unschedulable=await admission(kube, job))
-        return await _decide_and_act(kube, cfg, body, job, status, observed, emit, now, pods)
+        decision = decide(job, status, observed, now)
+        if admitting and job.spec.scheduling.gang == "native":  # pods the core placed (others: no node yet)
+            reserved = cfg.busy.reserve(p for a in decision.of(CreateGang)
+                                        for p in m.build_gang(_sized(job, a), owner, a.attempt, cfg.settings,
+                                                              a.plan).pods)
+    try:
+        return await _write_and_act(kube, cfg, body, job, decision, owner, emit, now, pods, reserved)
+    except BaseException:
+        cfg.busy.release(reserved)  # nothing (or not all) of it was created: it takes no capacity
+        raise
 
 
-async def _decide_and_act(kube: Kube, cfg: Config, body: dict[str, Any], job: SeqTrainJob, status: JobStatus,
-                          observed: Observed, emit: EventSink, now: datetime, pods: list[dict]) -> Outcome:
+def _sized(job: SeqTrainJob, action: CreateGang) -> SeqTrainJob:
+    return job.with_replicas(action.replicas) if action.replicas is not None else job
+
+
+async def _write_and_act(kube: Kube, cfg: Config, body: dict[str, Any], job: SeqTrainJob, decision: Decision,
+                         owner: m.Owner, emit: EventSink, now: datetime, pods: list[dict],
+                         reserved: list[tuple[str, str]]) -> Outcome:
     meta = body["metadata"]
     namespace, name, rv = meta["namespace"], meta["name"], meta["resourceVersion"]
     old_status = dict(body.get("status") or {})
-    decision = decide(job, status, observed, now)
     new = decision.status
     _storage_condition(job, new, now)
 
     new_dict = new.to_dict()
     if _changed(old_status, new_dict):
         try:
-            await kube.write_status(namespace, name, _status_patch(old_status, new_dict), rv)
+            written = await kube.write_status(namespace, name, _status_patch(old_status, new_dict), rv)
         except Conflict:
             log.info("%s/%s changed while reconciling; again on fresh data", namespace, name)
-            return Outcome(requeue=0.2, status=status)
+            cfg.known.pop((namespace, name), None)
+            cfg.busy.release(reserved)
+            return Outcome(requeue=0.2, status=JobStatus.model_validate(old_status))
+        if written and (written_rv := (written.get("metadata") or {}).get("resourceVersion")):
+            cfg.known[(namespace, name)] = written_rv
 
-    owner = m.Owner(name=name, namespace=namespace, uid=body["metadata"]["uid"])
     for action in decision.actions:
         if isinstance(action, DeleteGang):
             await delete_gang(kube, job, owner, action.attempt, action.force_nodes)
         elif isinstance(action, CreateGang):
             try:
-                sized = job.with_replicas(action.replicas) if action.replicas is not None else job
-                created = await create_gang(kube, sized, owner, action.attempt, cfg.settings, action.plan)
-                cfg.busy.created.extend(created)
+                await create_gang(kube, _sized(job, action), owner, action.attempt, cfg.settings, action.plan)
             except GangRefused as refused:
+                cfg.busy.release(reserved)
                 return await _create_failed(kube, cfg, body, job, owner, new, action.attempt, str(refused), emit,
                                             now)
     adapter = adapter_for(job.spec.scheduling.gang)
