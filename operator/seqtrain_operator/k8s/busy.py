@@ -12,7 +12,9 @@ Where the pods come from, cheapest first:
 A reservation is taken while the admission lock is held, before the status write and the pod creations, so the
 lock covers only the decision: the next job is planned around the reserved pods while this one's are still being
 created. It ends when the pod shows up (in the index or a LIST), when the caller releases it (the write or the
-creation failed), or after RESERVE_SECONDS (a pod created and deleted before anyone saw it).
+creation failed), or RESERVE_SECONDS after its creation returned (a pod created and deleted before anyone saw it).
+Never while the creation is still queued: with hundreds of gangs being created at once a POST can wait minutes for
+a connection, and a reservation that lapsed then would let the next job be planned onto the same capacity.
 """
 
 from __future__ import annotations
@@ -49,12 +51,18 @@ class BusyPods:
     lists: int = 0  # LISTs made (a figure for the benchmark and the tests)
 
     def reserve(self, pods: Iterable[dict]) -> list[Key]:
-        now = time.monotonic()
         keys = []
         for pod in pods:
-            self.reserved[_key(pod)] = (now, pod)
+            self.reserved[_key(pod)] = (float("inf"), pod)  # no clock until created (see `created`)
             keys.append(_key(pod))
         return keys
+
+    def created(self, keys: Iterable[Key]) -> None:
+        """The creations returned: the reservations' clocks start now (until then they never lapse)."""
+        now = time.monotonic()
+        for k in keys:
+            if k in self.reserved:
+                self.reserved[k] = (now, self.reserved[k][1])
 
     def release(self, keys: Iterable[Key]) -> None:
         for k in keys:
@@ -73,7 +81,7 @@ class BusyPods:
         pods = self.listed if ours is None else [*self.listed, *(p for p in ours if _live(p))]
         seen = {_key(p) for p in (self.listed if ours is None else (*self.listed, *ours))}
         now = time.monotonic()
-        self.reserved = {k: v for k, v in self.reserved.items() if k not in seen and now - v[0] < RESERVE_SECONDS}
+        self.reserved = {k: v for k, v in self.reserved.items() if k not in seen and not now - v[0] >= RESERVE_SECONDS}
         ns, name = exclude_job
         return [p for p in (*pods, *(pod for _, pod in self.reserved.values()))
                 if not (p["metadata"].get("namespace") == ns

@@ -255,6 +255,7 @@ async def _write_and_act(kube: Kube, cfg: Config, body: dict[str, Any], job: Seq
         elif isinstance(action, CreateGang):
             try:
                 await create_gang(kube, _sized(job, action), owner, action.attempt, cfg.settings, action.plan)
+                cfg.busy.created(reserved)
             except GangRefused as refused:
                 cfg.busy.release(reserved)
                 return await _create_failed(kube, cfg, body, job, owner, new, action.attempt, str(refused), emit,
