@@ -2,9 +2,11 @@
 
 Load: pods are watched with a server-side label selector (only the operator's pods reach it), and every pass reads
 its job's pods and the nodes from in-memory kopf indexes fed by those watches (kopf fills every index before any
-daemon starts, so a fresh operator never mistakes an unfilled cache for a vanished gang) instead of LISTing them.
-Only gang admission LISTs pods cluster-wide (every tenant's pods take node capacity), and a job waiting for capacity
-does so less often the longer it waits (node changes wake it at once).
+daemon starts, so a fresh operator never mistakes an unfilled cache for a vanished gang) instead of LISTing them,
+and reads the job itself from kopf's live body while its resourceVersion is the last one this operator knows (a
+GET otherwise). Only gang admission LISTs pods, and only the pods that are not the operator's (other tenants' pods
+take node capacity too; see k8s/busy.py), and a job waiting for capacity does so less often the longer it waits
+(node changes wake it at once).
 
 Level-based: every pass reads the cluster and the job's status and calls the shared controller core; an event
 only makes the next pass come sooner. The daemons run only in the active operator (kopf peering freezes the
