@@ -50,20 +50,17 @@ def test_lora_finetune_from_an_export(tmp_path: Path) -> None:
     for name in before:
         adapted = any(f".{t}.weight" in name for t in ("attn.q", "attn.v", "mlp.gate", "mlp.up", "mlp.down"))
         assert torch.equal(before[name], after[name]) != adapted, name  # frozen tensors never changed
-    # the merged export starts a job at the tuned model's loss (a step's loss is taken before its update)
-    check = tmp_path / "check"
-    job0 = job_for({"training.steps": 1, "model.init": str(merged_dir),
-                    "data.source": "text", "data.paths": [str(root / "docs" / "*.md")], "training.seed": 3})
-    assert run_ranks(job0, check, 1) == [0], logs(check)
-    job1 = job_for({"training.steps": 1, "model.init": str(tuned),
-                    "data.source": "text", "data.paths": [str(root / "docs" / "*.md")], "training.seed": 3})
-    check1 = tmp_path / "check1"
-    assert run_ranks(job1, check1, 1) == [0], logs(check1)
-    assert abs(losses(check)[1] - losses(check1)[1]) < 1e-5
-    # and on that same batch the fine-tuned weights beat the exported base (measured 4.375 vs 4.404 on its branch,
-    # 4.432 vs 4.442 once docs/*.md, the data, had grown; both deterministic fp32, so any margin above 1e-5 is real)
-    check2 = tmp_path / "check2"
-    job2 = job_for({"training.steps": 1, "model.init": str(exported), "data.source": "text",
-                    "data.paths": [str(root / "docs" / "*.md")], "training.seed": 3})
-    assert run_ranks(job2, check2, 1) == [0], logs(check2)
-    assert losses(check)[1] < losses(check2)[1] - 1e-3, (losses(check), losses(check2))
+    # the merged export starts a job at the tuned model's loss, and the fine-tuned weights beat the exported base on
+    # the fine-tuning data. Evaluated as jobs whose learning rate is too small to move a weight (a step's loss is
+    # taken before its update), over 8 batches: one batch's margin flipped sign as docs/*.md, the data, grew.
+    md = str(root / "docs" / "*.md")
+    evals = {}
+    for label, init in (("merged", merged_dir), ("tuned", tuned), ("base", exported)):
+        job = job_for({"training.steps": 8, "training.optimizer.lr": 1e-12, "model.init": str(init),
+                       "data.source": "text", "data.paths": [md], "training.seed": 3})
+        assert run_ranks(job, tmp_path / f"eval-{label}", 1) == [0], logs(tmp_path / f"eval-{label}")
+        evals[label] = losses(tmp_path / f"eval-{label}")
+    for step in range(1, 9):
+        assert abs(evals["merged"][step] - evals["tuned"][step]) < 1e-5, evals
+    mean = {label: sum(v.values()) / len(v) for label, v in evals.items()}
+    assert mean["merged"] < mean["base"] - 5e-3, mean  # measured 4.474 vs 4.503 (deterministic fp32)

@@ -220,7 +220,7 @@ async def reconcile(kube: Kube, cfg: Config, namespace: str, name: str, emit: Ev
     try:
         return await _write_and_act(kube, cfg, body, job, decision, owner, emit, now, pods, reserved)
     except BaseException:
-        cfg.busy.release(reserved)  # nothing (or not all) of it was created: it takes no capacity
+        cfg.busy.release(reserved)  # still listed only if not created (or not all of it): it takes no capacity
         raise
 
 
@@ -256,6 +256,7 @@ async def _write_and_act(kube: Kube, cfg: Config, body: dict[str, Any], job: Seq
             try:
                 await create_gang(kube, _sized(job, action), owner, action.attempt, cfg.settings, action.plan)
                 cfg.busy.created(reserved)
+                reserved.clear()  # they exist: the index or the clock ends them, not an error in a later step
             except GangRefused as refused:
                 cfg.busy.release(reserved)
                 return await _create_failed(kube, cfg, body, job, owner, new, action.attempt, str(refused), emit,
