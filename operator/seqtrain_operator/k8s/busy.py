@@ -11,10 +11,15 @@ Where the pods come from, cheapest first:
 
 A reservation is taken while the admission lock is held, before the status write and the pod creations, so the
 lock covers only the decision: the next job is planned around the reserved pods while this one's are still being
-created. It ends when the pod shows up (in the index or a LIST), when the caller releases it (the write or the
-creation failed), or RESERVE_SECONDS after its creation returned (a pod created and deleted before anyone saw it).
-Never while the creation is still queued: with hundreds of gangs being created at once a POST can wait minutes for
-a connection, and a reservation that lapsed then would let the next job be planned onto the same capacity.
+created. It ends when the pod shows up where the admission reads our pods (the index, or a LIST), when the caller
+releases it (the write or the creation failed), or when the pod is known to be gone without having been seen:
+- with the index, its DELETED watch event (`gone`; kopf delivers the pod's events in order, so a pod created and
+  deleted between two admissions still ends its reservation), else after BACKSTOP_SECONDS (an event missed while
+  the watch was re-established);
+- without it, a LIST started after the creation returned that lacks the pod (a LIST is a consistent read).
+Never by a short clock: the 1000-job benchmark on two cores showed kopf's index lagging the API by over a minute,
+and a reservation that lapsed before the index showed its pods let the next jobs be planned onto the same nodes
+(pods pinned to full nodes stay Pending for good).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from typing import Any
 
 from seqtrain_operator.k8s import manifests as m
 
-RESERVE_SECONDS = 60.0
+BACKSTOP_SECONDS = 900.0
 _NOT_TERMINATED = "status.phase!=Succeeded,status.phase!=Failed"
 
 Key = tuple[str, str]  # (namespace, name)
@@ -47,6 +52,7 @@ class BusyPods:
     listed: list[dict] = field(default_factory=list)  # the last LIST (foreign pods only, or all: see `listed_all`)
     listed_at: float = float("-inf")  # time.monotonic() of that LIST
     listed_all: bool = False
+    list_started: float = float("-inf")  # time.monotonic() when that LIST was sent
     reserved: dict[Key, tuple[float, dict]] = field(default_factory=dict)  # key -> (monotonic time, pod)
     lists: int = 0  # LISTs made (a figure for the benchmark and the tests)
 
@@ -68,6 +74,10 @@ class BusyPods:
         for k in keys:
             self.reserved.pop(k, None)
 
+    def gone(self, key: Key) -> None:
+        """The pod's DELETED watch event: whether or not an admission saw it, it takes nothing now."""
+        self.reserved.pop(key, None)
+
     async def current(self, kube: Any, exclude_job: Key, ours: list[dict] | None = None) -> list[dict]:
         """Busy pods, less those of `exclude_job` (namespace, name): a job being admitted has no live pods, so any
         still shown are gone or going (a restart must not be blocked by its own previous gang). `ours`: every pod
@@ -75,13 +85,20 @@ class BusyPods:
         want_all = ours is None
         if time.monotonic() - self.listed_at > self.ttl or self.listed_all != want_all:
             selector = "" if want_all else f"!{m.LABEL_JOB}"
+            started = time.monotonic()
             self.listed = await kube.list_pods(None, label_selector=selector, field_selector=_NOT_TERMINATED)
-            self.listed_at, self.listed_all = time.monotonic(), want_all
+            self.list_started, self.listed_at, self.listed_all = started, time.monotonic(), want_all
             self.lists += 1
         pods = self.listed if ours is None else [*self.listed, *(p for p in ours if _live(p))]
         seen = {_key(p) for p in (self.listed if ours is None else (*self.listed, *ours))}
         now = time.monotonic()
-        self.reserved = {k: v for k, v in self.reserved.items() if k not in seen and not now - v[0] >= RESERVE_SECONDS}
+
+        def holds(created_at: float) -> bool:  # for a reservation not seen: is its pod possibly still coming?
+            if ours is None:  # the LIST is of every pod: one sent after the creation returned would show it
+                return created_at >= self.list_started
+            return now - created_at < BACKSTOP_SECONDS
+
+        self.reserved = {k: v for k, v in self.reserved.items() if k not in seen and holds(v[0])}
         ns, name = exclude_job
         return [p for p in (*pods, *(pod for _, pod in self.reserved.values()))
                 if not (p["metadata"].get("namespace") == ns

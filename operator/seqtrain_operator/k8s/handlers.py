@@ -217,7 +217,10 @@ async def job_changed(name: str, namespace: str, body: dict[str, Any], **_: Any)
 
 
 @kopf.on.event("", "v1", "pods", labels={m.LABEL_JOB: kopf.PRESENT})
-async def pod_changed(labels: dict[str, str], namespace: str, **_: Any) -> None:
+async def pod_changed(labels: dict[str, str], namespace: str, name: str, type: str,  # noqa: A002 (kopf's kwarg)
+                      **_: Any) -> None:
+    if type == "DELETED":  # an admission reservation for it (if one is left) ends: see k8s/busy.py
+        STATE.config.busy.gone((namespace, name))
     STATE.poke(namespace, labels.get(m.LABEL_JOB))
 
 
