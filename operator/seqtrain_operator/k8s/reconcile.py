@@ -211,7 +211,7 @@ async def reconcile(kube: Kube, cfg: Config, namespace: str, name: str, emit: Ev
             if job.spec.scheduling.gang == "native":
                 # The index as of now, not of before the lock: with hundreds of admissions queued, the wait can
                 # be minutes, and gangs created meanwhile (their reservations ended when the index showed them)
-                # are missing from a snapshot taken before it: the 1000-job run over-committed nodes 4 times.
+                # are missing from a snapshot taken before it (the 1000-job run pinned up to 4x a node's CPUs).
                 if views is not None:
                     nodes, ours = views.nodes(), views.all_pods()
                 observed = replace(observed, capacity=await capacity(kube, nodes, cfg.busy, (namespace, name), ours))
@@ -261,7 +261,7 @@ async def _write_and_act(kube: Kube, cfg: Config, body: dict[str, Any], job: Seq
             try:
                 await create_gang(kube, _sized(job, action), owner, action.attempt, cfg.settings, action.plan)
                 cfg.busy.created(reserved)
-                reserved.clear()  # they exist: the index or the clock ends them, not an error in a later step
+                reserved.clear()  # they exist: the index or their DELETED event ends them, not an error in a later step
             except GangRefused as refused:
                 cfg.busy.release(reserved)
                 return await _create_failed(kube, cfg, body, job, owner, new, action.attempt, str(refused), emit,
