@@ -42,13 +42,17 @@ demo: install
 	@if [ -d runs/quickstart ]; then echo "run folder: runs/quickstart  (report: $(BIN)/seqtrain report runs/quickstart)"; fi
 
 # The whole suite, slow tests included (what CI runs).
-# The control-plane binaries (scripts/k8s-binaries.sh: built once per machine, then cached) go to the testbed
-# fixtures through SEQTRAIN_K8S_BIN; under CI=true failing to get them fails the suite, elsewhere those tests skip.
+# The control-plane binaries (scripts/k8s-binaries.sh) and the gang schedulers (scripts/gang-schedulers.sh), each
+# built once per machine, then cached: the first go to the testbed fixtures through SEQTRAIN_K8S_BIN, the tests
+# find the others in the cache; under CI=true failing to get them fails the suite, elsewhere those tests skip.
 test: install tools
 	$(BIN)/ruff check .
 	@bin=$$(scripts/k8s-binaries.sh) || { \
 		if [ "$${CI:-}" = true ]; then echo "make test: scripts/k8s-binaries.sh failed (CI=true: no skipping)" >&2; exit 1; fi; \
 		echo "make test: no control-plane binaries; the testbed tests will skip" >&2; bin=; }; \
+	scripts/gang-schedulers.sh >/dev/null || { \
+		if [ "$${CI:-}" = true ]; then echo "make test: scripts/gang-schedulers.sh failed (CI=true: no skipping)" >&2; exit 1; fi; \
+		echo "make test: no gang schedulers; their tests will skip" >&2; }; \
 	SEQTRAIN_K8S_BIN="$$bin" PATH="$(CURDIR)/$(BIN):$(CURDIR)/.tools/bin:$$PATH" $(PY) -m pytest -q --durations=25 tests
 
 test-fast: install

@@ -229,8 +229,10 @@ class Proc:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def group_rss(pgid: int) -> int:
-    """Resident bytes of every process in the group (the kernel's memory cgroup counts the same processes)."""
+def group_memory(pgid: int) -> int:
+    """Bytes the process group holds, each page counted once: the sum of its processes' proportional set sizes
+    (a shared page split among the processes mapping it), as a memory cgroup charges a page once. Summed RSS would
+    count torch's shared libraries and the launcher's pages in every process and OOM-kill a pod a kubelet keeps."""
     total = 0
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -240,10 +242,21 @@ def group_rss(pgid: int) -> int:
                 fields = f.read().rsplit(b")", 1)[1].split()
             if int(fields[2]) != pgid:
                 continue
-            total += int(fields[21]) * os.sysconf("SC_PAGE_SIZE")
+            total += _pss(entry) or int(fields[21]) * os.sysconf("SC_PAGE_SIZE")
         except (OSError, IndexError, ValueError):
             continue
     return total
+
+
+def _pss(pid: str) -> int | None:
+    try:
+        with open(f"/proc/{pid}/smaps_rollup", "rb") as f:
+            for line in f:
+                if line.startswith(b"Pss:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
 
 
 def kill_group(pid: int, sig: int) -> None:
@@ -595,8 +608,9 @@ class Agent:
         if proc is None:
             return
         if proc.popen.poll() is None:
-            if proc.mem_limit is not None and group_rss(proc.popen.pid) > proc.mem_limit:
-                LOG.info("pod %s/%s: over its memory limit: OOM kill", meta["namespace"], meta["name"])
+            if proc.mem_limit is not None and (used := group_memory(proc.popen.pid)) > proc.mem_limit:
+                LOG.info("pod %s/%s: %d bytes, over its memory limit %d: OOM kill", meta["namespace"], meta["name"],
+                         used, proc.mem_limit)
                 proc.oom = True
                 kill_group(proc.popen.pid, signal.SIGKILL)
             return

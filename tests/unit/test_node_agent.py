@@ -231,6 +231,20 @@ def test_a_process_over_its_memory_limit_is_oom_killed(agent: Any) -> None:
     assert (term["exitCode"], term["reason"]) == (137, "OOMKilled")
 
 
+def test_pages_shared_by_a_pods_processes_count_once_against_its_memory_limit(agent: Any) -> None:
+    """A launcher forks its rank after touching 40 MiB: the two RSS sum to about 100 MiB, over the 64 MiB limit,
+    but the pages are shared (copy-on-write), and a memory cgroup would charge them once: the pod keeps running."""
+    a, core = agent
+    script = ("import os, time; x = bytearray(40 * 2**20); x[::4096] = b'1' * len(x[::4096]); pid = os.fork(); "
+              "print('ready' if pid else 'child', flush=True); time.sleep(600)")
+    core.pods["forked"] = make_pod("forked", script, resources={"limits": {"memory": "64Mi"}})
+    log = a.state / "pods" / "uid-forked" / "container.log"
+    run_until(a, lambda: log.exists() and "ready" in log.read_text() and "child" in log.read_text())
+    for _ in range(5):
+        a.sync()
+    assert not a.procs["uid-forked"].oom and core.pods["forked"]["status"]["phase"] == "Running"
+
+
 def test_a_dead_node_kills_its_processes_and_reports_nothing_more(agent: Any) -> None:
     a, core = agent
     core.pods["n"] = make_pod("n", "import time; print('ready', flush=True); time.sleep(600)")

@@ -118,6 +118,7 @@ def _tp_trust_ratio_rank(rank: int, store: str, name: str, out: str) -> None:
         dist.all_gather(gathered, w.data)
         if rank == 0:
             torch.save(torch.cat(gathered), out)
+        dist.barrier()  # neither rank tears its pairs down while the other still uses them (SIGABRT, 1 in 3 runs)
     finally:
         dist.destroy_process_group()
 
