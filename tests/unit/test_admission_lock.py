@@ -10,12 +10,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+from test_placement import k8s_node
 
 from seqtrain_operator.k8s import reconcile
 
-NODE = {"metadata": {"name": "n1", "labels": {}}, "spec": {},
-        "status": {"allocatable": {"cpu": "2", "memory": "8Gi", "pods": "110"},
-                   "conditions": [{"type": "Ready", "status": "True"}]}}
+NODE = k8s_node("n1", gpus=0, cpu="2", memory="8Gi", pods=110)
 
 
 def _job(name: str) -> dict[str, Any]:

@@ -50,9 +50,8 @@ def _live(pod: Mapping[str, Any]) -> bool:
 class BusyPods:
     ttl: float = 5.0
     listed: list[dict] = field(default_factory=list)  # the last LIST (foreign pods only, or all: see `listed_all`)
-    listed_at: float = float("-inf")  # time.monotonic() of that LIST
+    listed_at: float = float("-inf")  # time.monotonic() when that LIST was sent
     listed_all: bool = False
-    list_started: float = float("-inf")  # time.monotonic() when that LIST was sent
     reserved: dict[Key, tuple[float, dict]] = field(default_factory=dict)  # key -> (monotonic time, pod)
     lists: int = 0  # LISTs made (a figure for the benchmark and the tests)
 
@@ -85,9 +84,9 @@ class BusyPods:
         want_all = ours is None
         if time.monotonic() - self.listed_at > self.ttl or self.listed_all != want_all:
             selector = "" if want_all else f"!{m.LABEL_JOB}"
-            started = time.monotonic()
+            sent = time.monotonic()
             self.listed = await kube.list_pods(None, label_selector=selector, field_selector=_NOT_TERMINATED)
-            self.list_started, self.listed_at, self.listed_all = started, time.monotonic(), want_all
+            self.listed_at, self.listed_all = sent, want_all
             self.lists += 1
         pods = self.listed if ours is None else [*self.listed, *(p for p in ours if _live(p))]
         seen = {_key(p) for p in (self.listed if ours is None else (*self.listed, *ours))}
@@ -95,7 +94,7 @@ class BusyPods:
 
         def holds(created_at: float) -> bool:  # for a reservation not seen: is its pod possibly still coming?
             if ours is None:  # the LIST is of every pod: one sent after the creation returned would show it
-                return created_at >= self.list_started
+                return created_at >= self.listed_at
             return now - created_at < BACKSTOP_SECONDS
 
         self.reserved = {k: v for k, v in self.reserved.items() if k not in seen and holds(v[0])}

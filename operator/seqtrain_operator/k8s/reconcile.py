@@ -113,6 +113,17 @@ async def capacity(kube: Kube, nodes: list[dict], busy: BusyPods, job: tuple[str
     return tuple(inventory(nodes, await busy.current(kube, job, ours)))
 
 
+async def _free(kube: Kube, cfg: Config, views: Views | None, nodes: list[dict],
+                job: tuple[str, str]) -> tuple[Node, ...]:
+    """`capacity` from the indexes as they are now (without them: `nodes` and a LIST). Read at the moment of the
+    decision, not at the start of the pass: queued behind hundreds of admissions a pass waits minutes for the lock,
+    and gangs created meanwhile (their reservations ended when the index showed them) are missing from an earlier
+    snapshot (the 1000-job run pinned up to 4x a node's CPUs)."""
+    if views is None:
+        return await capacity(kube, nodes, cfg.busy, job)
+    return await capacity(kube, views.nodes(), cfg.busy, job, views.all_pods())
+
+
 # One admission decision at a time in this operator: two jobs planned concurrently would both see the same free
 # GPUs. Held from reading the capacity until the planned pods are reserved in `Config.busy`; the status write and
 # the creations happen after, while the next job is planned around the reservation.
@@ -184,7 +195,6 @@ async def reconcile(kube: Kube, cfg: Config, namespace: str, name: str, emit: Ev
         pods, nodes = views.pods(namespace, name), views.nodes()
     else:  # no indexes (a one-off pass): read the API
         pods, nodes = await kube.list_pods(namespace, f"{m.LABEL_JOB}={name}"), await kube.list_nodes()
-    ours = views.all_pods() if views is not None else None
     adapter = adapter_for(job.spec.scheduling.gang)
     replicas = _observe(adapter, pods, nodes, now, cfg)
     reported, unreachable = Reported(), None
@@ -203,18 +213,14 @@ async def reconcile(kube: Kube, cfg: Config, namespace: str, name: str, emit: Ev
     growing = (job.spec.elastic and status.phase == "Running" and not job.spec.suspend
                and (status.replicas or job.spec.replicas) < job.spec.replicas)
     if growing:
-        observed = replace(observed, capacity=await capacity(kube, nodes, cfg.busy, (namespace, name), ours))
+        observed = replace(observed, capacity=await _free(kube, cfg, views, nodes, (namespace, name)))
     owner = m.Owner(name=name, namespace=namespace, uid=body["metadata"]["uid"])
     reserved: list[tuple[str, str]] = []
     async with _ADMISSION if admitting else contextlib.nullcontext():
         if admitting:
             if job.spec.scheduling.gang == "native":
-                # The index as of now, not of before the lock: with hundreds of admissions queued, the wait can
-                # be minutes, and gangs created meanwhile (their reservations ended when the index showed them)
-                # are missing from a snapshot taken before it (the 1000-job run pinned up to 4x a node's CPUs).
-                if views is not None:
-                    nodes, ours = views.nodes(), views.all_pods()
-                observed = replace(observed, capacity=await capacity(kube, nodes, cfg.busy, (namespace, name), ours))
+                # read here, under the lock, not before waiting for it: see `_free`
+                observed = replace(observed, capacity=await _free(kube, cfg, views, nodes, (namespace, name)))
             else:
                 observed = replace(observed, unschedulable=await admission(kube, job))
         decision = decide(job, status, observed, now)
