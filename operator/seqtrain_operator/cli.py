@@ -25,13 +25,18 @@ BENCHMARKS = {
 
 def _cmd_validate(args: argparse.Namespace) -> int:
     from seqtrain.spec import SpecError, load_jobs
+    from seqtrain.spec.policy import PodPolicy, job_policy_problems
 
+    policy = PodPolicy.of(args.policy, args.allow_service_account or (), args.allow_priority_class or (),
+                          args.allow_capability or ())
     bad = 0
     for path in args.files:
         try:
             with open(path, encoding="utf-8") as f:
                 text = f.read()
             jobs = load_jobs(text, args.set or ())
+            if problems := [p for j in jobs for p in job_policy_problems(j.spec, policy)]:
+                raise SpecError(problems)
         except OSError as exc:
             print(f"{path}: <file>: cannot read: {exc.strerror}", file=sys.stderr)
             bad += 1
@@ -190,6 +195,15 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("files", nargs="+", metavar="FILE")
     v.add_argument("--set", action="append", metavar="PATH=VALUE", help=set_help)
     v.add_argument("-q", "--quiet", action="store_true", help="print only problems")
+    v.add_argument("--policy", choices=("restricted", "baseline", "privileged"), default="baseline",
+                   help="the pod policy the cluster's operator enforces (chart value podPolicy.level; default "
+                        "baseline): what spec.podTemplate and spec.scheduling may ask of a node")
+    v.add_argument("--allow-service-account", action="append", metavar="NAME",
+                   help="a ServiceAccount the cluster's pod policy allowlists (repeatable)")
+    v.add_argument("--allow-priority-class", action="append", metavar="NAME",
+                   help="a PriorityClass the cluster's pod policy allowlists (repeatable)")
+    v.add_argument("--allow-capability", action="append", metavar="CAP",
+                   help="a capability the cluster's pod policy allowlists, e.g. IPC_LOCK (repeatable)")
     v.set_defaults(func=_cmd_validate)
 
     c = sub.add_parser("crd", help="print the CustomResourceDefinition generated from the spec models")

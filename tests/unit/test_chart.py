@@ -193,3 +193,29 @@ def test_uninstall_hook_releases_finalizers_after_the_operator_is_gone_with_only
         if "helm.sh/hook" in (d["metadata"].get("annotations") or {}):
             assert "hook-succeeded" in d["metadata"]["annotations"]["helm.sh/hook-delete-policy"]
     assert not by_kind(render("uninstallHook.enabled=false"), "Job", hooks=True)
+
+
+def test_pod_policy_and_network_policy_values_reach_the_operator():
+    """podPolicy becomes the operator's --pod-policy/--allow-* flags (the webhook and reconcile enforce it);
+    networkPolicy.enabled lets the operator create one NetworkPolicy per job (and only then grants it that)."""
+    args = by_kind(render(), "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--pod-policy=baseline" in args and "--network-policy" not in args
+    assert ("networking.k8s.io", "networkpolicies", "create") not in grants(
+        [r for d in by_kind(render(), "ClusterRole") for r in d["rules"]])
+    docs = render("podPolicy.level=restricted", "podPolicy.capabilities={IPC_LOCK}",
+                  "podPolicy.serviceAccounts={trainer-sa}", "podPolicy.priorityClasses={training}",
+                  "networkPolicy.enabled=true")
+    args = by_kind(docs, "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]["args"]
+    labels = by_kind(docs, "Deployment")[0]["spec"]["template"]["metadata"]["labels"]
+    assert {"--pod-policy=restricted", "--allow-capability=IPC_LOCK", "--allow-service-account=trainer-sa",
+            "--allow-priority-class=training", "--network-policy", "--operator-namespace=seqtrain-system"} <= set(args)
+    assert {a.split("=", 1)[1] for a in args if a.startswith("--operator-pod-label=")} == {
+        f"{k}={v}" for k, v in labels.items() if k.startswith("app.kubernetes.io/")}
+    assert ("networking.k8s.io", "networkpolicies", "create") in grants(
+        [r for d in by_kind(docs, "ClusterRole") for r in d["rules"]])
+    from seqtrain_operator.k8s.main import build_parser
+
+    build_parser().parse_args(args)  # every flag the chart writes is one the operator takes
+    bad = subprocess.run([helm(), "template", "rel", str(CHART), "--set", "podPolicy.level=root"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "level" in bad.stderr

@@ -85,6 +85,11 @@ with `kubectl auth can-i --list` as the ServiceAccount.
 - apiGroups: ["kopf.dev"]
   resources: ["kopfpeerings"]
   verbs: ["get", "list", "watch", "patch"]
+{{- if .Values.networkPolicy.enabled }}
+- apiGroups: ["networking.k8s.io"]  # networkPolicy.enabled: one per job (owned by it, so GC deletes it)
+  resources: ["networkpolicies"]
+  verbs: ["create"]
+{{- end }}
 {{- end -}}
 
 {{/*

@@ -191,8 +191,8 @@ class Kube:
                 await self._call(fn, ns, obj)
             else:
                 group, version = api_version.split("/")
-                await self._call(self.custom.create_namespaced_custom_object, group, version, ns,
-                                 kind.lower() + "s", obj)
+                plural = "networkpolicies" if kind == "NetworkPolicy" else kind.lower() + "s"
+                await self._call(self.custom.create_namespaced_custom_object, group, version, ns, plural, obj)
             return True
         except ApiException as exc:
             if exc.status == 409:

@@ -26,6 +26,7 @@ import kopf
 
 from seqtrain.spec import API_GROUP, PLURAL, SpecError, parse_job
 from seqtrain.spec.crd import drift_message, missing_fields
+from seqtrain.spec.policy import job_policy_problems
 from seqtrain_operator.k8s import manifests as m
 from seqtrain_operator.k8s.client import Kube, load_config
 from seqtrain_operator.k8s.metrics import OperatorMetrics
@@ -277,6 +278,8 @@ def validate(body: dict[str, Any], operation: str | None = None, old: dict[str, 
     meta = doc.get("metadata") or {}
     doc["metadata"] = {"name": meta.get("name") or meta.get("generateName") or "", "namespace": meta.get("namespace")}
     try:
-        parse_job(doc)
+        job = parse_job(doc)
+        if problems := job_policy_problems(job.spec, STATE.config.settings.pod_policy):
+            raise SpecError(problems)
     except SpecError as err:
         raise kopf.AdmissionError("; ".join(str(p) for p in err.problems), code=422) from None

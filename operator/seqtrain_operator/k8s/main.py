@@ -42,6 +42,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a node may be NotReady before its pods count as lost")
     p.add_argument("--scheduler-name", action="append", default=[], metavar="GANG=NAME",
                    help=f"schedulerName for an external gang scheduler ({', '.join(EXTERNAL)}), repeatable")
+    p.add_argument("--pod-policy", choices=("restricted", "baseline", "privileged"), default="baseline",
+                   help="what a job's podTemplate and scheduling may ask of a node (seqtrain.spec.policy), checked "
+                        "by the webhook and before any pod is created")
+    p.add_argument("--allow-service-account", action="append", default=[], metavar="NAME",
+                   help="a ServiceAccount trainer pods may run as (repeatable)")
+    p.add_argument("--allow-priority-class", action="append", default=[], metavar="NAME",
+                   help="a PriorityClass trainer pods may use (repeatable; none given: any but system-*)")
+    p.add_argument("--allow-capability", action="append", default=[], metavar="CAP",
+                   help="a capability beyond the policy's own list, e.g. IPC_LOCK for RDMA (repeatable)")
+    p.add_argument("--network-policy", action="store_true",
+                   help="create one NetworkPolicy per job: only the gang's pods reach its pods, only the operator "
+                        "the progress port")
+    p.add_argument("--operator-namespace", help="with --network-policy: the namespace of the operator's pods")
+    p.add_argument("--operator-pod-label", action="append", default=[], metavar="KEY=VALUE",
+                   help="with --network-policy: a label of the operator's pods (repeatable)")
     p.add_argument("--webhook-port", type=int, default=9443)
     p.add_argument("--webhook-cert-dir", help="serve the validating webhook with tls.crt/tls.key from here")
     p.add_argument("--release-finalizers", action="store_true",
@@ -69,6 +84,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import kopf
 
+    from seqtrain.spec.policy import PodPolicy
     from seqtrain_operator.k8s import handlers
     from seqtrain_operator.k8s.manifests import Settings
     from seqtrain_operator.k8s.reconcile import Config
@@ -87,7 +103,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     settings = Settings(master_port=args.master_port, progress_port=args.progress_port or None,
                         metrics_port=args.trainer_metrics_port or None,
-                        termination_grace_seconds=args.termination_grace, scheduler_names=schedulers)
+                        termination_grace_seconds=args.termination_grace, scheduler_names=schedulers,
+                        pod_policy=PodPolicy.of(args.pod_policy, args.allow_service_account,
+                                                args.allow_priority_class, args.allow_capability),
+                        network_policy=args.network_policy, operator_namespace=args.operator_namespace,
+                        operator_labels=dict(item.partition("=")[::2] for item in args.operator_pod_label))
     handlers.STATE.config = Config(settings=settings, node_lost_grace=args.node_lost_grace,
                                    poll_progress=bool(args.progress_port))
     handlers.STATE.metrics_port = args.metrics_port

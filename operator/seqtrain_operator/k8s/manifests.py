@@ -19,6 +19,7 @@ from typing import Any
 from seqtrain.runtime.launch import replica_command
 from seqtrain.spec import API_VERSION, KIND, RuntimeConfig, SeqTrainJob, TrainerConfig, resolve
 from seqtrain.spec.names import configmap_name, hostname, pod_name, service_name
+from seqtrain.spec.policy import PodPolicy
 from seqtrain_operator.k8s.gangs import ADAPTERS, adapter_for
 from seqtrain_operator.k8s.template import apply_pod_template
 from seqtrain_operator.planner.inventory import GPU_PRODUCT_LABEL, GPU_RESOURCE
@@ -56,6 +57,10 @@ class Settings:
     run_as_user: int = 1000
     image_pull_policy: str = "IfNotPresent"
     scheduler_names: dict[str, str] = field(default_factory=dict)  # gang -> schedulerName override
+    pod_policy: PodPolicy = field(default_factory=PodPolicy)  # what a job's pod template may ask (spec.policy)
+    network_policy: bool = False  # one NetworkPolicy per job (build_network_policy)
+    operator_namespace: str | None = None  # where the operator's pods run, and their labels: the progress poller
+    operator_labels: dict[str, str] = field(default_factory=dict)
 
     def scheduler_for(self, gang: str) -> str | None:
         return self.scheduler_names.get(gang) or EXTERNAL.get(gang, {}).get("scheduler")
@@ -112,6 +117,29 @@ def build_service(owner: Owner, settings: Settings) -> dict[str, Any]:
             "ports": [{"name": "rendezvous", "port": settings.master_port, "targetPort": settings.master_port,
                        "protocol": "TCP"}],
         },
+    }
+
+
+def build_network_policy(job: SeqTrainJob, owner: Owner, settings: Settings) -> dict[str, Any]:
+    """Ingress to the job's pods: from the gang's own pods on any port (rendezvous on the master port, then gloo and
+    NCCL connect on ports they pick themselves), from the operator's pods to the progress port, and from anywhere to
+    the trainer metrics ports when those are on (Prometheus runs wherever the cluster keeps it). Nothing else: no
+    other tenant can join the rendezvous or read progress."""
+    ours = {"podSelector": {"matchLabels": job_labels(owner.name)}}
+    rules: list[dict[str, Any]] = [{"from": [ours]}]
+    if settings.progress_port:
+        peer: dict[str, Any] = {"podSelector": {"matchLabels": dict(settings.operator_labels)}}
+        if settings.operator_namespace:
+            peer["namespaceSelector"] = {"matchLabels": {"kubernetes.io/metadata.name": settings.operator_namespace}}
+        rules.append({"from": [peer], "ports": [{"protocol": "TCP", "port": settings.progress_port}]})
+    if settings.metrics_port:
+        rules.append({"ports": [{"protocol": "TCP", "port": settings.metrics_port + r}
+                                for r in range(job.spec.resources.procs)]})
+    return {
+        "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+        "metadata": _meta(service_name(owner.name), owner, job_labels(owner.name)),
+        "spec": {"podSelector": {"matchLabels": job_labels(owner.name)}, "policyTypes": ["Ingress"],
+                 "ingress": rules},
     }
 
 

@@ -27,6 +27,7 @@ from typing import Any, Protocol
 from kubernetes.client.rest import ApiException
 
 from seqtrain.spec import JobStatus, SeqTrainJob, SpecError, parse_job
+from seqtrain.spec.policy import job_policy_problems
 from seqtrain.spec.status import TERMINAL_PHASES
 from seqtrain_operator.controller import (
     CreateGang,
@@ -212,6 +213,10 @@ async def reconcile(kube: Kube, cfg: Config, namespace: str, name: str, emit: Ev
     # An elastic gang running below its size: can it grow back? (the same capacity read, without creating)
     growing = (job.spec.elastic and status.phase == "Running" and not job.spec.suspend
                and (status.replicas or job.spec.replicas) < job.spec.replicas)
+    # The pod policy holds whenever pods are about to be created (a webhook may be off, or the policy stricter now
+    # than when the job was admitted); running pods are left as they are, as Pod Security Admission does.
+    if (admitting or growing) and (refused := job_policy_problems(job.spec, cfg.settings.pod_policy)):
+        return await _invalid(kube, body, status, SpecError(refused), emit, now, reason="PodPolicy")
     if growing:
         observed = replace(observed, capacity=await _free(kube, cfg, views, nodes, (namespace, name)))
     owner = m.Owner(name=name, namespace=namespace, uid=body["metadata"]["uid"])
@@ -330,18 +335,18 @@ def _storage_condition(job: SeqTrainJob, st: JobStatus, now: datetime) -> None:
 
 
 async def _invalid(kube: Kube, body: dict, status: JobStatus, err: SpecError, emit: EventSink,
-                   now: datetime) -> Outcome:
+                   now: datetime, reason: str = "InvalidSpec") -> Outcome:
     """A spec the webhook would have rejected (installed without it, or an older operator's object)."""
     if status.phase == "Failed":
         return Outcome(requeue=None, status=status)
     msg = "; ".join(str(p) for p in err.problems)[:1000]
-    cond.enter_phase(status, "Failed", "InvalidSpec", msg, now)
+    cond.enter_phase(status, "Failed", reason, msg, now)
     meta = body["metadata"]
     try:
         await kube.write_status(meta["namespace"], meta["name"], status.to_dict(), meta["resourceVersion"])
     except Conflict:
         return Outcome(requeue=0.2, status=status)
-    emit(body, "Warning", "InvalidSpec", msg)
+    emit(body, "Warning", reason, msg)
     return Outcome(requeue=None, status=status)
 
 
@@ -364,7 +369,8 @@ async def create_gang(kube: Kube, job: SeqTrainJob, owner: m.Owner, attempt: int
                 raise GangRefused(f"{obj['kind']} {obj['metadata']['name']}: {api_message(exc)}") from exc
             raise
 
-    for obj in [m.build_service(owner, settings), gang.configmap, *([gang.podgroup] if gang.podgroup else [])]:
+    netpol = [m.build_network_policy(job, owner, settings)] if settings.network_policy else []
+    for obj in [m.build_service(owner, settings), *netpol, gang.configmap, *([gang.podgroup] if gang.podgroup else [])]:
         await create(obj)  # what the pods refer to, first
     # The pods together: one admission holds the admission lock until its pods exist, so their creation time is
     # every queued job's wait. All are attempted; the first refusal (or error) is raised after.
