@@ -1,6 +1,7 @@
 """Polling rank 0's progress endpoint (`GET http://<pod IP>:<progressPort>/progress`, served by
 `seqtrain.obs.progress`). Optional: without a port, or when the pod does not answer within the timeout, the
-operator goes on without progress (the termination message still gives the final one)."""
+operator goes on without progress (the termination message still gives the final one). The body is read up to
+MAX_BODY_BYTES only: the pod is the user's, and a progress document is a few hundred bytes."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import aiohttp
 
 from seqtrain_operator.k8s.observe import Reported, progress_from_json
 
+MAX_BODY_BYTES = 64 * 1024
+
 
 async def poll_progress(ip: str, port: int, timeout: float = 2.0) -> Reported:
     url = f"http://{ip}:{port}/progress"
@@ -19,6 +22,9 @@ async def poll_progress(ip: str, port: int, timeout: float = 2.0) -> Reported:
                 session.get(url) as resp:
             if resp.status != 200:
                 return Reported()
-            return progress_from_json(json.loads(await resp.text()))
+            body = await resp.content.read(MAX_BODY_BYTES + 1)
+            if len(body) > MAX_BODY_BYTES:
+                return Reported()  # not a progress document: nothing more is read
+            return progress_from_json(json.loads(body))
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, OSError):
         return Reported()

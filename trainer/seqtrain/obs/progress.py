@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import threading
 import time
 from datetime import datetime, timezone
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from seqtrain.obs.httpserve import BoundedServer, serve
 from seqtrain.spec.status import Progress
 
 PROGRESS_FILE = "progress.json"
@@ -50,7 +49,7 @@ class ProgressReporter:
         self._lock = threading.Lock()
         self._progress = Progress(step=0, total_steps=total_steps)
         self._written = -FILE_INTERVAL_S
-        self._server: ThreadingHTTPServer | None = None
+        self._server: BoundedServer | None = None
         if port is not None:
             self._server = self._start(port, addr)
 
@@ -94,34 +93,13 @@ class ProgressReporter:
             self._server.server_close()
             self._server = None
 
-    def _start(self, port: int, addr: str) -> ThreadingHTTPServer | None:
-        reporter = self
+    def _start(self, port: int, addr: str) -> BoundedServer | None:
+        def progress() -> tuple[int, str, bytes]:
+            body = json.dumps(self.progress.model_dump(by_alias=True, mode="json", exclude_none=True))
+            return 200, "application/json", body.encode()
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
-                if self.path.split("?")[0] in ("/", "/progress"):
-                    body = json.dumps(reporter.progress.model_dump(by_alias=True, mode="json", exclude_none=True))
-                    self._send(200, body.encode())
-                elif self.path == "/healthz":
-                    self._send(200, b'{"ok": true}')
-                else:
-                    self._send(404, b'{"error": "not found; try /progress"}')
+        def healthz() -> tuple[int, str, bytes]:
+            return 200, "application/json", b'{"ok": true}'
 
-            def _send(self, code: int, body: bytes) -> None:
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - polled every few seconds: stay quiet
-                pass
-
-        try:
-            server = ThreadingHTTPServer((addr, port), Handler)
-        except OSError as exc:
-            print(f"seqtrain: warning: cannot serve progress on port {port}: {exc}", file=sys.stderr)
-            return None
-        server.daemon_threads = True
-        threading.Thread(target=server.serve_forever, name="seqtrain-progress", daemon=True).start()
-        return server
+        # bounded: connections, time, request size (seqtrain.obs.httpserve)
+        return serve(port, addr, {"/progress": progress, "/": progress, "/healthz": healthz}, "progress")

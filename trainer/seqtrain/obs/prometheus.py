@@ -8,11 +8,18 @@ registry's process/GC collectors out of the way of tests that start several serv
 
 from __future__ import annotations
 
-import sys
-import threading
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+from seqtrain.obs.httpserve import serve
 
 # Step times from milliseconds (tiny CPU models) to minutes (large models with accumulation).
 _STEP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
@@ -55,7 +62,6 @@ class TrainerMetrics:
             "seqtrain_eval_duration_seconds", "Wall time of one evaluation.", labels, buckets=_STEP_BUCKETS, registry=r
         )
         self._server: Any = None
-        self._thread: threading.Thread | None = None
 
     def observe_step(self, step: int, m: dict[str, Any]) -> None:
         lv = self._lv
@@ -87,12 +93,12 @@ class TrainerMetrics:
     def serve(self, port: int, addr: str = "0.0.0.0") -> int | None:
         """Start the HTTP server (port 0: any free port); return the bound port, or None (with a warning) when
         the port is taken: training goes on unobserved rather than failing."""
-        try:
-            self._server, self._thread = start_http_server(port, addr=addr, registry=self.registry)
-        except OSError as exc:
-            print(f"seqtrain: warning: cannot serve /metrics on port {port}: {exc}", file=sys.stderr)
-            return None
-        return int(self._server.server_address[1])
+        def metrics() -> tuple[int, str, bytes]:
+            return 200, CONTENT_TYPE_LATEST, generate_latest(self.registry)
+
+        # prometheus-client's own server starts a thread per connection with no timeout: ours is bounded
+        self._server = serve(port, addr, {"/metrics": metrics, "/": metrics}, "/metrics")
+        return int(self._server.server_address[1]) if self._server is not None else None
 
     def close(self) -> None:
         if self._server is not None:
