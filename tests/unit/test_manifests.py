@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from seqtrain.spec import SeqTrainJob, TrainerConfig
+from seqtrain.spec import SeqTrainJob, TrainerConfig, resolve
 from seqtrain_operator.k8s import manifests as m
 from seqtrain_operator.planner.types import Layout, Plan, ReplicaAssignment
 
@@ -96,7 +96,8 @@ def test_configmap_holds_resolved_trainer_config():
     cfg = TrainerConfig.model_validate(json.loads(cm["data"]["config.json"]))
     assert cfg.runtime.attempt == 4 and cfg.runtime.progress_port == 8471
     assert cfg.runtime.workdir == "/checkpoints/gpt" and cfg.runtime.checkpoint_dir == "/checkpoints/gpt/checkpoints"
-    assert cfg.load_job().spec.model.dim == 64  # preset resolved (tiny)
+    assert cfg.load_job().spec.model.dim is None  # derived by the trainer, where the files are
+    assert resolve(cfg.load_job()).spec.model.dim == 64  # preset (tiny)
     assert cm["immutable"] is True
     pod = m.build_pod(job(checkpoint={"pvc": "ckpt"}), OWNER, 4, 0, SETTINGS)
     vols = {v["name"]: v for v in pod["spec"]["volumes"]}

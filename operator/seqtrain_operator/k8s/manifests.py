@@ -1,7 +1,7 @@
 """Kubernetes objects of one gang incarnation, as plain dicts. Pure: no I/O, no clock, no randomness.
 
 Per job: a headless Service (stable DNS for rendezvous, lives as long as the job). Per attempt: a ConfigMap with
-the resolved trainer config, one pod per replica, and for an external gang scheduler its PodGroup (or labels).
+the trainer config (the job's fields as the user set them: the trainer resolves the rest), one pod per replica, and for an external gang scheduler its PodGroup (or labels).
 Every object carries an ownerReference to the SeqTrainJob, so deleting the job garbage-collects all of them, and
 the labels `seqtrain.dev/job` / `seqtrain.dev/attempt` / `seqtrain.dev/replica` the operator selects them by.
 
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from seqtrain.runtime.launch import replica_command
-from seqtrain.spec import API_VERSION, KIND, RuntimeConfig, SeqTrainJob, TrainerConfig, resolve
+from seqtrain.spec import API_VERSION, KIND, RuntimeConfig, SeqTrainJob, TrainerConfig
 from seqtrain.spec.names import configmap_name, hostname, pod_name, service_name
 from seqtrain.spec.policy import PodPolicy
 from seqtrain_operator.k8s.gangs import ADAPTERS, adapter_for
@@ -155,7 +155,16 @@ def trainer_config(job: SeqTrainJob, attempt: int, settings: Settings) -> dict[s
     workdir, ck = checkpoint_paths(job)
     runtime = RuntimeConfig(workdir=workdir, checkpoint_dir=ck, attempt=attempt,
                             progress_port=settings.progress_port, metrics_port=settings.metrics_port)
-    return TrainerConfig(job=resolve(job).to_dict(), runtime=runtime).to_dict()
+    return TrainerConfig(job=user_fields(job), runtime=runtime).to_dict()
+
+
+def user_fields(job: SeqTrainJob) -> dict[str, Any]:
+    """The job as its user wrote it: the fields they set, nothing derived. The trainer derives the rest (preset
+    dims, vocabulary from the prepared data or tokenizer, shapes from model.init's weights) where the files are;
+    the operator never reads a user's paths (`seqtrain.spec.resolve.paths_readable`)."""
+    out = job.model_dump(by_alias=True, mode="json", exclude_unset=True, exclude={"status", "metadata"})
+    return {"apiVersion": API_VERSION, "kind": KIND, **out,
+            "metadata": {k: v for k, v in job.metadata.model_dump(mode="json").items() if v not in (None, {}, [])}}
 
 
 def build_configmap(job: SeqTrainJob, owner: Owner, attempt: int, settings: Settings) -> dict[str, Any]:

@@ -11,7 +11,7 @@ import os
 from seqtrain.spec.elastic import divisors_hint, elastic_problems, size_problems
 from seqtrain.spec.job import SeqTrainJob
 from seqtrain.spec.problems import Problem
-from seqtrain.spec.resolve import resolved_model
+from seqtrain.spec.resolve import paths_readable, resolved_model
 from seqtrain.spec.template import template_problems
 
 
@@ -20,13 +20,13 @@ def _init_problems(job: SeqTrainJob, m) -> list[Problem]:  # noqa: ANN001 - the 
     from seqtrain.spec.init_source import SHAPE_FIELDS, describe_init, tensor_hint
 
     init = job.spec.model.init
-    if not init or "://" in init:
+    if not init or "://" in init or not paths_readable():
         return []
     desc = describe_init(init)
     if desc is None:
         # A folder that does not exist yet is fine here (written by an export before the run, or present only in
         # the pods); the trainer fails clearly if it is still missing. One that exists must describe a model.
-        if os.path.isdir(os.path.expanduser(init)) and os.environ.get("SEQTRAIN_CHECK_PATHS", "1") == "1":
+        if os.path.isdir(os.path.expanduser(init)):
             return [Problem("spec.model.init", f"{init!r} holds no model description (seqtrain.json, config.json, "
                                                "meta.json or a run's trainer config); give an export, run, "
                                                "checkpoint or Hugging Face Llama folder")]
@@ -127,7 +127,7 @@ def check(job: SeqTrainJob) -> list[Problem]:
                                                     "weight per entry of data.paths"))
         elif any(w <= 0 for w in d.weights):
             out.append(Problem("spec.data.weights", "every weight must be above 0 (drop a dataset from paths instead)"))
-    if d.source == "tokens" and m.vocab_size is not None:
+    if d.source == "tokens" and m.vocab_size is not None and paths_readable():
         from seqtrain.spec.resolve import _prepared_vocab
 
         need = _prepared_vocab(d.paths)
@@ -136,7 +136,7 @@ def check(job: SeqTrainJob) -> list[Problem]:
                                                        f"{need} (end-of-document id included); use at least {need}"))
     if d.tokenizer.type == "file" and not d.tokenizer.path:
         out.append(Problem("spec.data.tokenizer.path", "type file needs the path of a tokenizer.json"))
-    if d.source in ("text", "jsonl", "tokens") and d.paths and os.environ.get("SEQTRAIN_CHECK_PATHS", "1") == "1":
+    if d.source in ("text", "jsonl", "tokens") and d.paths and paths_readable():
         missing = [p for p in d.paths if "://" not in p and not glob.glob(os.path.expanduser(p))]
         for p in missing:
             out.append(Problem("spec.data.paths", f"{p!r} matches no file"))

@@ -13,6 +13,13 @@ from seqtrain.spec.presets import presets_for
 BYTE_VOCAB = 256
 
 
+def paths_readable() -> bool:
+    """Whether the job's paths (data, tokenizer, model.init) are this process's to read. Off in the operator
+    (`seqtrain operator` sets SEQTRAIN_CHECK_PATHS=0): the files exist in the pods, and a path a user names must
+    never make the operator open its own files. Derived fields are then left for the trainer to fill."""
+    return os.environ.get("SEQTRAIN_CHECK_PATHS", "1") == "1"
+
+
 def _prepared_vocab(paths: list[str]) -> int | None:
     """Largest vocabulary (end-of-document id included) of the `seqtrain prepare-data` folders in paths."""
     sizes = []
@@ -30,6 +37,8 @@ def tokenizer_vocab_size(job: SeqTrainJob) -> int | None:
     if job.spec.data.source == "synthetic":
         # symbols + separator/query markers; see seqtrain.data.synthetic
         return job.spec.data.synthetic.vocab + 4
+    if not paths_readable():
+        return BYTE_VOCAB if tok.type == "byte" and job.spec.data.source != "tokens" else None
     if job.spec.data.source == "tokens":
         prepared = _prepared_vocab(job.spec.data.paths)
         if prepared is not None:
@@ -55,7 +64,7 @@ def resolved_model(job: SeqTrainJob) -> ModelSpec:
     m = job.spec.model
     values = m.model_dump()
     explicit = m.model_fields_set
-    source = describe_init(m.init) if m.init else None
+    source = describe_init(m.init) if m.init and paths_readable() else None
     if source and "arch" not in explicit:
         values["arch"] = source["arch"]
     preset = presets_for(values["arch"]).get(m.preset or "tiny", {})
