@@ -10,6 +10,7 @@ import yaml
 
 from seqtrain.spec import SeqTrainJob, SpecError, load_job_file
 from seqtrain.spec.resolve import resolved_model
+from seqtrain_operator.planner.fit import memory_problems
 from seqtrain_operator.planner.inventory import cpu_millis, inventory, memory_bytes
 from seqtrain_operator.planner.layout import groups, pipeline_summary, rank_table, tp_groups_split_nodes
 from seqtrain_operator.planner.local import local_plan
@@ -137,4 +138,8 @@ def plan_command(file: str, nodes_file: str | None = None, overrides: Sequence[s
         return EXIT_UNSCHEDULABLE
     d = plan_dict(job, plan)
     print(json.dumps(d, indent=2) if as_json else render(d))
+    if problems := memory_problems(job, estimate(job)):  # after the plan: it shows where the memory goes
+        for p in problems:
+            print(f"{file}: {p}", file=sys.stderr)
+        return EXIT_INVALID
     return EXIT_OK

@@ -136,6 +136,11 @@ def check(job: SeqTrainJob) -> list[Problem]:
                                                        f"{need} (end-of-document id included); use at least {need}"))
     if d.tokenizer.type == "file" and not d.tokenizer.path:
         out.append(Problem("spec.data.tokenizer.path", "type file needs the path of a tokenizer.json"))
+    elif d.tokenizer.type == "file" and d.tokenizer.path and "://" not in d.tokenizer.path and paths_readable() \
+            and not os.path.isfile(os.path.expanduser(d.tokenizer.path)):
+        # checked where the job runs (seqtrain run / validate here, the trainer in its pod), never by the operator
+        out.append(Problem("spec.data.tokenizer.path", f"{d.tokenizer.path!r} is not a file; give the path of a "
+                                                       "tokenizer.json (or use tokenizer type byte)"))
     if d.source in ("text", "jsonl", "tokens") and d.paths and paths_readable():
         missing = [p for p in d.paths if "://" not in p and not glob.glob(os.path.expanduser(p))]
         for p in missing:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import re
+from decimal import Decimal
 from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from seqtrain.spec.base import SpecModel
+from seqtrain.spec.base import DAY, SpecModel
 
 _INT_OR_STRING = {"x-kubernetes-int-or-string": True}
 # resource.ParseQuantity's grammar, without a sign (requests are never negative): 2, 0.5, .5, 500m, 8Gi, 1e3.
@@ -28,10 +29,34 @@ def _quantity(value: Any) -> str:
     return text
 
 
+_SUFFIX = {"m": Decimal("1e-3"), "k": Decimal(10**3), "M": Decimal(10**6), "G": Decimal(10**9),
+           "T": Decimal(10**12), "P": Decimal(10**15), "E": Decimal(10**18), "Ki": Decimal(2**10),
+           "Mi": Decimal(2**20), "Gi": Decimal(2**30), "Ti": Decimal(2**40), "Pi": Decimal(2**50), "Ei": Decimal(2**60)}
+# Per replica: far beyond any node, small enough that every sum of them stays a sane number (`memory: 1e999`).
+MAX_CPU = Decimal(100_000)
+MAX_BYTES = Decimal(2**50)  # 1 PiB
+
+
+def quantity_value(text: str) -> Decimal:
+    """The number a quantity (already matched by _QUANTITY) stands for: `8Gi` -> 8589934592, `500m` -> 0.5."""
+    m = _QUANTITY.match(text)
+    assert m is not None, text
+    number, suffix = text[:m.start(3)] if m.group(3) else text, m.group(3) or ""
+    if suffix[:1] in ("e", "E") and suffix not in _SUFFIX:
+        return Decimal(text.lstrip("+"))
+    return Decimal(number.lstrip("+")) * _SUFFIX.get(suffix, Decimal(1))
+
+
+def _bounded(text: str, cap: Decimal, what: str) -> str:
+    if quantity_value(text) > cap:
+        raise ValueError(f"{text!r} is more than any replica can have (at most {what})")
+    return text
+
+
 class ResourcesSpec(SpecModel):
-    gpus: int = Field(0, ge=0, description="GPUs per replica (0 = CPU fallback).")
+    gpus: int = Field(0, ge=0, le=64, description="GPUs per replica (0 = CPU fallback).")
     processes_per_replica: int | None = Field(
-        None, ge=1, description="Rank processes per replica; default: gpus, or 1 on CPU."
+        None, ge=1, le=256, description="Rank processes per replica; default: gpus, or 1 on CPU."
     )
     cpu: str = Field("1", description="CPU request per replica (Kubernetes quantity).", json_schema_extra=_INT_OR_STRING)
     memory: str = Field("4Gi", description="Memory request per replica (Kubernetes quantity).", json_schema_extra=_INT_OR_STRING)
@@ -44,19 +69,24 @@ class ResourcesSpec(SpecModel):
         None, description="Required GPU model (label nvidia.com/gpu.product), e.g. NVIDIA-H100-80GB-HBM3."
     )
     peak_tflops: float | None = Field(
-        None, gt=0, description="Peak dense TFLOP/s of one device at the job's precision, for MFU; default: the "
+        None, gt=0, le=1e6, description="Peak dense TFLOP/s of one device at the job's precision, for MFU; default: the "
         "built-in table of known GPUs (seqtrain.obs.peaks). On CPU MFU stays empty unless this is set."
     )
 
-    @field_validator("cpu", "memory", "shm_size", mode="before")
+    @field_validator("cpu", mode="before")
+    @classmethod
+    def _cpu(cls, value: Any) -> str:
+        return _bounded(_quantity(value), MAX_CPU, f"{MAX_CPU} CPUs")
+
+    @field_validator("memory", "shm_size", mode="before")
     @classmethod
     def _quantities(cls, value: Any) -> str:
-        return _quantity(value)
+        return _bounded(_quantity(value), MAX_BYTES, "1Pi")
 
     @field_validator("ephemeral_storage", mode="before")
     @classmethod
     def _optional_quantity(cls, value: Any) -> str | None:
-        return None if value is None else _quantity(value)
+        return None if value is None else _bounded(_quantity(value), MAX_BYTES, "1Pi")
 
     @property
     def procs(self) -> int:
@@ -66,8 +96,8 @@ class ResourcesSpec(SpecModel):
 
 
 class CheckpointSpec(SpecModel):
-    interval_steps: int = Field(50, ge=1, description="Save a checkpoint every N optimizer steps (and at the end).")
-    keep: int = Field(3, ge=1, description="How many of the latest checkpoints to keep.")
+    interval_steps: int = Field(50, ge=1, le=10**9, description="Save a checkpoint every N optimizer steps (and at the end).")
+    keep: int = Field(3, ge=1, le=10_000, description="How many of the latest checkpoints to keep.")
     path: str | None = Field(
         None, description="Checkpoint folder on storage every rank shares (a local path, not a URI); "
         "default: <workdir>/checkpoints."
@@ -75,20 +105,30 @@ class CheckpointSpec(SpecModel):
     pvc: str | None = Field(None, description="Kubernetes: PersistentVolumeClaim mounted at /checkpoints.")
     save_on_sigterm: bool = Field(True, description="Save a checkpoint when the trainer receives SIGTERM.")
 
+    @field_validator("path")
+    @classmethod
+    def _no_escape(cls, path: str | None) -> str | None:
+        # The trainer writes, prunes and quarantines folders under this path: `..` would aim that at whatever
+        # lies above the workdir (`../../etc`).
+        if path is not None and (".." in path.replace("\\", "/").split("/") or "\0" in path or not path.strip()):
+            raise ValueError(f"{path!r} must name a folder without '..' parts, e.g. /checkpoints/{{job}} or "
+                             "a path below the workdir")
+        return path
+
 
 class FaultToleranceSpec(SpecModel):
-    max_restarts: int = Field(3, ge=0, description="Gang restarts allowed for failures of the training itself.")
+    max_restarts: int = Field(3, ge=0, le=10_000, description="Gang restarts allowed for failures of the training itself.")
     max_infra_restarts: int = Field(
-        20, ge=0, description="Gang restarts allowed for infrastructure failures (eviction, preemption, node loss)."
+        20, ge=0, le=10_000, description="Gang restarts allowed for infrastructure failures (eviction, preemption, node loss)."
     )
-    backoff_seconds: float = Field(5.0, ge=0, description="Delay before the first restart; doubles each time.")
-    max_backoff_seconds: float = Field(300.0, ge=0, description="Upper bound of the restart delay.")
+    backoff_seconds: float = Field(5.0, ge=0, le=DAY, description="Delay before the first restart; doubles each time.")
+    max_backoff_seconds: float = Field(300.0, ge=0, le=DAY, description="Upper bound of the restart delay.")
     hang_timeout_seconds: int | None = Field(
-        None, ge=1, description="Treat the gang as failed when no step completes for this long."
+        None, ge=1, le=30 * DAY, description="Treat the gang as failed when no step completes for this long."
     )
-    node_avoid_seconds: int = Field(600, ge=0, description="Avoid a node that failed for this long.")
+    node_avoid_seconds: int = Field(600, ge=0, le=30 * DAY, description="Avoid a node that failed for this long.")
     image_pull_timeout_seconds: int = Field(
-        900, ge=1, description="How long replicas may keep failing to pull the image (ErrImagePull, "
+        900, ge=1, le=DAY, description="How long replicas may keep failing to pull the image (ErrImagePull, "
         "ImagePullBackOff: often a registry hiccup on a large image) before the job fails; counted from the gang's "
         "creation, and it replaces scheduling.pendingGraceSeconds while a pull is failing."
     )
@@ -104,7 +144,7 @@ class Toleration(SpecModel):
         None, description="Taint effect to match; unset matches all effects."
     )
     toleration_seconds: int | None = Field(
-        None, ge=0, description="NoExecute only: how long the pod stays bound after the taint appears."
+        None, ge=0, le=365 * DAY, description="NoExecute only: how long the pod stays bound after the taint appears."
     )
 
 
@@ -125,10 +165,10 @@ class SchedulingSpec(SpecModel):
     queue: str | None = Field(None, description="Queue (Volcano queue, Kueue LocalQueue, KAI queue).")
     priority_class_name: str | None = Field(None, description="PriorityClass of the trainer pods.")
     topology: TopologySpec = Field(default_factory=TopologySpec, description="GPU topology placement policy.")
-    timeout_seconds: int | None = Field(None, ge=1, description="How long the gang may wait for capacity.")
+    timeout_seconds: int | None = Field(None, ge=1, le=365 * DAY, description="How long the gang may wait for capacity.")
     on_timeout: Literal["fail", "wait"] = Field("fail", description="What to do when timeoutSeconds passes.")
     pending_grace_seconds: int = Field(
-        300, ge=1, description="A created pod Pending longer than this tears the gang down for re-planning."
+        300, ge=1, le=30 * DAY, description="A created pod Pending longer than this tears the gang down for re-planning."
     )
     node_selector: dict[str, str] = Field(default_factory=dict, description="Node labels every trainer pod requires.")
     tolerations: list[Toleration] = Field(default_factory=list, description="Tolerations of the trainer pods.")

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from seqtrain.spec.base import SpecModel
+from seqtrain.spec.base import MAX_SEQ_LEN, SpecModel
 
 
 class TokenizerSpec(SpecModel):
@@ -16,8 +16,8 @@ class TokenizerSpec(SpecModel):
 
 class SyntheticSpec(SpecModel):
     task: Literal["copy", "recall"] = Field("copy", description="copy: repeat a random string; recall: associative recall.")
-    length: int = Field(32, ge=2, description="Length of the random part of each example.")
-    vocab: int = Field(32, ge=4, description="Number of distinct symbols the task draws from.")
+    length: int = Field(32, ge=2, le=65536, description="Length of the random part of each example.")
+    vocab: int = Field(32, ge=4, le=65536, description="Number of distinct symbols the task draws from.")
 
 
 class DataSpec(SpecModel):
@@ -38,7 +38,7 @@ class DataSpec(SpecModel):
     token_dtype: Literal["uint16", "uint32"] = Field("uint16", description="Element type of pre-tokenized files.")
     synthetic: SyntheticSpec = Field(default_factory=SyntheticSpec, description="Settings of source: synthetic.")
     tokenizer: TokenizerSpec = Field(default_factory=TokenizerSpec, description="How text becomes token ids.")
-    seq_len: int = Field(256, ge=2, description="Tokens per training sequence (context length).")
+    seq_len: int = Field(256, ge=2, le=MAX_SEQ_LEN, description="Tokens per training sequence (context length).")
     validation_fraction: float = Field(
         0.01, ge=0.0, lt=0.5, description="Share of documents held out for validation (deterministic split)."
     )
@@ -47,6 +47,6 @@ class DataSpec(SpecModel):
     )
     bucketing: bool = Field(False, description="Group documents of similar length into the same batch.")
     max_tokens_per_batch: int | None = Field(
-        None, ge=1, description="Token budget per micro-batch (variable batch size); default: fixed micro-batch size."
+        None, ge=1, le=2**30, description="Token budget per micro-batch (variable batch size); default: fixed micro-batch size."
     )
     shuffle: bool = Field(True, description="Shuffle the order of sequences each epoch (seeded, resumable).")

@@ -22,6 +22,8 @@ KIND = "SeqTrainJob"
 PLURAL = "seqtrainjobs"
 SHORT_NAMES = ["stj"]
 DEFAULT_IMAGE = "ghcr.io/seqtrain/trainer:0.1.0"
+MAX_REPLICAS = 10_000  # pods in one gang: beyond the largest clusters, well below what would flood the API server
+YEAR_SECONDS = 365 * 24 * 3600
 
 
 
@@ -45,9 +47,9 @@ class Metadata(BaseModel):
 
 class JobSpec(SpecModel):
     image: str = Field(DEFAULT_IMAGE, description="Trainer container image (Kubernetes only).")
-    replicas: int = Field(1, ge=1, description="Replicas (pods) in the gang; each runs resources.processesPerReplica ranks.")
+    replicas: int = Field(1, ge=1, le=MAX_REPLICAS, description="Replicas (pods) in the gang; each runs resources.processesPerReplica ranks.")
     min_replicas: int | None = Field(
-        None, ge=1, description="Elastic gang: the fewest replicas an attempt may start with when the full gang "
+        None, ge=1, le=MAX_REPLICAS, description="Elastic gang: the fewest replicas an attempt may start with when the full gang "
         "does not fit (a lost node, short capacity); it grows back to `replicas` when capacity returns. The global "
         "batch stays the same (gradient accumulation makes up the difference) and the resume reshards the latest "
         "checkpoint. Unset: always `replicas`.")
@@ -65,7 +67,7 @@ class JobSpec(SpecModel):
         "containers, affinity, capabilities and extended resources merged over the generated trainer pods "
         "(the operator's own fields cannot be overridden).")
     ttl_seconds_after_finished: int | None = Field(
-        None, ge=0, description="Kubernetes: delete the job (and with it every object it owns) this many seconds "
+        None, ge=0, le=YEAR_SECONDS, description="Kubernetes: delete the job (and with it every object it owns) this many seconds "
         "after it Succeeded or Failed; unset keeps it.")
 
     @property

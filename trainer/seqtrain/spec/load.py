@@ -13,15 +13,74 @@ from seqtrain.spec.features import unavailable
 from seqtrain.spec.job import API_VERSION, KIND, SeqTrainJob
 from seqtrain.spec.problems import Problem, SpecError, from_validation_error
 
+# A spec has hundreds of nodes; a pod template with many sidecars a few thousand. More, once aliases are expanded,
+# is an alias bomb (`a: &a [x, x, ...]`, `b: &b [*a, *a, ...]` ...: a few hundred bytes that expand to gigabytes).
+MAX_NODES = 100_000
+
+
+class _SpecLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses duplicate keys (YAML says keys are unique; PyYAML silently keeps the last,
+    so `steps: 10` ... `steps: 100000` would run the second) instead of choosing one."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, yaml.Node] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
+            try:
+                first = seen.get(key)
+            except TypeError:  # an unhashable key: the base class reports it
+                break
+            if first is not None:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (first on line {first.start_mark.line + 1}): keep one",
+                    key_node.start_mark)
+            seen[key] = key_node
+        return super().construct_mapping(node, deep=deep)
+
+
+def _expanded_size(node: yaml.Node, memo: dict[int, int]) -> int:
+    """Nodes the document has once every alias is expanded, counted without expanding (aliases share nodes)."""
+    if id(node) in memo:
+        return memo[id(node)]
+    memo[id(node)] = 1  # a recursive alias counts once here; construction refuses it anyway
+    if isinstance(node, yaml.SequenceNode):
+        size = 1 + sum(_expanded_size(n, memo) for n in node.value)
+    elif isinstance(node, yaml.MappingNode):
+        size = 1 + sum(_expanded_size(k, memo) + _expanded_size(v, memo) for k, v in node.value)
+    else:
+        size = 1
+    memo[id(node)] = size
+    return size
+
+
+def _load_all(text: str) -> list[Any]:
+    loader = _SpecLoader(text)
+    docs = []
+    try:
+        while loader.check_node():
+            node = loader.get_node()
+            if node is not None and (size := _expanded_size(node, {})) > MAX_NODES:
+                raise SpecError([Problem("<yaml>", f"document {len(docs) + 1} expands to {size} nodes through its "
+                                                   f"aliases (more than {MAX_NODES}): write it without &anchors "
+                                                   "and *aliases")])
+            docs.append(loader.construct_document(node))
+    finally:
+        loader.dispose()  # type: ignore[no-untyped-call]
+    return docs
+
 
 def parse_yaml_documents(text: str) -> list[Any]:
     try:
-        docs = [d for d in yaml.safe_load_all(text) if d is not None]
+        docs = [d for d in _load_all(text) if d is not None]
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
         problem = getattr(exc, "problem", None) or str(exc)
         raise SpecError([Problem("<yaml>", f"{where}malformed YAML ({problem})")]) from None
+    except RecursionError:
+        raise SpecError([Problem("<yaml>", "nested too deeply to be a SeqTrainJob")]) from None
     if not docs:
         raise SpecError([Problem("<yaml>", "the file holds no YAML document; expected a SeqTrainJob")])
     return docs

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from seqtrain.spec.base import SpecModel
+from seqtrain.spec.base import MAX_SEQ_LEN, SpecModel
 
 Arch = Literal["gpt", "lstm", "gru", "qrnn"]
 
@@ -24,8 +24,8 @@ LORA_DEFAULT_TARGETS = {"gpt": ("q", "k", "v", "out"), "lstm": ("weight_ih", "we
 class LoraSpec(SpecModel):
     """Low-rank adapters (Hu et al. 2021): W x + (alpha / rank) B A x, only A and B train."""
 
-    rank: int = Field(8, ge=1, description="Rank r of the adapters A [r, in] and B [out, r].")
-    alpha: float = Field(16.0, gt=0, description="Scale: the update is alpha / rank x B A.")
+    rank: int = Field(8, ge=1, le=4096, description="Rank r of the adapters A [r, in] and B [out, r].")
+    alpha: float = Field(16.0, gt=0, le=1e6, description="Scale: the update is alpha / rank x B A.")
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapters' input (linear targets).")
     target_modules: list[str] | None = Field(
         None, description="What gets adapters. gpt: q, k, v, out, gate, up, down (default q, k, v, out); lstm/gru: "
@@ -44,21 +44,21 @@ class ModelSpec(SpecModel):
         None, description="Size preset (see `seqtrain.spec.presets`), e.g. tiny, small. Explicit dims override it."
     )
     vocab_size: int | None = Field(
-        None, ge=2, description="Vocabulary size; default: the tokenizer's (256 for the byte-level tokenizer)."
+        None, ge=2, le=2**22, description="Vocabulary size; default: the tokenizer's (256 for the byte-level tokenizer)."
     )
-    dim: int | None = Field(None, ge=1, description="Model width (embedding / hidden size).")
-    layers: int | None = Field(None, ge=1, description="Number of blocks (transformer) or stacked recurrent layers.")
-    heads: int | None = Field(None, ge=1, description="Attention heads (gpt only); dim must be divisible by heads.")
-    kv_heads: int | None = Field(None, ge=1, description="Key/value heads for grouped-query attention (gpt only).")
-    ffn_dim: int | None = Field(None, ge=1, description="Hidden size of the SwiGLU MLP (gpt only).")
+    dim: int | None = Field(None, ge=1, le=65536, description="Model width (embedding / hidden size).")
+    layers: int | None = Field(None, ge=1, le=1024, description="Number of blocks (transformer) or stacked recurrent layers.")
+    heads: int | None = Field(None, ge=1, le=1024, description="Attention heads (gpt only); dim must be divisible by heads.")
+    kv_heads: int | None = Field(None, ge=1, le=1024, description="Key/value heads for grouped-query attention (gpt only).")
+    ffn_dim: int | None = Field(None, ge=1, le=1_048_576, description="Hidden size of the SwiGLU MLP (gpt only).")
     max_seq_len: int | None = Field(
-        None, ge=1, description="Longest sequence the model accepts (RoPE table size for gpt)."
+        None, ge=1, le=MAX_SEQ_LEN, description="Longest sequence the model accepts (RoPE table size for gpt)."
     )
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout probability.")
     tie_embeddings: bool = Field(True, description="Share the input embedding and the output projection.")
-    rope_theta: float = Field(10000.0, gt=0, description="RoPE base frequency (gpt only).")
+    rope_theta: float = Field(10000.0, gt=0, le=1e9, description="RoPE base frequency (gpt only).")
     norm_eps: float = Field(1e-5, gt=0, description="Epsilon of RMSNorm / LayerNorm.")
-    init_std: float = Field(0.02, gt=0, description="Standard deviation of the normal weight init.")
+    init_std: float = Field(0.02, gt=0, le=10, description="Standard deviation of the normal weight init.")
     lora: LoraSpec | None = Field(
         None, description="Fine-tune with LoRA adapters: the model's own weights stay frozen (usually from "
         "model.init); only the adapters train and are checkpointed.",

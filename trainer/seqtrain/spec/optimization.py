@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from seqtrain.spec.base import SpecModel
+from seqtrain.spec.base import DAY, SpecModel
 
 
 class ZeroSpec(SpecModel):
@@ -20,9 +20,9 @@ class ActivationCheckpointingSpec(SpecModel):
         description="none; full: every block; every: every k-th block; sqrt: about sqrt(L) segments; "
         "selective: keep cheap tensors, recompute attention/MLP internals.",
     )
-    every: int = Field(2, ge=1, description="k for policy: every.")
+    every: int = Field(2, ge=1, le=1024, description="k for policy: every.")
     time_chunks: int | None = Field(
-        None, ge=1, description="Recurrent models: checkpoint over this many time chunks (default about sqrt(T))."
+        None, ge=1, le=1_000_000, description="Recurrent models: checkpoint over this many time chunks (default about sqrt(T))."
     )
 
 
@@ -32,11 +32,11 @@ class OptimizationSpec(SpecModel):
         "auto", description="native: DDP/FSDP2; deepspeed: DeepSpeed ZeRO engine; auto: deepspeed when zero.stage > 0."
     )
     zero: ZeroSpec = Field(default_factory=ZeroSpec, description="ZeRO sharding of optimizer states, gradients, parameters.")
-    tensor_parallel: int = Field(1, ge=1, description="Tensor-parallel degree (ranks that split each layer).")
-    pipeline_parallel: int = Field(1, ge=1, description="Pipeline-parallel degree (stages).")
+    tensor_parallel: int = Field(1, ge=1, le=256, description="Tensor-parallel degree (ranks that split each layer).")
+    pipeline_parallel: int = Field(1, ge=1, le=1024, description="Pipeline-parallel degree (stages).")
     pipeline_schedule: Literal["gpipe", "1f1b", "interleaved"] = Field("1f1b", description="Pipeline schedule.")
     micro_batches: int | None = Field(
-        None, ge=1, description="Pipeline micro-batches per step (default: 2 x pipeline stages)."
+        None, ge=1, le=1_000_000, description="Pipeline micro-batches per step (default: 2 x pipeline stages)."
     )
     sequence_parallel: bool = Field(False, description="Shard norms/dropout along the sequence in tensor-parallel regions.")
     activation_checkpointing: ActivationCheckpointingSpec = Field(
@@ -48,7 +48,7 @@ class OptimizationSpec(SpecModel):
     grad_compression: Literal["none", "bf16", "fp16"] = Field(
         "none", description="Compress data-parallel gradient all-reduce (communication hook)."
     )
-    bucket_mb: int = Field(25, ge=1, description="Gradient all-reduce bucket size in MiB.")
+    bucket_mb: int = Field(25, ge=1, le=65536, description="Gradient all-reduce bucket size in MiB.")
     comm_timeout_seconds: int = Field(
-        600, ge=10, description="Collective timeout; on expiry every rank reports what it waited for and exits."
+        600, ge=10, le=DAY, description="Collective timeout; on expiry every rank reports what it waited for and exits."
     )

@@ -4,60 +4,67 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
-from seqtrain.spec.base import SpecModel
+from seqtrain.spec.base import MAX_STEPS, SpecModel
 
 
 class OptimizerSpec(SpecModel):
     name: Literal["adamw", "lamb", "lars", "adafactor", "sgd"] = Field("adamw", description="Optimizer.")
-    lr: float = Field(3e-4, gt=0, description="Peak learning rate.")
-    betas: tuple[float, float] = Field((0.9, 0.95), description="Adam-family betas.")
-    eps: float = Field(1e-8, gt=0, description="Adam-family epsilon.")
-    weight_decay: float = Field(0.1, ge=0, description="Decoupled weight decay; never applied to norms, biases and embeddings' scales.")
+    lr: float = Field(3e-4, gt=0, le=100, description="Peak learning rate.")
+    betas: tuple[float, float] = Field((0.9, 0.95), description="Adam-family betas, each in [0, 1).")
+    eps: float = Field(1e-8, gt=0, le=1, description="Adam-family epsilon.")
+    weight_decay: float = Field(0.1, ge=0, le=10, description="Decoupled weight decay; never applied to norms, biases and embeddings' scales.")
     momentum: float = Field(0.9, ge=0, lt=1, description="Momentum for sgd / lars.")
-    embedding_lr_scale: float = Field(1.0, gt=0, description="Learning-rate multiplier for embedding parameters.")
+    embedding_lr_scale: float = Field(1.0, gt=0, le=100, description="Learning-rate multiplier for embedding parameters.")
+
+    @field_validator("betas")
+    @classmethod
+    def _betas(cls, betas: tuple[float, float]) -> tuple[float, float]:
+        if not all(0 <= b < 1 for b in betas):
+            raise ValueError(f"each beta must be in [0, 1) (got {list(betas)}); e.g. [0.9, 0.95]")
+        return betas
 
 
 class ScheduleSpec(SpecModel):
     name: Literal["constant", "cosine", "linear", "wsd", "cyclic"] = Field(
         "cosine", description="constant, warmup+cosine, warmup+linear decay, warmup-stable-decay, cyclic."
     )
-    warmup_steps: int = Field(0, ge=0, description="Linear warmup steps from 0 to the peak learning rate.")
+    warmup_steps: int = Field(0, ge=0, le=MAX_STEPS, description="Linear warmup steps from 0 to the peak learning rate.")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final learning rate as a fraction of the peak.")
     decay_fraction: float = Field(0.2, gt=0, le=1, description="wsd: share of the steps spent decaying at the end.")
-    cycle_steps: int = Field(1000, ge=1, description="cyclic: length of one cycle in steps.")
+    cycle_steps: int = Field(1000, ge=1, le=MAX_STEPS, description="cyclic: length of one cycle in steps.")
 
 
 class EarlyStoppingSpec(SpecModel):
-    patience: int = Field(3, ge=1, description="Evaluations without improvement before the job stops (Succeeded).")
+    patience: int = Field(3, ge=1, le=1_000_000, description="Evaluations without improvement before the job stops (Succeeded).")
     min_delta: float = Field(0.0, ge=0, description="Smallest validation-loss decrease that counts as improvement.")
 
 
 class EvalSpec(SpecModel):
-    every: int = Field(0, ge=0, description="Evaluate every N optimizer steps (0: only at the end, if batches > 0).")
-    batches: int = Field(0, ge=0, description="Validation micro-batches per evaluation (0 disables evaluation).")
+    every: int = Field(0, ge=0, le=MAX_STEPS, description="Evaluate every N optimizer steps (0: only at the end, if batches > 0).")
+    batches: int = Field(0, ge=0, le=1_000_000, description="Validation micro-batches per evaluation (0 disables evaluation).")
     early_stopping: EarlyStoppingSpec | None = Field(None, description="Stop when validation loss stops improving.")
 
 
 class ProfileSpec(SpecModel):
-    start_step: int = Field(1, ge=1, description="First optimizer step of the captured window.")
-    steps: int = Field(3, ge=1, description="Number of steps to capture.")
+    start_step: int = Field(1, ge=1, le=MAX_STEPS, description="First optimizer step of the captured window.")
+    steps: int = Field(3, ge=1, le=1000, description="Number of steps to capture.")
 
 
 class TrainingSpec(SpecModel):
-    steps: int = Field(100, ge=1, description="Optimizer steps to train for.")
+    steps: int = Field(100, ge=1, le=MAX_STEPS, description="Optimizer steps to train for.")
     global_batch_size: int = Field(
-        8, ge=1, description="Sequences per optimizer step across all data-parallel ranks."
+        8, ge=1, le=100_000_000, description="Sequences per optimizer step across all data-parallel ranks."
     )
     micro_batch_size: int = Field(
-        8, ge=1, description="Sequences per forward/backward on one rank; accumulation fills the global batch."
+        8, ge=1, le=1_000_000, description="Sequences per forward/backward on one rank; accumulation fills the global batch."
     )
     optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec, description="Optimizer and its settings.")
     schedule: ScheduleSpec = Field(default_factory=ScheduleSpec, description="Learning-rate schedule.")
-    grad_clip: float | None = Field(1.0, gt=0, description="Clip gradients to this global L2 norm (null: no clipping).")
-    seed: int = Field(0, ge=0, description="Seed for init, data order and dropout.")
-    log_every: int = Field(1, ge=1, description="Print progress every N steps (metrics.jsonl gets every step).")
+    grad_clip: float | None = Field(1.0, gt=0, le=1e6, description="Clip gradients to this global L2 norm (null: no clipping).")
+    seed: int = Field(0, ge=0, le=2**32 - 1, description="Seed for init, data order and dropout.")
+    log_every: int = Field(1, ge=1, le=MAX_STEPS, description="Print progress every N steps (metrics.jsonl gets every step).")
     eval: EvalSpec = Field(default_factory=EvalSpec, description="Validation schedule.")
     profile: ProfileSpec | None = Field(None, description="Capture a torch.profiler trace for a window of steps.")
     deterministic: bool = Field(
