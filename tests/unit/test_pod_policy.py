@@ -286,6 +286,8 @@ def test_network_policy_admits_only_the_gang_and_the_operator():
     assert operator["from"] == [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "seqtrain"}},
                                  "namespaceSelector": {"matchLabels": {
                                      "kubernetes.io/metadata.name": "seqtrain-system"}}}]
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    kubernetes_validate.validate(np, "1.33", strict=True)  # what the API server will accept
     with_metrics = m.build_network_policy(parse_job(Job().obj()), owner,
                                           m.Settings(progress_port=None, metrics_port=9400))
     assert with_metrics["spec"]["ingress"][1:] == [{"ports": [{"protocol": "TCP", "port": 9400}]}]
