@@ -104,7 +104,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
-        if int(self.headers.get("Content-Length") or 0) > 0:
+        if (self.headers.get("Content-Length") or "0").strip() != "0":
             self._reply(413, "application/json", b'{"error": "GET takes no body"}')
             return
         route = self.server.routes.get(self.path.split("?")[0])
