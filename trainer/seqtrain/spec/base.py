@@ -54,4 +54,10 @@ def _kind(annotation: Any) -> str:
         return "an integer"
     if float in args:
         return "a number"
+    if str in args:
+        return "a string (quote it)"
+    literals = [v for arg in (annotation, *args) if typing.get_origin(arg) is typing.Literal
+                for v in typing.get_args(arg)]
+    if literals:
+        return "one of " + ", ".join(map(str, literals))
     return "a value of another type"
