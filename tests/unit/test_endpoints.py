@@ -17,7 +17,7 @@ import pytest
 from seqtrain.obs import httpserve
 from seqtrain.obs.progress import ProgressReporter
 from seqtrain.obs.prometheus import TrainerMetrics
-from seqtrain_operator.k8s.progress import MAX_BODY_BYTES, poll_progress
+from seqtrain_operator.k8s.progress import MAX_BODY_BYTES, poll_progress, progress_url
 
 
 def _connect(port: int) -> socket.socket:
@@ -104,7 +104,7 @@ def test_the_metrics_server_is_bounded_too(monkeypatch: pytest.MonkeyPatch):
         m.close()
 
 
-def _serve_body(body: bytes) -> ThreadingHTTPServer:
+def _serve_body(body: bytes, host: str = "127.0.0.1") -> ThreadingHTTPServer:
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802
             self.send_response(200)
@@ -116,7 +116,9 @@ def _serve_body(body: bytes) -> ThreadingHTTPServer:
         def log_message(self, *args: object) -> None:
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server_class = type("Server6", (ThreadingHTTPServer,), {"address_family": socket.AF_INET6}) if ":" in host \
+        else ThreadingHTTPServer
+    server = server_class((host, 0), Handler)
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server
@@ -132,3 +134,21 @@ def test_the_operator_reads_at_most_a_small_progress_body(pad, expect):
         server.shutdown()
         server.server_close()
     assert (reported.progress.step if reported.progress else None) == expect
+
+
+def test_an_ipv6_pod_ip_is_bracketed_in_the_progress_url():
+    assert progress_url("fd00:10:244::5", 8471) == "http://[fd00:10:244::5]:8471/progress"
+    assert progress_url("10.0.0.5", 8471) == "http://10.0.0.5:8471/progress"
+
+
+def test_the_operator_reads_progress_from_an_ipv6_pod():
+    try:
+        server = _serve_body(json.dumps({"step": 7, "totalSteps": 10}).encode(), host="::1")
+    except OSError:
+        pytest.skip("this host has no IPv6 loopback")
+    try:
+        reported = asyncio.run(poll_progress("::1", server.server_address[1], timeout=30))
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert reported.progress is not None and reported.progress.step == 7

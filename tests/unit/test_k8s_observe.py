@@ -183,3 +183,40 @@ def test_a_pod_is_awaiting_the_scheduler_until_bound_or_refused():
         {"type": "PodScheduled", "status": "False", "reason": "Unschedulable"}]}}
     assert not awaiting_scheduler(refused)
     assert not awaiting_scheduler({"spec": {}, "status": {"phase": "Running"}})
+
+
+def with_sidecar(phase, trainer_state, sidecar_state, reason=None, conditions=None, first="istio-proxy"):
+    """A pod with an injected sidecar (a container the operator did not put there), listed before the trainer."""
+    p = pod(phase=phase, reason=reason, conditions=conditions)
+    trainer = {"name": "trainer", "state": trainer_state}
+    other = {"name": first, "state": sidecar_state}
+    p["status"]["containerStatuses"] = [other, trainer]
+    return p
+
+
+RUNNING, DONE, CRASHED = {"running": {}}, {"terminated": {"exitCode": 0}}, {"terminated": {"exitCode": 1}}
+
+
+@pytest.mark.parametrize("name,p,phase,code", [
+    ("trainer succeeded beside a running sidecar", with_sidecar("Running", DONE, RUNNING), "Succeeded", 0),
+    ("trainer crashed beside a running sidecar", with_sidecar("Running", CRASHED, RUNNING), "Failed", 1),
+    ("trainer succeeded, the sidecar failed after", with_sidecar("Failed", DONE, CRASHED), "Succeeded", 0),
+    ("trainer running, the sidecar crashed", with_sidecar("Running", RUNNING, CRASHED), "Running", None),
+    ("trainer crashed, the sidecar exited 0", with_sidecar("Failed", CRASHED, DONE), "Failed", 1),
+    ("no trainer status yet: the sidecar's says nothing", dict(with_sidecar("Running", RUNNING, CRASHED), status={
+        "phase": "Running", "containerStatuses": [{"name": "istio-proxy", "state": CRASHED}]}), "Running", None),
+    ("the pod was evicted: its reason stands", with_sidecar("Failed", DONE, CRASHED, reason="Evicted"), "Failed", 0),
+    ("the pod was preempted: its reason stands", with_sidecar("Failed", DONE, CRASHED, conditions=[
+        {"type": "DisruptionTarget", "status": "True", "reason": "PreemptionByScheduler"}]), "Failed", 0),
+])
+def test_the_trainer_container_decides_the_replica_outcome_not_a_sidecar(name, p, phase, code):
+    (r,) = observe_replicas([p], [node("n1")], NOW)
+    assert (r.phase, r.exit_code) == (phase, code), name
+
+
+def test_a_crash_beside_a_sidecar_is_classified_like_any_crash_and_the_endpoint_is_not_polled():
+    p = with_sidecar("Running", {"terminated": {"exitCode": 137, "reason": "OOMKilled"}}, RUNNING)
+    p["status"]["podIP"] = "10.0.0.5"
+    (r,) = observe_replicas([p], [node("n1")], NOW)
+    assert (r.phase, r.reason, classify(r).cls) == ("Failed", "OOMKilled", FailureClass.USER)
+    assert rank0_ip([p], 1) is None  # the trainer's progress server is gone with it

@@ -63,6 +63,15 @@ def test_pod_requests_limits_default_init_containers_overhead():
     assert pod_requests(pod) == Requests(gpus=2, cpu_millis=4000, memory_bytes=GI + 128 * 2**20, pods=1)
 
 
+def test_native_sidecar_requests_are_summed_with_the_containers():
+    sidecar = {"restartPolicy": "Always", "resources": {"requests": {"cpu": "500m", "memory": "1Gi"}}}
+    pod = {"spec": {"containers": [{"resources": {"requests": {"cpu": "1", "memory": "1Gi"}}}],
+                    "initContainers": [{"resources": {"requests": {"cpu": "1"}}}, sidecar,
+                                       {"resources": {"requests": {"cpu": "1"}}}]}}
+    # the sidecar runs beside the trainer (1.5 CPUs, 2 GiB) and beside the init container after it (1.5 CPUs)
+    assert pod_requests(pod) == Requests(cpu_millis=1500, memory_bytes=2 * GI, pods=1)
+
+
 def _k8s_node(name, gpus=8, ready="True", unschedulable=False, taints=(), **labels):
     return {"metadata": {"name": name, "labels": labels},
             "spec": {"unschedulable": unschedulable, "taints": list(taints)},

@@ -63,8 +63,8 @@ def test_overrides_are_merged_with_operator_fields_kept():
     assert meta["annotations"]["example.com/cost-center"] == "42"
     assert spec["serviceAccountName"] == "trainer-sa"
     assert spec["automountServiceAccountToken"] is False  # unchanged unless the override asks
-    trainer, sidecar = spec["containers"]
-    assert trainer["name"] == "trainer" and sidecar["name"] == "log-shipper"
+    (trainer,) = spec["containers"]  # the sidecar is a native one: it cannot keep the pod Running (below)
+    assert trainer["name"] == "trainer"
     env = {e["name"]: e.get("value") for e in trainer["env"]}
     assert env["NCCL_IB_HCA"] == "mlx5" and env["HOME"] == "/home/me"  # added; a default replaced
     assert env["RANK"] == "1" and env["MASTER_PORT"] == "29500"  # owned, untouched
@@ -76,7 +76,9 @@ def test_overrides_are_merged_with_operator_fields_kept():
     assert trainer["resources"]["requests"]["cpu"] == "1"
     assert trainer["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["IPC_LOCK"]}
     assert trainer["command"][:2] == ["seqtrain", "train"] and trainer["ports"][0]["containerPort"] == 29500
-    assert spec["initContainers"][0]["name"] == "fetch"
+    fetch, sidecar = spec["initContainers"]  # the user's init containers run first, then the sidecars start
+    assert fetch["name"] == "fetch" and "restartPolicy" not in fetch
+    assert sidecar["name"] == "log-shipper" and sidecar["restartPolicy"] == "Always"
     assert [v["name"] for v in spec["volumes"]] == ["config", "dshm", "tmp", "checkpoints", "data"]
     # nodeAffinity: each user term ANDed with the operator's pin (Kubernetes ORs terms)
     terms = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
@@ -154,7 +156,7 @@ def test_unknown_pod_fields_are_listed():
 def test_sidecar_may_mount_the_checkpoint_volume_read_only():
     p = pod({"spec": {"containers": [{"name": "s", "image": "x",
                                       "volumeMounts": [{"name": "checkpoints", "mountPath": "/ck"}]}]}})
-    assert p["spec"]["containers"][1]["volumeMounts"][0]["name"] == "checkpoints"
+    assert p["spec"]["initContainers"][0]["volumeMounts"][0]["name"] == "checkpoints"
 
 
 def test_a_fault_drill_env_var_reaches_the_trainer_though_other_seqtrain_vars_are_the_operators():

@@ -1,6 +1,10 @@
 """Pods and nodes as the controller core sees them (pure): Kubernetes objects -> ReplicaObservation.
 
-What a pod's status means for the gang:
+What a pod's status means for the gang (the trainer container's own state decides, not the pod's: a container the
+operator did not put there, e.g. a mesh proxy injected by a webhook, keeps a pod Running after the trainer exited,
+or fails it after the trainer succeeded):
+- trainer container terminated -> Succeeded (exit 0) or Failed with its exit code, whatever the pod phase says
+  (unless the pod itself failed for a reason of its own: evicted, preempted ...);
 - phase Running / Succeeded -> the same; Pending -> Pending, unless a container can never start (a bad image
   name, a broken config reference: Failed with that reason, which the core treats as permanent); a failing image
   pull (ErrImagePull, ImagePullBackOff) stays Pending with that reason: transient, the core gives it a deadline;
@@ -38,8 +42,22 @@ _DISRUPTION = {"PreemptionByScheduler": "Preempted", "DeletionByTaintManager": "
 
 
 def _container(pod: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The trainer's containerStatus ({} before the kubelet reports it); never another container's."""
     statuses = (pod.get("status") or {}).get("containerStatuses") or []
-    return next((c for c in statuses if c.get("name") == CONTAINER), statuses[0] if statuses else {})
+    return next((c for c in statuses if c.get("name") == CONTAINER), {})
+
+
+def _outcome(phase: str, term: Mapping[str, Any], pod: Mapping[str, Any]) -> str:
+    """The pod phase corrected by the trainer's exit: a trainer that exited beside a running sidecar ends the
+    replica; one that exited 0 beside a sidecar that failed succeeded (unless the pod failed for its own reason)."""
+    code = term.get("exitCode")
+    if code is None:
+        return phase
+    if phase == "Running":
+        return "Succeeded" if code == 0 else "Failed"
+    if phase == "Failed" and code == 0 and not (pod.get("status") or {}).get("reason") and not _disruption(pod):
+        return "Succeeded"
+    return phase
 
 
 def _terminated(pod: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -75,8 +93,8 @@ def replica_of(pod: Mapping[str, Any], nodes: Mapping[str, Mapping[str, Any]], n
         return None
     status = pod.get("status") or {}
     node = (pod.get("spec") or {}).get("nodeName")
-    phase = status.get("phase", "Pending")
     term = _terminated(pod)
+    phase = _outcome(status.get("phase", "Pending"), term, pod)
     code = term.get("exitCode")
     reason: str | None = None
     message = status.get("message", "") or ""
@@ -193,6 +211,6 @@ def rank0_ip(pods: Iterable[Mapping[str, Any]], attempt: int) -> str | None:
         labels = (pod.get("metadata") or {}).get("labels") or {}
         status = pod.get("status") or {}
         if (labels.get(LABEL_REPLICA) == "0" and labels.get(LABEL_ATTEMPT) == str(attempt)
-                and status.get("phase") == "Running"):
-            return status.get("podIP")
+                and status.get("phase") == "Running" and not _terminated(pod)):
+            return status.get("podIP")  # not once the trainer exited: its endpoint is gone
     return None

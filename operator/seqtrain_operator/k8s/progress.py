@@ -15,8 +15,14 @@ from seqtrain_operator.k8s.observe import Reported, progress_from_json
 MAX_BODY_BYTES = 64 * 1024
 
 
+def progress_url(ip: str, port: int) -> str:
+    """The endpoint's URL; an IPv6 address goes in brackets (RFC 3986), else its colons read as a port."""
+    host = f"[{ip}]" if ":" in ip and not ip.startswith("[") else ip
+    return f"http://{host}:{port}/progress"
+
+
 async def poll_progress(ip: str, port: int, timeout: float = 2.0) -> Reported:
-    url = f"http://{ip}:{port}/progress"
+    url = progress_url(ip, port)
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session, \
                 session.get(url) as resp:

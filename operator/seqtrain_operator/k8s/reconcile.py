@@ -55,7 +55,7 @@ from seqtrain_operator.k8s.observe import (
     observe_replicas,
     rank0_ip,
 )
-from seqtrain_operator.k8s.progress import poll_progress
+from seqtrain_operator.k8s.progress import poll_progress, progress_url
 from seqtrain_operator.planner.inventory import inventory
 from seqtrain_operator.planner.types import Node, Plan
 
@@ -203,7 +203,7 @@ async def reconcile(kube: Kube, cfg: Config, namespace: str, name: str, emit: Ev
     if cfg.poll_progress and cfg.settings.progress_port and ip:
         reported = await poll_progress(ip, cfg.settings.progress_port, cfg.progress_timeout)
         if reported.progress is None:
-            unreachable = f"GET http://{ip}:{cfg.settings.progress_port}/progress did not answer"
+            unreachable = f"GET {progress_url(ip, cfg.settings.progress_port)} did not answer"
     if reported.progress is None:
         reported = final_progress(pods, status.attempt)
     observed = Observed(replicas=replicas, latest_checkpoint=reported.checkpoint, progress=reported.progress,

@@ -7,7 +7,9 @@ rendezvous either):
 - trainer env: an override replaces only env vars the operator defaults (HOME, PYTHONUNBUFFERED, caches); rank and
   rendezvous variables stay the operator's; envFrom is added (Kubernetes lets `env` win over `envFrom`, so a secret
   cannot shadow MASTER_ADDR either);
-- volumes, volumeMounts, init containers and sidecars are appended after the operator's;
+- volumes, volumeMounts, init containers and sidecars are appended after the operator's; sidecars run as native
+  sidecars (init containers with `restartPolicy: Always`, after the user's init containers): the kubelet stops them
+  once the trainer exits, so a log shipper cannot keep a finished pod Running (Kubernetes >= 1.29);
 - extended resources go into requests and limits (equal, as Kubernetes requires for extended resources);
 - capabilities are added after the operator's `drop: [ALL]`;
 - nodeAffinity is ANDed with the operator's placement (each required term of the override is combined with the
@@ -107,9 +109,9 @@ def apply_pod_template(pod: dict[str, Any], template: PodTemplate, trainer_name:
         spec["automountServiceAccountToken"] = t.automount_service_account_token
     trainer = next(c for c in spec["containers"] if c["name"] == trainer_name)
     _merge_trainer(trainer, template.trainer())
-    spec["containers"] = [*spec["containers"], *copy.deepcopy(template.sidecars())]
-    if t.init_containers:
-        spec["initContainers"] = [*(spec.get("initContainers") or []), *copy.deepcopy(t.init_containers)]
+    sidecars = [{**copy.deepcopy(c), "restartPolicy": "Always"} for c in template.sidecars()]
+    if t.init_containers or sidecars:
+        spec["initContainers"] = [*(spec.get("initContainers") or []), *copy.deepcopy(t.init_containers), *sidecars]
     if t.volumes:
         spec["volumes"] = [*spec["volumes"], *copy.deepcopy(t.volumes)]
     if t.affinity:

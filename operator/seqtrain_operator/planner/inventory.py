@@ -121,7 +121,8 @@ def _memo(kind: str, obj: Mapping[str, Any], compute: Any) -> Any:
 
 
 def pod_requests(pod: Mapping[str, Any]) -> Requests:
-    """Effective requests of a pod: max(sum of containers, largest init container) + overhead, and one pod."""
+    """Effective requests of a pod, as kube-scheduler counts them: max(sum of containers and native sidecars, each
+    init container plus the sidecars started before it) + overhead, and one pod."""
     return _memo("pod", pod, _pod_requests)  # type: ignore[no-any-return]
 
 
@@ -130,8 +131,14 @@ def _pod_requests(pod: Mapping[str, Any]) -> Requests:
     total = Requests()
     for c in spec.get("containers") or []:
         total = total + _container_requests(c)
+    sidecars, init = Requests(), Requests()
     for c in spec.get("initContainers") or []:
-        total = total.max(_container_requests(c))
+        if c.get("restartPolicy") == "Always":  # a native sidecar: runs beside everything after it
+            sidecars = sidecars + _container_requests(c)
+            init = init.max(sidecars)
+        else:
+            init = init.max(sidecars + _container_requests(c))
+    total = (total + sidecars).max(init)
     overhead = spec.get("overhead") or {}
     if overhead:
         total = total + _resource_requests(overhead)
