@@ -259,7 +259,7 @@ down() {
     # Pod processes the agent started (own process groups) die with it; any left (agent SIGKILLed) go here.
     if [[ -d $TB/agent/pods ]]; then
         local f
-        for f in "$TB"/agent/pods/*/pgid; do [[ -f $f ]] && kill -KILL -- "-$(cat "$f")" 2>/dev/null || true; done
+        for f in "$TB"/agent/pods/*/pgid*; do [[ -f $f ]] && kill -KILL -- "-$(cat "$f")" 2>/dev/null || true; done
     fi
     log "down"
 }

@@ -6,7 +6,7 @@ to one of its nodes it does what the kubelet documentation says a kubelet does, 
 - registers its nodes and keeps them alive (NodeReady condition + a Lease in kube-node-lease, renewed every few
   seconds); a node marked down (`testbed.sh node-down NODE` drops a file in <state>/down/) stops both and its pod
   processes are SIGKILLed: nothing on that node answers again, so deletions there are never confirmed;
-- runs the pod's single container: `command` + `args` with the pod's env ($(VAR) references expanded, fieldRef
+- runs the pod's containers: `command` + `args` with the pod's env ($(VAR) references expanded, fieldRef
   metadata.name/namespace/uid, spec.nodeName, status.podIP/hostIP, configMapKeyRef and secretKeyRef resolved), in
   its own process group. Volumes become local folders (configMap/secret keys written out, emptyDir per pod, a PVC
   the hostPath of its PV, else a folder per claim, `medium: Memory` at /dev/shm is the host's /dev/shm). A process
@@ -22,6 +22,10 @@ to one of its nodes it does what the kubelet documentation says a kubelet does, 
   (metadata.deletionGracePeriodSeconds), and only when the processes are gone confirms with a delete of grace 0
   (with the pod's uid as precondition), as the kubelet does.
 
+Containers beside the first (a sidecar, an injected proxy) run as processes of their own, as the kubelet runs them:
+native sidecars (init containers with `restartPolicy: Always`) start first, are listed in initContainerStatuses
+and get SIGTERM once every regular container has exited; the pod stays Running while any regular container runs,
+then ends Succeeded if all of them exited 0, else Failed. Other init containers are not run (refused).
 restartPolicy Never only (the operator's pods; the operator restarts whole gangs): an exited container stays
 terminated. The image, securityContext and resource limits other than memory are not enforced: every pod runs
 as this user with this Python environment (PATH and PYTHONPATH are passed through).
@@ -264,6 +268,21 @@ def kill_group(pid: int, sig: int) -> None:
         os.killpg(pid, sig)
 
 
+def companions(spec: Mapping[str, Any]) -> list[tuple[dict[str, Any], bool]]:
+    """The containers besides the first, each with whether it is a native sidecar (an init container with
+    restartPolicy Always, started before the others) or a regular container."""
+    return [*((c, True) for c in spec.get("initContainers") or [] if c.get("restartPolicy") == "Always"),
+            *((c, False) for c in (spec.get("containers") or [])[1:])]
+
+
+def signal_pod(proc: Proc, sig: int, reap: bool = False) -> None:
+    """`sig` to the process groups of every container of the pod (`reap`: and wait for them)."""
+    for p in [proc, *proc.extra.get("companions", [])]:
+        kill_group(p.popen.pid, sig)
+        if reap:
+            p.popen.wait()
+
+
 class Agent:
     """Owns `nodes`; polls the API for their pods and runs them. All API calls go through `api` (CoreV1Api)."""
 
@@ -354,8 +373,7 @@ class Agent:
                     if proc is not None and proc.extra.get("node") == name:
                         # Killed with the node; reported (exit 137) only if the node comes back, like a kubelet
                         # that restarts and finds its containers gone.
-                        kill_group(proc.popen.pid, signal.SIGKILL)
-                        proc.popen.wait()
+                        signal_pod(proc, signal.SIGKILL, reap=True)
             elif name not in marked and name in self.down:
                 LOG.info("node %s up again", name)
                 self.down.discard(name)
@@ -416,16 +434,19 @@ class Agent:
                 return Path(pv.spec.host_path.path)
         return self.state / "volumes" / namespace / claim
 
-    def prepare(self, pod: dict[str, Any]) -> tuple[list[str], dict[str, str], Path, Path, str]:
-        """Volumes -> folders, then the argv and env of the pod's container. Raises ValueError when it cannot."""
+    def prepare(self, pod: dict[str, Any], c: dict[str, Any] | None = None
+                ) -> tuple[list[str], dict[str, str], Path, Path, str]:
+        """Volumes -> folders, then the argv and env of container `c` (default: the first). Raises ValueError when
+        it cannot."""
         meta, spec = pod["metadata"], pod["spec"]
         ns, uid = meta["namespace"], meta["uid"]
         root = self.state / "pods" / uid
         root.mkdir(parents=True, exist_ok=True)
         containers = spec.get("containers") or []
-        if len(containers) != 1 or spec.get("initContainers"):
-            raise ValueError("the testbed agent runs pods of exactly one container and no init containers")
-        c = containers[0]
+        if not containers or any(i.get("restartPolicy") != "Always" for i in spec.get("initContainers") or []):
+            raise ValueError("the testbed agent runs no init containers other than native sidecars "
+                             "(restartPolicy: Always)")
+        c = c or containers[0]
         if not c.get("command"):
             raise ValueError(f"container {c['name']}: no command (the image's entrypoint is unknown here)")
         volumes: dict[str, Path] = {}
@@ -473,7 +494,7 @@ class Agent:
             target = base / m["subPath"] if m.get("subPath") else base
             if str(target) != m["mountPath"]:
                 mounts[m["mountPath"]] = str(target)
-        message_file = root / "termination-log"
+        message_file = root / ("termination-log" if c is containers[0] else f"termination-log.{c['name']}")
         message_file.write_text("")
         mounts[c.get("terminationMessagePath") or "/dev/termination-log"] = str(message_file)
         paths = PathMap(mounts)
@@ -494,6 +515,11 @@ class Agent:
                                 "containerStatuses": [container_status(
                                     c, {"waiting": {"reason": "ContainerCreating"}}, False, False)]})
         try:
+            # Companions first: a configMap file shared with the first container ends up with its mount paths.
+            side = [(sc, native, self.prepare(pod, sc)) for sc, native in companions(pod["spec"])]
+            for sc, _, prep in side:
+                if shutil.which(prep[0][0], path=prep[1].get("PATH") or os.environ.get("PATH")) is None:
+                    raise ValueError(f"container {sc['name']}: exec: {prep[0][0]!r}: executable file not found")
             argv, env, root, message_file, cwd = self.prepare(pod)
         except Exception as e:  # noqa: BLE001 (the pod fails with the reason, like CreateContainerConfigError)
             LOG.warning("pod %s/%s cannot start: %s", meta["namespace"], meta["name"], e)
@@ -510,6 +536,15 @@ class Agent:
         if exe is None:
             self.finish_without_start(pod, 127, f"exec: {argv[0]!r}: executable file not found in $PATH")
             return
+        started_side = []
+        for sc, native, (s_argv, s_env, _, s_message, s_cwd) in side:  # native sidecars start before the rest
+            with open(root / f"container.{sc['name']}.log", "ab") as out:
+                s_popen = subprocess.Popen([shutil.which(s_argv[0], path=s_env.get("PATH") or base.get("PATH")),
+                                            *s_argv[1:]], env={**base, **s_env}, cwd=s_cwd, stdout=out,
+                                           stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+            (root / f"pgid.{sc['name']}").write_text(str(s_popen.pid))
+            started_side.append(Proc(meta["uid"], s_popen, root / f"container.{sc['name']}.log", s_message,
+                                     "File", None, now(), extra={"container": sc, "native": native}))
         with open(log, "ab") as out:
             popen = subprocess.Popen([exe, *argv[1:]], env={**base, **env}, cwd=cwd, stdout=out,
                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
@@ -517,13 +552,14 @@ class Agent:
         limits = ((c.get("resources") or {}).get("limits") or {})
         started = now()
         proc = Proc(meta["uid"], popen, log, message_file, c.get("terminationMessagePolicy") or "File",
-                    quantity_bytes(limits.get("memory")), started, extra={"node": pod["spec"]["nodeName"]})
+                    quantity_bytes(limits.get("memory")), started,
+                    extra={"node": pod["spec"]["nodeName"], "companions": started_side})
         self.procs[meta["uid"]] = proc
         LOG.info("pod %s/%s: started pid %d: %s", meta["namespace"], meta["name"], popen.pid, " ".join(argv))
-        self.patch_status(pod, {"phase": "Running", "podIP": POD_IP, "podIPs": [{"ip": POD_IP}], "hostIP": POD_IP,
-                                "hostIPs": [{"ip": POD_IP}], "conditions": pod_conditions(True),
-                                "containerStatuses": [container_status(
-                                    c, {"running": {"startedAt": started}}, True, True)]})
+        self.patch_status(pod, self.with_companions(proc, {
+            "phase": "Running", "podIP": POD_IP, "podIPs": [{"ip": POD_IP}], "hostIP": POD_IP,
+            "hostIPs": [{"ip": POD_IP}], "conditions": pod_conditions(True),
+            "containerStatuses": [container_status(c, {"running": {"startedAt": started}}, True, True)]}))
 
     def finish_without_start(self, pod: dict[str, Any], code: int, message: str) -> None:
         c = pod["spec"]["containers"][0]
@@ -532,7 +568,8 @@ class Agent:
         self.patch_status(pod, {"phase": "Failed", "conditions": pod_conditions(False, True), "containerStatuses": [
             container_status(c, {"terminated": terminated_state(code, False, message, t, t)}, False, False)]})
 
-    def report_exit(self, pod: dict[str, Any], proc: Proc) -> None:
+    def exit_state(self, proc: Proc) -> dict[str, Any]:
+        """state.terminated of the first container, its termination message included."""
         rc = proc.popen.returncode
         signalled = -rc if rc < 0 else None
         message = proc.message_file.read_text(errors="replace") if proc.message_file.exists() else ""
@@ -540,15 +577,72 @@ class Agent:
             with open(proc.log, "rb") as f:
                 f.seek(max(0, f.seek(0, os.SEEK_END) - 64 * 1024))
                 message = fallback_message(f.read())
-        state = terminated_state(rc if rc >= 0 else 0, proc.oom, message, proc.started_at,
-                                 proc.finished_at or now(), signalled)
-        phase = "Succeeded" if state["exitCode"] == 0 else "Failed"
+        proc.finished_at = proc.finished_at or now()
+        return terminated_state(rc if rc >= 0 else 0, proc.oom, message, proc.started_at, proc.finished_at,
+                                signalled)
+
+    def report_exit(self, pod: dict[str, Any], proc: Proc) -> None:
+        state = self.exit_state(proc)
+        regular = [s for s in proc.extra.get("companions", []) if not s.extra["native"]]
+        phase = "Succeeded" if state["exitCode"] == 0 and all(s.popen.returncode == 0 for s in regular) else "Failed"
         c = pod["spec"]["containers"][0]
-        self.patch_status(pod, {"phase": phase, "conditions": pod_conditions(False),
-                                "containerStatuses": [container_status(c, {"terminated": state}, False, False)]})
+        self.patch_status(pod, self.with_companions(proc, {
+            "phase": phase, "conditions": pod_conditions(False),
+            "containerStatuses": [container_status(c, {"terminated": state}, False, False)]}))
         proc.reported = True
         LOG.info("pod %s/%s: exited %s (%s)", pod["metadata"]["namespace"], pod["metadata"]["name"],
                  state["exitCode"], state["reason"])
+
+    def with_companions(self, proc: Proc, status: dict[str, Any]) -> dict[str, Any]:
+        """`status` with the states of the other containers: regular ones after the first in containerStatuses,
+        native sidecars in initContainerStatuses."""
+        regular, native = [], []
+        for s in proc.extra.get("companions", []):
+            rc = s.popen.poll()
+            if rc is None:
+                state: dict[str, Any] = {"running": {"startedAt": s.started_at}}
+            else:
+                s.finished_at = s.finished_at or now()
+                state = {"terminated": terminated_state(max(rc, 0), False, "", s.started_at, s.finished_at,
+                                                        -rc if rc < 0 else None)}
+            (native if s.extra["native"] else regular).append(
+                container_status(s.extra["container"], state, rc is None, rc is None))
+        out = {**status, "containerStatuses": [*status.get("containerStatuses", []), *regular]}
+        if native:
+            out["initContainerStatuses"] = native
+        return out
+
+    def report_companions(self, pod: dict[str, Any], proc: Proc, first: dict[str, Any]) -> None:
+        """A companion exited (the first container in state `first`): the pod's phase stays, its status says so."""
+        done = [s for s in proc.extra.get("companions", []) if not s.reported and s.popen.poll() is not None]
+        if done:
+            for s in done:
+                s.reported = True
+            c = pod["spec"]["containers"][0]
+            self.patch_status(pod, self.with_companions(proc, {"containerStatuses": [container_status(
+                c, first, "running" in first, "running" in first)]}))
+
+    def companions_running(self, pod: dict[str, Any], proc: Proc) -> bool:
+        """The first container exited: the pod stays Running while another regular container runs (the exit
+        shows in its containerStatus); then native sidecars get SIGTERM (SIGKILL after the grace period)."""
+        side = proc.extra.get("companions", [])
+        if any(not s.extra["native"] and s.popen.poll() is None for s in side):
+            if not proc.extra.get("exit_shown"):
+                proc.extra["exit_shown"] = True
+                state = self.exit_state(proc)
+                c = pod["spec"]["containers"][0]
+                self.patch_status(pod, self.with_companions(proc, {"containerStatuses": [container_status(
+                    c, {"terminated": state}, False, False)]}))
+            return True
+        running = [s for s in side if s.popen.poll() is None]
+        for s in running:
+            if s.term_sent is None:
+                s.term_sent = time.monotonic()
+                s.kill_at = s.term_sent + float(pod["spec"].get("terminationGracePeriodSeconds", 30))
+                kill_group(s.popen.pid, signal.SIGTERM)
+            elif time.monotonic() >= (s.kill_at or 0):
+                kill_group(s.popen.pid, signal.SIGKILL)
+        return bool(running)
 
     def patch_status(self, pod: dict[str, Any], status: dict[str, Any]) -> None:
         from kubernetes.client.rest import ApiException
@@ -581,19 +675,19 @@ class Agent:
         if proc is not None and proc.popen.poll() is not None and proc.finished_at is None:
             proc.finished_at = now()
         if meta.get("deletionTimestamp"):
-            if proc is not None and proc.popen.poll() is None:
+            if proc is not None and any(p.popen.poll() is None for p in [proc, *proc.extra.get("companions", [])]):
                 if proc.term_sent is None:
                     grace = meta.get("deletionGracePeriodSeconds")
                     grace = pod["spec"].get("terminationGracePeriodSeconds", 30) if grace is None else grace
                     proc.term_sent = time.monotonic()
                     proc.kill_at = proc.term_sent + float(grace)
                     LOG.info("pod %s/%s: SIGTERM (grace %ss)", meta["namespace"], meta["name"], grace)
-                    kill_group(proc.popen.pid, signal.SIGTERM)
+                    signal_pod(proc, signal.SIGTERM)
                 elif time.monotonic() >= (proc.kill_at or 0):
-                    kill_group(proc.popen.pid, signal.SIGKILL)
+                    signal_pod(proc, signal.SIGKILL)
                 return
             if proc is not None:
-                kill_group(proc.popen.pid, signal.SIGKILL)  # stragglers of the group
+                signal_pod(proc, signal.SIGKILL)  # stragglers of the groups
                 if not proc.reported:
                     self.report_exit(pod, proc)
             self.confirm_deletion(pod)
@@ -613,9 +707,10 @@ class Agent:
                          used, proc.mem_limit)
                 proc.oom = True
                 kill_group(proc.popen.pid, signal.SIGKILL)
+            self.report_companions(pod, proc, {"running": {"startedAt": proc.started_at}})
             return
         kill_group(proc.popen.pid, signal.SIGKILL)  # a dead container leaves no process behind
-        if not proc.reported:
+        if not proc.reported and not self.companions_running(pod, proc):
             self.report_exit(pod, proc)
 
     def forget(self, uid: str) -> None:
@@ -639,8 +734,7 @@ class Agent:
         for uid, proc in list(self.procs.items()):  # deleted behind our back (force delete): kill, forget
             if uid not in seen and (proc is None or proc.extra.get("node") not in self.down):
                 if proc is not None:
-                    kill_group(proc.popen.pid, signal.SIGKILL)
-                    proc.popen.wait()
+                    signal_pod(proc, signal.SIGKILL, reap=True)
                 self.forget(uid)
 
     def run(self) -> None:
@@ -657,9 +751,8 @@ class Agent:
 
     def shutdown(self) -> None:
         for proc in self.procs.values():
-            if proc is not None and proc.popen.poll() is None:
-                kill_group(proc.popen.pid, signal.SIGKILL)
-                proc.popen.wait()
+            if proc is not None:
+                signal_pod(proc, signal.SIGKILL, reap=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -266,6 +266,38 @@ def test_a_dead_node_kills_its_processes_and_reports_nothing_more(agent: Any) ->
     assert (term["exitCode"], term["reason"]) == (137, "Error")
 
 
+SLEEPER = {"name": "log-shipper", "image": "unused", "command": ["sleep", "3600"]}
+
+
+def test_a_native_sidecar_is_stopped_once_the_main_container_exits_and_the_pod_succeeds(agent: Any) -> None:
+    a, core = agent
+    pod = make_pod("side", "print('trained')")
+    pod["spec"]["initContainers"] = [{**SLEEPER, "restartPolicy": "Always"}]
+    core.pods["side"] = pod
+    run_until(a, lambda: core.pods["side"]["status"]["phase"] == "Succeeded")
+    running = [s for n, s in core.statuses if s.get("phase") == "Running"][0]
+    assert "running" in running["initContainerStatuses"][0]["state"]  # started before the main container
+    status = core.pods["side"]["status"]
+    assert [c["name"] for c in status["containerStatuses"]] == ["main"]
+    (sidecar,) = status["initContainerStatuses"]
+    assert sidecar["name"] == "log-shipper" and sidecar["state"]["terminated"]["exitCode"] == 128 + 15  # SIGTERM
+
+
+def test_a_regular_second_container_keeps_the_pod_running_after_the_first_exits(agent: Any) -> None:
+    a, core = agent
+    pod = make_pod("two", "import sys; sys.exit(1)")
+    pod["spec"]["containers"].append(SLEEPER)
+    core.pods["two"] = pod
+
+    def main_state() -> dict[str, Any]:
+        return next((c["state"] for c in core.pods["two"]["status"].get("containerStatuses", [])
+                     if c["name"] == "main"), {})
+    run_until(a, lambda: "terminated" in main_state())
+    status = core.pods["two"]["status"]
+    assert status["phase"] == "Running" and main_state()["terminated"]["exitCode"] == 1  # as a kubelet reports it
+    assert "running" in status["containerStatuses"][1]["state"]
+
+
 def test_a_pod_it_cannot_run_says_why(tmp_path: Path) -> None:
     core = FakeCore()
     pod = make_pod("x", "pass")
