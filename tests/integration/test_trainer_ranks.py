@@ -177,3 +177,49 @@ def test_invalid_config_exits_3_without_starting(tmp_path: Path) -> None:
     missing = subprocess.run([sys.executable, "-m", "seqtrain.train.entry", "--config", str(tmp_path / "nope.json")],
                              capture_output=True, text=True, timeout=DEADLINE_S)
     assert missing.returncode == 3 and "cannot read" in missing.stderr
+
+
+def start_ranks_each_with_own_storage(tmp_path: Path, name: str,
+                                      env: dict[str, str]) -> tuple[list[Path], list[int]]:
+    """Two ranks whose run and checkpoint folders are each their own, as the pods of a Kubernetes job without
+    checkpoint.pvc (every pod's emptyDir is its own), each with its own termination-message file; their exit codes."""
+    job = resolve(load_job(TINY))
+    base = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(launch.free_port()),
+            "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1", **env}
+    folders, procs = [], []
+    for rank in range(2):  # one rank per pod: the identity the manifests give it
+        extra = {"RANK": str(rank), "LOCAL_RANK": "0", "NODE_RANK": str(rank)}
+        pod = tmp_path / f"{name}-{extra['RANK']}"
+        pod.mkdir()
+        (pod / "termination-log").write_text("")
+        write_trainer_config(str(pod / "trainer.json"), job,
+                             RuntimeConfig(workdir=str(pod), checkpoint_dir=str(pod / "checkpoints")))
+        with open(pod / "rank.log", "ab") as log:
+            procs.append(subprocess.Popen([sys.executable, "-m", "seqtrain.train.entry", "--config",
+                                           str(pod / "trainer.json")], stdout=log, stderr=subprocess.STDOUT,
+                                          env={**base, **extra, "SEQTRAIN_TERMINATION_LOG": str(pod / "termination-log")}))
+        folders.append(pod)
+    return folders, wait_all(procs)
+
+
+def test_ranks_without_shared_checkpoint_storage_train_on_without_checkpoints(tmp_path: Path, reference: Path) -> None:
+    """Before: rank 1 crashed in the first save (the folder rank 0 created was not there for it), at every attempt.
+    Now no rank crashes in a save: they say the folder is not shared, save nothing and train on; a rank killed later
+    ends its peer with exit 4 (the echo of a peer's death) and the error line as the termination message."""
+    from seqtrain_operator.k8s.observe import failure_message
+
+    (r0, r1), codes = start_ranks_each_with_own_storage(tmp_path, "killed", {"SEQTRAIN_FAULT_KILL_AT_STEP": "5:1"})
+    rank_logs = (r0 / "rank.log").read_text() + (r1 / "rank.log").read_text()
+    assert codes == [4, -signal.SIGKILL], rank_logs
+    assert rank_logs.count("is not shared by every rank") == 2  # each rank says it once, at the first save (step 3)
+    steps = [r["step"] for r in metrics(r0)]
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) >= 4  # past the save of step 3 (the kill: 5)
+    assert not list_checkpoints(str(r0 / "checkpoints")) and not (r1 / "checkpoints").exists()
+    message = (r0 / "termination-log").read_text()
+    assert message.startswith("seqtrain train: error: RuntimeError: ") and "closed by peer" in message, message
+    assert failure_message(message) == message.strip().removeprefix("seqtrain train: error: ")
+    assert (r1 / "termination-log").read_text() == ""  # SIGKILLed: nothing written (the kubelet falls back to logs)
+    # The restarted gang starts from scratch and runs to the end: exactly the shared-storage run's losses.
+    (r0, r1), codes = start_ranks_each_with_own_storage(tmp_path, "again", {})
+    assert codes == [0, 0], (r0 / "rank.log").read_text() + (r1 / "rank.log").read_text()
+    assert [r["loss"] for r in metrics(r0)] == [r["loss"] for r in metrics(reference)]

@@ -10,7 +10,13 @@ import pytest
 from seqtrain.spec.status import Condition, JobStatus, Progress
 from seqtrain_operator.controller import goodput
 from seqtrain_operator.controller.failure_policy import FailureClass, classify
-from seqtrain_operator.k8s.observe import final_progress, observe_replicas, progress_from_json, rank0_ip
+from seqtrain_operator.k8s.observe import (
+    failure_message,
+    final_progress,
+    observe_replicas,
+    progress_from_json,
+    rank0_ip,
+)
 
 NOW = datetime(2026, 11, 22, 12, 0, tzinfo=timezone.utc)
 
@@ -162,6 +168,46 @@ def test_error_line_from_the_termination_message_log_tail():
     assert r.error == "RuntimeError: no space left on device (28)"
     done = pod(phase="Failed", term={"exitCode": 1, "message": json.dumps({"step": 3})})
     assert observe_replicas([done], [node("n1")], NOW)[0].error is None
+
+
+def progress_line(step: int) -> str:
+    return f"step {step}/80 loss 4.4320 lr 1.73e-04 grad_norm 1.957 tok/s 7914 mem 752MB"
+
+
+def log_tail(*lines: str) -> str:
+    """What the kubelet keeps with FallbackToLogsOnError: the log's last 2048 bytes (cut mid-line at the start)."""
+    return "\n".join(lines).encode()[-2048:].decode()
+
+
+ERROR = "RuntimeError: Parent directory /checkpoints/j/.tmp-step-20 does not exist."
+FAILURE_MESSAGES = [
+    ("the error line, progress output planted after it",
+     log_tail(*[progress_line(s) for s in range(1, 40)], "Traceback (most recent call last):", "  File ...",
+              ERROR, f"seqtrain train: error: {ERROR}", progress_line(40), progress_line(41)), ERROR),
+    ("what the trainer wrote to its termination-message file", f"seqtrain train: error: {ERROR}\n", ERROR),
+    ("no error line: the last whole line that is not progress",
+     log_tail(*[progress_line(s) for s in range(1, 41)], "seqtrain: fault injection: rank 1 kills itself after step 40",
+              progress_line(41)), "seqtrain: fault injection: rank 1 kills itself after step 40"),
+    ("nothing but progress output (an OOM kill): nothing", log_tail(*[progress_line(s) for s in range(1, 60)]), ""),
+    ("a tail cut mid-line never yields its first fragment", log_tail("x" * 3000), ""),
+    ("the progress JSON of an orderly exit", json.dumps({"step": 3}), ""),
+    ("no message", None, ""),
+]
+
+
+@pytest.mark.parametrize("text,want", [c[1:] for c in FAILURE_MESSAGES], ids=[c[0] for c in FAILURE_MESSAGES])
+def test_the_failure_message_is_the_error_line_never_a_fragment_of_progress_output(text, want):
+    assert failure_message(text) == want
+
+
+def test_a_failed_replica_is_reported_with_its_error_line():
+    """The issue: `replica 0 on cpu-0 failed (RankFailed, exit code 1): 914 mem 752MB`, the head of the log tail."""
+    tail = FAILURE_MESSAGES[0][1]
+    assert not tail.startswith("step ") and "mem 752MB" in tail.splitlines()[0]  # cut mid-line, as in the issue
+    (r,) = observe_replicas([pod(phase="Failed", term={"exitCode": 1, "reason": "Error", "message": tail})],
+                            [node("n1")], NOW)
+    assert r.message == ERROR and r.error == ERROR
+    assert classify(r).message == f"replica 0 on n1 failed (RankFailed, exit code 1): {ERROR}"
 
 
 def test_error_line_helpers():

@@ -308,3 +308,49 @@ def test_gpu_job_without_cuda_is_a_device_fault_not_an_invalid_config(monkeypatc
     monkeypatch.setenv("NODE_NAME", "gpu-7")
     with pytest.raises(DeviceUnavailable, match="gpu-7"):
         dist.init_distributed(use_gpu=True)
+
+
+def test_a_failing_pods_termination_message_is_its_first_ranks_error_line(tmp_path, monkeypatch):
+    """Both ranks of the pod fail; the container's termination-message file holds one error line, the first
+    rank's, whatever the ranks printed after it (the operator reports it as the replica's reason)."""
+    from seqtrain.runtime.exitcodes import ERROR_MARKER
+
+    bad = tmp_path / "config.json"
+    bad.write_text("not json")
+    message = tmp_path / "termination-log"
+    message.write_text("")  # the kubelet (or the test node agent) creates it empty
+    monkeypatch.setenv("PYTHONPATH", TRAINER_ROOT)
+    monkeypatch.setenv("SEQTRAIN_TERMINATION_LOG", str(message))
+    for name in IDENTITY:
+        monkeypatch.delenv(name, raising=False)
+    assert cli.main(["train", "--config", str(bad), "--nproc-per-node", "2"]) == 3
+    lines = message.read_text().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"{ERROR_MARKER}InvalidConfig: --config {bad}: not a trainer "
+                                                   "config"), lines
+
+
+def test_a_rank_whose_peer_died_exits_4_and_the_gang_reports_the_peer():
+    """A gloo collective whose peer was killed ends with "Connection closed by peer": that rank exits 4 (the echo),
+    so the operator reports the rank that died (here SIGKILLed), not the first replica by number."""
+    from seqtrain.train.entry import is_comm_timeout, is_peer_gone
+    from seqtrain_operator.controller.failure_policy import root_cause
+
+    gloo = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+                        "[127.0.0.1]:15798. This is typically caused by a remote worker crashing.")
+    assert is_peer_gone(gloo) and not is_comm_timeout(gloo)
+    try:
+        raise ValueError("step failed") from gloo
+    except ValueError as chained:
+        assert is_peer_gone(chained)
+    assert not is_peer_gone(RuntimeError("Parent directory /x does not exist."))
+    echo = {"exitCode": 4, "reason": "Error", "message": "seqtrain train: error: RuntimeError: Connection closed by peer"}
+    died = {"exitCode": 137, "reason": "Error", "message": "seqtrain: fault injection: rank 1 kills itself after step 40"}
+    pods = [{"metadata": {"labels": {"seqtrain.dev/replica": str(r), "seqtrain.dev/attempt": "1"}},
+             "spec": {"nodeName": f"cpu-{r}"}, "status": {"phase": "Failed", "containerStatuses": [
+                 {"name": "trainer", "state": {"terminated": term}}]}} for r, term in enumerate((echo, died))]
+    nodes = [{"metadata": {"name": f"cpu-{r}"}, "status": {"conditions": [{"type": "Ready", "status": "True"}]}}
+             for r in range(2)]
+    cause = root_cause(observe_replicas(pods, nodes, datetime.now(timezone.utc)))
+    assert cause is not None and cause.replica == 1
+    assert cause.message == ("replica 1 on cpu-1 failed (RankFailed, exit code 137 (killed by SIGKILL)): "
+                             "seqtrain: fault injection: rank 1 kills itself after step 40")

@@ -314,3 +314,31 @@ def test_the_kubernetes_service_env_names_the_apiserver() -> None:
     assert na.service_env("https://127.0.0.1:6443") == {
         "KUBERNETES_SERVICE_HOST": "127.0.0.1", "KUBERNETES_SERVICE_PORT": "6443",
         "KUBERNETES_SERVICE_PORT_HTTPS": "6443", "KUBERNETES_PORT": "tcp://127.0.0.1:6443"}
+
+
+def test_progress_output_after_the_error_line_never_becomes_the_reported_reason(agent: Any) -> None:
+    """Issue 27's message, `failed (RankFailed, exit code 1): 914 mem 752MB`, was the head of the 2048-byte log
+    tail. A real process prints progress, its error line, more progress; the agent keeps the tail as the kubelet
+    does (FallbackToLogsOnError, the message file left empty), and the operator reports the error line."""
+    from datetime import datetime, timezone
+
+    from seqtrain_operator.controller.failure_policy import classify
+    from seqtrain_operator.k8s.observe import observe_replicas
+
+    a, core = agent
+    script = ("import sys\n"
+              "step = lambda s: print(f'step {s}/80 loss 4.4320 lr 1.73e-04 grad_norm 1.957 tok/s 7914 mem 752MB')\n"
+              "[step(s) for s in range(1, 40)]\n"
+              "print('seqtrain train: error: RuntimeError: no space left on device', flush=True)\n"
+              "[step(s) for s in range(40, 43)]\n"
+              "sys.exit(1)\n")
+    pod = make_pod("crash", script, policy="FallbackToLogsOnError")
+    pod["metadata"]["labels"] = {"seqtrain.dev/replica": "0", "seqtrain.dev/attempt": "1"}
+    core.pods["crash"] = pod
+    run_until(a, lambda: core.pods["crash"]["status"]["phase"] == "Failed")
+    term = core.pods["crash"]["status"]["containerStatuses"][0]["state"]["terminated"]
+    assert term["message"].splitlines()[-1].startswith("step 42/80") and len(term["message"]) == 2048
+    node = {"metadata": {"name": "cpu-0"}, "status": {"conditions": [{"type": "Ready", "status": "True"}]}}
+    (r,) = observe_replicas([core.pods["crash"]], [node], datetime.now(timezone.utc))
+    assert classify(r).message == ("replica 0 on cpu-0 failed (RankFailed, exit code 1): "
+                                   "RuntimeError: no space left on device")

@@ -23,6 +23,7 @@ or fails it after the trainer succeeded):
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Mapping
 from datetime import datetime
 from typing import Any, NamedTuple
@@ -37,6 +38,10 @@ from seqtrain_operator.k8s.manifests import CONTAINER, LABEL_ATTEMPT, LABEL_REPL
 # Reasons a container cannot start that retrying will not fix. Image pulls are not among them: a registry hiccup
 # on a large CUDA image must not fail a job (the core gives them faultTolerance.imagePullTimeoutSeconds).
 _NEVER_STARTS = {"InvalidImageName", "CreateContainerConfigError", "CreateContainerError"}
+# FallbackToLogsOnError: the kubelet keeps the log's last 2048 bytes (or 80 lines) as the termination message.
+_FALLBACK_BYTES = 2048
+# The trainer's per-step console line (seqtrain.train.loop.Trainer.log_step): progress, never a failure's reason.
+_PROGRESS_LINE = re.compile(r"^step \d+/\d+ ")
 _DISRUPTION = {"PreemptionByScheduler": "Preempted", "DeletionByTaintManager": "NodeLost",
                "EvictionByEvictionAPI": "Evicted", "TerminationByKubelet": "Evicted"}
 
@@ -107,10 +112,9 @@ def replica_of(pod: Mapping[str, Any], nodes: Mapping[str, Mapping[str, Any]], n
                                                                              "DeadlineExceeded", "Terminated")
                                                     or kubelet_rejected(status.get("reason"))
                             else None) or _disruption(pod)
-        if not message and term.get("message") and not _looks_like_json(term.get("message")):
-            message = term["message"][:300]  # FallbackToLogsOnError: the log tail of a crash
         if not _looks_like_json(term.get("message")):
             error = last_error(term.get("message"))
+            message = message or failure_message(term.get("message"))
     elif phase == "Pending":
         waiting = (_container(pod).get("state") or {}).get("waiting") or {}
         if waiting.get("reason") in _NEVER_STARTS:
@@ -136,6 +140,27 @@ def replica_of(pod: Mapping[str, Any], nodes: Mapping[str, Mapping[str, Any]], n
                               exit_code=code, reason=reason, node=node, message=message, terminating=terminating,
                               node_lost=node_lost, node_unready=node_unready, finished_at=term.get("finishedAt"),
                               error=error)
+
+
+def failure_message(text: str | None) -> str:
+    """Why a replica failed, in one line, from its container's termination message: what the trainer wrote there
+    (its error line), or with FallbackToLogsOnError the end of its log. The trainer's error line (the last line
+    with the error marker) wherever it is, progress output after it included; without one, the last whole line
+    that is not per-step progress output; "" for nothing usable (then the exit code says it all). The kubelet cuts
+    the log's tail at 2048 bytes, so the first line of a tail that long may start mid-line: it is never used."""
+    if not text or _looks_like_json(text):
+        return ""
+    error = last_error(text)
+    if error:
+        return error
+    lines = text.splitlines()
+    if len(text.encode("utf-8", "replace")) >= _FALLBACK_BYTES:
+        lines = lines[1:]
+    for line in reversed(lines):
+        line = line.strip()
+        if line and not _PROGRESS_LINE.match(line):
+            return line[:300]
+    return ""
 
 
 def _looks_like_json(text: str | None) -> bool:

@@ -50,6 +50,8 @@ class CheckpointManager:
         self.ctx = ctx
         # Steps never pruned, whatever `keep` says (the best checkpoint by validation loss, see seqtrain.obs).
         self.protected: set[int] = set()
+        # Whether every rank sees the folder rank 0 creates: found out by the first save (None: not yet).
+        self.shared: bool | None = None
         if ctx.is_main:
             os.makedirs(directory, exist_ok=True)
 
@@ -95,13 +97,21 @@ class CheckpointManager:
         _fsync_path(self.directory)
         print(f"seqtrain: warning: checkpoint step-{step} skipped: {reason} (set aside as {bad})", flush=True)
 
-    def save(self, step: int, write: Callable[[str], list[str]], meta: dict[str, Any] | None = None) -> CheckpointInfo:
-        """Publish checkpoint `step`. `write(tmp_dir)` runs on every rank and returns the file names it wrote."""
+    def save(self, step: int, write: Callable[[str], list[str]],
+             meta: dict[str, Any] | None = None) -> CheckpointInfo | None:
+        """Publish checkpoint `step`. `write(tmp_dir)` runs on every rank and returns the file names it wrote.
+        None (nothing saved) when the folder is not shared by every rank (see `_every_rank_sees`)."""
+        if self.shared is False:
+            return None
         tmp = os.path.join(self.directory, f"{TMP_PREFIX}{step}")
         if self.ctx.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp)
         self.ctx.barrier()
+        if self.shared is None:
+            self.shared = self._every_rank_sees(tmp)
+            if not self.shared:
+                return None
         for name in write(tmp):
             _fsync_path(os.path.join(tmp, name))
         self.ctx.barrier()
@@ -127,6 +137,27 @@ class CheckpointManager:
         if info is None:
             raise RuntimeError(f"checkpoint {final} is not readable right after publishing it")
         return info
+
+    def _every_rank_sees(self, tmp: str) -> bool:
+        """Collective: does every rank see the folder rank 0 just created? Not when each replica has its own
+        storage (a Kubernetes job without spec.checkpoint.pvc: every pod's emptyDir is its own). A checkpoint there
+        could never be complete (rank 0's folder lacks the other ranks' files, theirs lacks the folder), and the
+        other ranks would crash writing into a folder they cannot see, at every save, attempt after attempt. So the
+        run goes on without checkpoints, saying so once, and a restarted gang starts from scratch."""
+        import torch
+
+        mine = os.path.isdir(tmp)
+        seen = torch.tensor([1 if mine else 0], device=self.ctx.device)
+        shared = bool(self.ctx.all_reduce(seen, op="min")[0] > 0)
+        if not shared:
+            if self.ctx.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            if self.ctx.is_main or not mine:
+                print(f"seqtrain: warning: rank {self.ctx.rank}: the checkpoint folder {self.directory} is not shared "
+                      "by every rank (some rank does not see the folder rank 0 creates there): no checkpoints are "
+                      "saved in this run, and a restarted gang starts from scratch; put checkpoint.path on storage "
+                      "every rank shares (on Kubernetes: spec.checkpoint.pvc, a ReadWriteMany claim)", flush=True)
+        return shared
 
     def _remove(self, path: str) -> None:
         # Rename first so a crash mid-delete never leaves a half-deleted step-N that still has its meta.json.

@@ -41,6 +41,12 @@ def write_json_atomic(path: str, obj: Any) -> None:
     os.replace(tmp, path)
 
 
+def _holds_progress_or_nothing(path: str) -> bool:
+    with open(path, encoding="utf-8", errors="replace") as f:
+        head = f.read(64).lstrip()
+    return not head or head.startswith("{")
+
+
 class ProgressReporter:
     """Holds the latest `Progress`; serves it on HTTP (if a port is given) and mirrors it to a file."""
 
@@ -82,6 +88,8 @@ class ProgressReporter:
         path = termination_log()
         if os.path.exists(path) and os.access(path, os.W_OK):
             try:
+                if not _holds_progress_or_nothing(path):
+                    return  # another rank of this pod failed and left its error line: that is the pod's message
                 with open(path, "w", encoding="utf-8") as f:
                     json.dump(self.progress.model_dump(by_alias=True, mode="json", exclude_none=True), f)
             except OSError:

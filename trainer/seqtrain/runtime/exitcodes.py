@@ -5,7 +5,7 @@ from __future__ import annotations
 OK = 0
 ERROR = 1  # anything unexpected: retryable (restart the gang from the latest checkpoint)
 INVALID_CONFIG = 3  # the config cannot work; restarting will not help (permanent)
-COMM_TIMEOUT = 4  # a collective timed out: a peer hung or died (retryable, likely infrastructure)
+COMM_TIMEOUT = 4  # a collective failed because a peer hung (timeout) or died (connection closed): retryable
 DEVICE_UNAVAILABLE = 5  # a GPU job sees no CUDA device: the node is broken (infrastructure; avoid the node)
 TERMINATED = 143  # SIGTERM received; the current step finished and a checkpoint was saved (128 + 15)
 

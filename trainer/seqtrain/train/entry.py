@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import sys
 import traceback
@@ -43,6 +44,33 @@ def is_comm_timeout(exc: BaseException) -> bool:
             return True
         seen = seen.__cause__ or seen.__context__
     return False
+
+
+# How gloo (and TCP under NCCL) says a peer process is gone: its side of the connection closed mid-collective.
+_PEER_GONE = ("connection closed by peer", "connection reset by peer")
+
+
+def is_peer_gone(exc: BaseException) -> bool:
+    """A collective failed because a peer rank died (crashed, killed): the echo of another rank's failure."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if any(marker in str(seen).lower() for marker in _PEER_GONE):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def leave_error_line(exc: BaseException) -> None:
+    """The rank's error line as its container's termination message (what the operator reports and `kubectl
+    describe pod` shows), so the reason is never whatever the log's tail happens to hold. Only into an empty file:
+    the ranks of a pod share it, and the first rank to fail is the cause (the others are stopped because of it)."""
+    from seqtrain.obs.progress import termination_log
+
+    path = termination_log()
+    with contextlib.suppress(OSError):
+        if os.path.isfile(path) and os.path.getsize(path) == 0:
+            with open(path, "a", encoding="utf-8") as f:
+                f.write(f"{exitcodes.ERROR_MARKER}{exitcodes.error_line(exc)}\n")
 
 
 class _TerminateFlag:
@@ -88,20 +116,26 @@ def main(config_path: str) -> int:
         return exitcodes.TERMINATED if reason == "terminated" else exitcodes.OK
     except InvalidConfig as exc:
         print(f"seqtrain train: invalid config:\n{exc}", file=sys.stderr, flush=True)
+        leave_error_line(exc)
         return exitcodes.INVALID_CONFIG
     except DeviceUnavailable as exc:
         print(f"seqtrain train: {exc}", file=sys.stderr, flush=True)
+        leave_error_line(exc)
         return exitcodes.DEVICE_UNAVAILABLE
     except KeyboardInterrupt:
         return 130
     except Exception as exc:  # noqa: BLE001 - every failure becomes an exit code the controller understands
         traceback.print_exc()
         print(f"{exitcodes.ERROR_MARKER}{exitcodes.error_line(exc)}", file=sys.stderr, flush=True)
-        if is_comm_timeout(exc):
+        leave_error_line(exc)
+        timed_out = is_comm_timeout(exc)
+        if timed_out or is_peer_gone(exc):
+            # Exit 4 either way: the cause is another rank (hung or dead), whose own exit the controller reports.
             rank = ctx.rank if ctx else "?"
             from seqtrain.parallel.watchdog import current
 
-            print(f"seqtrain train: rank {rank}: collective communication timed out while waiting for "
+            what = "collective communication timed out" if timed_out else "a peer rank died (its connection closed)"
+            print(f"seqtrain train: rank {rank}: {what} while waiting for "
                   f"{current() or 'a collective outside the labelled phases'}", file=sys.stderr, flush=True)
             return exitcodes.COMM_TIMEOUT
         return exitcodes.ERROR

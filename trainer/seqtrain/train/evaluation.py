@@ -140,8 +140,7 @@ class Evaluation(BaseCallback):
         trainer.checkpoints.protected = {step}  # the previous best may now be pruned like any other
         if trainer.checkpoint_due() or trainer.stop_training or trainer.terminate_requested:
             self._pending_best = step  # the loop saves this step right after the callbacks
-        else:
-            trainer.save_checkpoint()
+        elif trainer.save_checkpoint() is not None:  # None: storage not shared, no checkpoints in this run
             self._mark_best(trainer, step)
 
     def _publish_pending(self, trainer: Trainer) -> None:

@@ -177,7 +177,7 @@ class Trainer:
             files.append(TRAINER_STATE)
         return files
 
-    def save_checkpoint(self) -> CheckpointInfo:
+    def save_checkpoint(self) -> CheckpointInfo | None:
         meta = {
             "engine": self.engine.name,
             "layout": {"dp": self.ctx.dp_size, "tp": self.ctx.tp_size, "pp": self.ctx.pp_size},
