@@ -42,9 +42,12 @@ RUN if ! command -v python3 >/dev/null 2>&1; then \
     && python3 -m venv /opt/venv \
     && pip install --no-cache-dir --upgrade pip
 # torch first, from the index that matches the base (CPU wheels by default), so the extra below never pulls CUDA.
-RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
+# pip's downloads stay in a build cache (not in the image): a rebuild after a source change downloads nothing.
+RUN --mount=type=cache,id=seqtrain-pip,target=/root/.cache/pip \
+    pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
 COPY --from=builder /wheels /wheels
-RUN pip install --no-cache-dir "$(ls /wheels/seqtrain-*.whl)[train]" \
+RUN --mount=type=cache,id=seqtrain-pip,target=/root/.cache/pip \
+    pip install "$(ls /wheels/seqtrain-*.whl)[train]" \
     && rm -rf /wheels \
     && (id -u 1000 >/dev/null 2>&1 || useradd --uid 1000 --user-group --no-create-home --shell /usr/sbin/nologin seqtrain)
 USER 1000:1000

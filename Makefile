@@ -73,9 +73,10 @@ verify-crd: install
 chart-test: tools
 	$(PY) -m pytest -q tests/unit/test_chart.py
 
+# docker build where a Docker engine answers, else buildah (+ a local Debian base where no registry is reachable);
+# cached by the content of the inputs: a second run with nothing changed builds nothing (scripts/images.sh).
 images:
-	docker build --target trainer -t $(TRAINER_IMAGE) .
-	docker build --target operator -t $(OPERATOR_IMAGE) .
+	bash scripts/images.sh $(TRAINER_IMAGE) $(OPERATOR_IMAGE)
 
 print-images:
 	@echo $(TRAINER_IMAGE) $(OPERATOR_IMAGE)
