@@ -183,3 +183,14 @@ def test_a_pod_is_awaiting_the_scheduler_until_bound_or_refused():
         {"type": "PodScheduled", "status": "False", "reason": "Unschedulable"}]}}
     assert not awaiting_scheduler(refused)
     assert not awaiting_scheduler({"spec": {}, "status": {"phase": "Running"}})
+
+
+def test_in_cluster_login_uses_the_service_env_the_kubelet_sets_not_cluster_dns() -> None:
+    # kopf's helper names https://kubernetes.default.svc: a pod without cluster DNS never reached the API server.
+    from seqtrain_operator.k8s.handlers import in_cluster_server
+
+    env = {"KUBERNETES_SERVICE_HOST": "10.96.0.1", "KUBERNETES_SERVICE_PORT": "443"}
+    assert in_cluster_server(env, "https://kubernetes.default.svc") == "https://10.96.0.1:443"
+    assert in_cluster_server({"KUBERNETES_SERVICE_HOST": "fd00::1", "KUBERNETES_SERVICE_PORT": "6443"}, "x") == \
+        "https://[fd00::1]:6443"
+    assert in_cluster_server({}, "https://kubernetes.default.svc") == "https://kubernetes.default.svc"
