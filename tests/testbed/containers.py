@@ -364,6 +364,8 @@ class PodmanRuntime:
         ids = got.stdout.split()
         if ids:
             subprocess.run([self.podman, "rm", "-f", "-t", "0", *ids], capture_output=True)
+        for uid in list(self.oom_fds):
+            self.drop_pod_cgroup(uid)
 
     def name(self, pod: Mapping[str, Any]) -> str:
         meta = pod["metadata"]
