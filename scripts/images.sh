@@ -56,8 +56,11 @@ need_debs() {  # command... : install the Debian packages named like the command
 
 inputs_hash() {  # extra strings... : the hash of every input of the build
     { sha256sum Dockerfile .dockerignore pyproject.toml README.md
-      git ls-files -z --cached --others --exclude-standard -- trainer operator \
-          | grep -zv -e '__pycache__' -e '\.pyc$' | sort -z | xargs -0 sha256sum
+      if git rev-parse --git-dir >/dev/null 2>&1; then
+          git ls-files -z --cached --others --exclude-standard -- trainer operator
+      else  # a source tarball: every file but bytecode
+          find trainer operator -type f -print0
+      fi | grep -zv -e '__pycache__' -e '\.pyc$' -e '\.egg-info/' | sort -z | xargs -0 sha256sum
       printf '%s\n' "$@"; } | sha256sum | cut -c1-32
 }
 
