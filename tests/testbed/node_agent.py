@@ -24,7 +24,9 @@ to one of its nodes it does what the kubelet documentation says a kubelet does, 
 
 restartPolicy Never only (the operator's pods; the operator restarts whole gangs): an exited container stays
 terminated. The image, securityContext and resource limits other than memory are not enforced: every pod runs
-as this user with this Python environment (PATH and PYTHONPATH are passed through).
+as this user with this Python environment (PATH and PYTHONPATH are passed through). With `--containers`
+(`scripts/testbed.sh up --containers`) they are enforced: every pod runs as a real container from its image
+(tests/testbed/containers.py; this module keeps the API side: nodes, status, deletion, node-down).
 
 Lives in tests/ (not in a shipped package): it is test infrastructure, imported by its unit test and started by
 scripts/testbed.sh as `python tests/testbed/node_agent.py`.
