@@ -42,9 +42,13 @@ RUN if ! command -v python3 >/dev/null 2>&1; then \
     && python3 -m venv /opt/venv \
     && pip install --no-cache-dir --upgrade pip
 # torch first, from the index that matches the base (CPU wheels by default), so the extra below never pulls CUDA.
-RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
+# pip's downloads stay in a build cache mount, never in the image (HOME is /tmp here: pip's default cache would be
+# /tmp/.cache/pip, inside the layer): a rebuild after a source change downloads nothing.
+RUN --mount=type=cache,id=seqtrain-pip,target=/var/cache/pip \
+    PIP_CACHE_DIR=/var/cache/pip pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
 COPY --from=builder /wheels /wheels
-RUN pip install --no-cache-dir "$(ls /wheels/seqtrain-*.whl)[train]" \
+RUN --mount=type=cache,id=seqtrain-pip,target=/var/cache/pip \
+    PIP_CACHE_DIR=/var/cache/pip pip install "$(ls /wheels/seqtrain-*.whl)[train]" \
     && rm -rf /wheels \
     && (id -u 1000 >/dev/null 2>&1 || useradd --uid 1000 --user-group --no-create-home --shell /usr/sbin/nologin seqtrain)
 USER 1000:1000

@@ -45,6 +45,7 @@ demo: install
 # The control-plane binaries (scripts/k8s-binaries.sh) and the gang schedulers (scripts/gang-schedulers.sh), each
 # built once per machine, then cached: the first go to the testbed fixtures through SEQTRAIN_K8S_BIN, the tests
 # find the others in the cache; under CI=true failing to get them fails the suite, elsewhere those tests skip.
+# Under CI=true the images are built too (`make images`, cached by content) for the container-node tests.
 test: install tools
 	$(BIN)/ruff check .
 	@bin=$$(scripts/k8s-binaries.sh) || { \
@@ -53,6 +54,9 @@ test: install tools
 	scripts/gang-schedulers.sh >/dev/null || { \
 		if [ "$${CI:-}" = true ]; then echo "make test: scripts/gang-schedulers.sh failed (CI=true: no skipping)" >&2; exit 1; fi; \
 		echo "make test: no gang schedulers; their tests will skip" >&2; }; \
+	if [ "$${CI:-}" = true ]; then \
+		$(MAKE) -s images || { echo "make test: make images failed (CI=true: the container tests need them)" >&2; exit 1; }; \
+	else echo "make test: the container-node tests use the images of a previous \`make images\` (else they skip)" >&2; fi; \
 	SEQTRAIN_K8S_BIN="$$bin" PATH="$(CURDIR)/$(BIN):$(CURDIR)/.tools/bin:$$PATH" $(PY) -m pytest -q --durations=25 tests
 
 test-fast: install
@@ -73,9 +77,10 @@ verify-crd: install
 chart-test: tools
 	$(PY) -m pytest -q tests/unit/test_chart.py
 
+# docker build where a Docker engine answers, else buildah (+ a local Debian base where no registry is reachable);
+# cached by the content of the inputs: a second run with nothing changed builds nothing (scripts/images.sh).
 images:
-	docker build --target trainer -t $(TRAINER_IMAGE) .
-	docker build --target operator -t $(OPERATOR_IMAGE) .
+	bash scripts/images.sh $(TRAINER_IMAGE) $(OPERATOR_IMAGE)
 
 print-images:
 	@echo $(TRAINER_IMAGE) $(OPERATOR_IMAGE)

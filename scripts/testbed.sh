@@ -2,6 +2,11 @@
 # A real Kubernetes control plane on loopback for the tests (docs/development.md, "The testbed").
 #
 #   scripts/testbed.sh up              # start (idempotent); prints KUBECONFIG=<path> (.testbed/kubeconfig)
+#   scripts/testbed.sh up --containers # the agent's nodes run pods as real containers from their images (podman +
+#                                      # runc, tests/testbed/containers.py; root), and no kwok GPU nodes
+#   scripts/testbed.sh load-images [IMAGE...]  # images into the container nodes' store (like `kind load
+#                                      # docker-image`); default: `make print-images`
+#   scripts/testbed.sh kill-container POD  # SIGKILL the main process of POD's container, as a crash would
 #   scripts/testbed.sh down            # stop everything `up` started, by process id
 #   scripts/testbed.sh status          # what runs
 #   scripts/testbed.sh node-down NODE  # the node dies: heartbeats stop, its pod processes are SIGKILLed,
@@ -22,6 +27,7 @@ LOGS=$TB/logs
 COMPONENTS=(etcd kube-apiserver kube-controller-manager kube-scheduler kwok node-agent)
 AGENT_NODES=(cpu-0 cpu-1)
 PY=${TESTBED_PYTHON:-$ROOT/.venv/bin/python}
+CONTAINERS=0
 KUBECTL=${KUBECTL:-$(command -v kubectl || echo "$ROOT/.tools/bin/kubectl")}
 UP_TIMEOUT=${TESTBED_UP_TIMEOUT:-180}
 
@@ -161,8 +167,13 @@ up() {
     mkdir -p "$TB" "$PIDS" "$LOGS"
     exec 8>"$TB/.lock"; flock -w 600 8 || die "another testbed.sh up/down holds $TB/.lock"
     if [[ -f $TB/ports ]]; then source "$TB/ports"; fi
-    local running=0 c
+    local running=0 c mode=processes
+    (( CONTAINERS )) && mode=containers
     for c in "${COMPONENTS[@]}"; do alive "$c" && running=$((running + 1)); done
+    if (( running == ${#COMPONENTS[@]} )) && [[ $(cat "$TB/mode" 2>/dev/null || echo processes) != "$mode" ]]; then
+        log "running with pods as $(cat "$TB/mode" 2>/dev/null || echo processes): restarting with pods as $mode"
+        stop_all; running=0
+    fi
     if (( running == ${#COMPONENTS[@]} )) && healthy; then
         echo "KUBECONFIG=$TB/kubeconfig"; return 0
     fi
@@ -170,8 +181,16 @@ up() {
     local bin; bin=$(bin_dir)
     [[ -x $PY ]] || die "no Python at $PY (make install, or TESTBED_PYTHON=...)"
     [[ -x $KUBECTL ]] || die "no kubectl (make tools)"
+    if (( CONTAINERS )); then
+        [[ $(id -u) == 0 ]] || die "--containers needs root (pod cgroups, rootful podman)"
+        if ! command -v podman >/dev/null || ! command -v runc >/dev/null; then
+            die "--containers needs podman and runc (Debian: apt-get install podman runc; make images installs them)"
+        fi
+    fi
     local t0=$SECONDS
+    remove_containers
     rm -rf "$TB/etcd" "$TB/agent" "$LOGS"/*; mkdir -p "$LOGS"
+    echo "$mode" >"$TB/mode"
     pki
     API_PORT=$(free_port); ETCD_PORT=$(free_port); PEER_PORT=$(free_port); KWOK_PORT=$(free_port)
     printf 'API_PORT=%s\nETCD_PORT=%s\nPEER_PORT=%s\nKWOK_PORT=%s\n' "$API_PORT" "$ETCD_PORT" "$PEER_PORT" "$KWOK_PORT" >"$TB/ports"
@@ -198,6 +217,7 @@ up() {
         --service-account-issuer https://kubernetes.default.svc.cluster.local \
         --authorization-mode Node,RBAC --enable-admission-plugins "$plugins" \
         --service-cluster-ip-range 10.96.0.0/16 --allow-privileged=true --endpoint-reconciler-type none \
+        --enable-aggregator-routing=true \
         --default-not-ready-toleration-seconds 10 --default-unreachable-toleration-seconds 10 \
         --storage-media-type application/vnd.kubernetes.protobuf --profiling=false
     wait_for kube-apiserver "$UP_TIMEOUT" healthy || { stop_all; die "kube-apiserver did not start"; }
@@ -222,13 +242,17 @@ up() {
         --node-lease-duration-seconds "${TESTBED_KWOK_LEASE_SECONDS:-12}" \
         --manage-nodes-with-label-selector type=kwok --cidr 10.244.0.0/16 --node-ip 10.0.0.1 \
         --server-address "127.0.0.1:$KWOK_PORT"
-    local agent_args=()
+    # A Service's webhook is called at its endpoints (pod IPs), as no kube-proxy routes cluster IPs here.
+    local agent_args=() nodes=$NODE_COUNT
     for c in "${AGENT_NODES[@]}"; do agent_args+=(--node "$c"); done
+    if (( CONTAINERS )); then agent_args+=(--containers --label seqtrain.dev/testbed-runtime=containers); nodes=${#AGENT_NODES[@]}; fi
     start node-agent env PATH="$ROOT/.venv/bin:$PATH" PYTHONPATH="$ROOT/trainer:$ROOT/operator${PYTHONPATH:+:$PYTHONPATH}" \
         "$PY" "$ROOT/tests/testbed/node_agent.py" --kubeconfig "$TB/kubeconfig" --state "$TB/agent" \
         "${agent_args[@]}" --label topology.kubernetes.io/zone=zone-cpu --label node.kubernetes.io/instance-type=testbed-cpu
-    kwok_nodes | kc apply -f - >/dev/null || { stop_all; die "could not create the kwok nodes"; }
-    wait_for "nodes" "$UP_TIMEOUT" all_nodes_ready "$NODE_COUNT" || { stop_all; die "nodes did not become Ready"; }
+    if (( ! CONTAINERS )); then  # container nodes: a CPU job such as examples/k8s-cpu.yaml lands on them, as on kind
+        kwok_nodes | kc apply -f - >/dev/null || { stop_all; die "could not create the kwok nodes"; }
+    fi
+    wait_for "nodes" "$UP_TIMEOUT" all_nodes_ready "$nodes" || { stop_all; die "nodes did not become Ready"; }
     # New namespaces need their default ServiceAccount before pods can be admitted (ServiceAccount plugin).
     wait_for "default service account" "$UP_TIMEOUT" kc get serviceaccount default -n default \
         || { stop_all; die "the service-account controller did not run"; }
@@ -261,7 +285,46 @@ down() {
         local f
         for f in "$TB"/agent/pods/*/pgid*; do [[ -f $f ]] && kill -KILL -- "-$(cat "$f")" 2>/dev/null || true; done
     fi
+    remove_containers
     log "down"
+}
+
+# The label tests/testbed/containers.py puts on this testbed's containers: a hash of the agent's state folder.
+container_tag() { printf '%s' "$(realpath -m "$TB/agent")" | sha256sum | cut -c1-12; }
+
+remove_containers() {
+    command -v podman >/dev/null 2>&1 || return 0
+    local ids=()
+    mapfile -t ids < <(podman ps -aq --filter "label=seqtrain.dev/testbed=$(container_tag)" 2>/dev/null || true)
+    (( ${#ids[@]} == 0 )) || podman rm -f -t 0 "${ids[@]}" >/dev/null 2>&1 || true
+}
+
+load_images() {  # IMAGE... : into podman's store (the container nodes' runtime), from Docker's when built there
+    local images=("$@") img
+    (( ${#images[@]} )) || read -r -a images < <(make -s -C "$ROOT" print-images)
+    command -v podman >/dev/null || die "load-images: no podman (make images installs it)"
+    for img in "${images[@]}"; do
+        if podman image exists "$img"; then echo "$img: in the nodes' store"; continue; fi
+        if command -v docker >/dev/null && docker image inspect "$img" >/dev/null 2>&1; then
+            docker save "$img" | podman load >/dev/null || die "load-images: docker save | podman load $img failed"
+            echo "$img: loaded from Docker"; continue
+        fi
+        die "load-images: $img is in no local store: run \`make images\` first"
+    done
+}
+
+kill_container() {  # POD [NAMESPACE]
+    local pod=${1:-} ns=${2:-}
+    [[ -n $pod ]] || die "usage: testbed.sh kill-container POD [NAMESPACE]"
+    local filters=(--filter "label=seqtrain.dev/testbed=$(container_tag)" --filter "label=io.kubernetes.pod.name=$pod")
+    [[ -n $ns ]] && filters+=(--filter "label=io.kubernetes.pod.namespace=$ns")
+    local ids; ids=$(podman ps -q "${filters[@]}")
+    [[ -n $ids ]] || die "kill-container: no running container of pod $pod on the container nodes"
+    (( $(wc -w <<<"$ids") == 1 )) || die "kill-container: pod $pod is in several namespaces: name one"
+    local pid; pid=$(podman inspect --format '{{.State.Pid}}' "$ids")
+    [[ $pid =~ ^[0-9]+$ && $pid -gt 0 ]] || die "kill-container: no main process for $pod ($ids)"
+    kill -KILL "$pid"
+    echo "pod $pod: SIGKILLed pid $pid (container ${ids:0:12})"
 }
 
 status() {
@@ -302,10 +365,13 @@ node_mark() {  # down|up NODE
 }
 
 case ${1:-} in
-    up) up ;;
+    up) [[ ${2:-} == --containers ]] && CONTAINERS=1; up ;;
+    load-images) shift; load_images "$@" ;;
+    kill-container) kill_container "${2:-}" "${3:-}" ;;
     down) down ;;
     status) status ;;
     node-down) node_mark down "${2:-}" ;;
     node-up) node_mark up "${2:-}" ;;
-    *) echo "usage: $0 up|down|status|node-down NODE|node-up NODE" >&2; exit 2 ;;
+    *) echo "usage: $0 up [--containers]|down|status|node-down NODE|node-up NODE|load-images [IMAGE...]|kill-container POD [NS]" >&2
+       exit 2 ;;
 esac

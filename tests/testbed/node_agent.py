@@ -28,7 +28,9 @@ and get SIGTERM once every regular container has exited; the pod stays Running w
 then ends Succeeded if all of them exited 0, else Failed. Other init containers are not run (refused).
 restartPolicy Never only (the operator's pods; the operator restarts whole gangs): an exited container stays
 terminated. The image, securityContext and resource limits other than memory are not enforced: every pod runs
-as this user with this Python environment (PATH and PYTHONPATH are passed through).
+as this user with this Python environment (PATH and PYTHONPATH are passed through). With `--containers`
+(`scripts/testbed.sh up --containers`) they are enforced: every pod runs as a real container from its image
+(tests/testbed/containers.py; this module keeps the API side: nodes, status, deletion, node-down).
 
 Lives in tests/ (not in a shipped package): it is test infrastructure, imported by its unit test and started by
 scripts/testbed.sh as `python tests/testbed/node_agent.py`.
@@ -205,10 +207,11 @@ def pod_conditions(ready: bool, initialized: bool = True) -> list[dict[str, Any]
 
 
 def container_status(container: Mapping[str, Any], state: dict[str, Any], ready: bool, started: bool,
-                     restart_count: int = 0) -> dict[str, Any]:
+                     restart_count: int = 0, ids: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """`ids`: a real container's containerID and imageID (container nodes, tests/testbed/containers.py)."""
     return {"name": container["name"], "image": container.get("image", ""), "imageID": "",
             "containerID": f"testbed://{container['name']}", "ready": ready, "started": started,
-            "restartCount": restart_count, "state": state}
+            "restartCount": restart_count, "state": state, **(ids or {})}
 
 
 # ---- the running side -------------------------------------------------------------------------------------------
@@ -287,8 +290,9 @@ class Agent:
     """Owns `nodes`; polls the API for their pods and runs them. All API calls go through `api` (CoreV1Api)."""
 
     def __init__(self, api: Any, coord: Any, nodes: Iterable[str], state: Path, labels: Mapping[str, str],
-                 capacity: Mapping[str, str], server: str | None = None) -> None:
+                 capacity: Mapping[str, str], server: str | None = None, runtime: Any = None) -> None:
         self.api, self.coord = api, coord
+        self.runtime = runtime  # containers.PodmanRuntime on container nodes; None: pods are local processes
         self.server = server  # the apiserver's URL, for the kubelet's KUBERNETES_SERVICE_* env (None: not set)
         self.nodes = list(nodes)
         self.state = state
@@ -373,7 +377,7 @@ class Agent:
                     if proc is not None and proc.extra.get("node") == name:
                         # Killed with the node; reported (exit 137) only if the node comes back, like a kubelet
                         # that restarts and finds its containers gone.
-                        signal_pod(proc, signal.SIGKILL, reap=True)
+                        self.kill(proc, signal.SIGKILL, reap=True)
             elif name not in marked and name in self.down:
                 LOG.info("node %s up again", name)
                 self.down.discard(name)
@@ -507,7 +511,27 @@ class Agent:
         cwd = paths.rewrite(c["workingDir"]) if c.get("workingDir") else str(root)
         return argv, env, root, message_file, cwd
 
+    def kill_main(self, proc: Proc, sig: int) -> None:
+        """`sig` to the pod's first container: through the runtime on container nodes, else its process group."""
+        if self.runtime is not None and "container" in proc.extra:
+            if proc.popen.poll() is None:
+                self.runtime.kill(proc, sig)
+        else:
+            kill_group(proc.popen.pid, sig)
+
+    def kill(self, proc: Proc, sig: int, reap: bool = False) -> None:
+        """`sig` to every container of the pod (`reap`: and wait for them)."""
+        if self.runtime is not None and "container" in proc.extra:
+            self.kill_main(proc, sig)
+            if reap:
+                proc.popen.wait()
+        else:
+            signal_pod(proc, sig, reap)
+
     def start(self, pod: dict[str, Any]) -> None:
+        if self.runtime is not None:
+            self.runtime.start(self, pod)
+            return
         meta = pod["metadata"]
         c = pod["spec"]["containers"][0]
         self.patch_status(pod, {"phase": "Pending", "hostIP": POD_IP, "startTime": now(),
@@ -570,6 +594,8 @@ class Agent:
 
     def exit_state(self, proc: Proc) -> dict[str, Any]:
         """state.terminated of the first container, its termination message included."""
+        if self.runtime is not None and "container" in proc.extra:
+            self.runtime.on_exit(proc)
         rc = proc.popen.returncode
         signalled = -rc if rc < 0 else None
         message = proc.message_file.read_text(errors="replace") if proc.message_file.exists() else ""
@@ -588,7 +614,8 @@ class Agent:
         c = pod["spec"]["containers"][0]
         self.patch_status(pod, self.with_companions(proc, {
             "phase": phase, "conditions": pod_conditions(False),
-            "containerStatuses": [container_status(c, {"terminated": state}, False, False)]}))
+            "containerStatuses": [container_status(c, {"terminated": state}, False, False,
+                                                   ids=proc.extra.get("ids"))]}))
         proc.reported = True
         LOG.info("pod %s/%s: exited %s (%s)", pod["metadata"]["namespace"], pod["metadata"]["name"],
                  state["exitCode"], state["reason"])
@@ -682,12 +709,12 @@ class Agent:
                     proc.term_sent = time.monotonic()
                     proc.kill_at = proc.term_sent + float(grace)
                     LOG.info("pod %s/%s: SIGTERM (grace %ss)", meta["namespace"], meta["name"], grace)
-                    signal_pod(proc, signal.SIGTERM)
+                    self.kill(proc, signal.SIGTERM)
                 elif time.monotonic() >= (proc.kill_at or 0):
-                    signal_pod(proc, signal.SIGKILL)
+                    self.kill(proc, signal.SIGKILL)
                 return
             if proc is not None:
-                signal_pod(proc, signal.SIGKILL)  # stragglers of the groups
+                self.kill(proc, signal.SIGKILL)  # stragglers of the groups
                 if not proc.reported:
                     self.report_exit(pod, proc)
             self.confirm_deletion(pod)
@@ -702,6 +729,9 @@ class Agent:
         if proc is None:
             return
         if proc.popen.poll() is None:
+            if self.runtime is not None and "container" in proc.extra:
+                self.runtime.tick(self, pod, proc)  # the kernel enforces its memory limit
+                return
             if proc.mem_limit is not None and (used := group_memory(proc.popen.pid)) > proc.mem_limit:
                 LOG.info("pod %s/%s: %d bytes, over its memory limit %d: OOM kill", meta["namespace"], meta["name"],
                          used, proc.mem_limit)
@@ -709,12 +739,14 @@ class Agent:
                 kill_group(proc.popen.pid, signal.SIGKILL)
             self.report_companions(pod, proc, {"running": {"startedAt": proc.started_at}})
             return
-        kill_group(proc.popen.pid, signal.SIGKILL)  # a dead container leaves no process behind
+        self.kill_main(proc, signal.SIGKILL)  # a dead container leaves no process behind
         if not proc.reported and not self.companions_running(pod, proc):
             self.report_exit(pod, proc)
 
     def forget(self, uid: str) -> None:
-        self.procs.pop(uid, None)
+        proc = self.procs.pop(uid, None)
+        if self.runtime is not None:
+            self.runtime.remove(uid, proc)
         shutil.rmtree(self.state / "pods" / uid, ignore_errors=True)
 
     def sync(self) -> None:
@@ -734,7 +766,7 @@ class Agent:
         for uid, proc in list(self.procs.items()):  # deleted behind our back (force delete): kill, forget
             if uid not in seen and (proc is None or proc.extra.get("node") not in self.down):
                 if proc is not None:
-                    signal_pod(proc, signal.SIGKILL, reap=True)
+                    self.kill(proc, signal.SIGKILL, reap=True)
                 self.forget(uid)
 
     def run(self) -> None:
@@ -752,7 +784,9 @@ class Agent:
     def shutdown(self) -> None:
         for proc in self.procs.values():
             if proc is not None:
-                signal_pod(proc, signal.SIGKILL, reap=True)
+                self.kill(proc, signal.SIGKILL, reap=True)
+        if self.runtime is not None:
+            self.runtime.remove_all()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -762,14 +796,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--node", action="append", required=True, help="a node this agent owns (repeatable)")
     p.add_argument("--label", action="append", default=[], help="KEY=VALUE on every node (repeatable)")
     p.add_argument("--capacity", default="cpu=4,memory=8Gi,pods=110,ephemeral-storage=50Gi")
+    p.add_argument("--containers", action="store_true",
+                   help="run pods as containers from their images (podman + runc: tests/testbed/containers.py)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     from kubernetes import client, config
 
     config.load_kube_config(args.kubeconfig)
+    runtime = None
+    if args.containers:
+        from containers import PodmanRuntime
+
+        runtime = PodmanRuntime(Path(args.state).resolve())
     agent = Agent(client.CoreV1Api(), client.CoordinationV1Api(), args.node, Path(args.state).resolve(),
                   dict(kv.split("=", 1) for kv in args.label), dict(kv.split("=", 1) for kv in args.capacity.split(",")),
-                  server=client.Configuration.get_default_copy().host)
+                  server=client.Configuration.get_default_copy().host, runtime=runtime)
     signal.signal(signal.SIGTERM, lambda *_: agent.stop.set())
     signal.signal(signal.SIGINT, lambda *_: agent.stop.set())
     agent.run()

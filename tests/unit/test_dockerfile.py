@@ -86,4 +86,7 @@ def test_copied_paths_exist_and_context_is_small():
 
 def test_makefile_builds_both_targets():
     mk = (ROOT / "Makefile").read_text()
-    assert "--target trainer" in mk and "--target operator" in mk
+    assert "scripts/images.sh $(TRAINER_IMAGE) $(OPERATOR_IMAGE)" in mk
+    script = (ROOT / "scripts" / "images.sh").read_text()  # docker build or buildah bud, one target after the other
+    assert "for target in trainer operator; do" in script
+    assert script.count('--target "$target" -t "$image"') == 2

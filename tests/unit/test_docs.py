@@ -158,7 +158,7 @@ def test_default_images_are_what_make_images_builds() -> None:
 
     trainer, operator = _make_images()
     mk = (ROOT / "Makefile").read_text()
-    assert "-t $(TRAINER_IMAGE)" in mk and "-t $(OPERATOR_IMAGE)" in mk
+    assert "scripts/images.sh $(TRAINER_IMAGE) $(OPERATOR_IMAGE)" in mk  # tags them with these names
     assert trainer == DEFAULT_IMAGE  # the spec's default trainer image
     chart = yaml.safe_load((ROOT / "charts" / "seqtrain" / "Chart.yaml").read_text())
     values = yaml.safe_load((ROOT / "charts" / "seqtrain" / "values.yaml").read_text())

@@ -266,3 +266,14 @@ def test_a_crash_beside_a_sidecar_is_classified_like_any_crash_and_the_endpoint_
     (r,) = observe_replicas([p], [node("n1")], NOW)
     assert (r.phase, r.reason, classify(r).cls) == ("Failed", "OOMKilled", FailureClass.USER)
     assert rank0_ip([p], 1) is None  # the trainer's progress server is gone with it
+
+
+def test_in_cluster_login_uses_the_service_env_the_kubelet_sets_not_cluster_dns() -> None:
+    # kopf's helper names https://kubernetes.default.svc: a pod without cluster DNS never reached the API server.
+    from seqtrain_operator.k8s.handlers import in_cluster_server
+
+    env = {"KUBERNETES_SERVICE_HOST": "10.96.0.1", "KUBERNETES_SERVICE_PORT": "443"}
+    assert in_cluster_server(env, "https://kubernetes.default.svc") == "https://10.96.0.1:443"
+    assert in_cluster_server({"KUBERNETES_SERVICE_HOST": "fd00::1", "KUBERNETES_SERVICE_PORT": "6443"}, "x") == \
+        "https://[fd00::1]:6443"
+    assert in_cluster_server({}, "https://kubernetes.default.svc") == "https://kubernetes.default.svc"

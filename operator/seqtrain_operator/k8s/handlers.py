@@ -17,8 +17,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
+import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -111,7 +114,20 @@ async def warn_if_crd_is_old(kube: Kube) -> list[str]:
 @kopf.on.login()
 def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
     """The pod's service account in a cluster, else the kubeconfig (read when logging in, not at import)."""
-    return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+    info = kopf.login_with_service_account(**kwargs)
+    if info is None:
+        return kopf.login_with_kubeconfig(**kwargs)
+    return dataclasses.replace(info, server=in_cluster_server(os.environ, info.server))
+
+
+def in_cluster_server(env: Mapping[str, str], default: str) -> str:
+    """client-go's in-cluster rule: the API server is $KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT, which the
+    kubelet sets in every container. kopf's helper names https://kubernetes.default.svc, which needs cluster DNS:
+    a pod without it (dnsPolicy Default, hostNetwork; the testbed's container nodes) never reached the API."""
+    host, port = env.get("KUBERNETES_SERVICE_HOST"), env.get("KUBERNETES_SERVICE_PORT")
+    if not host or not port:
+        return default
+    return f"https://[{host}]:{port}" if ":" in host else f"https://{host}:{port}"
 
 
 def _emit(body: dict[str, Any], type_: str, reason: str, message: str) -> None:
