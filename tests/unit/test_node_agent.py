@@ -333,6 +333,7 @@ def test_progress_output_after_the_error_line_never_becomes_the_reported_reason(
               "[step(s) for s in range(40, 43)]\n"
               "sys.exit(1)\n")
     pod = make_pod("crash", script, policy="FallbackToLogsOnError")
+    pod["spec"]["containers"][0]["name"] = "trainer"  # observation reads the trainer container's status only
     pod["metadata"]["labels"] = {"seqtrain.dev/replica": "0", "seqtrain.dev/attempt": "1"}
     core.pods["crash"] = pod
     run_until(a, lambda: core.pods["crash"]["status"]["phase"] == "Failed")
