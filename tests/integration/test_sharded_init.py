@@ -3,13 +3,14 @@
 Four real gloo ranks (the pod entrypoint) train the 350m GPT for one SGD step with FSDP2 (native engine, zero
 stage 3); the same job with the tiny preset gives the baseline (interpreter, torch, gloo, data). The busiest
 rank's peak resident set (`mem_peak_mb` in metrics.jsonl: each rank's ru_maxrss, max over ranks) above that
-baseline must stay under the whole fp32 model (1177 MiB). Building the whole model on every rank before
-`fully_shard` (the order before the meta-first one) holds it all, and its shards beside it, and fails.
+baseline must stay under three quarters of the fp32 model (883 MiB): the rank's quarter of the parameters and its
+quarter of the gradients (half the model), plus less than another quarter for what is in flight. Building the
+whole fp32 model on every rank before `fully_shard` (the order before the meta-first one, commit 047d55b)
+measured 1099 MiB here and fails.
 
-What a rank needs (measured, docs/benchmarks.md): a quarter of the parameters and of their gradients (half the
-model together, 589 MiB) plus the blocks FSDP2 has in flight during backward (the gathered block, its unsharded
-gradients, the reduce-scatter input, the prefetched next block: 4 x 49 MiB), about 780 MiB. Half the model plus
-one block (638 MiB) is below what any ZeRO-3 step needs, so the bound is the whole model.
+What a rank needs (measured, docs/benchmarks.md): 771 MiB, half the model (589 MiB) plus the blocks FSDP2 has in
+flight during backward (the gathered block, its unsharded gradients, the reduce-scatter input, the prefetched next
+block: 49 MiB each). So "half the model plus one block" (638 MiB) is below what any ZeRO-3 step needs.
 
 MALLOC_MMAP_THRESHOLD_ fixes glibc's mmap threshold at 1 MiB, so freed tensors go back to the OS: with glibc's
 default (a threshold that grows to 32 MiB) the heap keeps about 800 MiB of freed gradient and gather buffers
@@ -68,5 +69,6 @@ def test_fsdp2_ranks_never_hold_the_whole_model(tmp_path: Path) -> None:
     print(f"350m fp32 {model_mb:.0f} MiB, block {block_mb:.0f} MiB; busiest rank's peak RSS {big:.0f} MiB, "
           f"tiny {base:.0f} MiB: {big - base:.0f} MiB above it (half the model + 4 blocks: "
           f"{model_mb / 2 + 4 * block_mb:.0f} MiB)")
-    assert big - base < model_mb, (f"the busiest rank's peak RSS is {big - base:.0f} MiB above the tiny job's: "
-                                   f"more than the whole fp32 model ({model_mb:.0f} MiB)")
+    assert big - base < 0.75 * model_mb, (
+        f"the busiest rank's peak RSS is {big - base:.0f} MiB above the tiny job's: more than three quarters of the "
+        f"fp32 model ({0.75 * model_mb:.0f} MiB); a rank held more than its shards and the blocks in flight")
