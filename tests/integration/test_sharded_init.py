@@ -8,7 +8,7 @@ quarter of the gradients (half the model), plus less than another quarter for wh
 whole fp32 model on every rank before `fully_shard` (the order before the meta-first one, commit 047d55b)
 measured 1099 MiB here and fails.
 
-What a rank needs (measured, docs/benchmarks.md): 771 MiB, half the model (589 MiB) plus the blocks FSDP2 has in
+What a rank needs (measured, docs/benchmarks.md): 771-779 MiB, half the model (589 MiB) plus the blocks FSDP2 has in
 flight during backward (the gathered block, its unsharded gradients, the reduce-scatter input, the prefetched next
 block: 49 MiB each). So "half the model plus one block" (638 MiB) is below what any ZeRO-3 step needs.
 
