@@ -35,6 +35,9 @@ LAYOUTS: dict[str, tuple[dict, int]] = {
     "zero3-dp2": ({"replicas": 2, "optimization.zero.stage": 3}, 2),
     "zero3-offload-dp2": ({"replicas": 2, "optimization.zero.stage": 3, "optimization.zero.offload": "cpu"}, 2),
     "fsdp2-dp2": ({"replicas": 2, **NATIVE3}, 2),
+    # tensor-parallel slices of a meta model, sharded by FSDP2 and then initialised shard by shard
+    "fsdp2-dp2xtp2": ({"replicas": 2, "resources.processesPerReplica": 2, "optimization.tensorParallel": 2,
+                       **NATIVE3}, 4),
     "tp2": ({"resources.processesPerReplica": 2, "optimization.tensorParallel": 2}, 2),
     "pp2-gpipe": ({"replicas": 2, "optimization.pipelineParallel": 2, "optimization.pipelineSchedule": "gpipe"}, 2),
     "pp2-1f1b": ({"replicas": 2, "optimization.pipelineParallel": 2, "optimization.pipelineSchedule": "1f1b"}, 2),

@@ -24,6 +24,7 @@ from torch import nn
 from seqtrain.checkpoint.safe_load import require_layout
 from seqtrain.data import Batch
 from seqtrain.engine.base import Engine, StepStats
+from seqtrain.models import build_model
 from seqtrain.optim.build import build_scheduler, param_groups
 from seqtrain.runtime.dist import DistContext
 from seqtrain.spec.job import SeqTrainJob
@@ -66,6 +67,34 @@ def ds_config(job: SeqTrainJob, ctx: DistContext, accum: int) -> dict[str, Any]:
     return cfg
 
 
+def init_distributed(ctx: DistContext) -> None:
+    import deepspeed
+
+    backend = ctx.backend
+    if not ctx.distributed and not dist.is_initialized():
+        # One rank is a legitimate layout (a laptop, a single-GPU box), but DeepSpeed's collectives need a
+        # process group even then: a private one-member group over an in-memory store (no port, no peers).
+        backend = "nccl" if ctx.device.type == "cuda" else "gloo"
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+
+
+def build_partitioned(job: SeqTrainJob, ctx: DistContext) -> nn.Module:
+    """The job's model as ZeRO-3 partitions from the start (`deepspeed.zero.Init`: each module is partitioned as
+    soon as it is constructed, so a rank holds one module at a time, never the model), then every partition is
+    filled with the single process's initial values (`GPT.init_weights` draws one full tensor at a time on the
+    host and keeps this rank's slice: `seqtrain.models.shards`)."""
+    import deepspeed
+
+    init_distributed(ctx)
+    cfg = ds_config(job, ctx, job.spec.grad_accum)
+    # mem_efficient_linear=False: DeepSpeed would otherwise replace torch.nn.functional.linear for the whole process
+    with deepspeed.zero.Init(config_dict_or_path=cfg, mem_efficient_linear=False):
+        model = build_model(job.spec.model)  # GPT leaves ZeRO-3 partitions uninitialised (no patched constructors)
+    model.init_weights(buffer_device=ctx.device)  # type: ignore[operator]
+    return model
+
+
 class DeepSpeedEngine(Engine):
     name = "deepspeed"
 
@@ -73,13 +102,7 @@ class DeepSpeedEngine(Engine):
         super().__init__(model, job, ctx)
         import deepspeed
 
-        backend = ctx.backend
-        if not ctx.distributed and not dist.is_initialized():
-            # One rank is a legitimate layout (a laptop, a single-GPU box), but DeepSpeed's collectives need a
-            # process group even then: a private one-member group over an in-memory store (no port, no peers).
-            backend = "nccl" if ctx.device.type == "cuda" else "gloo"
-            dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
-        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+        init_distributed(ctx)
         ospec = job.spec.training.optimizer
         if job.spec.optimization.zero.offload == "cpu" and ctx.device.type == "cuda":
             from deepspeed.ops.adam import DeepSpeedCPUAdam

@@ -36,6 +36,7 @@ from seqtrain.checkpoint.safe_load import load_plain, require_layout
 from seqtrain.data import Batch
 from seqtrain.engine.base import Engine, StepStats
 from seqtrain.models.loss import CausalLMLoss
+from seqtrain.models.materialize import materialize
 from seqtrain.parallel.grads import clip_grad_norm
 from seqtrain.parallel.tensor import tp_param_names
 from seqtrain.runtime.dist import DistContext
@@ -66,6 +67,10 @@ class FSDPEngine(Engine):
                 fully_shard(unit, mesh=mesh, mp_policy=self.mp_policy)
             # The root is the loss wrapper, so the (tied) output projection runs inside an FSDP forward.
             fully_shard(sharded, mesh=mesh, mp_policy=self.mp_policy)
+        # Built on meta (Trainer.setup leaves it so): allocate only this rank's shards and fill them with the single
+        # process's values, so no rank ever holds the whole model (torchtitan's order: shard, then initialise).
+        if any(p.device.type == "meta" for p in model.parameters()):
+            materialize(model, ctx.device)
         super().__init__(model, job, ctx)  # the optimizer now sees the sharded (DTensor) parameters
         self.loss_module = sharded
         self.grad_clip = job.spec.training.grad_clip

@@ -40,5 +40,5 @@ def count_parameters(model: nn.Module, trainable_only: bool = True) -> int:
         if id(p) in seen or (trainable_only and not p.requires_grad):
             continue
         seen.add(id(p))
-        total += p.numel()
+        total += getattr(p, "ds_numel", None) or p.numel()  # a ZeRO-3 partitioned parameter's own numel is 0
     return total

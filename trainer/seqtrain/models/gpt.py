@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from seqtrain.models.layers import CausalSelfAttention, RMSNorm, SwiGLU, document_positions, rope_tables
+from seqtrain.models.shards import full_shape, holds_memory, write_local
 from seqtrain.spec.model import ModelSpec
 
 
@@ -53,7 +54,9 @@ class GPT(nn.Module):
         # Not persistent: derived from the spec, so checkpoints hold only learned weights.
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        if self.embed.weight.device.type != "meta":
+        # On meta, or partitioned by DeepSpeed's zero.Init (ds_id) under its patched constructors: the caller
+        # initialises once the parameters are materialised / outside that context.
+        if self.embed.weight.device.type != "meta" and not hasattr(self.embed.weight, "ds_id"):
             self.init_weights()
 
     @torch.no_grad()
@@ -62,7 +65,8 @@ class GPT(nn.Module):
 
         Each matrix is drawn whole on the CPU from a generator seeded with `init_seed`, in parameter order, and
         the local part is copied in: a tensor-parallel slice (a module's `tp_slice`, set by `seqtrain.parallel.tensor`)
-        or nothing for a part another rank holds (pipeline). So every layout starts from exactly the weights of
+        or nothing for a part another rank holds (pipeline); of a parameter sharded before it was materialised
+        (FSDP2, ZeRO-3) only this rank's shard (`seqtrain.models.shards`). So every layout starts from exactly the weights of
         the single process, and a rank's device never holds more than its own parameters (the host holds one
         full matrix at a time). GPT-2 style: residual output projections scaled down by depth.
         """
@@ -70,11 +74,11 @@ class GPT(nn.Module):
         out_std = std / math.sqrt(2 * len(self.blocks))
         g = torch.Generator().manual_seed(self.init_seed)
         for name, p in self.named_parameters():
-            if p.dim() < 2:  # norm scales start at 1 (no draw)
-                if p.device.type != "meta":
-                    p.fill_(1.0)
+            shape = list(full_shape(p))  # the global shape of a sharded (FSDP2 / ZeRO-3) parameter
+            if len(shape) < 2:  # norm scales start at 1 (no draw)
+                if holds_memory(p):
+                    write_local(p, torch.ones(shape))
                 continue
-            shape = list(p.shape)
             owner, _, attr = name.rpartition(".")
             # (dim, start, full size) of a tensor-parallel weight, kept on its module (to_empty swaps Parameters)
             sl = getattr(self.get_submodule(owner), "tp_slice", None) if attr == "weight" else None
@@ -82,11 +86,11 @@ class GPT(nn.Module):
                 shape[sl[0]] = sl[2]
             full = torch.empty(shape).normal_(0.0, out_std if name.endswith(("attn.out.weight", "mlp.down.weight"))
                                               else std, generator=g)
-            if p.device.type == "meta":
+            if not holds_memory(p):
                 continue
             if sl is not None:
                 full = full.narrow(sl[0], sl[1], p.shape[sl[0]])
-            p.copy_(full)
+            write_local(p, full)  # this rank's data-parallel shard of it, or all of it
         dev = buffer_device or self.rope_cos.device  # every stage needs the tables: materialise them here
         if dev.type != "meta":
             cos, sin = rope_tables(self.spec.max_seq_len, self.spec.dim // self.spec.heads, self.spec.rope_theta)

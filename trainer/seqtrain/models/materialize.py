@@ -5,6 +5,8 @@ then allocate on the device and initialise the weights. `keep` names the submodu
 pipeline rank's stages: `seqtrain.engine.pipeline.local_modules`); None keeps everything. Models without a
 streaming `init_weights` (the recurrent ones, small) are built for real on the CPU with the same seed and the
 kept modules moved to the device: identical values, and the device still holds only its part.
+Sharding engines shard before anything is allocated (`shards_first`): FSDP2 materialises after `fully_shard`,
+DeepSpeed ZeRO-3 builds under `deepspeed.zero.Init`; either way a rank allocates only its shards.
 """
 
 from __future__ import annotations
@@ -14,12 +16,29 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from seqtrain.layout.rules import engine_of
 from seqtrain.models import build_model
+from seqtrain.spec.job import SeqTrainJob
 from seqtrain.spec.model import ModelSpec
 
 
 def builds_on_meta(spec: ModelSpec) -> bool:
     return spec.arch == "gpt"
+
+
+def shards_first(job: SeqTrainJob, dp_size: int) -> str | None:
+    """How a model built from scratch reaches a sharding engine without any rank holding all of it: "fsdp2"
+    (build on meta, `fully_shard`, then materialise and initialise the shards: FSDPEngine), "zero3" (DeepSpeed's
+    zero.Init partitions each module as it is built: `seqtrain.engine.deepspeed.build_partitioned`), or None
+    (materialise what this rank keeps before the engine wraps it). Fine-tuning (model.init, LoRA) loads a whole
+    model first, so it is None there too."""
+    s = job.spec
+    if s.model.init or s.model.lora is not None or not builds_on_meta(s.model) or dp_size < 2:
+        return None
+    engine = engine_of(job)
+    if engine == "fsdp2":
+        return "fsdp2"
+    return "zero3" if engine == "deepspeed" and s.optimization.zero.stage == 3 else None
 
 
 def new_model(spec: ModelSpec) -> nn.Module:

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from seqtrain.models.shards import full_shape
 from seqtrain.spec.training import OptimizerSpec, ScheduleSpec
 
 
@@ -25,7 +26,7 @@ def param_groups(model: nn.Module, spec: OptimizerSpec) -> list[dict[str, Any]]:
         seen.add(id(p))
         if id(p) in embed_ids:
             embed.append(p)
-        elif p.dim() < 2:
+        elif len(full_shape(p)) < 2:  # a ZeRO-3 partitioned parameter's own shape is flat
             no_decay.append(p)
         else:
             decay.append(p)

@@ -23,7 +23,7 @@ from seqtrain.engine import Engine, StepStats, build_engine, engine_name
 from seqtrain.models import build_model, count_parameters
 from seqtrain.models.compile import prepare_model
 from seqtrain.models.dispatch import setup_kernels
-from seqtrain.models.materialize import materialize, new_model
+from seqtrain.models.materialize import materialize, new_model, shards_first
 from seqtrain.parallel.apply import init_mesh, parallelize
 from seqtrain.parallel.pipeline import local_modules
 from seqtrain.parallel.watchdog import waiting
@@ -110,7 +110,9 @@ class Trainer:
         seed_all(tr.seed)  # the same on every rank: identical initial weights without a broadcast
         init_mesh(self.ctx, self.job)  # dp/pp/tp groups; data shards by the dp rank from here on
         # torchtitan's order: build on the meta device, parallelise, then allocate and initialise only what this
-        # rank holds (its tensor-parallel slices, its pipeline stages); the weights equal the single process's.
+        # rank holds (its tensor-parallel slices, its pipeline stages, its FSDP2 / ZeRO-3 shards); the weights
+        # equal the single process's. docs/architecture.md ("Model materialisation") gives the order per engine.
+        order = shards_first(self.job, self.ctx.dp_size)  # FSDP2 / ZeRO-3 shard before anything is allocated
         if self.spec.model.init or self.spec.model.lora is not None:
             # fine-tuning: the whole model is built for real and loaded, adapters added, before it is split
             self.model = build_model(self.spec.model)
@@ -123,10 +125,15 @@ class Trainer:
 
                 n = apply_lora(self.model, self.spec.model.lora, self.spec.model.arch)
                 self.log(f"LoRA: {n:,} trainable parameters (rank {self.spec.model.lora.rank})")
+        elif order == "zero3":  # partitioned module by module as it is built, then the partitions initialised
+            from seqtrain.engine.deepspeed import build_partitioned
+
+            self.model = build_partitioned(self.job, self.ctx)
         else:
             self.model = new_model(self.spec.model)
         self.model = parallelize(self.model, self.job, self.ctx)  # tensor parallel (before AC / compile)
-        materialize(self.model, self.ctx.device, local_modules(self.job, self.ctx.pp_size, self.ctx.pp_rank))
+        if order is None:  # "fsdp2": FSDPEngine shards the meta model, then materialises only the shards
+            materialize(self.model, self.ctx.device, local_modules(self.job, self.ctx.pp_size, self.ctx.pp_rank))
         self.log(setup_kernels(self.model, self.job, self.ctx.device))  # optimization.kernels -> model and loss
         for line in prepare_model(self.model, self.job, self.ctx.device):  # activation checkpointing, compile
             self.log(line)
