@@ -17,19 +17,19 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${1:-/tmp/seqtrain-gpu-mirror-out}
 VENV=${SEQTRAIN_GPU_MIRROR:-${XDG_CACHE_HOME:-$HOME/.cache}/seqtrain/gpu-mirror-py312-torch2.11.0}
 PY=${SEQTRAIN_GPU_MIRROR_PYTHON:-$(pyenv root 2>/dev/null || echo "$HOME/.pyenv")/versions/3.12.1/bin/python3}
-# The lent image's versions where KINDS.md gives them; the rest are packages its image holds (any version).
+# The lent image's versions where KINDS.md gives them (its pip list: torch 2.11.0, triton 3.6.0, numpy 2.5.2);
+# the rest are packages its image holds (any version).
 # torch pulls its own needs (filelock, fsspec, jinja2, networkx, sympy, typing-extensions, nvidia-*), all
 # of which the image holds too.
-PACKAGES=(torch==2.11.0 triton==3.6.0 numpy pyyaml packaging pytest pytest-timeout)
+PACKAGES=(torch==2.11.0 triton==3.6.0 numpy==2.5.2 pyyaml packaging pytest pytest-timeout)
 
 [ -x "$PY" ] || { echo "gpu-mirror: no Python 3.12 at $PY (set SEQTRAIN_GPU_MIRROR_PYTHON)" >&2; exit 2; }
-if [ ! -f "$VENV/.complete" ]; then
-    rm -rf "$VENV"
-    "$PY" -m venv "$VENV"
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+if [ "$(cat "$VENV/.complete" 2>/dev/null)" != "${PACKAGES[*]}" ]; then
     # --no-cache-dir: a few GB of wheels need not stay twice on a shared disk. PIP_FIND_LINKS is ignored:
     # the mirror takes what the lent image was built from (PyPI), not this machine's local wheels.
-    PIP_FIND_LINKS= "$VENV/bin/python" -m pip install -q --no-cache-dir "${PACKAGES[@]}"
-    touch "$VENV/.complete"
+    PIP_FIND_LINKS='' "$VENV/bin/python" -m pip install -q --no-cache-dir "${PACKAGES[@]}"
+    echo "${PACKAGES[*]}" >"$VENV/.complete"  # a changed list is installed again
 fi
 "$VENV/bin/python" - <<'EOF'
 import importlib.util, sys, torch, triton

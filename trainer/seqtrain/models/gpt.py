@@ -12,15 +12,8 @@ import math
 import torch
 from torch import nn
 
-from seqtrain.models.layers import (
-    CausalSelfAttention,
-    RMSNorm,
-    SwiGLU,
-    doc_block_mask,
-    document_positions,
-    rope_tables,
-    use_flex,
-)
+from seqtrain.models import layers
+from seqtrain.models.layers import CausalSelfAttention, RMSNorm, SwiGLU, document_positions, rope_tables
 from seqtrain.spec.model import ModelSpec
 
 
@@ -120,8 +113,8 @@ class GPT(nn.Module):
         x = self.drop(self.embed(tokens))
         # The flex_attention mask of packed documents, built once per batch here, outside the (compiled) blocks.
         block_mask = None
-        if doc_ids is not None and use_flex(x) and not self.blocks[0].attn.use_kernels:
-            block_mask = doc_block_mask(doc_ids, causal=True)
+        if doc_ids is not None and layers.use_flex(x) and not self.blocks[0].attn.use_kernels:
+            block_mask = layers.doc_block_mask(doc_ids, causal=True)
         for block in self.blocks:
             x = block(x, cos, sin, doc_ids, block_mask)
         return self.norm(x)

@@ -50,7 +50,7 @@ def clip_grad_norm(model: nn.Module, max_norm: float | None, ctx: DistContext, t
             w /= ctx.tp_size
         if not isinstance(p.grad, DTensor):
             w /= ctx.dp_size
-        groups[(w, g.device, g.dtype)].append(g.detach())
+        groups[(w, g.device, g.dtype)].append(g)  # .grad needs no detach: no autograd history
     for (w, _, _), tensors in groups.items():
         norms = torch._foreach_norm(tensors, 2.0)
         total += torch.stack(norms).to(device=dev, dtype=torch.float64).pow(2).sum() * w

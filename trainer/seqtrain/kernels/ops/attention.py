@@ -238,9 +238,12 @@ def autotune_configs(free: str) -> list[triton.Config]:
 def _tuned() -> dict[str, object]:
     """The autotuned CUDA launchers, built on first CUDA use (the interpreter never sees them). Each kernel only
     writes its outputs, so the autotuner's repeated launches need no reset."""
-    return {"fwd": triton.autotune(autotune_configs("BLOCK_N"), key=_AUTOTUNE_KEY)(_attn_fwd),
-            "dkdv": triton.autotune(autotune_configs("BLOCK_M"), key=_AUTOTUNE_KEY)(_attn_bwd_dkdv),
-            "dq": triton.autotune(autotune_configs("BLOCK_N"), key=_AUTOTUNE_KEY)(_attn_bwd_dq)}
+    def tune(kernel: object, free: str) -> object:
+        # cache_results: the choice is kept in Triton's cache folder, so a later process skips the tuning runs
+        return triton.autotune(autotune_configs(free), key=_AUTOTUNE_KEY, cache_results=True)(kernel)
+
+    return {"fwd": tune(_attn_fwd, "BLOCK_N"), "dkdv": tune(_attn_bwd_dkdv, "BLOCK_M"),
+            "dq": tune(_attn_bwd_dq, "BLOCK_N")}
 
 
 def _config(q: torch.Tensor) -> dict:
