@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -17,23 +18,54 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU dry r
 
 def test_dry_run_writes_every_part(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("SEQTRAIN_KERNELS", raising=False)
-    assert gpu.main(["--out", str(tmp_path), "--parts", "tests,training,mfu"]) == 0
+    assert gpu.main(["--out", str(tmp_path), "--parts", "mfu,training,tests"]) == 0
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["dry_run"] is True and set(summary["parts"]) == {"tests", "training", "mfu"}
-    assert json.loads((tmp_path / "tests.json").read_text())["status"] == gpu.NO_CUDA
+    assert summary["dry_run"] is True and list(summary["parts"]) == ["mfu", "training", "tests"]
+    tests = json.loads((tmp_path / "tests.json").read_text())
+    # the GPU tests are collected (not run) from exactly the GPU test files
+    assert tests["status"].startswith("ok: collected") and tests["files"] == gpu.GPU_TEST_FILES
+    assert tests["collected"] == len(tests["tests"]) >= 10
+    assert {t.split("::")[0] for t in tests["tests"]} == set(gpu.GPU_TEST_FILES)
     training = json.loads((tmp_path / "training.json").read_text())
     assert training["status"] == "ok"
     for precision in ("bf16", "fp16"):
         run = training[precision]
         assert run["finite"] and len(run["losses"]) == run["steps"] and run["tokens_per_s"] > 0
+        assert run["attention_kernels"], "the profiler names the attention kernel that ran"
     assert training["fp16"]["loss_scale"] > 0 and training["bf16"]["loss_scale"] is None
     mfu = json.loads((tmp_path / "mfu.json").read_text())
-    assert mfu["status"] == "ok" and mfu["measured_peak"] == {"status": gpu.NO_CUDA}
+    assert mfu["status"] == "ok" and mfu["measured_matmul_peak"] == {"status": gpu.NO_CUDA}
+    assert mfu["peak"]["tflops"] is None and "slots" in mfu["formula"]
     for ac in ("none", "full"):
         run = mfu[f"activation_checkpointing_{ac}"]
-        assert run["mfu_vs_measured_peak"] == gpu.NO_CUDA and all(math.isfinite(x) for x in run["losses"])
+        assert run["mfu"] is None and run["model_tflops_per_s"] > 0 and all(math.isfinite(x) for x in run["losses"])
+        # the copy task: every position is computed, about half are targets; MFU counts the computed ones
+        assert run["slots_per_step"] > run["tokens_per_step"] > 0
     # the same initial weights and data: checkpointing changes memory, not the losses
     assert mfu["activation_checkpointing_none"]["losses"][0] == mfu["activation_checkpointing_full"]["losses"][0]
+    assert summary["headline"]["peak"] == mfu["peak"]
+
+
+def test_mfu_divides_model_flops_of_every_computed_position_by_the_datasheet_peak() -> None:
+    run = {"slots_per_s": 1000.0, "tokens_per_s": 500.0}
+    got = gpu.mfu_of(run, flops_per_slot=6e9, datasheet_tflops=989.5, measured_tflops=790.0)
+    assert got["model_tflops_per_s"] == 6.0
+    assert got["mfu"] == round(6e12 / 989.5e12, 4) and got["mfu_vs_measured_matmul_peak"] == round(6 / 790, 4)
+
+
+def test_a_part_past_its_deadline_is_killed_and_the_next_still_runs(tmp_path: Path) -> None:
+    code = gpu.main(["--out", str(tmp_path), "--parts", "training,tests", "--deadline", "training=0.1"])
+    assert code == 1
+    parts = json.loads((tmp_path / "summary.json").read_text())["parts"]
+    assert parts["training"]["status"] == "error: killed at its deadline of 0.1s"
+    assert parts["tests"]["status"].startswith("ok: collected")
+
+
+def test_gpu_test_files_are_exactly_the_files_with_gpu_tests() -> None:
+    root = Path(__file__).resolve().parents[2]
+    gpu_mark = re.compile(r"^(@pytest\.mark\.gpu\b|pytestmark = .*pytest\.mark\.gpu\b)", re.M)
+    marked = {str(p.relative_to(root)) for p in (root / "tests").rglob("test_*.py") if gpu_mark.search(p.read_text())}
+    assert marked == set(gpu.GPU_TEST_FILES)
 
 
 def test_kernels_part_runs_the_kernel_bench_on_the_interpreter(tmp_path: Path) -> None:
@@ -41,7 +73,9 @@ def test_kernels_part_runs_the_kernel_bench_on_the_interpreter(tmp_path: Path) -
     assert gpu.main(["--out", str(tmp_path), "--parts", "kernels"]) == 0
     kernels = json.loads((tmp_path / "kernels.json").read_text())
     assert kernels["status"] == "ok" and {r["op"] for r in kernels["summary"]} == {"rms_norm", "attention"}
-    assert all(r["kernel_ms"] and r["reference_ms"] for r in kernels["summary"])
+    assert all(r["kernel_ms"] and r["reference_ms"] and r["baseline_ms"] for r in kernels["summary"])
+    # attention is compared with what the trainer runs (its own SDPA call), not only the masked reference
+    assert {r["baseline"] for r in kernels["summary"] if r["op"] == "attention"} >= {"SDPA is_causal (trainer)"}
 
 
 def test_parts_past_the_budget_are_recorded_as_skipped(tmp_path: Path) -> None:
@@ -67,25 +101,27 @@ def test_mfu_model_is_about_1_3b_parameters() -> None:
 
 
 def test_runs_with_only_torch_numpy_pydantic_and_yaml(tmp_path: Path) -> None:
-    """A fresh GPU machine has torch (and triton); the bench must not need the trainer's optional extras."""
+    """A fresh GPU machine has torch, triton and pytest but no kopf, kubernetes or deepspeed: neither the bench
+    (each part a process of its own) nor the collection of the GPU tests may need them."""
     import subprocess
     import sys
 
     root = Path(__file__).resolve().parents[2]
-    script = f"""
-import sys
-BLOCKED = {{"deepspeed", "tensorboard", "prometheus_client", "tokenizers", "matplotlib", "psutil", "rich", "pytest",
-           "hypothesis", "kopf", "kubernetes"}}
-for name in BLOCKED:
-    sys.modules[name] = None  # as if not installed: import raises ImportError, find_spec returns None
-from seqtrain.benchmarks import gpu
-sys.exit(gpu.main(["--out", {str(tmp_path)!r}, "--parts", "tests,training"]))
-"""
-    env = {"PYTHONPATH": f"{root / 'trainer'}:{root / 'operator'}", "PATH": "/usr/bin:/bin"}
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env,
-                          cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert json.loads((tmp_path / "training.json").read_text())["status"] == "ok"
+    site = tmp_path / "site"
+    site.mkdir()
+    # sitecustomize runs in every Python process that has `site` on its path: the bench, its parts, pytest
+    (site / "sitecustomize.py").write_text(
+        "import sys\n"
+        "for name in ('deepspeed', 'tensorboard', 'prometheus_client', 'tokenizers', 'matplotlib', 'psutil', "
+        "'rich', 'kopf', 'kubernetes'):\n"
+        "    sys.modules[name] = None  # as if not installed: import raises ImportError\n")
+    out = tmp_path / "out"
+    env = {"PYTHONPATH": f"{site}:{root / 'trainer'}:{root / 'operator'}", "PATH": "/usr/bin:/bin"}
+    proc = subprocess.run([sys.executable, "-m", "seqtrain.benchmarks.gpu", "--out", str(out), "--parts",
+                           "tests,training"], capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:] + (out / "bench.log").read_text()[-3000:]
+    assert json.loads((out / "training.json").read_text())["status"] == "ok"
+    assert json.loads((out / "tests.json").read_text())["collected"] >= 10
 
 
 def test_missing_packages_are_named_with_the_fix(monkeypatch: pytest.MonkeyPatch, capsys) -> None:

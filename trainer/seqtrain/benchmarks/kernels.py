@@ -1,9 +1,15 @@
 """`seqtrain bench kernels`: time and peak memory of each kernel against the PyTorch reference.
 
-For every op and a few shapes it runs forward + backward of: the Triton kernel, the PyTorch reference
-and (where it compiles) `torch.compile` of the reference, and reports the median step time, the
+For every op and a few shapes it runs forward + backward of: the Triton kernel, the PyTorch reference,
+(where it compiles) `torch.compile` of the reference, and the baseline: what the trainer runs when the
+kernels are off (`trainer_baseline`: for attention the model's own SDPA call with `is_causal` and
+grouped-query heads, or flex_attention with a block mask for packed documents on CUDA; for the other
+ops torch.compile of the reference, as compiled blocks fuse them). It reports the median step time
+(`triton.testing.do_bench` on CUDA: CUDA events, L2 flushed between runs; wall clock on the CPU), the
 peak memory above the inputs (CUDA allocator on GPU, live torch tensors on CPU: see
-`seqtrain.kernels.memory`) and the ratios kernel/reference. It also records the accuracy of kernel
+`seqtrain.kernels.memory`), the ratios kernel/reference and `speedup_vs_baseline`, the one that
+says whether the kernel should replace what the trainer runs. The reference builds an explicit
+mask for attention (no FLASH kernel), so `speedup` alone flatters the attention kernel. It also records the accuracy of kernel
 and reference against float64 on small shapes. On CUDA this measures the real speedups. On the CPU
 the kernels run in Triton's interpreter (`TRITON_INTERPRET=1`, set here): the times are then those
 of an emulator and say nothing about speed, but the memory columns still reflect each algorithm's
@@ -127,6 +133,15 @@ def _step_fn(fn: Callable[..., Any], args: list[Any], grad_pos: tuple[int, ...],
 
 
 def _time(step: Callable[[], None], device: str, warmup: int, repeat: int) -> float:
+    """Median seconds per call: `triton.testing.do_bench` on CUDA (CUDA events around each call, L2 cache
+    flushed between calls, no host sync per call in the timing), wall clock + sync on the CPU."""
+    if device == "cuda":
+        from triton.testing import do_bench
+
+        for _ in range(max(warmup, 1)):  # compiles, autotunes
+            step()
+        # do_bench's warmup and rep are milliseconds; it picks the number of calls itself
+        return do_bench(step, warmup=25, rep=max(25, 10 * repeat), return_mode="median") / 1e3
     for _ in range(warmup):
         step()
     _sync(device)
@@ -137,6 +152,28 @@ def _time(step: Callable[[], None], device: str, warmup: int, repeat: int) -> fl
         _sync(device)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def trainer_baseline(op: str, device: str, use_compile: bool, shape: dict[str, Any]) -> tuple[str, Callable[..., Any]]:
+    """(name, function) of what the trainer runs for `op` when `optimization.kernels` is off."""
+    import torch
+
+    from seqtrain.kernels import reference
+
+    if op == "attention":
+        from seqtrain.models import layers
+
+        if shape.get("docs"):
+            name = "flex_attention, block mask (trainer)" if device == "cuda" and layers.flex_available() \
+                else "SDPA with a document mask (trainer)"
+        else:
+            name = "SDPA is_causal" + (", enable_gqa" if shape.get("kv_heads", 0) != shape.get("heads") else "") + \
+                " (trainer)"
+        return name, layers.attention
+    if use_compile:
+        return "torch.compile(reference) (trainer's compiled blocks)", torch.compile(getattr(reference, op),
+                                                                                      dynamic=False)
+    return "PyTorch reference (trainer, eager)", getattr(reference, op)
 
 
 def _bench_impl(step: Callable[[], None], device: str, warmup: int, repeat: int) -> dict[str, Any]:
@@ -167,6 +204,14 @@ def _bench_case(op: str, shape: dict[str, Any], device: str, dtype: Any, use_com
         torch._dynamo.reset()
         compiled = torch.compile(getattr(reference, op), dynamic=False)
         row["compiled"] = _bench_impl(_step_fn(compiled, args, grad_pos, {}), device, warmup, repeat)
+    name, fn = trainer_baseline(op, device, use_compile, shape)
+    if op != "attention" and use_compile:
+        row["baseline"] = {"name": name, **row["compiled"]}  # the same function: not timed twice
+    else:
+        row["baseline"] = {"name": name, **_bench_impl(_step_fn(fn, args, grad_pos, {}), device, warmup, repeat)}
+    base = row["baseline"]
+    if "ms" in base and "ms" in row["kernel"] and row["kernel"]["ms"]:
+        row["speedup_vs_baseline"] = _sig(base["ms"] / row["kernel"]["ms"])
     ref, ker = row["reference"], row["kernel"]
     if "ms" in ref and "ms" in ker:
         row["speedup"] = _sig(ref["ms"] / ker["ms"]) if ker["ms"] else None
@@ -202,14 +247,16 @@ def _fmt(impl: dict[str, Any] | None) -> str:
 
 
 def _print_table(rows: list[dict[str, Any]]) -> None:
-    header = f"{'op':22} {'shape':44} {'kernel':24} {'reference':24} {'compiled':24} {'speedup':>8} {'mem':>7}"
+    header = (f"{'op':22} {'shape':44} {'kernel':24} {'reference':24} {'compiled':24} {'baseline':24} "
+              f"{'vs base':>8} {'mem':>7}")
     print(header)
     print("-" * len(header))
     for r in rows:
         shape = ",".join(f"{k}={v}" for k, v in r["shape"].items()).replace(" ", "")
         print(f"{r['op']:22} {shape[:44]:44} {_fmt(r['kernel']):24} {_fmt(r['reference']):24} "
-              f"{_fmt(r.get('compiled')):24} {r.get('speedup') or '-':>8} {r.get('memory_ratio') or '-':>7}")
-        for name in ("kernel", "reference", "compiled"):
+              f"{_fmt(r.get('compiled')):24} {_fmt(r.get('baseline')):24} {r.get('speedup_vs_baseline') or '-':>8} "
+              f"{r.get('memory_ratio') or '-':>7}")
+        for name in ("kernel", "reference", "compiled", "baseline"):
             if isinstance(r.get(name), dict) and "error" in r[name]:
                 print(f"    {name}: {r[name]['error']}")
 
@@ -244,13 +291,38 @@ def main(argv: list[str] | None = None) -> int:
     warmup = args.warmup if args.warmup >= 0 else (3 if device == "cuda" else 0)
 
     rows, accuracy_rows = [], {}
+
+    def result() -> dict[str, Any]:
+        return {
+            "benchmark": "kernels",
+            "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "command": "seqtrain bench kernels " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "device": torch.cuda.get_device_name() if device == "cuda" else
+            f"cpu ({platform.processor() or platform.machine()})",
+            "kernel_runs_on": "triton" if device == "cuda" else "triton interpreter (times are not speeds)",
+            "timer": "triton.testing.do_bench (CUDA events), median" if device == "cuda" else
+            "wall clock + sync, median",
+            "memory_measure": "cuda max_memory_allocated" if device == "cuda" else "live torch tensors (dispatch mode)",
+            "dtype": str(dtype).replace("torch.", ""), "shapes": shapes, "repeat": repeat, "warmup": warmup,
+            "torch": torch.__version__, "triton": _triton_version(), "results": rows, "accuracy": accuracy_rows,
+        }
+
+    def write() -> None:  # after every row: a run stopped at a deadline keeps what it measured
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            tmp = args.out.with_name(args.out.name + ".tmp")
+            tmp.write_text(json.dumps(result(), indent=2) + "\n")
+            tmp.replace(args.out)
+
     for op in args.ops.split(","):
         for shape in args.shape or SHAPES[shapes][op]:
             rows.append(_bench_case(op, shape, device, dtype, use_compile, warmup, repeat))
+            write()
             if device == "cuda":
                 torch.cuda.empty_cache()
         if not args.no_accuracy:
             accuracy_rows[op] = _accuracy(op, device)
+            write()
     _print_table(rows)
     if accuracy_rows:
         print("\naccuracy vs float64 (max relative error over output and gradients, kernel / reference):")
@@ -258,19 +330,8 @@ def main(argv: list[str] | None = None) -> int:
             cells = "  ".join(f"{a['dtype']}: {a['max_kernel_error']:.2e} / {a['max_reference_error']:.2e}"
                               f"{'' if a['passes'] else ' FAIL'}" for a in accs)
             print(f"  {op:22} {cells}")
-    result = {
-        "benchmark": "kernels",
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": "seqtrain bench kernels " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "device": torch.cuda.get_device_name() if device == "cuda" else f"cpu ({platform.processor() or platform.machine()})",
-        "kernel_runs_on": "triton" if device == "cuda" else "triton interpreter (times are not speeds)",
-        "memory_measure": "cuda max_memory_allocated" if device == "cuda" else "live torch tensors (dispatch mode)",
-        "dtype": str(dtype).replace("torch.", ""), "shapes": shapes, "repeat": repeat, "warmup": warmup,
-        "torch": torch.__version__, "triton": _triton_version(), "results": rows, "accuracy": accuracy_rows,
-    }
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        write()
         print(f"\nwrote {args.out}")
     failed = any(not a["passes"] for accs in accuracy_rows.values() for a in accs)
     errors = any("error" in r.get(k, {}) for r in rows for k in ("kernel", "reference"))

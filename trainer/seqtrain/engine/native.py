@@ -26,7 +26,8 @@ class NativeEngine(Engine):
                 process_group=ctx.dp_group,
                 bucket_cap_mb=job.spec.optimization.bucket_mb,
                 # RoPE tables are buffers derived from the spec: identical on every rank, no per-step broadcast.
-                forward_sync_buffers=False,
+                # (broadcast_buffers, not 2.13's forward_sync_buffers: the lent GPU machine runs torch 2.11.)
+                broadcast_buffers=False,
                 gradient_as_bucket_view=True,
             )
         self.grad_clip = job.spec.training.grad_clip

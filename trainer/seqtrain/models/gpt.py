@@ -12,6 +12,7 @@ import math
 import torch
 from torch import nn
 
+from seqtrain.models import layers
 from seqtrain.models.layers import CausalSelfAttention, RMSNorm, SwiGLU, document_positions, rope_tables
 from seqtrain.models.shards import full_shape, holds_memory, write_local
 from seqtrain.spec.model import ModelSpec
@@ -28,9 +29,10 @@ class Block(nn.Module):
         self.dropout = nn.Dropout(spec.dropout)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, doc_ids: torch.Tensor | None = None
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, doc_ids: torch.Tensor | None = None,
+        block_mask: object | None = None,
     ) -> torch.Tensor:
-        x = x + self.dropout(self.attn(self.attn_norm(x), cos, sin, doc_ids))
+        x = x + self.dropout(self.attn(self.attn_norm(x), cos, sin, doc_ids, block_mask))
         return x + self.dropout(self.mlp(self.mlp_norm(x)))
 
 
@@ -113,6 +115,10 @@ class GPT(nn.Module):
             pos = document_positions(doc_ids)
             cos, sin = self.rope_cos[pos][:, None], self.rope_sin[pos][:, None]  # [B, 1, T, Dh/2]
         x = self.drop(self.embed(tokens))
+        # The flex_attention mask of packed documents, built once per batch here, outside the (compiled) blocks.
+        block_mask = None
+        if doc_ids is not None and layers.use_flex(x) and not self.blocks[0].attn.use_kernels:
+            block_mask = layers.doc_block_mask(doc_ids, causal=True)
         for block in self.blocks:
-            x = block(x, cos, sin, doc_ids)
+            x = block(x, cos, sin, doc_ids, block_mask)
         return self.norm(x)

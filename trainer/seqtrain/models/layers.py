@@ -9,6 +9,9 @@ Importing `seqtrain.kernels` never imports triton.
 
 from __future__ import annotations
 
+import functools
+import importlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -64,26 +67,50 @@ def document_mask(doc_ids: torch.Tensor) -> torch.Tensor:
 _FLEX: dict[str, object] = {}  # the compiled flex_attention and the last block mask (shared by all layers)
 
 
+@functools.lru_cache(maxsize=1)
+def flex_available() -> bool:
+    """Whether this torch has `flex_attention`. Imported, not looked up: `torch.nn.attention.flex_attention` is a
+    submodule that nothing imports for us, so `hasattr(torch.nn.attention, "flex_attention")` is False in a
+    fresh process and packed documents would silently fall to a dense [B, 1, T, T] mask."""
+    try:
+        importlib.import_module("torch.nn.attention.flex_attention")
+    except ImportError:
+        return False
+    return True
+
+
+def doc_block_mask(doc_ids: torch.Tensor, causal: bool = True) -> object:
+    """The flex_attention BlockMask of packed documents `doc_ids` [B, T] (causal inside each document). Built
+    once per batch by the model, outside its (compiled) blocks: built inside, every new batch would be a new
+    constant of the compiled graph, that is a recompile per batch."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def mask_mod(b: torch.Tensor, h: torch.Tensor, qi: torch.Tensor, ki: torch.Tensor) -> torch.Tensor:
+        same = doc_ids[b, qi] == doc_ids[b, ki]
+        return same & (ki <= qi) if causal else same
+
+    b, t = doc_ids.shape
+    return create_block_mask(mask_mod, b, None, t, t, device=doc_ids.device)
+
+
 def flex_document_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor, causal: bool = True,
-    compiled: bool = True,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None, causal: bool = True,
+    compiled: bool = True, block_mask: object | None = None,
 ) -> torch.Tensor:
     """Packed-document attention with `flex_attention` and a block-sparse document mask: no [B, 1, T, T]
-    tensor, blocks entirely outside a document are skipped, and flash-style kernels run (compiled). The block
-    mask is built once per `doc_ids` tensor and reused by every layer of the forward."""
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    tensor, blocks entirely outside a document are skipped, and flash-style kernels run (compiled). The model
+    passes `block_mask` (`doc_block_mask`, built once per batch); without it the mask is built here, once per
+    `doc_ids` tensor, and reused by every layer of the forward."""
+    from torch.nn.attention.flex_attention import flex_attention
 
-    cached = _FLEX.get("mask")
-    if cached is not None and cached[0] is doc_ids and cached[1] == causal:
-        block_mask = cached[2]
-    else:
-        def mask_mod(b: torch.Tensor, h: torch.Tensor, qi: torch.Tensor, ki: torch.Tensor) -> torch.Tensor:
-            same = doc_ids[b, qi] == doc_ids[b, ki]
-            return same & (ki <= qi) if causal else same
-
-        b, t = doc_ids.shape
-        block_mask = create_block_mask(mask_mod, b, None, t, t, device=doc_ids.device)
-        _FLEX["mask"] = (doc_ids, causal, block_mask)
+    if block_mask is None:
+        assert doc_ids is not None
+        cached = _FLEX.get("mask")
+        if cached is not None and cached[0] is doc_ids and cached[1] == causal:
+            block_mask = cached[2]
+        else:
+            block_mask = doc_block_mask(doc_ids, causal)
+            _FLEX["mask"] = (doc_ids, causal, block_mask)
     fn = flex_attention
     if compiled:  # eager flex_attention materialises the scores; compiled it is a fused kernel
         fn = _FLEX.setdefault("fn", torch.compile(flex_attention, dynamic=False))
@@ -93,19 +120,32 @@ def flex_document_attention(
 def use_flex(q: torch.Tensor) -> bool:
     """flex_attention for packed documents on CUDA. PyTorch's CPU flex_attention has no backward (2.13), so
     the CPU keeps the dense boolean mask, which is exact and cheap at CPU sizes."""
-    return q.is_cuda and hasattr(torch.nn.attention, "flex_attention")
+    return q.is_cuda and flex_available()
+
+
+def gqa_by_copy(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether SDPA gets grouped kv heads expanded to one per query head instead of `enable_gqa`. On CUDA only
+    the FLASH (and cuDNN) kernels take `enable_gqa`, and they run in fp16/bf16 alone: fp32 with grouped heads
+    would fall to the MATH kernel, which stores the [T, T] scores. A copy of k and v costs T x Dkv per head."""
+    return q.is_cuda and k.shape[1] != q.shape[1] and q.dtype not in (torch.float16, torch.bfloat16)
 
 
 def attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True, doc_ids: torch.Tensor | None = None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True, doc_ids: torch.Tensor | None = None,
+    block_mask: object | None = None,
 ) -> torch.Tensor:
     """Scaled dot-product attention on [B, H, T, Dh] (k/v may have fewer, grouped heads: SDPA's enable_gqa
-    shares each kv head without copying it); with doc_ids [B, T] packed documents stay apart."""
+    shares each kv head without copying it); with doc_ids [B, T] packed documents stay apart (`block_mask`:
+    their flex_attention mask, prebuilt by the model on CUDA)."""
     gqa = k.shape[1] != q.shape[1]
+    if block_mask is not None or (doc_ids is not None and use_flex(q)):
+        return flex_document_attention(q, k, v, doc_ids, causal, block_mask=block_mask)
+    if gqa and gqa_by_copy(q, k):
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        gqa = False
     if doc_ids is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
-    if use_flex(q):
-        return flex_document_attention(q, k, v, doc_ids, causal)
     mask = document_mask(doc_ids) if causal else (doc_ids[:, :, None] == doc_ids[:, None, :])[:, None]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
@@ -152,13 +192,14 @@ class CausalSelfAttention(nn.Module):
         self.out = nn.Linear(heads * self.head_dim, dim, bias=False)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, doc_ids: torch.Tensor | None = None
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, doc_ids: torch.Tensor | None = None,
+        block_mask: object | None = None,
     ) -> torch.Tensor:
-        return self.attend(self.q(x), self.k(x), self.v(x), cos, sin, doc_ids)
+        return self.attend(self.q(x), self.k(x), self.v(x), cos, sin, doc_ids, block_mask)
 
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-        doc_ids: torch.Tensor | None = None,
+        doc_ids: torch.Tensor | None = None, block_mask: object | None = None,
     ) -> torch.Tensor:
         """Projected q [B, T, heads*Dh], k/v [B, T, kv_heads*Dh] -> RoPE, attention, output projection. Split
         from `forward` so sequence parallel can compute the three projections in one fused function."""
@@ -172,7 +213,7 @@ class CausalSelfAttention(nn.Module):
             y = K.attention(q, k, v, causal=True, doc_ids=doc_ids)
         else:
             q, k = rope(q, cos, sin), rope(k, cos, sin)
-            y = attention(q, k, v, causal=True, doc_ids=doc_ids)
+            y = attention(q, k, v, causal=True, doc_ids=doc_ids, block_mask=block_mask)
         return self.out(y.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
 
 

@@ -10,6 +10,7 @@ the tested layouts, so no rounding is added).
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from collections.abc import Iterable
 
 import torch
@@ -28,31 +29,39 @@ def clip_grad_norm(model: nn.Module, max_norm: float | None, ctx: DistContext, t
                    skip_names: set[str] = frozenset()) -> torch.Tensor:
     """Global L2 norm of all gradients over the mesh (a float64 tensor on the device: no host sync), then scale
     them by min(1, max_norm / (norm + 1e-6)) like torch.nn.utils.clip_grad_norm_. `skip_names`: parameters
-    whose gradient is a copy held elsewhere too (the last pipeline stage's tied embedding)."""
+    whose gradient is a copy held elsewhere too (the last pipeline stage's tied embedding).
+
+    The local shards' norms come from one `torch._foreach_norm` per (weight, device, dtype) group and the scaling
+    from one `torch._foreach_mul_` per (device, dtype): a fixed number of fused kernels, not a float64 copy, a
+    square and a sum per tensor (hundreds of launches and an fp64 copy of every gradient on a GPU)."""
     dev = ctx.device
     total = torch.zeros((), dtype=torch.float64, device=dev)
-    grads = []
+    groups: dict[tuple[float, torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
+    scale_groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
     for name, p in model.named_parameters():
         if p.grad is None:
             continue
-        grads.append(p.grad)
+        g = _local(p.grad)
+        scale_groups[(g.device, g.dtype)].append(g)
         if name in skip_names:
             continue
-        g = _local(p.grad).detach()
         w = 1.0
         if name not in tp_names:
             w /= ctx.tp_size
         if not isinstance(p.grad, DTensor):
             w /= ctx.dp_size
-        total += g.double().pow(2).sum() * w
+        groups[(w, g.device, g.dtype)].append(g)  # .grad needs no detach: no autograd history
+    for (w, _, _), tensors in groups.items():
+        norms = torch._foreach_norm(tensors, 2.0)
+        total += torch.stack(norms).to(device=dev, dtype=torch.float64).pow(2).sum() * w
     if ctx.distributed:
         dist.all_reduce(total)
     norm = total.sqrt()
     if max_norm is not None and math.isfinite(max_norm):
         # on the device; a non-finite norm leaves the gradients alone (the engine skips that update)
         coef = torch.where(torch.isfinite(norm), (max_norm / (norm + 1e-6)).clamp(max=1.0), torch.ones_like(norm))
-        for g in grads:
-            _local(g).mul_(coef)
+        for (device, dtype), tensors in scale_groups.items():
+            torch._foreach_mul_(tensors, coef.to(device=device, dtype=dtype))
     return norm
 
 

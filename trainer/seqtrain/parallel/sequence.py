@@ -158,9 +158,10 @@ class SPAttention(TPAttention):
     sp_size: int
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+                doc_ids: torch.Tensor | None = None, block_mask: object | None = None) -> torch.Tensor:
         q, k, v = gather_linears(x, self.group, self.sp_size, self.q.weight, self.k.weight, self.v.weight)
-        return reduce_scatter_to_sp(self.attend(q, k, v, cos, sin, doc_ids), self.group, self.sp_size)
+        return reduce_scatter_to_sp(self.attend(q, k, v, cos, sin, doc_ids, block_mask), self.group,
+                                    self.sp_size)
 
 
 class SPSwiGLU(TPSwiGLU):

@@ -89,8 +89,8 @@ class TPAttention(CausalSelfAttention):
     group: Any
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
-        return reduce_from_tp(super().forward(copy_to_tp(x, self.group), cos, sin, doc_ids), self.group)
+                doc_ids: torch.Tensor | None = None, block_mask: object | None = None) -> torch.Tensor:
+        return reduce_from_tp(super().forward(copy_to_tp(x, self.group), cos, sin, doc_ids, block_mask), self.group)
 
 
 class TPSwiGLU(SwiGLU):

@@ -14,10 +14,16 @@ Packed documents: tiles that cannot contain an allowed pair are skipped. For eve
 and last occurrence of its document id bound the keys (or queries) it can see, so a query tile only
 visits key tiles in [min first, max last] of its queries: cost grows with sum(doc_len^2), not seq^2.
 The doc ids need not be contiguous; the bounds stay valid (only less tight) when they are not.
+
+Tiles: the tile the document ranges are keyed by is fixed per launch (the query tile of the forward and dq
+kernels, the key tile of dk/dv: 128 rows for head_dim <= 64, else 64), and on CUDA `triton.autotune` picks the
+other tile, num_warps and num_stages per shape (`autotune_configs`). Triton's CPU interpreter runs one fixed
+pair (`INTERPRET_TILES`), small enough to be quick there.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -217,6 +223,30 @@ def doc_ranges(doc_ids: torch.Tensor, block: int) -> torch.Tensor:
     return torch.stack((first, last + 1), dim=-1).to(torch.int32).contiguous()
 
 
+# (fixed tile, free tile) under Triton's interpreter; tests set rectangular pairs like the CUDA configs'.
+INTERPRET_TILES = (16, 16)
+_AUTOTUNE_KEY = ["s_q", "s_k", "head_dim", "group", "CAUSAL", "HAS_DOC"]
+
+
+def autotune_configs(free: str) -> list[triton.Config]:
+    """CUDA configs for the free tile `free` ("BLOCK_N" of forward and dq, "BLOCK_M" of dk/dv). Six, not a
+    grid: each is compiled per (dtype, head_dim, causal, documents), and a lease has minutes, not hours."""
+    return [triton.Config({free: n}, num_warps=w, num_stages=st)
+            for n in (32, 64, 128) for w, st in ((4, 2), (8, 3))]
+
+
+@functools.lru_cache(maxsize=1)
+def _tuned() -> dict[str, object]:
+    """The autotuned CUDA launchers, built on first CUDA use (the interpreter never sees them). Each kernel only
+    writes its outputs, so the autotuner's repeated launches need no reset."""
+    def tune(kernel: object, free: str) -> object:
+        # cache_results: the choice is kept in Triton's cache folder, so a later process skips the tuning runs
+        return triton.autotune(autotune_configs(free), key=_AUTOTUNE_KEY, cache_results=True)(kernel)
+
+    return {"fwd": tune(_attn_fwd, "BLOCK_N"), "dkdv": tune(_attn_bwd_dkdv, "BLOCK_M"),
+            "dq": tune(_attn_bwd_dq, "BLOCK_N")}
+
+
 def _config(q: torch.Tensor) -> dict:
     cpu = on_cpu(q)
     block_d = max(16, next_pow2(q.shape[-1]))
@@ -224,8 +254,20 @@ def _config(q: torch.Tensor) -> dict:
     dot_dtype = tl.float32 if cpu else TL_DTYPE[q.dtype]
     # fp32/fp64 inputs: IEEE products (TF32 would cost ~1e-3 relative accuracy); ignored for 16-bit.
     precision = "tf32" if q.dtype in (torch.float16, torch.bfloat16) else "ieee"
-    block = 16 if cpu else (64 if block_d <= 64 else 32)
-    return dict(BLOCK_M=block, BLOCK_N=block, BLOCK_D=block_d, DOT_DTYPE=dot_dtype, PRECISION=precision)
+    tile = INTERPRET_TILES[0] if cpu else (128 if block_d <= 64 else 64)
+    return dict(tile=tile, BLOCK_D=block_d, DOT_DTYPE=dot_dtype, PRECISION=precision)
+
+
+def _launcher(kind: str, q: torch.Tensor, cfg: dict) -> tuple[object, dict]:
+    """(kernel, its tile kwargs): the fixed tile by name, plus the free tile under the interpreter (on CUDA
+    the autotuner supplies it with num_warps and num_stages)."""
+    fixed, free = ("BLOCK_N", "BLOCK_M") if kind == "dkdv" else ("BLOCK_M", "BLOCK_N")
+    consts = {k: v for k, v in cfg.items() if k != "tile"}
+    consts[fixed] = cfg["tile"]
+    if on_cpu(q):
+        consts[free] = INTERPRET_TILES[1]
+        return {"fwd": _attn_fwd, "dkdv": _attn_bwd_dkdv, "dq": _attn_bwd_dq}[kind], consts
+    return _tuned()[kind], consts
 
 
 class AttentionFunction(torch.autograd.Function):
@@ -238,14 +280,15 @@ class AttentionFunction(torch.autograd.Function):
         s_k = k.shape[2]
         scale = 1.0 / math.sqrt(d) if scale is None else scale
         cfg = _config(q)
-        n_m = triton.cdiv(s_q, cfg["BLOCK_M"])
+        n_m = triton.cdiv(s_q, cfg["tile"])
         has_doc = doc_ids is not None
         doc = doc_ids.contiguous() if has_doc else q
-        kv_range = doc_ranges(doc_ids, cfg["BLOCK_M"]) if has_doc else q
+        kv_range = doc_ranges(doc_ids, cfg["tile"]) if has_doc else q
         o = _alloc.empty_like(q, dtype=store_dtype(q.dtype, q))
         lse = _alloc.empty(bsz, heads, s_q, dtype=torch.float32, device=q.device)
-        _attn_fwd[(n_m, bsz * heads)](q, k, v, o, lse, doc, kv_range, scale * _LOG2E, heads, heads // k.shape[1],
-                                      s_q, s_k, d, n_m, CAUSAL=causal, HAS_DOC=has_doc, **cfg)
+        fwd, consts = _launcher("fwd", q, cfg)
+        fwd[(n_m, bsz * heads)](q, k, v, o, lse, doc, kv_range, scale * _LOG2E, heads, heads // k.shape[1],
+                                s_q, s_k, d, n_m, CAUSAL=causal, HAS_DOC=has_doc, **consts)
         o = o.to(q.dtype)
         ctx.save_for_backward(q, k, v, o, lse, doc_ids)
         ctx.causal, ctx.scale = causal, scale
@@ -267,16 +310,19 @@ class AttentionFunction(torch.autograd.Function):
         dk = _alloc.empty(bsz, heads, s_k, d, dtype=grad_dtype, device=q.device)
         dv = _alloc.empty(bsz, heads, s_k, d, dtype=grad_dtype, device=q.device)
         dq = _alloc.empty_like(q, dtype=store_dtype(q.dtype, q))
-        n_n = triton.cdiv(s_k, cfg["BLOCK_N"])
-        n_m = triton.cdiv(s_q, cfg["BLOCK_M"])
-        q_range = doc_ranges(doc_ids, cfg["BLOCK_N"]) if has_doc else q
-        kv_range = doc_ranges(doc_ids, cfg["BLOCK_M"]) if has_doc else q
+        tile = cfg["tile"]
+        n_n = triton.cdiv(s_k, tile)
+        n_m = triton.cdiv(s_q, tile)
+        q_range = doc_ranges(doc_ids, tile) if has_doc else q
+        kv_range = q_range
         scale_log2 = ctx.scale * _LOG2E
-        common = dict(CAUSAL=ctx.causal, HAS_DOC=has_doc, **cfg)
-        _attn_bwd_dkdv[(n_n, bsz * heads)](q, k, v, do, lse, delta, dk, dv, doc, q_range, scale_log2, ctx.scale,
-                                           heads, group, s_q, s_k, d, n_n, **common)
-        _attn_bwd_dq[(n_m, bsz * heads)](q, k, v, do, lse, delta, dq, doc, kv_range, scale_log2, ctx.scale,
-                                         heads, group, s_q, s_k, d, n_m, **common)
+        dkdv, dkdv_consts = _launcher("dkdv", q, cfg)
+        dq_kernel, dq_consts = _launcher("dq", q, cfg)
+        dkdv[(n_n, bsz * heads)](q, k, v, do, lse, delta, dk, dv, doc, q_range, scale_log2, ctx.scale,
+                                 heads, group, s_q, s_k, d, n_n, CAUSAL=ctx.causal, HAS_DOC=has_doc, **dkdv_consts)
+        dq_kernel[(n_m, bsz * heads)](q, k, v, do, lse, delta, dq, doc, kv_range, scale_log2, ctx.scale,
+                                      heads, group, s_q, s_k, d, n_m, CAUSAL=ctx.causal, HAS_DOC=has_doc,
+                                      **dq_consts)
         if group > 1:
             dk = dk.view(bsz, kv_heads, group, s_k, d).sum(2)
             dv = dv.view(bsz, kv_heads, group, s_k, d).sum(2)

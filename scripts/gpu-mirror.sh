@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Rehearses a GPU lease on this machine: builds a virtual environment that mirrors the lent GPU machine's
+# Python (see the device tool's KINDS.md: Python 3.12, torch 2.11.0, triton 3.6.0 and the few packages of its
+# image that the GPU benchmark touches; no pydantic, kopf, kubernetes or deepspeed, nothing of ours), then runs
+# what a lease runs: scripts/device-wheels.sh here, and scripts/device-bench.sh OUT with that environment's
+# python3 first on PATH. Without CUDA, device-bench.sh is the dry run, so this proves that the lease's command
+# gets past imports, collection and every part before any GPU time is spent.
+#
+#   scripts/gpu-mirror.sh [OUT]        # OUT defaults to /tmp/seqtrain-gpu-mirror-out; prints summary.json
+#
+# The environment is cached outside the clone (torch 2.11 from PyPI is a few GB with its CUDA libraries; only
+# the first run downloads it). SEQTRAIN_GPU_MIRROR overrides where; SEQTRAIN_GPU_MIRROR_PYTHON the interpreter
+# (default: pyenv's 3.12.1).
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+OUT=${1:-/tmp/seqtrain-gpu-mirror-out}
+VENV=${SEQTRAIN_GPU_MIRROR:-${XDG_CACHE_HOME:-$HOME/.cache}/seqtrain/gpu-mirror-py312-torch2.11.0}
+PY=${SEQTRAIN_GPU_MIRROR_PYTHON:-$(pyenv root 2>/dev/null || echo "$HOME/.pyenv")/versions/3.12.1/bin/python3}
+# The lent image's versions where KINDS.md gives them (its pip list: torch 2.11.0, triton 3.6.0, numpy 2.5.2);
+# the rest are packages its image holds (any version).
+# torch pulls its own needs (filelock, fsspec, jinja2, networkx, sympy, typing-extensions, nvidia-*), all
+# of which the image holds too.
+PACKAGES=(torch==2.11.0 triton==3.6.0 numpy==2.5.2 pyyaml packaging pytest pytest-timeout)
+
+[ -x "$PY" ] || { echo "gpu-mirror: no Python 3.12 at $PY (set SEQTRAIN_GPU_MIRROR_PYTHON)" >&2; exit 2; }
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+if [ "$(cat "$VENV/.complete" 2>/dev/null)" != "${PACKAGES[*]}" ]; then
+    # --no-cache-dir: a few GB of wheels need not stay twice on a shared disk. PIP_FIND_LINKS is ignored:
+    # the mirror takes what the lent image was built from (PyPI), not this machine's local wheels.
+    PIP_FIND_LINKS='' "$VENV/bin/python" -m pip install -q --no-cache-dir "${PACKAGES[@]}"
+    echo "${PACKAGES[*]}" >"$VENV/.complete"  # a changed list is installed again
+fi
+"$VENV/bin/python" - <<'EOF'
+import importlib.util, sys, torch, triton
+absent = [m for m in ("pydantic", "kopf", "kubernetes", "deepspeed", "seqtrain") if importlib.util.find_spec(m)]
+assert not absent, f"the mirror must not hold {absent}: the lent machine has none of them"
+print(f"gpu-mirror: python {sys.version.split()[0]}, torch {torch.__version__}, triton {triton.__version__}, "
+      f"cuda {torch.cuda.is_available()}")
+EOF
+
+cd "$ROOT"
+scripts/device-wheels.sh
+rm -rf "$OUT"
+# The lent machine runs `python3` from a clean environment: only the mirror's bin first on PATH, nothing of
+# this checkout's .venv, and no PYTHONPATH but the one device-bench.sh sets.
+env -u PYTHONPATH -u VIRTUAL_ENV PATH="$VENV/bin:/usr/bin:/bin" SEQTRAIN_DEVICE_SITE=/tmp/seqtrain-gpu-mirror-site \
+    scripts/device-bench.sh "$OUT"
