@@ -24,7 +24,7 @@ import errno
 import os
 import pickle
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -109,12 +109,14 @@ def _library_globals() -> list[Any]:
 
 
 @contextlib.contextmanager
-def restricted_loads(what: str) -> Iterator[None]:
+def restricted_loads(what: str) -> Iterator[list[Exception]]:
     """Every `torch.load` made inside (by DeepSpeed or DCP on files they name) is weights_only with the library
     allowlist and maps to the CPU unless told otherwise; a refusal or a corrupt file raises UnusableCheckpoint
-    naming the file, a fault of the moment CheckpointUnavailable. `what` names the folder for messages."""
+    naming the file, a fault of the moment CheckpointUnavailable. `what` names the folder for messages. Yields the
+    list of those raised (a library may wrap them in its own exception: `dcp_load` unwraps them)."""
     original = torch.load
     allowed = _library_globals()
+    raised: list[Exception] = []
 
     def guarded(f: Any, map_location: Any = None, pickle_module: Any = None, **kwargs: Any) -> Any:
         kwargs.pop("weights_only", None)
@@ -127,11 +129,12 @@ def restricted_loads(what: str) -> Iterator[None]:
                 return original(f, map_location=map_location if map_location is not None else "cpu",
                                 weights_only=True, **kwargs)
         except _LOAD_ERRORS as exc:
-            raise classify(str(name), exc) from None
+            raised.append(classify(str(name), exc))
+            raise raised[-1] from None
 
     torch.load = guarded  # type: ignore[assignment]
     try:
-        yield
+        yield raised
     finally:
         torch.load = original  # type: ignore[assignment]
 
@@ -171,19 +174,41 @@ def read_dcp_metadata(path: str) -> Any:
 
 
 def safe_fs_reader(folder: str) -> Any:
-    """A DCP FileSystemReader whose `.metadata` goes through `read_dcp_metadata` (data items: `restricted_loads`)."""
+    """A DCP FileSystemReader whose `.metadata` goes through `read_dcp_metadata` (data items: `restricted_loads`).
+    The metadata is read (and refused) here, before DCP runs: DCP would wrap the refusal in its own exception."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
 
+    metadata = read_dcp_metadata(os.path.join(folder, ".metadata"))
+
     class SafeFileSystemReader(FileSystemReader):
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            metadata = read_dcp_metadata(str(self._get_metadata_path(kwargs.get("rank"))))
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id
             return metadata
 
     return SafeFileSystemReader(folder)
+
+
+def dcp_load(folder: str, load: Callable[[Any], Any]) -> Any:
+    """Run `load(storage_reader)` (dcp.load or its in-memory equivalent) on the DCP folder with seqtrain's readers;
+    a refused, corrupt or unavailable file raises UnusableCheckpoint / CheckpointUnavailable naming it, not DCP's
+    CheckpointException."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    reader = safe_fs_reader(folder)
+    with restricted_loads(folder) as raised:
+        try:
+            return load(reader)
+        except CheckpointException as exc:
+            if raised:
+                raise raised[0] from None
+            failures = list(getattr(exc, "failures", {}).values())
+            first = failures[0] if failures else exc
+            cause = first[0] if isinstance(first, tuple) and first and isinstance(first[0], BaseException) \
+                else first if isinstance(first, BaseException) else exc
+            raise classify(folder, cause) from None
 
 
 def require_layout(directory: str, engine: str, **layout: int) -> None:

@@ -24,9 +24,9 @@ import torch
 from seqtrain.checkpoint.safe_load import (
     CheckpointUnavailable,
     UnusableCheckpoint,
+    dcp_load,
     load_plain,
     restricted_loads,
-    safe_fs_reader,
 )
 
 # tensor-parallel slicing per parameter name: dim 0 (column parallel, vocabulary rows) or dim 1 (row parallel)
@@ -83,9 +83,8 @@ def _from_dcp(folder: str) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     state: dict = {}
-    with restricted_loads(folder):
-        _load_state_dict(state, storage_reader=safe_fs_reader(folder), planner=_EmptyStateDictLoadPlanner(),
-                         no_dist=True)
+    dcp_load(folder, lambda reader: _load_state_dict(state, storage_reader=reader,
+                                                     planner=_EmptyStateDictLoadPlanner(), no_dist=True))
     return {k: v for k, v in state["model"].items()}
 
 
