@@ -23,6 +23,7 @@ import contextlib
 import errno
 import os
 import pickle
+import sys
 import zipfile
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -47,7 +48,9 @@ def _first_line(exc: BaseException) -> str:
 # I/O errors of a working file on failing storage or a full disk: the file may be fine, the moment is not.
 _TRANSIENT_ERRNOS = frozenset({errno.EIO, errno.ENOSPC, errno.ETIMEDOUT, errno.EAGAIN, errno.ENOMEM,
                                errno.ESTALE, errno.ENETDOWN, errno.ENETUNREACH, errno.ECONNRESET,
-                               errno.EHOSTUNREACH, errno.EDQUOT})
+                               errno.EHOSTUNREACH, errno.EDQUOT,
+                               # not the file's content: a mount or permission problem restarting may outlive
+                               errno.EACCES, errno.EPERM, errno.EROFS})
 
 
 def transient(exc: BaseException) -> bool:
@@ -99,6 +102,8 @@ def _library_globals() -> list[Any]:
     """The plain classes DeepSpeed pickles into its ZeRO files (data holders and enums: building them runs
     nothing of the file's choosing)."""
     out: list[Any] = []
+    if "deepspeed" not in sys.modules:  # only DeepSpeed's files need them (and importing it is slow)
+        return out
     with contextlib.suppress(ImportError):
         from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
         from deepspeed.runtime.zero.config import ZeroStageEnum

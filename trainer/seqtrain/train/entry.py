@@ -50,13 +50,14 @@ class _TerminateFlag:
 
     def __init__(self) -> None:
         self.received = False
+        self.at: float | None = None  # monotonic time of the first SIGTERM: the grace period runs from here
         self.trainer = None
 
     def __call__(self, signum: int, frame: FrameType | None) -> None:
         import time
 
         self.received = True
-        self.at = getattr(self, "at", None) or time.monotonic()  # the grace period runs from here
+        self.at = self.at or time.monotonic()
         if self.trainer is not None:
             self.trainer.terminate_signal = True
             self.trainer.terminate_time = self.trainer.terminate_time or self.at
@@ -65,7 +66,7 @@ class _TerminateFlag:
         self.trainer = trainer
         trainer.terminate_signal = trainer.terminate_signal or self.received
         if self.received:
-            trainer.terminate_time = getattr(self, "at", None)
+            trainer.terminate_time = self.at
 
 
 def main(config_path: str) -> int:

@@ -258,10 +258,14 @@ class Trainer:
             self.engine.load(info.path)
         except (UnusableCheckpoint, CheckpointUnavailable, InvalidConfig):
             raise
-        except Exception as exc:  # an engine's own failure: the moment's (memory, device, I/O) or the file's
-            from seqtrain.checkpoint.safe_load import classify
+        except Exception as exc:
+            # an engine's own failure of the moment (memory, device, storage I/O) keeps the checkpoint; anything
+            # else propagates as before (a layout change is the job's, not the checkpoint's fault)
+            from seqtrain.checkpoint.safe_load import classify, transient
 
-            raise classify(info.path, exc) from exc
+            if transient(exc):
+                raise classify(info.path, exc) from exc
+            raise
         state = load_plain(os.path.join(info.path, TRAINER_STATE))
         self.load_state_dict(state)
         rng_path = os.path.join(info.path, rng_file(self.ctx.rank))
