@@ -24,7 +24,7 @@ from parity_util import job_for, logs, run_ranks
 from seqtrain.runtime.exitcodes import InvalidConfig
 from seqtrain_operator.cli import main as cli_main
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]  # a loaded 2-core machine: DeepSpeed starts slowly
 
 ENGINES = {
     "native": {},
@@ -49,14 +49,18 @@ def _job(engine: str, steps: int = 2):  # noqa: ANN202
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def runs(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+    """engine -> a finished 2-step run with checkpoints 1 and 2, trained the first time a test asks for it."""
     root = tmp_path_factory.mktemp("engines")
-    out = {}
-    for engine in ENGINES:
-        wd = root / engine
-        assert run_ranks(_job(engine), wd, 1, timeout=900) == [0], logs(wd)
-        out[engine] = wd
-    return out
+
+    class Runs(dict):
+        def __missing__(self, engine: str) -> Path:
+            wd = root / engine
+            assert run_ranks(_job(engine), wd, 1, timeout=900) == [0], logs(wd)
+            self[engine] = wd
+            return wd
+
+    return Runs()
 
 
 def _fix_meta(step: Path, name: str) -> None:
