@@ -23,6 +23,7 @@ import contextlib
 import errno
 import os
 import pickle
+import re
 import sys
 import zipfile
 from collections.abc import Callable, Iterator
@@ -72,8 +73,11 @@ def classify(path: str, exc: BaseException) -> Exception:
         return CheckpointUnavailable(f"{path}: could not be loaded now ({type(exc).__name__}: {_first_line(exc)}); "
                                      "the checkpoint is kept and the gang restarts to try again")
     if isinstance(exc, pickle.UnpicklingError):
+        # torch's own text advises weights_only=False: never the fix for a file we did not write; name the global
+        named = re.search(r"Unsupported global: GLOBAL ([\w.]+)|global '([\w.]+)'", str(exc))
+        what = f"it names {named.group(1) or named.group(2)}" if named else _first_line(exc)
         return UnusableCheckpoint(f"{path}: refused: it holds objects other than tensors and plain values "
-                                  f"(tampered, or not written by seqtrain): {_first_line(exc)}")
+                                  f"(tampered, or not written by seqtrain): {what}")
     return UnusableCheckpoint(f"{path}: unreadable (truncated or corrupt): {type(exc).__name__}: "
                               f"{_first_line(exc)}")
 
@@ -203,7 +207,8 @@ def dcp_load(folder: str, load: Callable[[Any], Any]) -> Any:
     from torch.distributed.checkpoint.api import CheckpointException
 
     reader = safe_fs_reader(folder)
-    with restricted_loads(folder) as raised:
+    data = sorted(n for n in os.listdir(folder) if n.endswith(".distcp"))  # where DCP's byte records live
+    with restricted_loads(", ".join(os.path.join(folder, n) for n in data) or folder) as raised:
         try:
             return load(reader)
         except CheckpointException as exc:
