@@ -130,13 +130,17 @@ def _tokenizer_of(job: SeqTrainJob, root: str | None = None, named_by: str = "")
     tok = job.spec.data.tokenizer
     if job.spec.data.source == "synthetic":
         return {"type": "synthetic"}
-    if job.spec.data.source == "tokens" and root is None:  # `seqtrain prepare-data` folders say how they were
-        for p in job.spec.data.paths:                       # tokenized (only for a job the caller gave)
+    path = os.path.abspath(os.path.expanduser(tok.path)) if tok.type == "file" and tok.path else ""
+    if job.spec.data.source == "tokens":  # `seqtrain prepare-data` folders say how they were tokenized
+        for p in job.spec.data.paths:
             index = os.path.join(os.path.expanduser(p), "index.json")
             if os.path.isfile(index):
-                return dict(_read_json(index).get("tokenizer") or {"type": "byte"})
-    if job.spec.data.source == "tokens" or (tok.type == "file" and tok.path):
-        path = os.path.abspath(os.path.expanduser(tok.path)) if tok.type == "file" and tok.path else ""
+                described = dict(_read_json(index).get("tokenizer") or {"type": "byte"})
+                if root is None or described.get("type") != "file":
+                    return described
+                path = str(described.get("path") or "")
+                break
+    if path:
         if root is None:
             return {"type": "file", "path": path} if path else {"type": "byte"}
         local = os.path.join(root, "tokenizer.json")
@@ -144,11 +148,9 @@ def _tokenizer_of(job: SeqTrainJob, root: str | None = None, named_by: str = "")
             return {"type": "file", "path": os.path.abspath(local)}
         if path and _inside(path, root):
             return {"type": "file", "path": path}
-        if path or job.spec.data.source == "tokens":
-            named = path or f"the tokenizer of data.paths {job.spec.data.paths}"
-            return {"type": "file", "path": path, "refused": (
-                f"{named_by}: names tokenizer {named}, outside {root}: a folder's own records may not make seqtrain "
-                f"read or copy a file from elsewhere; copy the tokenizer to {local} if you trust it")}
+        return {"type": "file", "path": path, "refused": (
+            f"{named_by}: names tokenizer {path}, outside {root}: a folder's own records may not make seqtrain "
+            f"read or copy a file from elsewhere; copy the tokenizer to {local} if you trust it")}
     return {"type": "byte"}
 
 
