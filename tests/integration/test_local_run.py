@@ -280,7 +280,9 @@ class _Payload:
 
 
 def _plant(step_dir: Path, name: str, marker: Path) -> None:
-    """Replace a file with a payload pickle and, as an attacker with write access would, fix meta.json's sizes."""
+    """Replace a file with a payload pickle and, as an attacker with write access would, fix meta.json's sizes and
+    hashes."""
+    import hashlib
     import pickle
 
     import torch
@@ -288,6 +290,7 @@ def _plant(step_dir: Path, name: str, marker: Path) -> None:
     torch.save({"step": 20, "evil": _Payload(marker)}, step_dir / name, pickle_module=pickle)
     meta = json.loads((step_dir / "meta.json").read_text())
     meta["sizes"][name] = (step_dir / name).stat().st_size
+    meta["sha256"][name] = hashlib.sha256((step_dir / name).read_bytes()).hexdigest()
     (step_dir / "meta.json").write_text(json.dumps(meta))
 
 

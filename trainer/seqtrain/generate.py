@@ -179,6 +179,26 @@ class StreamDecoder:
         return self.utf8.decode(b"", final=True) if self.byte_level else ""
 
 
+def pick_device(device: str | None) -> torch.device:
+    """--device as a torch device this machine has; ValueError naming the flag and the fix otherwise."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"--device {device!r}: not a device name (cpu, cuda, cuda:1 ...)") from None
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(f"--device {device}: this machine has no CUDA device; use --device cpu")
+        if dev.index is not None and dev.index >= count:
+            raise ValueError(f"--device {device}: this machine has {count} CUDA device(s) (cuda:0 to "
+                             f"cuda:{count - 1}); pick one of them or cpu")
+    elif dev.type != "cpu":
+        raise ValueError(f"--device {device}: only cpu and cuda devices are supported")
+    return dev
+
+
 def load_generator(path: str, device: str | None = None) -> tuple[nn.Module, Any]:
     """(model in eval mode on `device`, tokenizer) from any source `seqtrain export` accepts."""
     from seqtrain.data.sources import FileTokenizer
@@ -186,6 +206,7 @@ def load_generator(path: str, device: str | None = None) -> tuple[nn.Module, Any
     from seqtrain.export.weights import WeightsError, check_shapes, load_source
     from seqtrain.models import build_model
 
+    dev = pick_device(device)  # before any loading: a wrong flag fails at once
     w = load_source(path)
     if w.lora is not None:
         from seqtrain.export.merge import merge_weights
@@ -193,7 +214,8 @@ def load_generator(path: str, device: str | None = None) -> tuple[nn.Module, Any
         w = merge_weights(w)
     if w.tokenizer.get("type") == "synthetic":
         raise WeightsError(f"{path}: trained on a synthetic task, which has no text tokenizer to generate with")
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if w.tokenizer.get("refused"):
+        raise WeightsError(w.tokenizer["refused"])
     with torch.device(dev):
         model = build_model(w.spec)
     check_shapes(w.state, model, w.origin)
@@ -205,6 +227,7 @@ def load_generator(path: str, device: str | None = None) -> tuple[nn.Module, Any
 
 def generate_command(path: str, prompt: str, s: Sampling, use_cache: bool = True, device: str | None = None,
                      out: Any = None) -> int:
+    from seqtrain.checkpoint.safe_load import CheckpointUnavailable
     from seqtrain.export.weights import WeightsError
 
     out = out or sys.stdout
@@ -229,6 +252,9 @@ def generate_command(path: str, prompt: str, s: Sampling, use_cache: bool = True
     except (WeightsError, ValueError, FileNotFoundError) as exc:
         print(f"seqtrain generate: {exc}", file=sys.stderr)
         return 2
+    except CheckpointUnavailable as exc:  # out of memory, storage I/O: try again later
+        print(f"seqtrain generate: {exc}", file=sys.stderr)
+        return 1
     dev = model.output_weight.device.type
     limit = max_context(model)
     full = ", stopped at the end-of-document token" if ended else \

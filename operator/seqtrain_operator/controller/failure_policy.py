@@ -5,7 +5,9 @@
 - infrastructure: the platform took the replica away (eviction, preemption, node loss, pod deleted), the kubelet
   refused to admit the pod (OutOf<resource>, UnexpectedAdmissionError, NodeAffinity: the node's view disagreed with
   the scheduler's), or a GPU replica found no CUDA device (exit code 5: a driver/device-plugin fault) -> restart,
-  counted in status.infraRestarts against faultTolerance.maxInfraRestarts; the node is avoided for a while.
+  counted in status.infraRestarts against faultTolerance.maxInfraRestarts; the node is avoided for a while. Exit
+  code 6 (a checkpoint could not be loaded now: out of memory, a CUDA error, a storage I/O error; the checkpoint
+  is kept) is infrastructure too, without avoiding the node (the storage is shared).
 - user: everything else (a crash, OOM, SIGKILL from outside, a hang, a collective timeout) -> restart, counted in
   status.restarts against faultTolerance.maxRestarts. OOMKilled says so in the reason and names the fix.
 - image pulls that fail (ErrImagePull, ImagePullBackOff) are not failures at all until
@@ -24,6 +26,7 @@ from seqtrain_operator.controller.types import ReplicaObservation
 EXIT_INVALID_CONFIG = 3  # seqtrain.runtime.exitcodes: invalid config, permanent
 EXIT_COLLECTIVE_TIMEOUT = 4  # a peer died or hung; usually a consequence, not the cause
 EXIT_DEVICE_UNAVAILABLE = 5  # seqtrain.runtime.exitcodes: no CUDA device on a GPU pod: the node is broken
+EXIT_CHECKPOINT_UNAVAILABLE = 6  # seqtrain.runtime.exitcodes: a checkpoint could not be loaded now (kept)
 
 INFRA_REASONS = frozenset({"Evicted", "Preempted", "NodeLost", "NodeShutdown", "Deleted", "Unschedulable",
                            "DeadlineExceeded", "Shutdown", "Terminated", "GPUUnavailable"})
@@ -95,6 +98,10 @@ def classify(r: ReplicaObservation) -> Failure:
     if r.exit_code == EXIT_DEVICE_UNAVAILABLE:
         return Failure(FailureClass.INFRASTRUCTURE, "GPUUnavailable",
                        f"{where} found no CUDA device ({describe_exit(r.exit_code)}){detail}", r.replica, r.node)
+    if r.exit_code == EXIT_CHECKPOINT_UNAVAILABLE:
+        return Failure(FailureClass.INFRASTRUCTURE, "CheckpointUnavailable",
+                       f"{where} could not load its checkpoint now ({describe_exit(r.exit_code)}: memory, device or "
+                       f"storage I/O; the checkpoint is kept){detail}", r.replica, None, error=r.error)
     if r.reason == "OOMKilled":
         return Failure(FailureClass.USER, "OOMKilled",
                        f"{where} was OOMKilled ({describe_exit(r.exit_code)}): it exceeded its memory limit; raise "

@@ -205,9 +205,10 @@ def _env(job: SeqTrainJob, owner: Owner, attempt: int, replica: int, settings: S
     ]
     if procs == 1:
         env[3:3] = [{"name": "RANK", "value": str(replica)}, {"name": "LOCAL_RANK", "value": "0"}]
-    else:  # the launcher sets RANK/LOCAL_RANK per process; it SIGKILLs its ranks a little before the kubelet would
-        grace = max(1, settings.termination_grace_seconds - TERM_GRACE_MARGIN_SECONDS)
-        env.append({"name": "SEQTRAIN_TERM_GRACE_SECONDS", "value": str(grace)})
+    # the launcher (several processes) SIGKILLs its ranks a little before the kubelet would; every trainer saves on
+    # SIGTERM only when its last save fits in what is left of this
+    grace = max(1, settings.termination_grace_seconds - TERM_GRACE_MARGIN_SECONDS)
+    env.append({"name": "SEQTRAIN_TERM_GRACE_SECONDS", "value": str(grace)})
     return env
 
 

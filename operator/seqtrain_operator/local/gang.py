@@ -100,6 +100,8 @@ class LocalGang:
                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(gang.port),
                     "SEQTRAIN_REPLICA": str(replica), "SEQTRAIN_ATTEMPT": str(attempt),
                 })
+                # the trainer saves on SIGTERM only when its last save fits in the grace period (a test may set less)
+                env.setdefault(GRACE_ENV, str(max(1.0, TERM_GRACE_SECONDS - LAUNCHER_GRACE_MARGIN_SECONDS)))
                 if gpus_per_replica > 0:
                     # Like a pod: each replica sees only its own GPUs, numbered from 0.
                     first = replica * gpus_per_replica

@@ -2,13 +2,17 @@
 
 A checkpoint is complete when `<dir>/step-<N>/meta.json` parses, names step N, every file it lists exists and, when
 it records `sizes` (every file's byte count at publish time), every file still has that size (a truncated or
-replaced file is caught before anything is loaded). `.tmp-*` folders (a save in progress or cut by a crash) and
+replaced file is caught before anything is loaded). Nothing in a checkpoint folder is followed through a symbolic
+link: a link anywhere in it makes it unusable. `sha256` (every file's hash at publish time) is checked by
+`verify_hashes` before a resume loads it (rank 0 only: reading every byte is too slow for listings); a same-size
+bit flip is caught there. `.tmp-*` folders (a save in progress or cut by a crash) and
 folders without meta.json are never used. A checkpoint the trainer found unusable is renamed `.bad-step-N/` with a
 `REASON` file (see `quarantined`), so it is never picked again and stays there for inspection.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -22,6 +26,7 @@ BAD_PREFIX = ".bad-step-"
 REASON_FILE = "REASON"
 META_FILE = "meta.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+KEEP_BAD = 3  # `.bad-step-*` folders kept for inspection; older ones are pruned
 
 
 @dataclass(frozen=True)
@@ -39,23 +44,60 @@ def step_dir(directory: str, step: int) -> str:
     return os.path.join(directory, f"{STEP_PREFIX}{step}")
 
 
-def file_sizes(path: str) -> dict[str, int]:
-    """Every regular file under `path` (relative name -> bytes), meta.json excepted: recorded at publish time."""
-    out: dict[str, int] = {}
+def _files(path: str) -> list[str]:
+    """Every file under `path` (relative names, meta.json excepted), links not followed."""
+    out = []
     for root, _, names in os.walk(path):
         for name in names:
-            full = os.path.join(root, name)
-            rel = os.path.relpath(full, path)
+            rel = os.path.relpath(os.path.join(root, name), path)
             if rel != META_FILE:
-                out[rel] = os.path.getsize(full)
-    return out
+                out.append(rel)
+    return sorted(out)
 
 
-def problem(path: str) -> str | None:
+def file_sizes(path: str) -> dict[str, int]:
+    """Every regular file under `path` (relative name -> bytes), meta.json excepted: recorded at publish time."""
+    return {rel: os.path.getsize(os.path.join(path, rel)) for rel in _files(path)}
+
+
+def sha256_of(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def file_hashes(path: str) -> dict[str, str]:
+    """Every file under `path` (relative name -> sha256 hex), meta.json excepted: recorded at publish time."""
+    return {rel: sha256_of(os.path.join(path, rel)) for rel in _files(path)}
+
+
+def symlink_in(path: str) -> str | None:
+    """The first symbolic link at or under `path` (the folder itself included), or None."""
+    if os.path.islink(path):
+        return path
+    for root, dirs, names in os.walk(path):
+        for name in dirs + names:
+            if os.path.islink(os.path.join(root, name)):
+                return os.path.join(root, name)
+    return None
+
+
+def _contained(path: str, name: str) -> bool:
+    """`name` (from meta.json) stays inside `path`: relative, no `..`."""
+    norm = os.path.normpath(name)
+    return not os.path.isabs(norm) and norm != ".." and not norm.startswith(".." + os.sep)
+
+
+def problem(path: str, require_step_name: bool = True) -> str | None:
     """Why the checkpoint at `path` (a published step-N folder with meta.json) cannot be used, or None."""
     m = _STEP_DIR.match(os.path.basename(os.path.normpath(path)))
-    if not m:
+    if require_step_name and not m:
         return f"{path}: not a step-N folder"
+    link = symlink_in(path)
+    if link is not None:
+        return f"{link}: a symbolic link inside a checkpoint (never followed; replace it with the file itself)"
     meta_path = os.path.join(path, META_FILE)
     try:
         with open(meta_path, encoding="utf-8") as f:
@@ -64,18 +106,22 @@ def problem(path: str) -> str | None:
         return f"{meta_path}: missing (not published)"
     except ValueError as exc:
         return f"{meta_path}: not JSON ({exc})"
-    if not isinstance(meta, dict) or meta.get("step") != int(m.group(1)):
-        return f"{meta_path}: does not describe step {m.group(1)}"
+    if not isinstance(meta, dict) or (m is not None and meta.get("step") != int(m.group(1))):
+        return f"{meta_path}: does not describe step {m.group(1) if m else '?'}"
     files = meta.get("files", [])
     # entries may be folders: sharded engines (DeepSpeed zero/, FSDP2 DCP fsdp/) write one per checkpoint
     if not isinstance(files, list):
         return f"{meta_path}: `files` is not a list"
     for name in files:
+        if not _contained(path, str(name)):
+            return f"{meta_path}: file entry {name!r} points outside the checkpoint folder"
         if not os.path.exists(os.path.join(path, str(name))):
             return f"{os.path.join(path, str(name))}: missing"
     sizes = meta.get("sizes")
     if isinstance(sizes, dict):
         for name, size in sorted(sizes.items()):
+            if not _contained(path, str(name)):
+                return f"{meta_path}: file entry {name!r} points outside the checkpoint folder"
             full = os.path.join(path, str(name))
             try:
                 actual = os.path.getsize(full)
@@ -83,6 +129,27 @@ def problem(path: str) -> str | None:
                 return f"{full}: missing"
             if actual != size:
                 return f"{full}: {actual} bytes, but {size} when it was saved (truncated or replaced)"
+    return None
+
+
+def verify_hashes(path: str) -> str | None:
+    """Why the files of checkpoint `path` differ from the sha256 its meta.json recorded at publish time (a bit
+    flip, a replaced file), or None (also for checkpoints published before hashes were recorded). An I/O error
+    while reading propagates: that is the storage's fault, not the checkpoint's."""
+    with open(os.path.join(path, META_FILE), encoding="utf-8") as f:
+        hashes = json.load(f).get("sha256")
+    if not isinstance(hashes, dict):
+        return None
+    for name, want in sorted(hashes.items()):
+        if not _contained(path, str(name)):
+            return f"{os.path.join(path, META_FILE)}: file entry {name!r} points outside the checkpoint folder"
+        full = os.path.join(path, str(name))
+        try:
+            got = sha256_of(full)
+        except FileNotFoundError:
+            return f"{full}: missing"
+        if got != want:
+            return f"{full}: sha256 {got[:12]}... but {str(want)[:12]}... when it was saved (corrupt or replaced)"
     return None
 
 
@@ -116,10 +183,13 @@ def quarantined(directory: str) -> list[tuple[int, str]]:
     out = []
     for n in names:
         if n.startswith(BAD_PREFIX) and n[len(BAD_PREFIX):].isdigit():
+            path = os.path.join(directory, n, REASON_FILE)
             try:
-                with open(os.path.join(directory, n, REASON_FILE), encoding="utf-8") as f:
-                    reason = f.read().strip()
-            except OSError:
+                if os.path.islink(path):  # never read through a link planted there (its target would be reported)
+                    raise OSError("a link")
+                with open(path, encoding="utf-8") as f:
+                    reason = f.read(2000).strip()
+            except (OSError, ValueError):
                 reason = "unusable (no REASON file)"
             out.append((int(n[len(BAD_PREFIX):]), reason))
     return sorted(out)

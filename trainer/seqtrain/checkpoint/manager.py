@@ -4,6 +4,10 @@ Protocol: rank 0 creates `<dir>/.tmp-step-N/`; barrier; every rank writes its fi
 rank 0 writes `meta.json` (step, time, world, layout, files), renames the folder to `step-N` (an atomic rename
 on one filesystem) and prunes to `keep`; barrier. A crash at any point leaves either the previous complete
 checkpoints only, or a `.tmp-*` folder that discovery ignores and the next save removes.
+
+The barriers of a save wait on storage, not on peers, so they run on a gloo group of their own whose timeout is
+SEQTRAIN_CHECKPOINT_TIMEOUT_SECONDS (default: the larger of 1800 s and the collective timeout): a save slower than
+`optimization.commTimeoutSeconds` does not end the gang. meta.json records every file's size and sha256.
 """
 
 from __future__ import annotations
@@ -18,21 +22,58 @@ from typing import TYPE_CHECKING, Any
 from seqtrain.checkpoint.discovery import (
     BAD_PREFIX,
     DELETE_PREFIX,
+    KEEP_BAD,
     META_FILE,
     REASON_FILE,
     TMP_PREFIX,
     CheckpointInfo,
+    file_hashes,
     file_sizes,
     list_checkpoints,
     problem,
     published,
     read_complete,
     step_dir,
+    verify_hashes,
 )
 from seqtrain.runtime import faults
+from seqtrain.runtime.exitcodes import InvalidConfig
 
 if TYPE_CHECKING:
     from seqtrain.runtime.dist import DistContext
+
+
+TIMEOUT_ENV = "SEQTRAIN_CHECKPOINT_TIMEOUT_SECONDS"
+DEFAULT_TIMEOUT_SECONDS = 1800.0
+
+
+def io_timeout_seconds(comm_timeout_s: float, environ: dict[str, str] | None = None) -> float:
+    """How long a checkpoint save's barriers wait for the slowest rank's storage (see the module docstring)."""
+    raw = (os.environ if environ is None else environ).get(TIMEOUT_ENV, "").strip()
+    if not raw:
+        return max(DEFAULT_TIMEOUT_SECONDS, float(comm_timeout_s))
+    try:
+        value = float(raw)
+    except ValueError:
+        raise InvalidConfig(f"environment variable {TIMEOUT_ENV}={raw!r} must be a number of seconds") from None
+    if not value > 0 or value == float("inf"):
+        raise InvalidConfig(f"environment variable {TIMEOUT_ENV}={raw!r} must be a positive number of seconds")
+    return value
+
+
+def _write_reason(folder: str, reason: str) -> None:
+    """REASON in `folder`, never through a link planted there (O_NOFOLLOW on a fresh file)."""
+    path = os.path.join(folder, REASON_FILE)
+    if os.path.islink(path) or os.path.isdir(path):
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        else:
+            os.unlink(path)
+    elif os.path.exists(path):
+        os.unlink(path)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(reason + "\n")
 
 
 def _fsync_path(path: str) -> None:
@@ -44,10 +85,13 @@ def _fsync_path(path: str) -> None:
 
 
 class CheckpointManager:
-    def __init__(self, directory: str, keep: int, ctx: DistContext) -> None:
+    def __init__(self, directory: str, keep: int, ctx: DistContext, io_timeout_s: float | None = None) -> None:
         self.directory = directory
         self.keep = keep
         self.ctx = ctx
+        self.io_timeout_s = io_timeout_s if io_timeout_s is not None else DEFAULT_TIMEOUT_SECONDS
+        self._io_group = ctx.slow_barrier_group(self.io_timeout_s)  # collective: every rank builds a manager
+        self.last_save_seconds: float | None = None  # measured; SIGTERM saves only when the grace period allows
         # Steps never pruned, whatever `keep` says (the best checkpoint by validation loss, see seqtrain.obs).
         self.protected: set[int] = set()
         # Whether every rank sees the folder rank 0 creates: found out by the first save (None: not yet).
@@ -60,8 +104,20 @@ class CheckpointManager:
 
         Rank 0 decides and broadcasts its choice, so ranks never resume from different steps even if their
         views of the folder differ (a slow shared filesystem); a rank that cannot read the chosen one fails."""
-        mine = self._newest_usable() if self.ctx.is_main else None
-        path = self.ctx.broadcast_object(mine.path if mine else None)
+        answer: tuple[str, str | None] = ("ok", None)
+        mine = None
+        if self.ctx.is_main:
+            try:
+                mine = self._newest_usable()
+                answer = ("ok", mine.path if mine else None)
+            except OSError as exc:  # reading the files (hashes) failed: the storage's fault, keep the checkpoint
+                answer = ("unavailable", f"{exc.filename or self.directory}: could not be read now "
+                          f"({exc.strerror or exc}); the checkpoint is kept and the gang restarts to try again")
+        kind, path = self.ctx.broadcast_object(answer)
+        if kind == "unavailable":
+            from seqtrain.checkpoint.safe_load import CheckpointUnavailable  # imports torch: only here
+
+            raise CheckpointUnavailable(path)
         if path is None:
             return None
         info = mine if self.ctx.is_main else read_complete(path)
@@ -74,11 +130,17 @@ class CheckpointManager:
         """Rank 0: the newest published checkpoint that passes the file checks; newer ones that fail them (a file
         truncated, replaced or missing since it was published) are set aside with the reason."""
         for step, path in reversed(published(self.directory)):
-            why = problem(path)
+            # the hashes recorded at publish time: a same-size bit flip is caught here (an I/O error reading the
+            # files is the storage's fault and propagates: the checkpoint is kept)
+            why = problem(path) or verify_hashes(path)
             if why is None:
                 return read_complete(path)
             self._set_aside(step, why)
         return None
+
+    def latest_published_step(self) -> int | None:
+        done = published(self.directory)
+        return done[-1][0] if done else None
 
     def quarantine(self, info: CheckpointInfo, reason: str) -> None:
         """Set a checkpoint aside as unusable (collective: rank 0 renames it, every rank waits)."""
@@ -92,10 +154,23 @@ class CheckpointManager:
         bad = os.path.join(self.directory, f"{BAD_PREFIX}{step}")
         shutil.rmtree(bad, ignore_errors=True)
         os.rename(step_dir(self.directory, step), bad)
-        with open(os.path.join(bad, REASON_FILE), "w", encoding="utf-8") as f:
-            f.write(reason + "\n")
+        _write_reason(bad, reason)
         _fsync_path(self.directory)
+        self._prune_bad()
         print(f"seqtrain: warning: checkpoint step-{step} skipped: {reason} (set aside as {bad})", flush=True)
+
+    def _prune_bad(self) -> None:
+        """Keep the newest KEEP_BAD `.bad-step-*` folders (each holds a whole checkpoint) for inspection."""
+        bad = sorted(int(n[len(BAD_PREFIX):]) for n in os.listdir(self.directory)
+                     if n.startswith(BAD_PREFIX) and n[len(BAD_PREFIX):].isdigit())
+        for step in bad[: max(0, len(bad) - KEEP_BAD)]:
+            shutil.rmtree(os.path.join(self.directory, f"{BAD_PREFIX}{step}"), ignore_errors=True)
+
+    def _io_barrier(self) -> None:
+        if self._io_group is not None:
+            import torch.distributed as dist
+
+            dist.barrier(group=self._io_group)
 
     def save(self, step: int, write: Callable[[str], list[str]],
              meta: dict[str, Any] | None = None) -> CheckpointInfo | None:
@@ -103,25 +178,27 @@ class CheckpointManager:
         None (nothing saved) when the folder is not shared by every rank (see `_every_rank_sees`)."""
         if self.shared is False:
             return None
+        started = time.monotonic()
         tmp = os.path.join(self.directory, f"{TMP_PREFIX}{step}")
         if self.ctx.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp)
-        self.ctx.barrier()
+        self._io_barrier()
         if self.shared is None:
             self.shared = self._every_rank_sees(tmp)
             if not self.shared:
                 return None
         for name in write(tmp):
             _fsync_path(os.path.join(tmp, name))
-        self.ctx.barrier()
+        self._io_barrier()  # waits for the slowest rank's storage: the I/O deadline, not the collective one
         faults.in_save(step, self.ctx.rank)
         final = step_dir(self.directory, step)
         if self.ctx.is_main:
             files = sorted(os.listdir(tmp))
             record = {"step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                       "world": self.ctx.world_size, "files": files, **(meta or {}),
-                      "sizes": file_sizes(tmp)}  # checked before every resume: a truncated file is caught
+                      "sizes": file_sizes(tmp),  # checked before every resume: a truncated file is caught
+                      "sha256": file_hashes(tmp)}  # checked by rank 0 before a resume loads it: a bit flip
             with open(os.path.join(tmp, META_FILE), "w", encoding="utf-8") as f:
                 json.dump(record, f, indent=2)
                 f.flush()
@@ -132,7 +209,8 @@ class CheckpointManager:
             os.rename(tmp, final)
             _fsync_path(self.directory)
             self.prune()
-        self.ctx.barrier()
+        self._io_barrier()
+        self.last_save_seconds = time.monotonic() - started
         info = read_complete(final)
         if info is None:
             raise RuntimeError(f"checkpoint {final} is not readable right after publishing it")

@@ -65,7 +65,12 @@ class _Tok:
 
             if not os.path.isfile(spec):
                 raise PrepareError(f"--tokenizer: {spec!r} is neither 'byte' nor a tokenizer.json file")
-            self._tok = Tokenizer.from_file(spec)
+            try:
+                self._tok = Tokenizer.from_file(spec)
+            except Exception as exc:  # noqa: BLE001 - tokenizers raises a bare Exception for any bad file
+                raise PrepareError(f"--tokenizer {spec}: not a tokenizer.json the `tokenizers` library reads "
+                                   f"({str(exc).splitlines()[0][:160]}); give a Hugging Face tokenizer.json or "
+                                   "'byte'") from None
             self.base_vocab = self._tok.get_vocab_size(with_added_tokens=True)
             vocab = self._tok.get_vocab(with_added_tokens=True)
             named = [n for n in _EOS_NAMES if n in vocab]
@@ -200,12 +205,24 @@ def _texts(unit: Unit, field: str) -> Iterator[str | bytes]:
         if field not in pf.schema_arrow.names:
             raise PrepareError(f"{unit.path}: no column {field!r} (columns: {', '.join(pf.schema_arrow.names)}); "
                                "use --field")
+        kind = pf.schema_arrow.field(field).type
+        import pyarrow as pa
+
+        if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_binary(kind)
+                or pa.types.is_large_binary(kind)):
+            raise PrepareError(f"{unit.path}: column {field!r} holds {kind}, not text; name the text column with "
+                               "--field")
         for batch in pf.iter_batches(batch_size=BATCH_DOCS, row_groups=[unit.start], columns=[field]):
             yield from (t for t in batch.column(0).to_pylist() if t)
     elif unit.kind == "dataset":
         ds = _load_dataset(unit.path, field)
         for a in range(unit.start, unit.stop, BATCH_DOCS):
-            yield from (t for t in ds[a:min(unit.stop, a + BATCH_DOCS)][field] if t)
+            for t in ds[a:min(unit.stop, a + BATCH_DOCS)][field]:
+                if t and not isinstance(t, str | bytes):
+                    raise PrepareError(f"{unit.path}: column {field!r} holds {type(t).__name__} values, not text; "
+                                       "name the text column with --field")
+                if t:
+                    yield t
 
 
 # ---- one unit -> one shard ----------------------------------------------------------------------------------

@@ -18,9 +18,14 @@ import numpy as np
 
 from seqtrain.data.builtin import Corpus, in_validation
 from seqtrain.data.tokenizer import ByteTokenizer
+from seqtrain.runtime.exitcodes import InvalidConfig
 from seqtrain.spec.data import DataSpec
 
 EOS_TOKENS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "[EOS]", "<|eot_id|>")
+
+
+class TokenizerFileError(InvalidConfig, ValueError):
+    """A tokenizer file that cannot be read: invalid input (the trainer exits 3, the CLI commands 2)."""
 
 
 class FileTokenizer:
@@ -35,7 +40,12 @@ class FileTokenizer:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"spec.data.tokenizer.path: {path!r} is not a file")
         self.path = path
-        self._tok = Tokenizer.from_file(path)
+        try:
+            self._tok = Tokenizer.from_file(path)
+        except Exception as exc:  # noqa: BLE001 - tokenizers raises a bare Exception for any bad file
+            raise TokenizerFileError(f"spec.data.tokenizer.path: {path}: not a tokenizer.json the `tokenizers` "
+                                     f"library reads ({str(exc).splitlines()[0][:160]}); give a Hugging Face "
+                                     "tokenizer.json") from None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.dtype = np.uint16 if self.vocab_size <= 2**16 else np.uint32
         vocab = self._tok.get_vocab(with_added_tokens=True)

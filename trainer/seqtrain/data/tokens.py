@@ -20,6 +20,9 @@ import numpy as np
 
 from seqtrain.data.builtin import Corpus
 from seqtrain.data.prepare import INDEX
+from seqtrain.runtime.exitcodes import InvalidConfig
+
+_FIX = "run `seqtrain prepare-data` again into this folder"
 
 
 def is_prepared(path: str) -> bool:
@@ -27,8 +30,44 @@ def is_prepared(path: str) -> bool:
 
 
 def read_index(path: str) -> dict[str, Any]:
-    with open(os.path.join(os.path.expanduser(path), INDEX), encoding="utf-8") as f:
-        return json.load(f)
+    """A prepared folder's index.json, checked for the fields the loader uses (InvalidConfig naming the file)."""
+    where = os.path.join(os.path.expanduser(path), INDEX)
+    try:
+        with open(where, encoding="utf-8") as f:
+            index = json.load(f)
+    except OSError as exc:
+        raise InvalidConfig(f"{where}: cannot read: {exc.strerror}") from None
+    except ValueError as exc:
+        raise InvalidConfig(f"{where}: not JSON ({exc}); {_FIX}") from None
+    if not isinstance(index, dict) or index.get("dtype") not in ("uint16", "uint32") \
+            or not isinstance(index.get("shards"), list):
+        raise InvalidConfig(f"{where}: not a seqtrain-tokens index (dtype uint16/uint32 and a shards list); {_FIX}")
+    for i, shard in enumerate(index["shards"]):
+        name = shard.get("name") if isinstance(shard, dict) else None
+        if not isinstance(name, str) or not name or os.path.basename(name) != name or name in (".", ".."):
+            raise InvalidConfig(f"{where}: shards[{i}].name {name!r} must be a file name in the folder (no path, "
+                                f"no ..); {_FIX}")
+        tokens = shard.get("tokens")
+        if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
+            raise InvalidConfig(f"{where}: shards[{i}].tokens {tokens!r} must be a count of tokens; {_FIX}")
+    return index
+
+
+def _doc_starts(base: str, n: int) -> np.ndarray:
+    """A shard's document offsets: 1-D integers, starting at 0, increasing, all inside the shard's n tokens."""
+    path = base + ".docs.npy"
+    try:
+        starts = np.load(path, allow_pickle=False)
+    except (OSError, ValueError, EOFError) as exc:
+        raise InvalidConfig(f"{path}: unreadable ({str(exc).splitlines()[0][:160]}); {_FIX}") from None
+    if starts.ndim != 1 or starts.dtype.kind not in "iu" or len(starts) == 0:
+        raise InvalidConfig(f"{path}: not a 1-D integer array of document offsets; {_FIX}")
+    starts = starts.astype(np.int64)
+    if starts[0] != 0 or (np.diff(starts) <= 0).any() or starts[-1] >= n:
+        bad = int(starts.max())
+        raise InvalidConfig(f"{path}: document offsets must start at 0, increase and stay below the shard's {n} "
+                            f"tokens (largest {bad}); the shard and its offsets do not match; {_FIX}")
+    return starts
 
 
 class DocumentView:
@@ -73,8 +112,15 @@ def _dataset_docs(path: str, split: str, fraction: float, src_base: int
         if n == 0:
             continue
         base = os.path.join(os.path.expanduser(path), shard["name"])
+        try:
+            size = os.path.getsize(base + ".bin")
+        except OSError as exc:
+            raise InvalidConfig(f"{base}.bin: cannot read: {exc.strerror}; {_FIX}") from None
+        if size != n * dtype.itemsize:
+            raise InvalidConfig(f"{base}.bin: {size} bytes, but index.json says {n} tokens of {dtype.name} "
+                                f"({n * dtype.itemsize} bytes): truncated or replaced; {_FIX}")
         mm = np.memmap(base + ".bin", dtype=dtype, mode="r", shape=(n,))
-        doc_starts = np.load(base + ".docs.npy")
+        doc_starts = _doc_starts(base, n)
         ends = np.append(doc_starts[1:], n)
         cut = len(doc_starts) - int(round(len(doc_starts) * fraction))
         sel = slice(0, cut) if split == "train" else slice(cut, None)

@@ -178,5 +178,5 @@ class Engine(ABC):
         return [self.checkpoint_file]
 
     def load(self, directory: str) -> None:
-        state = load_plain(os.path.join(directory, self.checkpoint_file), map_location=self.ctx.device)
+        state = load_plain(os.path.join(directory, self.checkpoint_file))  # CPU first: load_state_dict copies over
         self.load_state_dict(state)

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from seqtrain.checkpoint.safe_load import require_layout
+from seqtrain.checkpoint.safe_load import require_layout, restricted_loads
 from seqtrain.data import Batch
 from seqtrain.engine.base import Engine, StepStats
 from seqtrain.models import build_model
@@ -174,10 +174,11 @@ class DeepSpeedEngine(Engine):
         return [os.path.join(TAG, f) for f in sorted(os.listdir(root))] if self.ctx.is_main else []
 
     def load(self, directory: str) -> None:
-        # DeepSpeed unpickles its shards fully (torch.load weights_only=False): only a checkpoint that this engine
-        # published with this data-parallel degree gets that far (see the user guide's security notes).
+        # only a checkpoint that this engine published with this data-parallel degree gets that far; DeepSpeed's own
+        # torch.load(weights_only=False) is held to tensors, plain values and its few data classes
         require_layout(directory, self.name, dp=self.ctx.dp_size)
-        path, _ = self.ds.load_checkpoint(directory, tag=TAG, load_optimizer_states=True,
-                                          load_lr_scheduler_states=True)
+        with restricted_loads(os.path.join(directory, TAG)):
+            path, _ = self.ds.load_checkpoint(directory, tag=TAG, load_optimizer_states=True,
+                                              load_lr_scheduler_states=True)
         if path is None:
             raise FileNotFoundError(f"{directory}/{TAG}: no DeepSpeed checkpoint (or saved with another dp degree)")

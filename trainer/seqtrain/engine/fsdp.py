@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from seqtrain.checkpoint.safe_load import load_plain, require_layout
+from seqtrain.checkpoint.safe_load import dcp_load, load_plain, require_layout
 from seqtrain.data import Batch
 from seqtrain.engine.base import Engine, StepStats
 from seqtrain.models.loss import CausalLMLoss
@@ -113,9 +113,10 @@ class FSDPEngine(Engine):
         path = self._dcp_dir(directory)
         if not os.path.isdir(path):
             raise FileNotFoundError(f"{path}: not an FSDP2 checkpoint of this layout (see its meta.json)")
-        # DCP unpickles its .metadata fully: only a checkpoint this engine published gets that far (any dp degree).
+        # only a checkpoint this engine published gets that far (any dp degree); DCP's .metadata and byte items are
+        # then unpickled by seqtrain's restricted loaders, never by DCP's own pickle.load / torch.load
         require_layout(directory, self.name, tp=self.ctx.tp_size)
-        dcp.load(state, checkpoint_id=path, process_group=self._group())
+        dcp_load(path, lambda reader: dcp.load(state, storage_reader=reader, process_group=self._group()))
         set_model_state_dict(self.model, state["model"], options=opts)
         set_optimizer_state_dict(self.model, self.optimizer, state["optim"], options=opts)
         rest = load_plain(os.path.join(directory, SCHEDULER_FILE))  # plain values: no unpickling of classes

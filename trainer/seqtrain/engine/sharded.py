@@ -29,4 +29,4 @@ def load_shard(ctx: DistContext, directory: str) -> dict[str, Any]:
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path}: this checkpoint was written with a different tensor/pipeline layout; "
                                 "resume with the layout in its meta.json")
-    return load_plain(path, map_location=ctx.device)
+    return load_plain(path)  # CPU first: load_state_dict copies into the rank's device

@@ -5,7 +5,13 @@ Accepted sources (`load_source(path)`):
 - a checkpoint folder (`.../checkpoints/step-N`) of any engine and layout: DeepSpeed ZeRO, FSDP2 DCP, tensor/
   pipeline shard files or the replicated `engine.pt`, consolidated by `seqtrain.parallel.consolidate`;
 - a seqtrain export (`seqtrain export`, recognised by its `seqtrain.json`), Hugging Face or seqtrain format;
-- a Hugging Face folder of a Llama-shaped model (`config.json` + `model.safetensors` or a sharded index).
+- a Hugging Face folder of a Llama-shaped model (`config.json` + `model.safetensors` or a sharded index), read as
+  one even when it also holds a meta.json.
+
+Nothing in a source folder is trusted: checkpoint files go through seqtrain.checkpoint.safe_load (no code runs,
+unsafe or corrupt files are WeightsError naming the file: exit 2), a sharded index may name only files inside the
+folder, and a tokenizer file named by the folder's own records (meta.json, the run's trainer config) is used only
+when it lies inside that folder (else `tokenizer["refused"]` says why; export and generate refuse it).
 """
 
 from __future__ import annotations
@@ -57,18 +63,41 @@ def _read_json(path: str) -> dict[str, Any]:
         raise WeightsError(f"{path}: not JSON: {exc}") from None
 
 
-def _read_safetensors(folder: str) -> dict[str, torch.Tensor]:
+def _load_safetensors_file(path: str) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
+    if os.path.islink(path):
+        raise WeightsError(f"{path}: a symbolic link; model files are never followed through links")
+    try:
+        return load_file(path)
+    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        raise WeightsError(f"{path}: not a readable safetensors file: {str(exc).splitlines()[0][:200]}") from None
+
+
+def _index_files(index: str) -> list[str]:
+    """The shard names of a sharded index: plain file names in the index's folder, nothing else."""
+    weight_map = _read_json(index).get("weight_map", {})
+    if not isinstance(weight_map, dict):
+        raise WeightsError(f"{index}: weight_map is not an object of tensor name -> file name")
+    names = set()
+    for tensor, name in weight_map.items():
+        if not isinstance(name, str) or not name or os.path.basename(name) != name or name in (".", ".."):
+            raise WeightsError(f"{index}: weight_map[{tensor!r}] = {name!r}: a shard must be a file name in the "
+                               "index's own folder (no path, no ..); fix the index")
+        names.add(name)
+    return sorted(names)
+
+
+def _read_safetensors(folder: str) -> dict[str, torch.Tensor]:
     single = os.path.join(folder, "model.safetensors")
     if os.path.isfile(single):
-        return load_file(single)
+        return _load_safetensors_file(single)
     index = os.path.join(folder, "model.safetensors.index.json")
     if os.path.isfile(index):
-        files = sorted(set(_read_json(index).get("weight_map", {}).values()))
         out: dict[str, torch.Tensor] = {}
-        for name in files:
-            out.update(load_file(os.path.join(folder, name)))
+        for name in _index_files(index):
+            out.update(_load_safetensors_file(os.path.join(folder, name)))
         return out
     raise WeightsError(f"{folder}: no model.safetensors (or model.safetensors.index.json); only safetensors "
                        "weights are read")
@@ -89,41 +118,81 @@ def _job_from_run(run_dir: str) -> tuple[SeqTrainJob, str] | None:
     return None
 
 
-def _tokenizer_of(job: SeqTrainJob) -> dict[str, Any]:
+def _inside(path: str, root: str) -> bool:
+    real, top = os.path.realpath(path), os.path.realpath(root)
+    return real == top or real.startswith(top.rstrip(os.sep) + os.sep)
+
+
+def _tokenizer_of(job: SeqTrainJob, root: str | None = None, named_by: str = "") -> dict[str, Any]:
+    """The job's tokenizer. With `root` (the job was read from a folder given to us, `named_by` its file): a
+    tokenizer file must lie inside `root`, or be copied there as tokenizer.json; else the entry says why it is
+    refused (the folder's records do not get to make seqtrain read or copy a file from elsewhere)."""
     tok = job.spec.data.tokenizer
     if job.spec.data.source == "synthetic":
         return {"type": "synthetic"}
+    path = os.path.abspath(os.path.expanduser(tok.path)) if tok.type == "file" and tok.path else ""
     if job.spec.data.source == "tokens":  # `seqtrain prepare-data` folders say how they were tokenized
         for p in job.spec.data.paths:
             index = os.path.join(os.path.expanduser(p), "index.json")
             if os.path.isfile(index):
-                return dict(_read_json(index).get("tokenizer") or {"type": "byte"})
-    if tok.type == "file" and tok.path:
-        return {"type": "file", "path": os.path.abspath(os.path.expanduser(tok.path))}
+                described = dict(_read_json(index).get("tokenizer") or {"type": "byte"})
+                if root is None or described.get("type") != "file":
+                    return described
+                path = str(described.get("path") or "")
+                break
+    if path:
+        if root is None:
+            return {"type": "file", "path": path} if path else {"type": "byte"}
+        local = os.path.join(root, "tokenizer.json")
+        if os.path.isfile(local) and not os.path.islink(local):
+            return {"type": "file", "path": os.path.abspath(local)}
+        if path and _inside(path, root):
+            return {"type": "file", "path": path}
+        return {"type": "file", "path": path, "refused": (
+            f"{named_by}: names tokenizer {path}, outside {root}: a folder's own records may not make seqtrain "
+            f"read or copy a file from elsewhere; copy the tokenizer to {local} if you trust it")}
     return {"type": "byte"}
 
 
-def _from_checkpoint(step_dir: str, job: SeqTrainJob | None) -> Weights:
+def _from_checkpoint(step_dir: str, job: SeqTrainJob | None, records: tuple[str, str] | None = None) -> Weights:
+    """`records`: (file, folder) when `job` came from a source folder's own records rather than the caller."""
+    from pydantic import ValidationError
+
+    from seqtrain.checkpoint.safe_load import UnusableCheckpoint
     from seqtrain.parallel.consolidate import consolidate
     from seqtrain.spec import resolve
 
-    meta = _read_json(os.path.join(step_dir, "meta.json"))
+    meta_path = os.path.join(step_dir, "meta.json")
+    meta = _read_json(meta_path)
+    if not isinstance(meta, dict):
+        raise WeightsError(f"{meta_path}: not a checkpoint's meta.json (not an object)")
+    trusted = job is not None and records is None  # a job the caller gave, not the folder's own records
+    named_by, root = records or (meta_path, step_dir)
     if job is None and isinstance(meta.get("job"), dict):
-        job = SeqTrainJob.model_validate(meta["job"])
+        try:
+            job = SeqTrainJob.model_validate(meta["job"])
+        except ValidationError as exc:
+            raise WeightsError(f"{meta_path}: job: not a valid SeqTrainJob ({exc.errors()[0].get('msg')} at "
+                               f"{'.'.join(str(x) for x in exc.errors()[0].get('loc', ()))})") from None
     if job is None:
-        found = _job_from_run(os.path.dirname(os.path.dirname(os.path.abspath(step_dir))))
+        run_dir = os.path.dirname(os.path.dirname(os.path.abspath(step_dir)))
+        found = _job_from_run(run_dir)
         job = found[0] if found else None
+        named_by, root = f"the trainer config of {run_dir}", run_dir
     if job is None:
         raise WeightsError(f"{step_dir}: the checkpoint does not say which model it holds (no job in meta.json and "
                            "no trainer config in its run folder); export from the run folder instead")
     job = resolve(job)
     try:
         state = consolidate(step_dir)
+    except UnusableCheckpoint as exc:  # refused or corrupt: the file's fault (CheckpointUnavailable propagates)
+        raise WeightsError(str(exc)) from None
     except (FileNotFoundError, KeyError) as exc:
         raise WeightsError(f"{step_dir}: {exc}") from None
     state = {_clean_name(k): v.detach().float().cpu().contiguous() for k, v in state.items()}
     lora = getattr(job.spec.model, "lora", None)
-    w = Weights(spec=job.spec.model, state=state, tokenizer=_tokenizer_of(job), job=job,
+    tokenizer = _tokenizer_of(job) if trusted else _tokenizer_of(job, root or step_dir, named_by)
+    w = Weights(spec=job.spec.model, state=state, tokenizer=tokenizer, job=job,
                 origin=os.path.abspath(step_dir))
     if lora is not None and lora.rank > 0:
         w.lora = lora.to_dict()
@@ -178,6 +247,11 @@ def load_source(path: str, job: SeqTrainJob | None = None) -> Weights:
     path = os.path.expanduser(path)
     if not os.path.isdir(path):
         raise WeightsError(f"{path}: not a folder (give a run folder, a checkpoint step-N folder or a model folder)")
+    hf_folder = os.path.isfile(os.path.join(path, "config.json")) and (
+        os.path.isfile(os.path.join(path, "model.safetensors"))
+        or os.path.isfile(os.path.join(path, "model.safetensors.index.json")))
+    if hf_folder or os.path.isfile(os.path.join(path, SEQTRAIN_JSON)):
+        return _from_folder(path)  # a model folder by its layout, whatever else lies beside it
     if os.path.isfile(os.path.join(path, "meta.json")):
         return _from_checkpoint(path, job)
     found = _job_from_run(path)
@@ -188,7 +262,10 @@ def load_source(path: str, job: SeqTrainJob | None = None) -> Weights:
         latest = latest_checkpoint(ckpt_dir)
         if latest is None:
             raise WeightsError(f"{path}: run folder without a complete checkpoint under {ckpt_dir}")
-        return _from_checkpoint(latest.path, job or (found[0] if found else None))
+        if job is not None:
+            return _from_checkpoint(latest.path, job)
+        return _from_checkpoint(latest.path, found[0] if found else None,
+                                (f"the trainer config of {path}", path) if found else None)
     return _from_folder(path)
 
 

@@ -53,6 +53,8 @@ def export(source: str | Weights, out: str, fmt: str = "hf", merge_lora: bool = 
         tensors[hf.to_hf_name(name) if fmt == "hf" else name] = t.detach().float().cpu().contiguous().clone()
     save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
     tok = dict(w.tokenizer)
+    if tok.get("refused"):
+        raise WeightsError(tok["refused"])
     if tok.get("type") == "file":
         shutil.copyfile(tok["path"], os.path.join(out, "tokenizer.json"))
         _write_json(os.path.join(out, "tokenizer_config.json"), {"tokenizer_class": "PreTrainedTokenizerFast"})
@@ -71,11 +73,16 @@ def export(source: str | Weights, out: str, fmt: str = "hf", merge_lora: bool = 
 
 
 def export_command(source: str, out: str, fmt: str, merge_lora: bool) -> int:
+    from seqtrain.checkpoint.safe_load import CheckpointUnavailable
+
     try:
         info = export(source, out, fmt, merge_lora)
     except WeightsError as exc:
         print(f"seqtrain export: {exc}", file=sys.stderr)
         return 2
+    except CheckpointUnavailable as exc:  # out of memory, storage I/O: try again later
+        print(f"seqtrain export: {exc}", file=sys.stderr)
+        return 1
     print(f"{info['out']}: {info['arch']} as {info['format']} ({info['tensors']} tensors, "
           f"{info['parameters']:,} parameters)")
     return 0

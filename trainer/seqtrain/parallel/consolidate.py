@@ -21,6 +21,14 @@ from collections.abc import Sequence
 
 import torch
 
+from seqtrain.checkpoint.safe_load import (
+    CheckpointUnavailable,
+    UnusableCheckpoint,
+    dcp_load,
+    load_plain,
+    restricted_loads,
+)
+
 # tensor-parallel slicing per parameter name: dim 0 (column parallel, vocabulary rows) or dim 1 (row parallel)
 _ROW_SPLIT = re.compile(r"(attn\.(q|k|v)|mlp\.(gate|up))\.weight$|^(embed|lm_head)\.weight$")
 _COL_SPLIT = re.compile(r"(attn\.out|mlp\.down)\.weight$")
@@ -50,7 +58,7 @@ def _from_shard_files(step_dir: str) -> dict[str, torch.Tensor]:
     by_tp: dict[int, list[dict[str, torch.Tensor]]] = {}
     for path in files:
         pp, tp = map(int, re.findall(r"pp(\d+)-tp(\d+)", path)[0])
-        model = torch.load(path, map_location="cpu", weights_only=True)["model"]
+        model = load_plain(path)["model"]
         merged: dict[str, torch.Tensor] = {}
         for name, t in model.items():
             m = re.match(r"stage\d+\.(.*)$", name)
@@ -69,43 +77,60 @@ def _from_shard_files(step_dir: str) -> dict[str, torch.Tensor]:
 
 
 def _from_dcp(folder: str) -> dict[str, torch.Tensor]:
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    # dcp_to_torch_save's load, in memory, with seqtrain's readers: .metadata through the restricted Unpickler,
+    # byte items through the weights_only torch.load (DCP's own readers unpickle both fully)
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-    tmp = folder.rstrip("/") + ".consolidated.tmp"
-    try:
-        dcp_to_torch_save(folder, tmp)
-        state = torch.load(tmp, map_location="cpu", weights_only=True)  # tensors and plain values only
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    state: dict = {}
+    dcp_load(folder, lambda reader: _load_state_dict(state, storage_reader=reader,
+                                                     planner=_EmptyStateDictLoadPlanner(), no_dist=True))
     return {k: v for k, v in state["model"].items()}
 
 
 def _from_deepspeed(step_dir: str) -> dict[str, torch.Tensor]:
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    sd = get_fp32_state_dict_from_zero_checkpoint(step_dir, tag="zero")
+    with restricted_loads(os.path.join(step_dir, "zero")):  # DeepSpeed's torch.load(weights_only=False), held
+        sd = get_fp32_state_dict_from_zero_checkpoint(step_dir, tag="zero")
     # DeepSpeed wrapped the loss module, whose only child is the model
     return {k[len("model."):] if k.startswith("model.") else k: v for k, v in sd.items()}
 
 
+def _layout_error(step_dir: str, engine: object, want: str) -> UnusableCheckpoint:
+    return UnusableCheckpoint(f"{step_dir}: meta.json says engine {engine!r}, but the folder has no {want}: not a "
+                              "checkpoint of that engine (only a folder whose layout matches its meta.json is read)")
+
+
 def consolidate(step_dir: str) -> dict[str, torch.Tensor]:
-    """The full model's state dict from one published checkpoint folder."""
+    """The full model's state dict from one published checkpoint folder. The engine named in its meta.json picks
+    the files read, and they must be there (a folder is a checkpoint only when its layout says so); every file
+    goes through seqtrain.checkpoint.safe_load (UnusableCheckpoint / CheckpointUnavailable name the file)."""
+    from seqtrain.checkpoint.discovery import problem
+
     if not os.path.isfile(os.path.join(step_dir, "meta.json")):
         raise FileNotFoundError(f"{step_dir}: no meta.json, not a complete checkpoint")
-    if os.path.isdir(os.path.join(step_dir, "zero")):
+    why = problem(step_dir, require_step_name=False)
+    if why is not None:
+        raise UnusableCheckpoint(why)
+    engine = _meta(step_dir).get("engine")
+    if engine == "deepspeed":
+        if not os.path.isdir(os.path.join(step_dir, "zero")):
+            raise _layout_error(step_dir, engine, "zero/ folder")
         return _from_deepspeed(step_dir)
-    dcp_dirs = sorted(glob.glob(os.path.join(step_dir, "fsdp*")))
-    dcp_dirs = [d for d in dcp_dirs if os.path.isdir(d)]
-    if dcp_dirs:
+    if engine == "fsdp2":
+        dcp_dirs = [d for d in sorted(glob.glob(os.path.join(step_dir, "fsdp*"))) if os.path.isdir(d)
+                    and re.fullmatch(r"fsdp(-tp\d+)?", os.path.basename(d))]
+        if not dcp_dirs:
+            raise _layout_error(step_dir, engine, "fsdp/ or fsdp-tp<i>/ folder")
         return _merge_tp([_from_dcp(d) for d in sorted(dcp_dirs, key=lambda d: int(d.rsplit("tp", 1)[-1])
                                                        if "-tp" in d else 0)])
     if glob.glob(os.path.join(step_dir, "engine-pp*-tp*.pt")):
         return _from_shard_files(step_dir)
     path = os.path.join(step_dir, "engine.pt")
     if os.path.isfile(path):
-        return torch.load(path, map_location="cpu", weights_only=True)["model"]
-    raise FileNotFoundError(f"{step_dir}: no engine files found (meta.json says engine {_meta(step_dir).get('engine')})")
+        return load_plain(path)["model"]
+    raise FileNotFoundError(f"{step_dir}: no engine files found (meta.json says engine {engine})")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -116,7 +141,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         sd = consolidate(args.step_dir)
-    except (FileNotFoundError, KeyError, ValueError) as exc:
+    except (FileNotFoundError, KeyError, ValueError, UnusableCheckpoint, CheckpointUnavailable) as exc:
         print(f"consolidate: {exc}", file=sys.stderr)
         return 2
     sd = {k: v.detach().float().cpu().contiguous() for k, v in sd.items()}

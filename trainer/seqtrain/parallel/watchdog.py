@@ -34,12 +34,20 @@ def current() -> str | None:
         return next(iter(_active), None) or (_failed[-1] if _failed else None)
 
 
+_deadline: dict[str, float] = {}  # label -> its own deadline in seconds (checkpoint I/O), else the watchdog's
+
+
 @contextlib.contextmanager
-def waiting(label: str) -> Iterator[None]:
+def waiting(label: str, deadline_s: float | None = None) -> Iterator[None]:
+    """Label what this rank waits for; `deadline_s` replaces the watchdog's collective deadline for this wait (a
+    checkpoint save waits on storage, not on peers)."""
     with _lock:
         _active.clear()
         _failed.clear()
+        _deadline.clear()
         _active[label] = time.monotonic()
+        if deadline_s is not None:
+            _deadline[label] = deadline_s
     try:
         yield
     except BaseException:
@@ -63,7 +71,8 @@ class Watchdog(threading.Thread):
         while not self.stop_event.wait(min(1.0, self.deadline_s / 4)):
             with _lock:
                 item = next(iter(_active.items()), None)
-            if item and time.monotonic() - item[1] > self.deadline_s:
+                limit = _deadline.get(item[0], self.deadline_s) if item else self.deadline_s
+            if item and time.monotonic() - item[1] > limit:
                 print(f"seqtrain: rank {self.rank}: collective timeout: waited {time.monotonic() - item[1]:.0f}s "
                       f"for {item[0]}; exiting with code {COMM_TIMEOUT} so the gang restarts",
                       file=sys.stderr, flush=True)

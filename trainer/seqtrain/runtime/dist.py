@@ -50,6 +50,14 @@ class DistContext:
         if self.distributed:
             dist.barrier()
 
+    def slow_barrier_group(self, timeout_s: float) -> Any:
+        """A gloo group with its own timeout, for barriers that wait on storage (checkpoint I/O), not on peers:
+        a save slower than the collective timeout must not end the gang. Collective: call it on every rank in the
+        same order (the checkpoint manager does, once, when it is built). None without a process group."""
+        if not self.distributed:
+            return None
+        return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+
     def all_reduce(self, t: torch.Tensor, op: str = "sum", group: Any = None) -> torch.Tensor:
         """In-place all-reduce (sum / max / min); returns t for chaining."""
         if self.distributed:

@@ -7,9 +7,10 @@ ERROR = 1  # anything unexpected: retryable (restart the gang from the latest ch
 INVALID_CONFIG = 3  # the config cannot work; restarting will not help (permanent)
 COMM_TIMEOUT = 4  # a collective failed because a peer hung (timeout) or died (connection closed): retryable
 DEVICE_UNAVAILABLE = 5  # a GPU job sees no CUDA device: the node is broken (infrastructure; avoid the node)
+CHECKPOINT_UNAVAILABLE = 6  # a checkpoint could not be loaded now (OOM, CUDA, storage I/O): infrastructure, kept
 TERMINATED = 143  # SIGTERM received; the current step finished and a checkpoint was saved (128 + 15)
 
-RETRYABLE = frozenset({ERROR, COMM_TIMEOUT, DEVICE_UNAVAILABLE, TERMINATED})
+RETRYABLE = frozenset({ERROR, COMM_TIMEOUT, DEVICE_UNAVAILABLE, CHECKPOINT_UNAVAILABLE, TERMINATED})
 PERMANENT = frozenset({INVALID_CONFIG})
 
 

@@ -73,6 +73,8 @@ def replica_exit_code(codes: Sequence[int]) -> int:
         return exitcodes.INVALID_CONFIG
     if exitcodes.DEVICE_UNAVAILABLE in codes:  # a node fault on any rank: restarting elsewhere can help
         return exitcodes.DEVICE_UNAVAILABLE
+    if exitcodes.CHECKPOINT_UNAVAILABLE in codes:  # the others' failures are its echo (a broken collective)
+        return exitcodes.CHECKPOINT_UNAVAILABLE
     return next((c for c in codes if c != 0), exitcodes.OK)
 
 

@@ -78,16 +78,23 @@ class _TerminateFlag:
 
     def __init__(self) -> None:
         self.received = False
+        self.at: float | None = None  # monotonic time of the first SIGTERM: the grace period runs from here
         self.trainer = None
 
     def __call__(self, signum: int, frame: FrameType | None) -> None:
+        import time
+
         self.received = True
+        self.at = self.at or time.monotonic()
         if self.trainer is not None:
             self.trainer.terminate_signal = True
+            self.trainer.terminate_time = self.trainer.terminate_time or self.at
 
     def attach(self, trainer) -> None:  # noqa: ANN001
         self.trainer = trainer
         trainer.terminate_signal = trainer.terminate_signal or self.received
+        if self.received:
+            trainer.terminate_time = self.at
 
 
 def main(config_path: str) -> int:
@@ -125,6 +132,11 @@ def main(config_path: str) -> int:
     except KeyboardInterrupt:
         return 130
     except Exception as exc:  # noqa: BLE001 - every failure becomes an exit code the controller understands
+        if type(exc).__name__ == "CheckpointUnavailable":  # (seqtrain.checkpoint.safe_load; imports torch)
+            # could not load now (memory, device, storage): an infrastructure failure; the checkpoint is kept
+            print(f"seqtrain train: checkpoint unavailable: {exc}", file=sys.stderr, flush=True)
+            print(f"{exitcodes.ERROR_MARKER}{exitcodes.error_line(exc)}", file=sys.stderr, flush=True)
+            return exitcodes.CHECKPOINT_UNAVAILABLE
         traceback.print_exc()
         print(f"{exitcodes.ERROR_MARKER}{exitcodes.error_line(exc)}", file=sys.stderr, flush=True)
         leave_error_line(exc)

@@ -16,7 +16,8 @@ import numpy as np
 import torch
 
 from seqtrain.checkpoint import CheckpointInfo, CheckpointManager
-from seqtrain.checkpoint.safe_load import UnusableCheckpoint, load_plain
+from seqtrain.checkpoint.manager import io_timeout_seconds
+from seqtrain.checkpoint.safe_load import CheckpointUnavailable, UnusableCheckpoint, load_plain
 from seqtrain.data import SequenceBatches, build_train_data
 from seqtrain.data.prefetch import Prefetcher
 from seqtrain.engine import Engine, StepStats, build_engine, engine_name
@@ -31,12 +32,14 @@ from seqtrain.runtime import faults
 from seqtrain.runtime.callbacks import CallbackList
 from seqtrain.runtime.dist import DistContext
 from seqtrain.runtime.exitcodes import InvalidConfig
+from seqtrain.runtime.launch import GRACE_ENV
 from seqtrain.runtime.precision import enable_tf32
 from seqtrain.spec.job import SeqTrainJob
 from seqtrain.spec.runtime import RuntimeConfig
 from seqtrain.train.metrics import MetricsWriter, peak_memory_mb
 
 TRAINER_STATE = "trainer.pt"
+SAVE_MARGIN = 1.25  # a SIGTERM save starts only when the grace left exceeds the last save's time by this factor
 
 
 def rng_file(rank: int) -> str:
@@ -91,6 +94,7 @@ class Trainer:
         # end of a step. Two fields, because a handler that ran right after the agreeing all-reduce returned would
         # otherwise be overwritten by its (older) result and the signal lost on every rank.
         self.terminate_signal = False
+        self.terminate_time: float | None = None  # monotonic time the SIGTERM arrived (set with terminate_signal)
         self.terminate_requested = False
         self.stop_training = False  # set by callbacks (early stopping)
         self.stop_reason = ""
@@ -141,7 +145,9 @@ class Trainer:
         self.data = build_train_data(self.job, self.ctx.dp_rank, self.ctx.dp_size)
         # the next step's batches are built on a background thread (pinned on CUDA) while this step runs
         self.prefetcher = Prefetcher(self.data, pin_memory=self.ctx.device.type == "cuda")
-        self.checkpoints = CheckpointManager(self.runtime.checkpoint_dir, self.spec.checkpoint.keep, self.ctx)
+        self.io_timeout_s = io_timeout_seconds(self.spec.optimization.comm_timeout_seconds)
+        self.checkpoints = CheckpointManager(self.runtime.checkpoint_dir, self.spec.checkpoint.keep, self.ctx,
+                                             io_timeout_s=self.io_timeout_s)
         self.metrics_writer = MetricsWriter(os.path.join(self.runtime.workdir, "metrics.jsonl"))
         seed_all(tr.seed + 1 + self.ctx.rank)  # per-rank streams for dropout from here on
         self.resume()
@@ -192,27 +198,81 @@ class Trainer:
             "loss": self.last_metrics.get("loss"),
             "attempt": self.runtime.attempt,
             "job": self.job.to_dict(),  # self-describing: `seqtrain export/generate` rebuild the model from it
+            # how long the previous save took: a restarted gang's SIGTERM check starts from it
+            "save_seconds": self.checkpoints.last_save_seconds,
         }
-        with waiting(f"checkpoint step-{self.step}: shard writes and the publishing barriers"):
+        # storage, not peers: the save has its own deadline (SEQTRAIN_CHECKPOINT_TIMEOUT_SECONDS), not the watchdog's
+        with waiting(f"checkpoint step-{self.step}: shard writes and the publishing barriers",
+                     deadline_s=self.io_timeout_s + 60):
             return self.checkpoints.save(self.step, self._write_checkpoint, meta)
 
+    def save_seconds_estimate(self) -> float | None:
+        """How long a save takes: this attempt's last one, else the one recorded in the checkpoint resumed from."""
+        if self.checkpoints.last_save_seconds is not None:
+            return self.checkpoints.last_save_seconds
+        seconds = (self.resumed_from.meta.get("save_seconds") if self.resumed_from else None)
+        return float(seconds) if isinstance(seconds, int | float) else None
+
+    def sigterm_save_allowed(self) -> tuple[bool, str]:
+        """Whether a SIGTERM save fits in what is left of the grace period (SEQTRAIN_TERM_GRACE_SECONDS, set from
+        the pod's terminationGracePeriodSeconds), judged by rank 0 from the last measured save; the same answer on
+        every rank. A save the SIGKILL would cut wastes the grace period and leaves a .tmp folder."""
+        verdict: tuple[bool, str] = (True, "")
+        if self.ctx.is_main:
+            raw = os.environ.get(GRACE_ENV, "").strip()
+            need = self.save_seconds_estimate()
+            try:
+                grace = float(raw) if raw else None
+            except ValueError:
+                grace = None
+            if grace is not None and need is not None:
+                since = time.monotonic() - (self.terminate_time or time.monotonic())
+                left = grace - since
+                if need * SAVE_MARGIN > left:
+                    last = self.resumed_from.step if self.resumed_from else 0
+                    newest = self.checkpoints.latest_published_step()
+                    verdict = (False, f"seqtrain: SIGTERM at step {self.step}: not saving a checkpoint: the last save "
+                               f"took {need:.1f}s but only {max(0.0, left):.1f}s of the grace period ({GRACE_ENV}="
+                               f"{raw}) are left; the next attempt resumes from step {newest or last} (raise the "
+                               "pod's terminationGracePeriodSeconds to save on termination)")
+        return self.ctx.broadcast_object(verdict)
+
     def _unusable(self, info: CheckpointInfo) -> str | None:
-        """Load `info`; None when every rank did, else why not (the same answer on every rank)."""
-        why = None
+        """Load `info`; None when every rank did, else why not (the same answer on every rank). A rank that could
+        not load it *now* (out of memory, CUDA or storage I/O error) makes every rank raise CheckpointUnavailable:
+        the checkpoint is kept and the gang restarts as an infrastructure failure."""
+        why: tuple[str, str] | None = None
         try:
             self.load_checkpoint(info)
         except UnusableCheckpoint as exc:
-            why = str(exc)
-        if not self.ctx.distributed:
-            return why
-        import torch.distributed as dist
+            why = ("unusable", str(exc))
+        except CheckpointUnavailable as exc:
+            why = ("unavailable", str(exc))
+        answers: list[Any] = [why]
+        if self.ctx.distributed:
+            import torch.distributed as dist
 
-        answers: list[Any] = [None] * self.ctx.world_size
-        dist.all_gather_object(answers, why)  # plain strings
-        return next((a for a in answers if a is not None), None)
+            answers = [None] * self.ctx.world_size
+            dist.all_gather_object(answers, why)  # plain strings
+        found = [a for a in answers if a is not None]
+        unavailable = [msg for kind, msg in found if kind == "unavailable"]
+        if unavailable:
+            raise CheckpointUnavailable(unavailable[0])
+        return found[0][1] if found else None
 
     def load_checkpoint(self, info: CheckpointInfo) -> None:
-        self.engine.load(info.path)
+        try:
+            self.engine.load(info.path)
+        except (UnusableCheckpoint, CheckpointUnavailable, InvalidConfig):
+            raise
+        except Exception as exc:
+            # an engine's own failure of the moment (memory, device, storage I/O) keeps the checkpoint; anything
+            # else propagates as before (a layout change is the job's, not the checkpoint's fault)
+            from seqtrain.checkpoint.safe_load import classify, transient
+
+            if transient(exc):
+                raise classify(info.path, exc) from exc
+            raise
         state = load_plain(os.path.join(info.path, TRAINER_STATE))
         self.load_state_dict(state)
         rng_path = os.path.join(info.path, rng_file(self.ctx.rank))
@@ -238,6 +298,8 @@ class Trainer:
         faults.maybe_kill_after_step(self.step, self.ctx.rank)
         if faults.term_requested_at(self.step):
             self.terminate_signal = True
+        if self.terminate_signal and self.terminate_time is None:
+            self.terminate_time = time.monotonic()
         with waiting(f"step {self.step}: the end-of-step all-reduce (memory peak, stop flags) over all ranks"):
             mem_mb = self.agree()
         return self.step_metrics(stats, lr, time.perf_counter() - t0, mem_mb)
@@ -292,8 +354,14 @@ class Trainer:
                 self.agree()  # the signal that ended the hold, agreed by every rank (all held at this step)
             if self.terminate_requested or self.stop_training:
                 reason = "terminated" if self.terminate_requested else "stopped"
-                if reason == "stopped" or self.spec.checkpoint.save_on_sigterm:
+                if reason == "stopped":
                     self.save_checkpoint()
+                elif self.spec.checkpoint.save_on_sigterm:
+                    allowed, why = self.sigterm_save_allowed()
+                    if allowed:
+                        self.save_checkpoint()
+                    else:
+                        self.log(why)
                 break
             if self.checkpoint_due():
                 self.save_checkpoint()
