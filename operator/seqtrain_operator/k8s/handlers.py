@@ -219,8 +219,9 @@ async def job_changed(name: str, namespace: str, body: dict[str, Any], **_: Any)
 @kopf.on.event("", "v1", "pods", labels={m.LABEL_JOB: kopf.PRESENT})
 async def pod_changed(labels: dict[str, str], namespace: str, name: str, type: str,  # noqa: A002 (kopf's kwarg)
                       **_: Any) -> None:
-    if type == "DELETED":  # an admission reservation for it (if one is left) ends: see k8s/busy.py
-        STATE.config.busy.gone((namespace, name))
+    if type == "DELETED":  # an admission reservation for it (if one is left) ends: see k8s/busy.py; so does
+        STATE.config.busy.gone((namespace, name))  # the record of its creation (k8s/expect.py)
+        STATE.config.expected.gone(namespace, name)
     STATE.poke(namespace, labels.get(m.LABEL_JOB))
 
 
@@ -249,6 +250,7 @@ async def job_deleted(name: str, namespace: str, **_: Any) -> None:
     STATE.metrics.job_phase(namespace, name, None)
     _last_counts.pop((namespace, name), None)
     STATE.config.known.pop((namespace, name), None)
+    STATE.config.expected.forget((namespace, name))
 
 
 def enable_webhook(config: WebhookConfig) -> None:

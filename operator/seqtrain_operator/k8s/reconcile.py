@@ -18,8 +18,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import functools
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any, Protocol
@@ -46,6 +47,7 @@ from seqtrain_operator.k8s import calls
 from seqtrain_operator.k8s import manifests as m
 from seqtrain_operator.k8s.busy import BusyPods
 from seqtrain_operator.k8s.client import Conflict, Kube, api_message
+from seqtrain_operator.k8s.expect import Expectations
 from seqtrain_operator.k8s.gangs import ADAPTERS, GangScheduler, adapter_for
 from seqtrain_operator.k8s.observe import (
     Reported,
@@ -75,6 +77,8 @@ class Config:
     # (namespace, name) -> the job's resourceVersion this operator last read or wrote (state, not a knob): a pass
     # whose watch-fed body has it reads no GET (see `reconcile`)
     known: dict[tuple[str, str], str] = field(default_factory=dict)
+    # the pods this operator created per job and attempt, until its cache shows them (state: see k8s/expect.py)
+    expected: Expectations = field(default_factory=Expectations)
 
 
 @dataclass
@@ -265,7 +269,9 @@ async def _write_and_act(kube: Kube, cfg: Config, body: dict[str, Any], job: Seq
             await delete_gang(kube, job, owner, action.attempt, action.force_nodes)
         elif isinstance(action, CreateGang):
             try:
-                await create_gang(kube, _sized(job, action), owner, action.attempt, cfg.settings, action.plan)
+                exist = await _existing(kube, cfg, owner, action.attempt, int(old_status.get("attempt") or 0))
+                await create_gang(kube, _sized(job, action), owner, action.attempt, cfg.settings, action.plan,
+                                  exist, functools.partial(_remember, cfg.expected, (namespace, name), action.attempt))
                 cfg.busy.created(reserved)
                 reserved.clear()  # they exist: the index or their DELETED event ends them, not an error in a later step
             except GangRefused as refused:
@@ -283,6 +289,26 @@ async def _write_and_act(kube: Kube, cfg: Config, body: dict[str, Any], job: Seq
         await calls.delete_job(kube, namespace, name)
         return Outcome(requeue=None, status=new, events=tuple(decision.of(Event)))
     return Outcome(requeue=_requeue(decision, new, cfg), status=new, events=tuple(decision.of(Event)))
+
+
+def _remember(expected: Expectations, job: tuple[str, str], attempt: int, pod: str) -> None:
+    expected.created(job, attempt, [pod])
+
+
+async def _existing(kube: Kube, cfg: Config, owner: m.Owner, attempt: int, attempt_before: int) -> set[str]:
+    """Pods of `attempt` that exist although the cache may not show them. A new attempt (the status named an earlier
+    one before this pass, and it is written before anything is created) has none. Re-creating the live attempt's
+    absent pods, the expectations say which this operator created; when they cannot say (a fresh operator), one
+    label-selected LIST does (a consistent read: a lagging cache never re-creates a gang)."""
+    if attempt != attempt_before:
+        return set()
+    key = (owner.namespace, owner.name)
+    known = cfg.expected.known(key, attempt)
+    if known is None:
+        selector = f"{m.LABEL_JOB}={owner.name},{m.LABEL_ATTEMPT}={attempt}"
+        known = {p["metadata"]["name"] for p in await kube.list_pods(owner.namespace, selector)}
+        cfg.expected.created(key, attempt, known)
+    return known
 
 
 async def _create_failed(kube: Kube, cfg: Config, body: dict[str, Any], job: SeqTrainJob, owner: m.Owner,
@@ -351,10 +377,16 @@ class GangRefused(Exception):
 
 
 async def create_gang(kube: Kube, job: SeqTrainJob, owner: m.Owner, attempt: int, settings: m.Settings,
-                      plan: Plan | None) -> list[dict]:
+                      plan: Plan | None, exist: Collection[str] = (),
+                      on_created: Callable[[str], None] | None = None) -> list[dict]:
     """Create what is absent of this attempt's objects; existing ones (a repeat after a crash) are kept; returns the
-    gang's pods. Raises GangRefused when the API server refuses one: the caller tears the partial gang down."""
+    gang's pods. `exist`: names of pods known to exist (not POSTed again; when all do, nothing is); `on_created`
+    is told each pod that exists once its creation returned. Raises GangRefused when the API server refuses one:
+    the caller tears the partial gang down."""
     gang = m.build_gang(job, owner, attempt, settings, plan)
+    absent = [p for p in gang.pods if p["metadata"]["name"] not in exist]
+    if not absent:
+        return gang.pods
 
     async def create(obj: dict[str, Any]) -> None:
         try:
@@ -363,12 +395,14 @@ async def create_gang(kube: Kube, job: SeqTrainJob, owner: m.Owner, attempt: int
             if exc.status in (400, 403, 422):
                 raise GangRefused(f"{obj['kind']} {obj['metadata']['name']}: {api_message(exc)}") from exc
             raise
+        if obj["kind"] == "Pod" and on_created is not None:
+            on_created(obj["metadata"]["name"])
 
     for obj in [m.build_service(owner, settings), gang.configmap, *([gang.podgroup] if gang.podgroup else [])]:
         await create(obj)  # what the pods refer to, first
     # The pods together: one admission holds the admission lock until its pods exist, so their creation time is
     # every queued job's wait. All are attempted; the first refusal (or error) is raised after.
-    results = await asyncio.gather(*(create(p) for p in gang.pods), return_exceptions=True)
+    results = await asyncio.gather(*(create(p) for p in absent), return_exceptions=True)
     for r in results:
         if isinstance(r, GangRefused):
             raise r
