@@ -27,7 +27,11 @@ import kopf
 from seqtrain.spec import API_GROUP, PLURAL, SpecError, parse_job
 from seqtrain.spec.crd import drift_message, missing_fields
 from seqtrain_operator.k8s import manifests as m
+from seqtrain_operator.k8s import project
+from seqtrain_operator.k8s.busy import BusyPods
 from seqtrain_operator.k8s.client import Kube, load_config
+from seqtrain_operator.k8s.foreign import ForeignPods
+from seqtrain_operator.k8s.ledger import Ledger
 from seqtrain_operator.k8s.metrics import OperatorMetrics
 from seqtrain_operator.k8s.reconcile import Config, cleanup, reconcile
 from seqtrain_operator.k8s.release import FINALIZER
@@ -54,8 +58,12 @@ class OperatorState:
     metrics_port: int | None = None
     webhook: WebhookConfig | None = None
     kube: Kube | None = None
+    api_qps: float = 200.0  # the API client's budget (client.Budget)
+    api_burst: int = 400
     wakeups: dict[tuple[str, str], asyncio.Event] = field(default_factory=dict)
     nodes_seen: dict[str, Any] = field(default_factory=dict)
+    ledger: Ledger = field(default_factory=Ledger)  # node capacity taken, from pod events (k8s/ledger.py)
+    foreign: ForeignPods | None = None  # other tenants' pods into the ledger (k8s/foreign.py)
 
     def poke(self, namespace: str | None, name: str | None) -> None:
         ev = self.wakeups.get((namespace or "", name or ""))
@@ -85,12 +93,21 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
         w = STATE.webhook
         settings.admission.server = kopf.WebhookServer(port=w.port, certfile=w.certfile, pkeyfile=w.keyfile,
                                                        insecure=w.insecure, addr="0.0.0.0" if not w.insecure else "127.0.0.1")
-    STATE.kube = Kube(load_config())
+    STATE.kube = Kube(load_config(), qps=STATE.api_qps, burst=STATE.api_burst)
     await warn_if_crd_is_old(STATE.kube)
     STATE.wakeups.clear()
     STATE.nodes_seen.clear()
+    STATE.ledger = Ledger()  # before the watches start: the pod index fills it
+    STATE.foreign = ForeignPods(STATE.kube, STATE.ledger)
+    STATE.foreign.start()
     if STATE.metrics_port:
         STATE.metrics.serve(STATE.metrics_port)
+
+
+@kopf.on.cleanup()
+async def stop_watching(**_: Any) -> None:
+    if STATE.foreign is not None:
+        await STATE.foreign.stop()
 
 
 async def warn_if_crd_is_old(kube: Kube) -> list[str]:
@@ -119,13 +136,17 @@ def _emit(body: dict[str, Any], type_: str, reason: str, message: str) -> None:
 
 @kopf.index("", "v1", "pods", labels={m.LABEL_JOB: kopf.PRESENT})
 def job_pods(namespace: str, labels: dict[str, str], body: kopf.Body, **_: Any) -> dict[tuple[str, str], dict]:
-    """(namespace, job) -> its pods (kopf keeps the index current from the label-selected pod watch)."""
-    return {(namespace, labels[m.LABEL_JOB]): dict(body)}
+    """(namespace, job) -> its pods, trimmed (k8s/project.py; kopf keeps the index current from the label-selected
+    pod watch). Every pod event also updates the capacity ledger here: kopf fills its indexes before any daemon
+    starts, so the ledger is complete before the first admission."""
+    pod = project.pod(body)
+    STATE.ledger.update(pod)
+    return {(namespace, labels[m.LABEL_JOB]): pod}
 
 
 @kopf.index("", "v1", "nodes")
 def cluster_nodes(name: str, body: kopf.Body, **_: Any) -> dict[str, dict]:
-    return {name: dict(body)}
+    return {name: project.node(body)}
 
 
 @dataclass
@@ -143,6 +164,13 @@ class IndexViews:
 
     def nodes(self) -> list[dict]:
         return [body for bodies in self.nodes_index.values() for body in bodies]
+
+    async def free(self, job: tuple[str, str], busy: BusyPods) -> list[Any]:
+        """Free capacity per node from the ledger (no LIST): allocatable less every pod's requests and the
+        reservations it does not show yet. Waits for the first LIST of other tenants' pods."""
+        if STATE.foreign is not None:
+            await STATE.foreign.synced.wait()
+        return STATE.ledger.free(self.nodes(), busy.outstanding(STATE.ledger.seen, job), job)
 
 
 @kopf.daemon(API_GROUP, VERSION, PLURAL, id="reconcile", cancellation_timeout=10.0)
@@ -221,6 +249,7 @@ async def pod_changed(labels: dict[str, str], namespace: str, name: str, type: s
                       **_: Any) -> None:
     if type == "DELETED":  # an admission reservation for it (if one is left) ends: see k8s/busy.py; so does
         STATE.config.busy.gone((namespace, name))  # the record of its creation (k8s/expect.py)
+        STATE.ledger.remove((namespace, name))
         STATE.config.expected.gone(namespace, name)
     STATE.poke(namespace, labels.get(m.LABEL_JOB))
 

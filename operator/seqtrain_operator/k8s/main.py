@@ -42,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a node may be NotReady before its pods count as lost")
     p.add_argument("--scheduler-name", action="append", default=[], metavar="GANG=NAME",
                    help=f"schedulerName for an external gang scheduler ({', '.join(EXTERNAL)}), repeatable")
+    p.add_argument("--api-qps", type=float, default=200.0,
+                   help="API requests a second the operator sends on average (0: no limit)")
+    p.add_argument("--api-burst", type=int, default=400, help="API requests it may send at once above --api-qps")
     p.add_argument("--webhook-port", type=int, default=9443)
     p.add_argument("--webhook-cert-dir", help="serve the validating webhook with tls.crt/tls.key from here")
     p.add_argument("--release-finalizers", action="store_true",
@@ -91,6 +94,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     handlers.STATE.config = Config(settings=settings, node_lost_grace=args.node_lost_grace,
                                    poll_progress=bool(args.progress_port))
     handlers.STATE.metrics_port = args.metrics_port
+    handlers.STATE.api_qps, handlers.STATE.api_burst = args.api_qps, args.api_burst
     if args.webhook_cert_dir:
         handlers.enable_webhook(handlers.WebhookConfig(
             port=args.webhook_port, certfile=os.path.join(args.webhook_cert_dir, "tls.crt"),

@@ -125,6 +125,8 @@ async def _free(kube: Kube, cfg: Config, views: Views | None, nodes: list[dict],
     snapshot (the 1000-job run pinned up to 4x a node's CPUs)."""
     if views is None:
         return await capacity(kube, nodes, cfg.busy, job)
+    if (free := getattr(views, "free", None)) is not None:  # the operator's capacity ledger (k8s/ledger.py)
+        return tuple(await free(job, cfg.busy))
     return await capacity(kube, views.nodes(), cfg.busy, job, views.all_pods())
 
 
