@@ -280,6 +280,7 @@ async def job_deleted(name: str, namespace: str, **_: Any) -> None:
     _last_counts.pop((namespace, name), None)
     STATE.config.known.pop((namespace, name), None)
     STATE.config.expected.forget((namespace, name))
+    STATE.config.written_at.pop((namespace, name), None)
 
 
 def enable_webhook(config: WebhookConfig) -> None:

@@ -20,6 +20,7 @@ import contextlib
 import copy
 import functools
 import logging
+import time
 from collections.abc import Awaitable, Callable, Collection, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import datetime
@@ -77,6 +78,12 @@ class Config:
     # (namespace, name) -> the job's resourceVersion this operator last read or wrote (state, not a knob): a pass
     # whose watch-fed body has it reads no GET (see `reconcile`)
     known: dict[tuple[str, str], str] = field(default_factory=dict)
+    # Progress alone (the step moving on) is written at most this often per job; a phase, a condition or a
+    # checkpoint at once (with the progress of the moment). 1000 running jobs polled every 10 s would otherwise
+    # cost 100 status writes a second.
+    progress_interval: float = 30.0
+    # (namespace, name) -> time.monotonic() of this operator's last status write (state, not a knob)
+    written_at: dict[tuple[str, str], float] = field(default_factory=dict)
     # the pods this operator created per job and attempt, until its cache shows them (state: see k8s/expect.py)
     expected: Expectations = field(default_factory=Expectations)
 
@@ -147,10 +154,12 @@ def _status_patch(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     return patch
 
 
-def _changed(old: dict[str, Any], new: dict[str, Any]) -> bool:
+def _changed(old: dict[str, Any], new: dict[str, Any], coalesce_progress: bool = False) -> bool:
     """Whether the status is worth a write: goodput alone drifts every pass while a gang runs; it rides along with
-    the next real change (progress, a condition, a phase) instead of costing one API write per job per pass."""
-    return {k: v for k, v in new.items() if k != "goodput"} != {k: v for k, v in old.items() if k != "goodput"}
+    the next real change (progress, a condition, a phase) instead of costing one API write per job per pass.
+    `coalesce_progress`: progress too (a step count moving on) waits for the next write (see Config)."""
+    drift = ("goodput", "progress") if coalesce_progress else ("goodput",)
+    return {k: v for k, v in new.items() if k not in drift} != {k: v for k, v in old.items() if k not in drift}
 
 
 class Views(Protocol):
@@ -255,7 +264,8 @@ async def _write_and_act(kube: Kube, cfg: Config, body: dict[str, Any], job: Seq
     _storage_condition(job, new, now)
 
     new_dict = new.to_dict()
-    if _changed(old_status, new_dict):
+    recent = time.monotonic() - cfg.written_at.get((namespace, name), float("-inf")) < cfg.progress_interval
+    if _changed(old_status, new_dict, coalesce_progress=recent):
         try:
             written = await kube.write_status(namespace, name, _status_patch(old_status, new_dict), rv)
         except Conflict:
@@ -263,6 +273,7 @@ async def _write_and_act(kube: Kube, cfg: Config, body: dict[str, Any], job: Seq
             cfg.known.pop((namespace, name), None)
             cfg.busy.release(reserved)
             return Outcome(requeue=0.2, status=JobStatus.model_validate(old_status))
+        cfg.written_at[(namespace, name)] = time.monotonic()
         if written and (written_rv := (written.get("metadata") or {}).get("resourceVersion")):
             cfg.known[(namespace, name)] = written_rv
 
