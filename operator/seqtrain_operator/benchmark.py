@@ -78,7 +78,7 @@ def _testbed(started: list[bool]) -> str:
         env = {"TESTBED_KWOK_LEASE_SECONDS": "40", "TESTBED_NODE_GRACE_SECONDS": "60", **os.environ}
         subprocess.run([str(script), "up"], check=True, stdout=subprocess.DEVNULL, env=env)
         started.append(True)
-    return str(ROOT / ".testbed" / "kubeconfig")
+    return str(Path(os.environ.get("TESTBED_DIR") or ROOT / ".testbed") / "kubeconfig")
 
 
 def _node(name: str, cpu: int, memory_gi: int) -> dict[str, Any]:
