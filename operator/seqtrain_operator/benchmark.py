@@ -168,7 +168,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     api = config.new_client_from_config(config_file=kubeconfig)
     core, custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
     tmp = Path(tempfile.mkdtemp(prefix="seqtrain-bench-operator-"))
-    result: dict[str, Any] = {"benchmark": "operator", "command": "seqtrain bench operator " + " ".join(argv or []),
+    result: dict[str, Any] = {"benchmark": "operator", "command": "seqtrain bench operator " + " ".join(argv if argv is not None else sys.argv[1:]),
                               "date": dt.date.today().isoformat(), "machine": {
                                   "cpus": os.cpu_count(), "platform": platform.platform(),
                                   "python": platform.python_version()},

@@ -88,10 +88,12 @@ def test_passes_before_the_index_shows_the_gang_post_nothing_again(api: Api, mon
     cfg = reconcile.Config(poll_progress=False)
     _pass(api, cfg, monkeypatch)
     assert sorted(api.posts) == ["j-1-0", "j-1-1"] and api.body["status"]["attempt"] == 1
+    lists = len(api.lists)
     for _ in range(3):  # woken again and again (node changes, the requeue) while the index still lags
         _pass(api, cfg, monkeypatch)
     assert sorted(api.posts) == ["j-1-0", "j-1-1"]  # never re-POSTed (the old code POSTed both again: 409s)
     assert api.body["status"]["attempt"] == 1
+    assert len(api.lists) == lists  # nor planned again: no capacity read for a gang that exists
 
 
 def test_a_restarted_operator_lists_the_attempt_before_re_creating_and_creates_only_what_is_absent(

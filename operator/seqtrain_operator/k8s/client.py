@@ -132,8 +132,10 @@ class Kube:
 
     def __init__(self, api: client.ApiClient, *, retries: int = 6, timeout: float = 15.0, backoff: float = 0.2,
                  workers: int = 32, qps: float = 100.0, burst: int = 200):
-        if (api.configuration.connection_pool_maxsize or 0) < workers:
-            api.configuration.connection_pool_maxsize = workers
+        # one connection per worker, and those of the watch of other tenants' pods (k8s/foreign.py) and a spare:
+        # a pool one short discards a connection per call (1339 "Connection pool is full" in a 300-job run)
+        if (api.configuration.connection_pool_maxsize or 0) < workers + 2:
+            api.configuration.connection_pool_maxsize = workers + 2
             api.rest_client.pool_manager.clear()
             api.rest_client = rest.RESTClientObject(api.configuration)
         self.api = api

@@ -210,6 +210,11 @@ async def reconcile(kube: Kube, cfg: Config, namespace: str, name: str, emit: Ev
         pods, nodes = views.pods(namespace, name), views.nodes()
     else:  # no indexes (a one-off pass): read the API
         pods, nodes = await kube.list_pods(namespace, f"{m.LABEL_JOB}={name}"), await kube.list_nodes()
+    if views is not None and not pods and _cache_behind(cfg, body, status):
+        # Our own creations are not in the cache yet: nothing to decide on until they are (their events wake the
+        # job). Deciding now would take the admission path for a gang that exists (the 300-job run spent the
+        # operator's CPU there while kopf fell minutes behind the pod events).
+        return Outcome(requeue=cfg.idle_poll, status=status)
     adapter = adapter_for(job.spec.scheduling.gang)
     replicas = _observe(adapter, pods, nodes, now, cfg)
     reported, unreachable = Reported(), None
@@ -302,6 +307,15 @@ async def _write_and_act(kube: Kube, cfg: Config, body: dict[str, Any], job: Seq
         await calls.delete_job(kube, namespace, name)
         return Outcome(requeue=None, status=new, events=tuple(decision.of(Event)))
     return Outcome(requeue=_requeue(decision, new, cfg), status=new, events=tuple(decision.of(Event)))
+
+
+def _cache_behind(cfg: Config, body: dict[str, Any], status: JobStatus) -> bool:
+    """The job's live attempt has pods this operator created (and saw no DELETED event of), and nothing else
+    changed since (the spec's generation is the observed one)."""
+    if status.phase != "Scheduling" or status.attempt < 1 or \
+            body["metadata"].get("generation") != status.observed_generation:
+        return False
+    return bool(cfg.expected.known((body["metadata"]["namespace"], body["metadata"]["name"]), status.attempt))
 
 
 def _remember(expected: Expectations, job: tuple[str, str], attempt: int, pod: str) -> None:
