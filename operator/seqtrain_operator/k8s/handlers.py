@@ -4,9 +4,9 @@ Load: pods are watched with a server-side label selector (only the operator's po
 its job's pods and the nodes from in-memory kopf indexes fed by those watches (kopf fills every index before any
 daemon starts, so a fresh operator never mistakes an unfilled cache for a vanished gang) instead of LISTing them,
 and reads the job itself from kopf's live body while its resourceVersion is the last one this operator knows (a
-GET otherwise). Only gang admission LISTs pods, and only the pods that are not the operator's (other tenants' pods
-take node capacity too; see k8s/busy.py), and a job waiting for capacity does so less often the longer it waits
-(node changes wake it at once).
+GET otherwise). The indexes hold trimmed projections (k8s/project.py); gang admission reads free capacity from a
+ledger that pod events keep (k8s/ledger.py; other tenants' pods through k8s/foreign.py's watch), never a LIST; a
+job waiting for capacity does so less often the longer it waits (node changes wake it at once).
 
 Level-based: every pass reads the cluster and the job's status and calls the shared controller core; an event
 only makes the next pass come sooner. The daemons run only in the active operator (kopf peering freezes the
