@@ -5,15 +5,22 @@ operator as its own process (`seqtrain operator`, authenticated as the chart's S
 `helm install`) behind the fault proxy of tests/testbed (no faults: it only counts the operator's requests), applies
 `--jobs` SeqTrainJobs of `--replicas` pods each, and reports:
 
+- the bare baseline first, on the same nodes: the same pods (the operator's own manifests, same requests and node
+  selector, no owner) created directly, no operator, and the seconds until kube-scheduler has them all Running
+  (`baseline.all_pods_running_s`): what this machine's scheduler and kwok allow at best; they are deleted before
+  the operator starts;
 - seconds from the first apply to all pods created, to all pods Running, and to every job's status Running (when
   that does not happen within `--timeout`, the result says `complete: false` and what ran by then);
 - the operator process's CPU seconds and peak RSS (from /proc), over the whole run;
+- the operator's API requests over the run, by verb and resource, against the budget 1.5 x (pods + 3 x jobs);
 - API requests per job per minute at steady state (everything Running, over `--steady-seconds`), by verb/resource;
 - p50/p99 of one reconcile pass, from the operator's `seqtrain_reconcile_seconds` histogram (interpolated within
   its buckets), over the whole run and over the steady window.
 
-Needs a source checkout (scripts/testbed.sh, charts/, tests/testbed/). Uses a running testbed, else starts one
-and stops it at the end.
+The operator runs as users run it: progress polling on (kwok pods run no trainer, so rank 0 never answers and
+every poll waits out its timeout). Needs a source checkout (scripts/testbed.sh, charts/, tests/testbed/). Uses a
+running testbed, else starts one and stops it at the end. `--operator-source DIR` runs the operator of another
+checkout (before/after comparisons on one testbed).
 
     seqtrain bench operator --out operator.json                      # 1000 jobs x 8 pods on 500 nodes
     seqtrain bench operator --jobs 50 --nodes 50 --steady-seconds 60 --out quick.json
@@ -71,7 +78,7 @@ def _testbed(started: list[bool]) -> str:
         env = {"TESTBED_KWOK_LEASE_SECONDS": "40", "TESTBED_NODE_GRACE_SECONDS": "60", **os.environ}
         subprocess.run([str(script), "up"], check=True, stdout=subprocess.DEVNULL, env=env)
         started.append(True)
-    return str(ROOT / ".testbed" / "kubeconfig")
+    return str(Path(os.environ.get("TESTBED_DIR") or ROOT / ".testbed") / "kubeconfig")
 
 
 def _node(name: str, cpu: int, memory_gi: int) -> dict[str, Any]:
@@ -142,6 +149,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--steady-seconds", type=float, default=180.0, help="window for the steady-state request rate")
     p.add_argument("--timeout", type=float, default=7200.0, help="give up waiting for pods after this many seconds")
     p.add_argument("--keep", action="store_true", help="leave the jobs and nodes in the cluster")
+    p.add_argument("--no-baseline", action="store_true", help="skip the bare baseline (pods created directly)")
+    p.add_argument("--operator-source", metavar="DIR", help="run the operator of this checkout (default: this one)")
     p.add_argument("--out", help="write the JSON here (default: stdout)")
     args = p.parse_args(list(argv) if argv is not None else None)
     for name in ("jobs", "replicas", "nodes"):
@@ -159,7 +168,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     api = config.new_client_from_config(config_file=kubeconfig)
     core, custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
     tmp = Path(tempfile.mkdtemp(prefix="seqtrain-bench-operator-"))
-    result: dict[str, Any] = {"benchmark": "operator", "command": "seqtrain bench operator " + " ".join(argv or []),
+    result: dict[str, Any] = {"benchmark": "operator", "command": "seqtrain bench operator " + " ".join(argv if argv is not None else sys.argv[1:]),
                               "date": dt.date.today().isoformat(), "machine": {
                                   "cpus": os.cpu_count(), "platform": platform.platform(),
                                   "python": platform.python_version()},
@@ -187,6 +196,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     raise
             _wait(lambda: core.list_namespaced_service_account(NAMESPACE).items, 60, "default ServiceAccount")
 
+            if not args.no_baseline:
+                result["baseline"] = _baseline(api, pool, args.jobs, args.replicas, args.timeout)
+
             cp_cfg = yaml.safe_load(Path(kubeconfig).read_text())
             server = cp_cfg["clusters"][0]["cluster"]["server"]
             ca = cp_cfg["clusters"][0]["cluster"].get("certificate-authority")
@@ -194,17 +206,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             token = core.create_namespaced_service_account_token(SERVICE_ACCOUNT, RELEASE_NS, {
                 "spec": {"expirationSeconds": 86400}}).status.token
             metrics_port = _free_port()
+            src = Path(args.operator_source).resolve() if args.operator_source else ROOT
             env = {**os.environ, "KUBECONFIG": proxy.kubeconfig(str(tmp / "operator.kubeconfig"), token=token),
-                   "PYTHONPATH": os.pathsep.join([str(ROOT / "trainer"), str(ROOT / "operator")])}
+                   "PYTHONPATH": os.pathsep.join([str(src / "trainer"), str(src / "operator")])}
             log = open(tmp / "operator.log", "wb")  # noqa: SIM115 - closed with the process
+            result["operator_source"] = str(src)
             op = subprocess.Popen([sys.executable, "-m", "seqtrain_operator.cli", "operator", "--standalone", "-A",
-                                   "--progress-port=0", f"--metrics-port={metrics_port}"], env=env, stdout=log,
-                                  stderr=subprocess.STDOUT)
+                                   f"--metrics-port={metrics_port}"], env=env, stdout=log, stderr=subprocess.STDOUT)
             metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
             _wait(lambda: _try(lambda: _histogram(metrics_url)) is not None, 120, "operator metrics endpoint", 0.5)
             _log(f"operator pid {op.pid}, log {tmp / 'operator.log'}; applying {args.jobs} jobs")
 
             t0 = time.monotonic()
+            run_since = time.monotonic()
             list(pool.map(lambda i: custom.create_namespaced_custom_object(
                 GROUP, VERSION, NAMESPACE, PLURAL, _job(f"j{i:05d}", args.replicas)), range(args.jobs)))
             result["apply_s"] = round(time.monotonic() - t0, 1)
@@ -236,6 +250,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             phases = [_pods(api, NAMESPACE)]
             result["pods_running_at_end_of_wait"] = sum(1 for ph in phases[0] if ph == "Running")
             result["pods_at_end_of_wait"] = len(phases[0])
+            run = proxy.requests(since=run_since)
+            result["run_requests"] = {"total": len(run), "budget": int(1.5 * (want + 3 * args.jobs)),
+                                      "by_request": dict(Counter(_kind(r) for r in run).most_common()),
+                                      "by_status": dict(Counter(str(r.status) for r in run).most_common())}
 
             _log(f"steady state for {args.steady_seconds:.0f}s")
             h0, since = _histogram(metrics_url), time.monotonic()
@@ -243,7 +261,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             window = time.monotonic() - since
             h1 = _histogram(metrics_url)
             reqs = proxy.requests(since=since)
-            kinds = Counter(f"{r.method}{' watch' if r.watch else ''} {_resource(r.path)}" for r in reqs)
+            kinds = Counter(_kind(r) for r in reqs)
             result["steady"] = {"window_s": round(window, 1), "requests": len(reqs),
                                 "requests_per_job_per_minute": round(len(reqs) / args.jobs / (window / 60), 2),
                                 "by_request": dict(kinds.most_common())}
@@ -279,6 +297,58 @@ def main(argv: Sequence[str] | None = None) -> int:
         Path(args.out).write_text(text + "\n")
     print(text)
     return 0
+
+
+def _kind(r: Any) -> str:
+    """A recorded request as `VERB resource` (`GET watch pods`)."""
+    return f"{r.method}{' watch' if r.watch else ''} {_resource(r.path)}"
+
+
+def _baseline(api: Any, pool: ThreadPoolExecutor, jobs: int, replicas: int, timeout: float) -> dict[str, Any]:
+    """The same pods as the operator's gangs, created directly (no operator, no owner), in their own namespace:
+    seconds until kube-scheduler has them all Running; then they are deleted and gone before the operator runs."""
+    from kubernetes import client
+
+    from seqtrain.spec import parse_job
+    from seqtrain_operator.k8s import manifests as m
+
+    core = client.CoreV1Api(api)
+    ns = NAMESPACE + "-baseline"
+    try:
+        core.create_namespace({"metadata": {"name": ns}})
+    except client.ApiException as exc:
+        if exc.status != 409:
+            raise
+    _wait(lambda: core.list_namespaced_service_account(ns).items, 60, "default ServiceAccount")
+    spec = parse_job({**_job("b", replicas), "metadata": {"name": "b", "namespace": ns}})
+    template = m.build_gang(spec, m.Owner("b", ns, "00000000-0000-0000-0000-000000000000"), 1, m.Settings(),
+                            None).pods
+    pods = []
+    for j in range(jobs):
+        for r, tpl in enumerate(template):
+            pod = json.loads(json.dumps(tpl))
+            meta = pod["metadata"]
+            meta.pop("ownerReferences", None)
+            meta["name"] = f"b{j:05d}-{r}"
+            meta["labels"] = {"seqtrain.bench/baseline": "true"}
+            pods.append(pod)
+    want = len(pods)
+    _log(f"baseline: creating {want} pods directly (no operator)")
+    t0 = time.monotonic()
+    list(pool.map(lambda pod: core.create_namespaced_pod(ns, pod, _preload_content=False), pods))
+    created = time.monotonic() - t0
+
+    def running() -> bool:
+        phases = _pods(api, ns)
+        done = sum(1 for ph in phases if ph == "Running")
+        _log(f"baseline t={time.monotonic() - t0:.0f}s running {done}/{want}")
+        return done >= want
+
+    _wait(running, timeout, "every baseline pod Running", interval=5.0)  # as the operator run polls
+    out = {"pods": want, "all_pods_created_s": round(created, 1), "all_pods_running_s": round(time.monotonic() - t0, 1)}
+    core.delete_collection_namespaced_pod(ns, grace_period_seconds=0, _preload_content=False, _request_timeout=300)
+    _wait(lambda: not _pods(api, ns), 1800, "baseline pods deleted", 5.0)
+    return out
 
 
 def _delete_jobs(custom: Any) -> bool:

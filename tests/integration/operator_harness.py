@@ -151,7 +151,8 @@ def fast_config(**settings: Any) -> Config:
     node NotReady for a moment, as a late heartbeat on a busy machine makes it, is not a lost node)."""
     grace = settings.pop("node_lost_grace", 5.0)
     return Config(settings=Settings(progress_port=settings.pop("progress_port", None), **settings),
-                  node_lost_grace=grace, running_poll=0.3, idle_poll=1.0, progress_timeout=1.0)
+                  node_lost_grace=grace, running_poll=0.3, idle_poll=1.0, progress_timeout=1.0,
+                  progress_interval=1.0)
 
 
 def _listening(port: int) -> bool:

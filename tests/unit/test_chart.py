@@ -3,6 +3,7 @@ validate every rendered manifest against the Kubernetes OpenAPI schemas (kuberne
 
 from __future__ import annotations
 
+import json
 import pathlib
 import shutil
 import subprocess
@@ -219,3 +220,32 @@ def test_pod_policy_and_network_policy_values_reach_the_operator():
     bad = subprocess.run([helm(), "template", "rel", str(CHART), "--set", "podPolicy.level=root"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and "level" in bad.stderr
+
+
+def _mebibytes(quantity: str) -> int:
+    assert quantity.endswith("Mi"), quantity
+    return int(quantity[:-2])
+
+
+@pytest.mark.parametrize("result", ["operator-300jobs-cpu.json"])
+def test_operator_resources_cover_the_measured_peak_rss_with_headroom(result):
+    """The operator's memory comes from `seqtrain bench operator` (docs/benchmarks.md, "Sizing the operator"): for
+    the benchmark's own number of pods, the request covers its measured peak RSS and the limit has 1.5x of it (an
+    OOM-killed operator with the webhook's failurePolicy Fail blocks every SeqTrainJob create and update)."""
+    measured = json.loads((ROOT / "benchmarks" / "results" / result).read_text())
+    assert measured["pods_at_end_of_wait"] == measured["pods"]  # measured with every pod of the run in its caches
+    res = by_kind(render(f"scale.pods={measured['pods']}"), "Deployment")[0]["spec"]["template"]["spec"]["containers"][0][
+        "resources"]
+    rss = measured["operator"]["peak_rss_mib"]
+    assert _mebibytes(res["requests"]["memory"]) >= rss
+    assert _mebibytes(res["limits"]["memory"]) >= 1.5 * rss
+    assert "cpu" not in res.get("limits", {})
+
+
+def test_operator_resources_grow_with_the_cluster_and_an_explicit_setting_wins():
+    def resources(*sets: str) -> dict:
+        return by_kind(render(*sets), "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]["resources"]
+
+    small, large = resources("scale.pods=1000"), resources("scale.pods=20000")
+    assert _mebibytes(large["limits"]["memory"]) > _mebibytes(small["limits"]["memory"])
+    assert resources("resources.limits.memory=2Gi") == {"limits": {"memory": "2Gi"}}

@@ -161,6 +161,9 @@ def test_status_is_written_only_on_change_goodput_alone_is_not_a_change():
     assert not _changed(old, {**old, "goodput": 0.51})
     assert _changed(old, {**old, "progress": {"step": 4}, "goodput": 0.51})
     assert _changed(old, {**old, "phase": "Restarting"})
+    # within Config.progress_interval of the last write, progress alone waits; a phase change carries it along
+    assert not _changed(old, {**old, "progress": {"step": 4}}, coalesce_progress=True)
+    assert _changed(old, {**old, "progress": {"step": 4}, "phase": "Succeeded"}, coalesce_progress=True)
 def test_error_line_from_the_termination_message_log_tail():
     tail = "Traceback ...\nseqtrain train: error: RuntimeError: no space left on device (28)\n"
     failed = pod(phase="Failed", term={"exitCode": 1, "message": tail})

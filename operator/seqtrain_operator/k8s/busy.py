@@ -2,7 +2,8 @@
 cluster-wide, as kube-scheduler counts them, plus the gangs this operator has decided to create but the API has not
 shown yet (kube-scheduler's "assumed" pods).
 
-Where the pods come from, cheapest first:
+The running operator counts pods with the capacity ledger (k8s/ledger.py) and keeps only its reservations here
+(`outstanding`); the LIST below serves a pass without the indexes. Where the pods come from, cheapest first:
 - the operator's own pods: its label-selected pod watch (the kopf index), always current and free to read;
 - everyone else's: one LIST of the pods without the job label, shared by every admission within `ttl` seconds
   (a cluster's other tenants); it does not grow with the number of SeqTrainJobs, so 1000 queued jobs neither LIST
@@ -25,7 +26,7 @@ and a reservation that lapsed before the index showed its pods let the next jobs
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,6 +77,16 @@ class BusyPods:
     def gone(self, key: Key) -> None:
         """The pod's DELETED watch event: whether or not an admission saw it, it takes nothing now."""
         self.reserved.pop(key, None)
+
+    def outstanding(self, seen: Callable[[Key], bool], exclude_job: Key) -> list[dict]:
+        """The reserved pods a capacity ledger (k8s/ledger.py) has not shown yet, less those of `exclude_job`. A
+        reservation the ledger shows ends (its pod counts there now), so does one older than BACKSTOP_SECONDS."""
+        now = time.monotonic()
+        self.reserved = {k: v for k, v in self.reserved.items() if not seen(k) and now - v[0] < BACKSTOP_SECONDS}
+        ns, name = exclude_job
+        return [pod for _, pod in self.reserved.values()
+                if not (pod["metadata"].get("namespace") == ns
+                        and (pod["metadata"].get("labels") or {}).get(m.LABEL_JOB) == name)]
 
     async def current(self, kube: Any, exclude_job: Key, ours: list[dict] | None = None) -> list[dict]:
         """Busy pods, less those of `exclude_job` (namespace, name): a job being admitted has no live pods, so any

@@ -13,6 +13,7 @@ import functools
 import json
 import logging
 import os
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -26,6 +27,9 @@ from seqtrain.spec import API_GROUP, API_VERSION, PLURAL
 
 log = logging.getLogger("seqtrain.operator")
 _VERSION = API_VERSION.split("/")[1]
+
+
+PAGE = 500  # objects per LIST response
 
 
 class Conflict(Exception):
@@ -86,6 +90,35 @@ def cluster_config_problem() -> str | None:
             "cluster (helm install)")
 
 
+def _retry_after(exc: BaseException) -> float | None:
+    """Seconds a 429 (or 503) answer asks the client to wait (its Retry-After header), if it says."""
+    headers = getattr(exc, "headers", None) or {}
+    try:
+        return float(headers.get("Retry-After")) if headers.get("Retry-After") is not None else None
+    except (TypeError, ValueError):
+        return None
+
+
+class Budget:
+    """A token bucket: at most `qps` requests a second on average, `burst` at once (client-go's rate limiter).
+    A burst of thousands of pod creations then reaches the apiserver at a rate it serves instead of all at once
+    (which its max-in-flight limit would answer with 429s)."""
+
+    def __init__(self, qps: float, burst: int):
+        self.qps, self.burst = qps, burst
+        self._tokens, self._at = float(burst), time.monotonic()
+
+    def delay(self) -> float:
+        """Take a token; the seconds to wait before using it (0: now)."""
+        if self.qps <= 0:
+            return 0.0
+        now = time.monotonic()
+        self._tokens = min(float(self.burst), self._tokens + (now - self._at) * self.qps)
+        self._at = now
+        self._tokens -= 1.0
+        return 0.0 if self._tokens >= 0 else -self._tokens / self.qps
+
+
 def _transient(exc: BaseException) -> bool:
     if isinstance(exc, ApiException):
         return exc.status in (0, 429) or exc.status >= 500
@@ -98,9 +131,11 @@ class Kube:
     connections, so a thousand jobs' calls would queue there (and churn connections) rather than at the API."""
 
     def __init__(self, api: client.ApiClient, *, retries: int = 6, timeout: float = 15.0, backoff: float = 0.2,
-                 workers: int = 32):
-        if (api.configuration.connection_pool_maxsize or 0) < workers:
-            api.configuration.connection_pool_maxsize = workers
+                 workers: int = 32, qps: float = 100.0, burst: int = 200):
+        # one connection per worker, and those of the watch of other tenants' pods (k8s/foreign.py) and a spare:
+        # a pool one short discards a connection per call (1339 "Connection pool is full" in a 300-job run)
+        if (api.configuration.connection_pool_maxsize or 0) < workers + 2:
+            api.configuration.connection_pool_maxsize = workers + 2
             api.rest_client.pool_manager.clear()
             api.rest_client = rest.RESTClientObject(api.configuration)
         self.api = api
@@ -109,6 +144,8 @@ class Kube:
         self.custom = client.CustomObjectsApi(api)
         self.ext = client.ApiextensionsV1Api(api)
         self.retries, self.timeout, self.backoff = retries, timeout, backoff
+        self.budget = Budget(qps, burst)
+        self.requests = 0  # sent, retries included (a figure for the benchmark and the tests)
 
     async def _call(self, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
         """Run one API call in a thread; retry transient failures; decode the JSON body."""
@@ -116,6 +153,9 @@ class Kube:
         kw.setdefault("_preload_content", False)
         delay = self.backoff
         for attempt in range(self.retries + 1):
+            if (wait := self.budget.delay()) > 0:
+                await asyncio.sleep(wait)
+            self.requests += 1
             try:
                 resp = await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args, **kw))
                 data = resp.data if hasattr(resp, "data") else resp
@@ -126,7 +166,8 @@ class Kube:
                         raise Unavailable(f"{getattr(fn, '__name__', fn)}: {exc}") from exc
                     raise
                 log.debug("retrying %s after %s", getattr(fn, "__name__", fn), exc)
-                await asyncio.sleep(delay)
+                # the server's own Retry-After (429: too many requests in flight) over our guess
+                await asyncio.sleep(min(30.0, _retry_after(exc) or delay))
                 delay = min(delay * 2, 3.0)
         raise AssertionError("unreachable")
 
@@ -156,13 +197,36 @@ class Kube:
     # ---- reads -----------------------------------------------------------------------------------------------
 
     async def list_pods(self, namespace: str | None, label_selector: str = "", field_selector: str = "") -> list[dict]:
-        if namespace:
-            data = await self._call(self.core.list_namespaced_pod, namespace, label_selector=label_selector,
-                                    field_selector=field_selector)
-        else:
-            data = await self._call(self.core.list_pod_for_all_namespaces, label_selector=label_selector,
-                                    field_selector=field_selector)
-        return data.get("items", [])
+        return (await self.list_pods_paged(namespace, label_selector, field_selector))[0]
+
+    async def list_pods_paged(self, namespace: str | None, label_selector: str = "", field_selector: str = "",
+                              project: Callable[[dict], dict] | None = None) -> tuple[list[dict], str]:
+        """Every selected pod, `PAGE` at a time (one response never holds the whole cluster, in the apiserver's
+        memory or in ours: `project` trims each page as it arrives), and the list's resourceVersion (where a
+        watch continues from). A continue token that expired (410) starts the LIST over."""
+        items: list[dict] = []
+        token: str | None = None
+        while True:
+            kw: dict[str, Any] = {"label_selector": label_selector, "field_selector": field_selector,
+                                  "limit": PAGE}
+            if token:
+                kw["_continue"] = token
+            try:
+                if namespace:
+                    data = await self._call(self.core.list_namespaced_pod, namespace, **kw)
+                else:
+                    data = await self._call(self.core.list_pod_for_all_namespaces, **kw)
+            except ApiException as exc:
+                if exc.status == 410 and token:
+                    items, token = [], None
+                    continue
+                raise
+            page = data.get("items") or []
+            items.extend(map(project, page) if project is not None else page)
+            meta = data.get("metadata") or {}
+            token = meta.get("continue")
+            if not token:
+                return items, str(meta.get("resourceVersion") or "")
 
     async def list_nodes(self) -> list[dict]:
         return (await self._call(self.core.list_node)).get("items", [])

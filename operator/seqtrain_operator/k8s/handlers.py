@@ -4,9 +4,9 @@ Load: pods are watched with a server-side label selector (only the operator's po
 its job's pods and the nodes from in-memory kopf indexes fed by those watches (kopf fills every index before any
 daemon starts, so a fresh operator never mistakes an unfilled cache for a vanished gang) instead of LISTing them,
 and reads the job itself from kopf's live body while its resourceVersion is the last one this operator knows (a
-GET otherwise). Only gang admission LISTs pods, and only the pods that are not the operator's (other tenants' pods
-take node capacity too; see k8s/busy.py), and a job waiting for capacity does so less often the longer it waits
-(node changes wake it at once).
+GET otherwise). The indexes hold trimmed projections (k8s/project.py); gang admission reads free capacity from a
+ledger that pod events keep (k8s/ledger.py; other tenants' pods through k8s/foreign.py's watch), never a LIST; a
+job waiting for capacity does so less often the longer it waits (node changes wake it at once).
 
 Level-based: every pass reads the cluster and the job's status and calls the shared controller core; an event
 only makes the next pass come sooner. The daemons run only in the active operator (kopf peering freezes the
@@ -31,7 +31,11 @@ from seqtrain.spec import API_GROUP, PLURAL, SpecError, parse_job
 from seqtrain.spec.crd import drift_message, missing_fields
 from seqtrain.spec.policy import job_policy_problems
 from seqtrain_operator.k8s import manifests as m
+from seqtrain_operator.k8s import project
+from seqtrain_operator.k8s.busy import BusyPods
 from seqtrain_operator.k8s.client import Kube, load_config
+from seqtrain_operator.k8s.foreign import ForeignPods
+from seqtrain_operator.k8s.ledger import Ledger
 from seqtrain_operator.k8s.metrics import OperatorMetrics
 from seqtrain_operator.k8s.reconcile import Config, cleanup, reconcile
 from seqtrain_operator.k8s.release import FINALIZER
@@ -58,8 +62,12 @@ class OperatorState:
     metrics_port: int | None = None
     webhook: WebhookConfig | None = None
     kube: Kube | None = None
+    api_qps: float = 200.0  # the API client's budget (client.Budget)
+    api_burst: int = 400
     wakeups: dict[tuple[str, str], asyncio.Event] = field(default_factory=dict)
     nodes_seen: dict[str, Any] = field(default_factory=dict)
+    ledger: Ledger = field(default_factory=Ledger)  # node capacity taken, from pod events (k8s/ledger.py)
+    foreign: ForeignPods | None = None  # other tenants' pods into the ledger (k8s/foreign.py)
 
     def poke(self, namespace: str | None, name: str | None) -> None:
         ev = self.wakeups.get((namespace or "", name or ""))
@@ -89,12 +97,21 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
         w = STATE.webhook
         settings.admission.server = kopf.WebhookServer(port=w.port, certfile=w.certfile, pkeyfile=w.keyfile,
                                                        insecure=w.insecure, addr="0.0.0.0" if not w.insecure else "127.0.0.1")
-    STATE.kube = Kube(load_config())
+    STATE.kube = Kube(load_config(), qps=STATE.api_qps, burst=STATE.api_burst)
     await warn_if_crd_is_old(STATE.kube)
     STATE.wakeups.clear()
     STATE.nodes_seen.clear()
+    STATE.ledger = Ledger()  # before the watches start: the pod index fills it
+    STATE.foreign = ForeignPods(STATE.kube, STATE.ledger)
+    STATE.foreign.start()
     if STATE.metrics_port:
         STATE.metrics.serve(STATE.metrics_port)
+
+
+@kopf.on.cleanup()
+async def stop_watching(**_: Any) -> None:
+    if STATE.foreign is not None:
+        await STATE.foreign.stop()
 
 
 async def warn_if_crd_is_old(kube: Kube) -> list[str]:
@@ -136,13 +153,17 @@ def _emit(body: dict[str, Any], type_: str, reason: str, message: str) -> None:
 
 @kopf.index("", "v1", "pods", labels={m.LABEL_JOB: kopf.PRESENT})
 def job_pods(namespace: str, labels: dict[str, str], body: kopf.Body, **_: Any) -> dict[tuple[str, str], dict]:
-    """(namespace, job) -> its pods (kopf keeps the index current from the label-selected pod watch)."""
-    return {(namespace, labels[m.LABEL_JOB]): dict(body)}
+    """(namespace, job) -> its pods, trimmed (k8s/project.py; kopf keeps the index current from the label-selected
+    pod watch). Every pod event also updates the capacity ledger here: kopf fills its indexes before any daemon
+    starts, so the ledger is complete before the first admission."""
+    pod = project.pod(body)
+    STATE.ledger.update(pod)
+    return {(namespace, labels[m.LABEL_JOB]): pod}
 
 
 @kopf.index("", "v1", "nodes")
 def cluster_nodes(name: str, body: kopf.Body, **_: Any) -> dict[str, dict]:
-    return {name: dict(body)}
+    return {name: project.node(body)}
 
 
 @dataclass
@@ -160,6 +181,13 @@ class IndexViews:
 
     def nodes(self) -> list[dict]:
         return [body for bodies in self.nodes_index.values() for body in bodies]
+
+    async def free(self, job: tuple[str, str], busy: BusyPods) -> list[Any]:
+        """Free capacity per node from the ledger (no LIST): allocatable less every pod's requests and the
+        reservations it does not show yet. Waits for the first LIST of other tenants' pods."""
+        if STATE.foreign is not None:
+            await STATE.foreign.synced.wait()
+        return STATE.ledger.free(self.nodes(), busy.outstanding(STATE.ledger.seen, job), job)
 
 
 @kopf.daemon(API_GROUP, VERSION, PLURAL, id="reconcile", cancellation_timeout=10.0)
@@ -236,8 +264,10 @@ async def job_changed(name: str, namespace: str, body: dict[str, Any], **_: Any)
 @kopf.on.event("", "v1", "pods", labels={m.LABEL_JOB: kopf.PRESENT})
 async def pod_changed(labels: dict[str, str], namespace: str, name: str, type: str,  # noqa: A002 (kopf's kwarg)
                       **_: Any) -> None:
-    if type == "DELETED":  # an admission reservation for it (if one is left) ends: see k8s/busy.py
-        STATE.config.busy.gone((namespace, name))
+    if type == "DELETED":  # an admission reservation for it (if one is left) ends: see k8s/busy.py; so does
+        STATE.config.busy.gone((namespace, name))  # the record of its creation (k8s/expect.py)
+        STATE.ledger.remove((namespace, name))
+        STATE.config.expected.gone(namespace, name)
     STATE.poke(namespace, labels.get(m.LABEL_JOB))
 
 
@@ -266,6 +296,8 @@ async def job_deleted(name: str, namespace: str, **_: Any) -> None:
     STATE.metrics.job_phase(namespace, name, None)
     _last_counts.pop((namespace, name), None)
     STATE.config.known.pop((namespace, name), None)
+    STATE.config.expected.forget((namespace, name))
+    STATE.config.written_at.pop((namespace, name), None)
 
 
 def enable_webhook(config: WebhookConfig) -> None:

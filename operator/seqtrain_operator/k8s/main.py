@@ -57,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--operator-namespace", help="with --network-policy: the namespace of the operator's pods")
     p.add_argument("--operator-pod-label", action="append", default=[], metavar="KEY=VALUE",
                    help="with --network-policy: a label of the operator's pods (repeatable)")
+    p.add_argument("--api-qps", type=float, default=200.0,
+                   help="API requests a second the operator sends on average (0: no limit)")
+    p.add_argument("--api-burst", type=int, default=400, help="API requests it may send at once above --api-qps")
     p.add_argument("--webhook-port", type=int, default=9443)
     p.add_argument("--webhook-cert-dir", help="serve the validating webhook with tls.crt/tls.key from here")
     p.add_argument("--release-finalizers", action="store_true",
@@ -111,6 +114,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     handlers.STATE.config = Config(settings=settings, node_lost_grace=args.node_lost_grace,
                                    poll_progress=bool(args.progress_port))
     handlers.STATE.metrics_port = args.metrics_port
+    handlers.STATE.api_qps, handlers.STATE.api_burst = args.api_qps, args.api_burst
     if args.webhook_cert_dir:
         handlers.enable_webhook(handlers.WebhookConfig(
             port=args.webhook_port, certfile=os.path.join(args.webhook_cert_dir, "tls.crt"),

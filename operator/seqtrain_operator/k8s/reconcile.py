@@ -18,8 +18,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import functools
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+import time
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any, Protocol
@@ -47,6 +49,7 @@ from seqtrain_operator.k8s import calls
 from seqtrain_operator.k8s import manifests as m
 from seqtrain_operator.k8s.busy import BusyPods
 from seqtrain_operator.k8s.client import Conflict, Kube, api_message
+from seqtrain_operator.k8s.expect import Expectations
 from seqtrain_operator.k8s.gangs import ADAPTERS, GangScheduler, adapter_for
 from seqtrain_operator.k8s.observe import (
     Reported,
@@ -76,6 +79,14 @@ class Config:
     # (namespace, name) -> the job's resourceVersion this operator last read or wrote (state, not a knob): a pass
     # whose watch-fed body has it reads no GET (see `reconcile`)
     known: dict[tuple[str, str], str] = field(default_factory=dict)
+    # Progress alone (the step moving on) is written at most this often per job; a phase, a condition or a
+    # checkpoint at once (with the progress of the moment). 1000 running jobs polled every 10 s would otherwise
+    # cost 100 status writes a second.
+    progress_interval: float = 30.0
+    # (namespace, name) -> time.monotonic() of this operator's last status write (state, not a knob)
+    written_at: dict[tuple[str, str], float] = field(default_factory=dict)
+    # the pods this operator created per job and attempt, until its cache shows them (state: see k8s/expect.py)
+    expected: Expectations = field(default_factory=Expectations)
 
 
 @dataclass
@@ -122,6 +133,8 @@ async def _free(kube: Kube, cfg: Config, views: Views | None, nodes: list[dict],
     snapshot (the 1000-job run pinned up to 4x a node's CPUs)."""
     if views is None:
         return await capacity(kube, nodes, cfg.busy, job)
+    if (free := getattr(views, "free", None)) is not None:  # the operator's capacity ledger (k8s/ledger.py)
+        return tuple(await free(job, cfg.busy))
     return await capacity(kube, views.nodes(), cfg.busy, job, views.all_pods())
 
 
@@ -142,10 +155,12 @@ def _status_patch(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     return patch
 
 
-def _changed(old: dict[str, Any], new: dict[str, Any]) -> bool:
+def _changed(old: dict[str, Any], new: dict[str, Any], coalesce_progress: bool = False) -> bool:
     """Whether the status is worth a write: goodput alone drifts every pass while a gang runs; it rides along with
-    the next real change (progress, a condition, a phase) instead of costing one API write per job per pass."""
-    return {k: v for k, v in new.items() if k != "goodput"} != {k: v for k, v in old.items() if k != "goodput"}
+    the next real change (progress, a condition, a phase) instead of costing one API write per job per pass.
+    `coalesce_progress`: progress too (a step count moving on) waits for the next write (see Config)."""
+    drift = ("goodput", "progress") if coalesce_progress else ("goodput",)
+    return {k: v for k, v in new.items() if k not in drift} != {k: v for k, v in old.items() if k not in drift}
 
 
 class Views(Protocol):
@@ -196,6 +211,11 @@ async def reconcile(kube: Kube, cfg: Config, namespace: str, name: str, emit: Ev
         pods, nodes = views.pods(namespace, name), views.nodes()
     else:  # no indexes (a one-off pass): read the API
         pods, nodes = await kube.list_pods(namespace, f"{m.LABEL_JOB}={name}"), await kube.list_nodes()
+    if views is not None and not pods and _cache_behind(cfg, body, status):
+        # Our own creations are not in the cache yet: nothing to decide on until they are (their events wake the
+        # job). Deciding now would take the admission path for a gang that exists (the 300-job run spent the
+        # operator's CPU there while kopf fell minutes behind the pod events).
+        return Outcome(requeue=cfg.idle_poll, status=status)
     adapter = adapter_for(job.spec.scheduling.gang)
     replicas = _observe(adapter, pods, nodes, now, cfg)
     reported, unreachable = Reported(), None
@@ -254,7 +274,8 @@ async def _write_and_act(kube: Kube, cfg: Config, body: dict[str, Any], job: Seq
     _storage_condition(job, new, now)
 
     new_dict = new.to_dict()
-    if _changed(old_status, new_dict):
+    recent = time.monotonic() - cfg.written_at.get((namespace, name), float("-inf")) < cfg.progress_interval
+    if _changed(old_status, new_dict, coalesce_progress=recent):
         try:
             written = await kube.write_status(namespace, name, _status_patch(old_status, new_dict), rv)
         except Conflict:
@@ -262,6 +283,7 @@ async def _write_and_act(kube: Kube, cfg: Config, body: dict[str, Any], job: Seq
             cfg.known.pop((namespace, name), None)
             cfg.busy.release(reserved)
             return Outcome(requeue=0.2, status=JobStatus.model_validate(old_status))
+        cfg.written_at[(namespace, name)] = time.monotonic()
         if written and (written_rv := (written.get("metadata") or {}).get("resourceVersion")):
             cfg.known[(namespace, name)] = written_rv
 
@@ -270,7 +292,9 @@ async def _write_and_act(kube: Kube, cfg: Config, body: dict[str, Any], job: Seq
             await delete_gang(kube, job, owner, action.attempt, action.force_nodes)
         elif isinstance(action, CreateGang):
             try:
-                await create_gang(kube, _sized(job, action), owner, action.attempt, cfg.settings, action.plan)
+                exist = await _existing(kube, cfg, owner, action.attempt, int(old_status.get("attempt") or 0))
+                await create_gang(kube, _sized(job, action), owner, action.attempt, cfg.settings, action.plan,
+                                  exist, functools.partial(_remember, cfg.expected, (namespace, name), action.attempt))
                 cfg.busy.created(reserved)
                 reserved.clear()  # they exist: the index or their DELETED event ends them, not an error in a later step
             except GangRefused as refused:
@@ -288,6 +312,35 @@ async def _write_and_act(kube: Kube, cfg: Config, body: dict[str, Any], job: Seq
         await calls.delete_job(kube, namespace, name)
         return Outcome(requeue=None, status=new, events=tuple(decision.of(Event)))
     return Outcome(requeue=_requeue(decision, new, cfg), status=new, events=tuple(decision.of(Event)))
+
+
+def _cache_behind(cfg: Config, body: dict[str, Any], status: JobStatus) -> bool:
+    """The job's live attempt has pods this operator created (and saw no DELETED event of), and nothing else
+    changed since (the spec's generation is the observed one)."""
+    if status.phase != "Scheduling" or status.attempt < 1 or \
+            body["metadata"].get("generation") != status.observed_generation:
+        return False
+    return bool(cfg.expected.known((body["metadata"]["namespace"], body["metadata"]["name"]), status.attempt))
+
+
+def _remember(expected: Expectations, job: tuple[str, str], attempt: int, pod: str) -> None:
+    expected.created(job, attempt, [pod])
+
+
+async def _existing(kube: Kube, cfg: Config, owner: m.Owner, attempt: int, attempt_before: int) -> set[str]:
+    """Pods of `attempt` that exist although the cache may not show them. A new attempt (the status named an earlier
+    one before this pass, and it is written before anything is created) has none. Re-creating the live attempt's
+    absent pods, the expectations say which this operator created; when they cannot say (a fresh operator), one
+    label-selected LIST does (a consistent read: a lagging cache never re-creates a gang)."""
+    if attempt != attempt_before:
+        return set()
+    key = (owner.namespace, owner.name)
+    known = cfg.expected.known(key, attempt)
+    if known is None:
+        selector = f"{m.LABEL_JOB}={owner.name},{m.LABEL_ATTEMPT}={attempt}"
+        known = {p["metadata"]["name"] for p in await kube.list_pods(owner.namespace, selector)}
+        cfg.expected.created(key, attempt, known)
+    return known
 
 
 async def _create_failed(kube: Kube, cfg: Config, body: dict[str, Any], job: SeqTrainJob, owner: m.Owner,
@@ -356,10 +409,16 @@ class GangRefused(Exception):
 
 
 async def create_gang(kube: Kube, job: SeqTrainJob, owner: m.Owner, attempt: int, settings: m.Settings,
-                      plan: Plan | None) -> list[dict]:
+                      plan: Plan | None, exist: Collection[str] = (),
+                      on_created: Callable[[str], None] | None = None) -> list[dict]:
     """Create what is absent of this attempt's objects; existing ones (a repeat after a crash) are kept; returns the
-    gang's pods. Raises GangRefused when the API server refuses one: the caller tears the partial gang down."""
+    gang's pods. `exist`: names of pods known to exist (not POSTed again; when all do, nothing is); `on_created`
+    is told each pod that exists once its creation returned. Raises GangRefused when the API server refuses one:
+    the caller tears the partial gang down."""
     gang = m.build_gang(job, owner, attempt, settings, plan)
+    absent = [p for p in gang.pods if p["metadata"]["name"] not in exist]
+    if not absent:
+        return gang.pods
 
     async def create(obj: dict[str, Any]) -> None:
         try:
@@ -368,13 +427,15 @@ async def create_gang(kube: Kube, job: SeqTrainJob, owner: m.Owner, attempt: int
             if exc.status in (400, 403, 422):
                 raise GangRefused(f"{obj['kind']} {obj['metadata']['name']}: {api_message(exc)}") from exc
             raise
+        if obj["kind"] == "Pod" and on_created is not None:
+            on_created(obj["metadata"]["name"])
 
     netpol = [m.build_network_policy(job, owner, settings)] if settings.network_policy else []
     for obj in [m.build_service(owner, settings), *netpol, gang.configmap, *([gang.podgroup] if gang.podgroup else [])]:
         await create(obj)  # what the pods refer to, first
     # The pods together: one admission holds the admission lock until its pods exist, so their creation time is
     # every queued job's wait. All are attempted; the first refusal (or error) is raised after.
-    results = await asyncio.gather(*(create(p) for p in gang.pods), return_exceptions=True)
+    results = await asyncio.gather(*(create(p) for p in absent), return_exceptions=True)
     for r in results:
         if isinstance(r, GangRefused):
             raise r
