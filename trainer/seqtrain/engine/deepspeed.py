@@ -83,7 +83,7 @@ def build_partitioned(job: SeqTrainJob, ctx: DistContext) -> nn.Module:
     """The job's model as ZeRO-3 partitions from the start (`deepspeed.zero.Init`: each module is partitioned as
     soon as it is constructed, so a rank holds one module at a time, never the model), then every partition is
     filled with the single process's initial values (`GPT.init_weights` draws one full tensor at a time on the
-    host and keeps this rank's slice: `seqtrain.models.shards`)."""
+    host and keeps this rank's slice: `seqtrain.runtime.shards`)."""
     import deepspeed
 
     init_distributed(ctx)

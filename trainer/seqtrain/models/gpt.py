@@ -14,7 +14,7 @@ from torch import nn
 
 from seqtrain.models import layers
 from seqtrain.models.layers import CausalSelfAttention, RMSNorm, SwiGLU, document_positions, rope_tables
-from seqtrain.models.shards import full_shape, holds_memory, write_local
+from seqtrain.runtime.shards import full_shape, holds_memory, write_local
 from seqtrain.spec.model import ModelSpec
 
 
@@ -68,7 +68,7 @@ class GPT(nn.Module):
         Each matrix is drawn whole on the CPU from a generator seeded with `init_seed`, in parameter order, and
         the local part is copied in: a tensor-parallel slice (a module's `tp_slice`, set by `seqtrain.parallel.tensor`)
         or nothing for a part another rank holds (pipeline); of a parameter sharded before it was materialised
-        (FSDP2, ZeRO-3) only this rank's shard (`seqtrain.models.shards`). So every layout starts from exactly the weights of
+        (FSDP2, ZeRO-3) only this rank's shard (`seqtrain.runtime.shards`). So every layout starts from exactly the weights of
         the single process, and a rank's device never holds more than its own parameters (the host holds one
         full matrix at a time). GPT-2 style: residual output projections scaled down by depth.
         """

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from seqtrain.models.shards import full_shape
+from seqtrain.runtime.shards import full_shape
 from seqtrain.spec.training import OptimizerSpec, ScheduleSpec
 
 
