@@ -133,8 +133,11 @@ def test_goodput_counts_running_time_and_discounts_redone_steps():
     assert goodput.running_seconds(later) == 60.0 and later.goodput == pytest.approx(0.45 / 2)
 
 
-def test_operator_cli_rejects_bad_scheduler_name(capsys):
+def test_operator_cli_rejects_bad_scheduler_name(capsys, monkeypatch):
     from seqtrain_operator.k8s.main import build_parser, main
+
+    # main() switches path checks off for the operator's process; keep that out of the tests that follow
+    monkeypatch.setenv("SEQTRAIN_CHECK_PATHS", "1")
 
     args = build_parser().parse_args(["-n", "a", "-n", "b", "--peering", "x", "--metrics-port", "9090"])
     assert args.namespace == ["a", "b"] and args.peering == "x" and args.metrics_port == 9090
