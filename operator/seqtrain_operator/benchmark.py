@@ -67,6 +67,18 @@ def _wait(fn: Callable[[], Any], timeout: float, what: str, interval: float = 2.
         time.sleep(interval)
 
 
+def _namespace(core: Any, name: str) -> None:
+    """Create namespace `name` (already there is fine) and wait for its default ServiceAccount."""
+    from kubernetes import client
+
+    try:
+        core.create_namespace({"metadata": {"name": name}})
+    except client.ApiException as exc:
+        if exc.status != 409:
+            raise
+    _wait(lambda: core.list_namespaced_service_account(name).items, 60, "default ServiceAccount")
+
+
 def _testbed(started: list[bool]) -> str:
     script = ROOT / "scripts" / "testbed.sh"
     if not script.exists():
@@ -189,12 +201,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             _wait(lambda: sum(any(c.type == "Ready" and c.status == "True" for c in n.status.conditions or [])
                               for n in core.list_node(label_selector=f"{POOL}=bench").items) >= args.nodes,
                   600, "kwok nodes Ready")
-            try:
-                core.create_namespace({"metadata": {"name": NAMESPACE}})
-            except client.ApiException as exc:
-                if exc.status != 409:
-                    raise
-            _wait(lambda: core.list_namespaced_service_account(NAMESPACE).items, 60, "default ServiceAccount")
+            _namespace(core, NAMESPACE)
 
             if not args.no_baseline:
                 result["baseline"] = _baseline(api, pool, args.jobs, args.replicas, args.timeout)
@@ -314,12 +321,7 @@ def _baseline(api: Any, pool: ThreadPoolExecutor, jobs: int, replicas: int, time
 
     core = client.CoreV1Api(api)
     ns = NAMESPACE + "-baseline"
-    try:
-        core.create_namespace({"metadata": {"name": ns}})
-    except client.ApiException as exc:
-        if exc.status != 409:
-            raise
-    _wait(lambda: core.list_namespaced_service_account(ns).items, 60, "default ServiceAccount")
+    _namespace(core, ns)
     spec = parse_job({**_job("b", replicas), "metadata": {"name": "b", "namespace": ns}})
     template = m.build_gang(spec, m.Owner("b", ns, "00000000-0000-0000-0000-000000000000"), 1, m.Settings(),
                             None).pods

@@ -11,35 +11,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from test_checkpoint import make_trainer  # the same in-process world-1 trainer
 
 from seqtrain.checkpoint import CheckpointManager, latest_step, list_checkpoints
 from seqtrain.checkpoint.discovery import KEEP_BAD, quarantined
 from seqtrain.checkpoint.safe_load import CheckpointUnavailable
 from seqtrain.runtime.dist import DistContext
 from seqtrain.runtime.exitcodes import InvalidConfig
-from seqtrain.spec import RuntimeConfig, load_job, resolve
 from seqtrain_operator.cli import main as cli_main
-
-JOB = """
-apiVersion: seqtrain.dev/v1alpha1
-kind: SeqTrainJob
-metadata: {name: unit}
-spec:
-  model: {arch: gpt, preset: tiny, dim: 32, heads: 2, ffnDim: 64}
-  data: {seqLen: 16}
-  training: {steps: 6, globalBatchSize: 4, microBatchSize: 2, schedule: {warmupSteps: 1}}
-  checkpoint: {intervalSteps: 2, keep: 2}
-"""
-
-
-def make_trainer(workdir: Path, steps: int = 6):  # noqa: ANN201
-    from seqtrain.train.loop import Trainer
-
-    job = resolve(load_job(JOB, [f"training.steps={steps}"]))
-    runtime = RuntimeConfig(workdir=str(workdir), checkpoint_dir=str(workdir / "ckpt"))
-    trainer = Trainer(job, runtime, DistContext())
-    trainer.setup()
-    return trainer
 
 
 @pytest.fixture(scope="module")

@@ -61,16 +61,14 @@ class _Tok:
             self._tok = None
             self.base_vocab, self.eod, self.eod_token = 256, 256, None
         else:
-            from tokenizers import Tokenizer
+            from seqtrain.data.tokenizer import read_tokenizer_json
 
             if not os.path.isfile(spec):
                 raise PrepareError(f"--tokenizer: {spec!r} is neither 'byte' nor a tokenizer.json file")
-            try:
-                self._tok = Tokenizer.from_file(spec)
-            except Exception as exc:  # noqa: BLE001 - tokenizers raises a bare Exception for any bad file
-                raise PrepareError(f"--tokenizer {spec}: not a tokenizer.json the `tokenizers` library reads "
-                                   f"({str(exc).splitlines()[0][:160]}); give a Hugging Face tokenizer.json or "
-                                   "'byte'") from None
+            tok, why = read_tokenizer_json(spec)
+            if tok is None:
+                raise PrepareError(f"--tokenizer {spec}: {why}; give a Hugging Face tokenizer.json or 'byte'")
+            self._tok = tok
             self.base_vocab = self._tok.get_vocab_size(with_added_tokens=True)
             vocab = self._tok.get_vocab(with_added_tokens=True)
             named = [n for n in _EOS_NAMES if n in vocab]

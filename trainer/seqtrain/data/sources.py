@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from seqtrain.data.builtin import Corpus, in_validation
-from seqtrain.data.tokenizer import ByteTokenizer
+from seqtrain.data.tokenizer import ByteTokenizer, read_tokenizer_json
 from seqtrain.runtime.exitcodes import InvalidConfig
 from seqtrain.spec.data import DataSpec
 
@@ -32,20 +32,13 @@ class FileTokenizer:
     """A local `tokenizer.json` (Hugging Face `tokenizers`): no network, ids as uint16/uint32 arrays."""
 
     def __init__(self, path: str) -> None:
-        try:
-            from tokenizers import Tokenizer
-        except ImportError as exc:  # pragma: no cover - listed in the train extra
-            raise RuntimeError("data.tokenizer.type file needs the `tokenizers` package (pip install tokenizers)") \
-                from exc
         if not os.path.isfile(path):
             raise FileNotFoundError(f"spec.data.tokenizer.path: {path!r} is not a file")
         self.path = path
-        try:
-            self._tok = Tokenizer.from_file(path)
-        except Exception as exc:  # noqa: BLE001 - tokenizers raises a bare Exception for any bad file
-            raise TokenizerFileError(f"spec.data.tokenizer.path: {path}: not a tokenizer.json the `tokenizers` "
-                                     f"library reads ({str(exc).splitlines()[0][:160]}); give a Hugging Face "
-                                     "tokenizer.json") from None
+        tok, why = read_tokenizer_json(path)
+        if tok is None:
+            raise TokenizerFileError(f"spec.data.tokenizer.path: {path}: {why}; give a Hugging Face tokenizer.json")
+        self._tok = tok
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.dtype = np.uint16 if self.vocab_size <= 2**16 else np.uint32
         vocab = self._tok.get_vocab(with_added_tokens=True)

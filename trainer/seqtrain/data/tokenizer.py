@@ -1,6 +1,8 @@
-"""Byte-level tokenizer: UTF-8 bytes are the token ids (vocabulary 256, no unknown tokens)."""
+"""Tokenizers: the byte-level one (UTF-8 bytes are the token ids, vocabulary 256) and the reader of tokenizer.json files."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import numpy as np
 
@@ -17,3 +19,18 @@ class ByteTokenizer:
 
     def decode(self, ids) -> str:  # noqa: ANN001 - any int sequence, array or tensor
         return bytes(int(i) & 0xFF for i in ids).decode("utf-8", errors="replace")
+
+
+def read_tokenizer_json(path: str) -> tuple[Any, str]:
+    """`tokenizers.Tokenizer.from_file(path)`, or (None, why) for a missing or unreadable file: the callers name
+    their own field (`--tokenizer`, spec.data.tokenizer.path) and exit code around `why`."""
+    import os
+
+    from tokenizers import Tokenizer
+
+    if not os.path.isfile(path):
+        return None, "is not a file"
+    try:
+        return Tokenizer.from_file(path), ""
+    except Exception as exc:  # noqa: BLE001 - tokenizers raises a bare Exception for any bad file
+        return None, f"not a tokenizer.json the `tokenizers` library reads ({str(exc).splitlines()[0][:160]})"
