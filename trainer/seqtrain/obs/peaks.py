@@ -82,11 +82,14 @@ def utilization(
     peak_flops_per_device: float | None,
     devices: int,
 ) -> Utilization:
-    """MFU counts the real (non-padding) tokens at the model's FLOPs; HFU counts every computed slot, padding
-    included, at the FLOPs actually executed (recomputation included). Both divide by the summed device peak."""
+    """MFU counts every computed position (`slots`) at the model's FLOPs, as nanoGPT, PaLM, Megatron and torchtitan
+    do (counting only target `tokens` halved it on tasks that score half the positions); HFU counts the same
+    positions at the FLOPs actually executed (recomputation included). Both divide by the summed device peak.
+    `tokens` is kept for callers that report useful throughput beside it."""
+    del tokens
     if seconds <= 0:
         return Utilization(0.0, None, None)
-    achieved = tokens * model_flops_per_token / seconds
+    achieved = slots * model_flops_per_token / seconds
     if not peak_flops_per_device or devices <= 0:
         return Utilization(achieved, None, None)
     peak = peak_flops_per_device * devices

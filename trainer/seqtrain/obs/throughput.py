@@ -1,6 +1,6 @@
 """Per-step throughput accounting: model TFLOP/s, MFU and HFU added to the step's metrics.
 
-Adds to each metrics.jsonl line: `model_tflops` (achieved model TFLOP/s over all ranks, from real tokens),
+Adds to each metrics.jsonl line: `model_tflops` (achieved model TFLOP/s over all ranks, from every computed position),
 and where a peak is known (a GPU in the table or `spec.resources.peakTflops`) `mfu` and `hfu` as fractions.
 On a CPU without an override both stay absent: an invented peak would make the figure meaningless.
 """
