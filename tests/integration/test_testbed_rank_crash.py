@@ -101,8 +101,9 @@ def test_a_crashed_rank_restarts_the_gang_once_and_the_job_succeeds(testbed: Tes
     done = run_to_the_end(testbed, op, ns, "crash-pvc")
     assert (done["restarts"], done.get("infraRestarts", 0), done["attempt"]) == (1, 0, 2), done
     assert done["progress"]["step"] == STEPS
-    message = restarted_because_rank_1_died(testbed, ns, "crash-pvc")
-    assert f"from checkpoint step {INTERVAL}" in message, message
+    # The event names the checkpoint the operator last saw through progress polling (at best step 20, but on a fast
+    # machine the crash can come before a poll saw it): what the trainer resumed from is what counts, below.
+    restarted_because_rank_1_died(testbed, ns, "crash-pvc")
     log = (pod_folder(testbed, ns, "crash-pvc", 2, 0) / "container.log").read_text()
     assert f"resumed from step {INTERVAL}" in log, log[-3000:]
     # Every step once, the same losses as the run that trained from scratch without interruption after its restart.

@@ -216,7 +216,9 @@ def test_ranks_without_shared_checkpoint_storage_train_on_without_checkpoints(tm
     assert steps == list(range(1, len(steps) + 1)) and len(steps) >= 4  # past the save of step 3 (the kill: 5)
     assert not list_checkpoints(str(r0 / "checkpoints")) and not (r1 / "checkpoints").exists()
     message = (r0 / "termination-log").read_text()
-    assert message.startswith("seqtrain train: error: RuntimeError: ") and "closed by peer" in message, message
+    # gloo says "closed" or "reset" by peer depending on which side of the socket noticed first
+    assert message.startswith("seqtrain train: error: RuntimeError: ") and (
+        "closed by peer" in message or "reset by peer" in message), message
     assert failure_message(message) == message.strip().removeprefix("seqtrain train: error: ")
     assert (r1 / "termination-log").read_text() == ""  # SIGKILLed: nothing written (the kubelet falls back to logs)
     # The restarted gang starts from scratch and runs to the end: exactly the shared-storage run's losses.
