@@ -37,6 +37,7 @@ from seqtrain_operator.k8s.client import Kube, load_config
 from seqtrain_operator.k8s.foreign import ForeignPods
 from seqtrain_operator.k8s.ledger import Ledger
 from seqtrain_operator.k8s.metrics import OperatorMetrics
+from seqtrain_operator.k8s.progress import authority
 from seqtrain_operator.k8s.reconcile import Config, cleanup, reconcile
 from seqtrain_operator.k8s.release import FINALIZER
 
@@ -144,7 +145,7 @@ def in_cluster_server(env: Mapping[str, str], default: str) -> str:
     host, port = env.get("KUBERNETES_SERVICE_HOST"), env.get("KUBERNETES_SERVICE_PORT")
     if not host or not port:
         return default
-    return f"https://[{host}]:{port}" if ":" in host else f"https://{host}:{port}"
+    return f"https://{authority(host, port)}"
 
 
 def _emit(body: dict[str, Any], type_: str, reason: str, message: str) -> None:

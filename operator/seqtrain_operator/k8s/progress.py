@@ -15,10 +15,13 @@ from seqtrain_operator.k8s.observe import Reported, progress_from_json
 MAX_BODY_BYTES = 64 * 1024
 
 
+def authority(host: str, port: int | str) -> str:
+    """`host:port` for a URL; an IPv6 address goes in brackets (RFC 3986), else its colons read as a port."""
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
 def progress_url(ip: str, port: int) -> str:
-    """The endpoint's URL; an IPv6 address goes in brackets (RFC 3986), else its colons read as a port."""
-    host = f"[{ip}]" if ":" in ip and not ip.startswith("[") else ip
-    return f"http://{host}:{port}/progress"
+    return f"http://{authority(ip, port)}/progress"
 
 
 async def poll_progress(ip: str, port: int, timeout: float = 2.0) -> Reported:
