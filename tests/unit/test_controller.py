@@ -24,6 +24,7 @@ from seqtrain_operator.controller import (
     parse,
 )
 from seqtrain_operator.controller.failure_policy import FailureClass, classify, root_cause
+from seqtrain_operator.controller.lost_time import wall_seconds
 from seqtrain_operator.planner.types import Node
 
 T0 = datetime(2026, 11, 22, 12, 0, 0, tzinfo=timezone.utc)
@@ -503,6 +504,7 @@ def test_random_histories_keep_the_invariants(events: list, replicas: int, max_r
                          pending_grace=120, suspend=True)
     world, st, now = FakeWorld(), JobStatus(), T0
     suspend, unsched = False, False
+    first: datetime | None = None
     for ev, lose_write in events:
         # lose_write: the backend executes the actions, then crashes before persisting the status
         kind = ev[0]
@@ -556,6 +558,11 @@ def test_random_histories_keep_the_invariants(events: list, replicas: int, max_r
             assert delay == pytest.approx(backoff_seconds(job.spec.fault_tolerance,
                                                           new.restarts + new.infra_restarts), abs=1e-3)
         assert all(a.seconds >= 0 for a in d.of(RequeueAfter))
+        # where the time went adds up: productive + lost = wall time from creation (stopped when the job finished)
+        if new.phase not in ("Succeeded", "Failed"):
+            first = first or now  # no creation time given: the first pass is the job's creation
+            assert wall_seconds(new) == pytest.approx((now - first).total_seconds(), abs=0.01)
+        assert new.goodput is None or 0 <= new.goodput <= 1
         world.apply(job, d.actions, slow_delete)
         attempts = {r.attempt for k, r in world.replicas.items() if k not in world.dying}
         assert len(attempts) <= 1

@@ -7,7 +7,7 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from seqtrain.spec.status import Condition, JobStatus, Progress
+from seqtrain.spec.status import Condition, JobStatus, LostSeconds, Progress
 from seqtrain_operator.controller import goodput
 from seqtrain_operator.controller.failure_policy import FailureClass, classify
 from seqtrain_operator.k8s.observe import (
@@ -117,20 +117,20 @@ def test_progress_sources():
     assert rank0_ip([pod(ip="10.0.0.5"), pod(replica=1, ip="10.0.0.6")], 1) == "10.0.0.5"
 
 
-def test_goodput_counts_running_time_and_discounts_redone_steps():
+def test_goodput_is_productive_time_over_the_accounted_wall_time_and_running_seconds_still_add_up():
     start = NOW - timedelta(seconds=100)
     running = JobStatus(start_time=start.isoformat(), conditions=[
         Condition(type="Running", status="True", last_transition_time=(NOW - timedelta(seconds=60)).isoformat())],
         progress=Progress(step=30), steps_lost=[10])
     after = running.model_copy(deep=True)
     after.conditions[0].status = "False"  # this decision ended the Running segment
+    after.productive_seconds, after.lost_seconds = 45.0, LostSeconds(queueing=20, startup=10, restart=25)
     goodput.account(running, after, NOW)
     assert goodput.running_seconds(after) == 60.0
-    # 60 s running of 100 s wall; 30 of 40 computed steps kept
-    assert after.goodput == pytest.approx(0.6 * 30 / 40)
+    assert after.goodput == pytest.approx(45 / 100)  # productive over productive + every lost reason
     later = after.model_copy(deep=True)
     goodput.account(after, later, NOW + timedelta(seconds=100))  # idle: running time does not grow
-    assert goodput.running_seconds(later) == 60.0 and later.goodput == pytest.approx(0.45 / 2)
+    assert goodput.running_seconds(later) == 60.0
 
 
 def test_operator_cli_rejects_bad_scheduler_name(capsys, monkeypatch):

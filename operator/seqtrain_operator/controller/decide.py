@@ -23,7 +23,7 @@ from datetime import datetime, timedelta
 from seqtrain.spec import SeqTrainJob
 from seqtrain.spec.status import TERMINAL_PHASES, JobStatus, Progress, ReplicaPlacement
 from seqtrain_operator.controller import conditions as cond
-from seqtrain_operator.controller import gang_policy, goodput
+from seqtrain_operator.controller import gang_policy, goodput, lost_time
 from seqtrain_operator.controller.backoff import backoff_seconds
 from seqtrain_operator.controller.clock import iso, parse, seconds_between
 from seqtrain_operator.controller.failure_policy import (
@@ -120,6 +120,7 @@ def decide(job: SeqTrainJob, status: JobStatus, observed: Observed, now: datetim
     # spec.ttlSecondsAfterFinished, from the pass that finished the job on: a finished job is not polled, so the
     # pass that finishes it must ask for the one at its TTL (nothing else may wake it).
     ctx.actions += expire(job, st, now)
+    lost_time.account(status, st, parse(observed.created), now)
     goodput.account(status, st, now)
     return Decision(tuple(ctx.actions), st)
 

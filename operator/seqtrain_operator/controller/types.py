@@ -74,6 +74,8 @@ class Observed:
     the text is shown in the Scheduled condition.
     skipped_checkpoints: (step, reason) of checkpoints the trainer set aside as unusable (a refused or corrupt file);
     each is reported once with a Warning event.
+    created: when the job was created (the custom resource's creationTimestamp); None: the first pass is its
+    creation (a local run). Lost-time accounting starts there.
     """
 
     replicas: tuple[ReplicaObservation, ...] = ()
@@ -84,6 +86,7 @@ class Observed:
     progress_unreachable: str | None = None
     generation: int | None = None
     skipped_checkpoints: tuple[tuple[int, str], ...] = ()
+    created: str | None = None
 
 
 # ---- actions: executed by the backend in the order given ----------------------------------------------------------

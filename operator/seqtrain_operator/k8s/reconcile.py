@@ -155,11 +155,15 @@ def _status_patch(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     return patch
 
 
+# Figures that move on every pass while a gang runs (goodput and the lost-time accounting behind it).
+_DRIFT = ("goodput", "productiveSeconds", "lostSeconds", "timeLedger")
+
+
 def _changed(old: dict[str, Any], new: dict[str, Any], coalesce_progress: bool = False) -> bool:
     """Whether the status is worth a write: goodput alone drifts every pass while a gang runs; it rides along with
     the next real change (progress, a condition, a phase) instead of costing one API write per job per pass.
     `coalesce_progress`: progress too (a step count moving on) waits for the next write (see Config)."""
-    drift = ("goodput", "progress") if coalesce_progress else ("goodput",)
+    drift = _DRIFT + ("progress",) if coalesce_progress else _DRIFT
     return {k: v for k, v in new.items() if k not in drift} != {k: v for k, v in old.items() if k not in drift}
 
 
@@ -228,7 +232,7 @@ async def reconcile(kube: Kube, cfg: Config, namespace: str, name: str, emit: Ev
         reported = final_progress(pods, status.attempt)
     observed = Observed(replicas=replicas, latest_checkpoint=reported.checkpoint, progress=reported.progress,
                         progress_unreachable=unreachable, generation=body["metadata"].get("generation"),
-                        skipped_checkpoints=reported.skipped)
+                        skipped_checkpoints=reported.skipped, created=body["metadata"].get("creationTimestamp"))
     admitting = not replicas and status.phase not in TERMINAL_PHASES and not job.spec.suspend
     # An elastic gang running below its size: can it grow back? (the same capacity read, without creating)
     growing = (job.spec.elastic and status.phase == "Running" and not job.spec.suspend

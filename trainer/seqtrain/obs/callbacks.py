@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
 from seqtrain.checkpoint.discovery import quarantined, read_complete, step_dir
@@ -20,6 +21,10 @@ if TYPE_CHECKING:
 
 
 ENDPOINTS_DIR = "endpoints"
+
+
+def _iso_ms() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 def record_endpoint(trainer: Trainer, kind: str, port: int | None) -> None:
@@ -72,6 +77,7 @@ class ProgressPublisher(BaseCallback):
     def __init__(self, trainer: Trainer, port: int | None) -> None:
         self.reporter = ProgressReporter(trainer.runtime.workdir, trainer.total_steps, port)
         self._saving: int | None = None  # a step the loop checkpoints after the callbacks
+        self._step_times: list[float] = []  # this attempt's step times, for progress.stepSeconds
 
     def on_train_start(self, trainer: Trainer) -> None:
         record_endpoint(trainer, "progress", self.reporter.port)
@@ -80,15 +86,27 @@ class ProgressPublisher(BaseCallback):
         # Checkpoints set aside as unusable (this start or an earlier one): the operator turns each into one
         # Warning Event, whichever backend runs the job.
         skipped = [{"step": step, "reason": why} for step, why in quarantined(trainer.runtime.checkpoint_dir)]
+        # attempt and the moment training began: status.lostSeconds ends start-up (or a restart) there
         self.reporter.update(flush=True, step=trainer.step, loss=last.get("loss"), stop_reason=None, stop_message=None,
+                             attempt=trainer.runtime.attempt, training_started_at=_iso_ms(),
+                             checkpoint_seconds=0.0, step_seconds=None,
                              **self._checkpoint(trainer, trainer.step) if trainer.resumed_from else {},
                              **{"skippedCheckpoints": skipped} if skipped else {})
 
     def on_step_end(self, trainer: Trainer, step: int, metrics: dict[str, Any]) -> None:
         saved = self._checkpoint(trainer, self._saving) if self._saving is not None else {}
         self._saving = step if trainer.checkpoint_due() else None
+        if isinstance(metrics.get("step_time_s"), (int, float)):
+            self._step_times.append(float(metrics["step_time_s"]))
         self.reporter.update(flush=bool(saved), step=step, loss=metrics.get("loss"),
-                             tokens_per_second=metrics.get("tokens_per_s"), mfu=metrics.get("mfu"), **saved)
+                             tokens_per_second=metrics.get("tokens_per_s"), mfu=metrics.get("mfu"),
+                             checkpoint_seconds=round(trainer.checkpoint_seconds, 3),
+                             step_seconds=self._mean_step_seconds(), **saved)
+
+    def _mean_step_seconds(self) -> float | None:
+        """The mean step time of this attempt, leaving out the first step (warm-up) once there are others."""
+        times = self._step_times[1:] or self._step_times
+        return round(sum(times) / len(times), 4) if times else None
 
     @staticmethod
     def _checkpoint(trainer: Trainer, step: int) -> dict[str, Any]:
@@ -107,6 +125,7 @@ class ProgressPublisher(BaseCallback):
 
     def on_train_end(self, trainer: Trainer, reason: str) -> None:
         # the loop's last save (end, stop, SIGTERM) happened after the last on_step_end
-        self.reporter.update(flush=True, **self._checkpoint(trainer, trainer.step))
+        self.reporter.update(flush=True, checkpoint_seconds=round(trainer.checkpoint_seconds, 3),
+                             **self._checkpoint(trainer, trainer.step))
         self.reporter.finish()
         self.reporter.close()

@@ -53,12 +53,42 @@ class Progress(_StatusModel):
     best_step: int | None = Field(None, description="Step of the lowest validation loss (its checkpoint is kept).")
     stop_reason: str | None = Field(None, description="Why training ended before training.steps, e.g. EarlyStopped.")
     stop_message: str | None = Field(None, description="Human-readable detail of stopReason.")
+    attempt: int | None = Field(None, description="The gang attempt whose trainer reported this progress.")
+    training_started_at: str | None = Field(None, description="When this attempt's trainer began its first step "
+                                            "(start-up and restart time end here).")
+    checkpoint_seconds: float | None = Field(None, description="Time this attempt's training loop was blocked on "
+                                             "checkpoint saves so far.")
+    step_seconds: float | None = Field(None, description="Mean wall time of one optimizer step in this attempt "
+                                       "(prices the steps redone after a restart).")
 
 
 class CheckpointRef(_StatusModel):
     step: int
     path: str
     time: str | None = None
+
+
+class LostSeconds(_StatusModel):
+    """Where the wall time that did not train went (controller/lost_time.py): productiveSeconds plus these add up
+    to the job's wall time from its creation (to its completion), and goodput = productiveSeconds / that sum."""
+
+    queueing: float = Field(0.0, description="Created (or re-planned) until the gang was admitted and placed.")
+    startup: float = Field(0.0, description="Gang created until its trainer began the first step.")
+    checkpoint_stall: float = Field(0.0, description="Training blocked on checkpoint saves.")
+    restart: float = Field(0.0, description="From a failure (the last step before it) until training resumed.")
+    recomputed: float = Field(0.0, description="Steps redone after restarts (checkpoint to failure), at the "
+                              "measured step time.")
+    suspended: float = Field(0.0, description="Time suspended (spec.suspend, or an interrupted local run).")
+
+
+class TimeLedger(_StatusModel):
+    """Bookkeeping of the lost-time accounting: wall time up to `at` is attributed; `state` says where the time
+    since then goes."""
+
+    at: str
+    state: Literal["queueing", "startup", "restart", "training", "suspended", "done"] = "queueing"
+    attempt: int = 0
+    checkpoint_seconds: float = Field(0.0, description="checkpointSeconds of `attempt` already charged.")
 
 
 class JobStatus(_StatusModel):
@@ -81,9 +111,14 @@ class JobStatus(_StatusModel):
     next_restart_time: str | None = Field(None, description="When a pending restart may start (backoff).")
     failed_nodes: dict[str, str] = Field(default_factory=dict, description="node -> time until which it is avoided.")
     steps_lost: list[int] = Field(default_factory=list, description="Steps redone after each restart.")
-    goodput: float | None = Field(None, description="Productive training time / wall time since start.")
+    goodput: float | None = Field(None, description="productiveSeconds / wall time since the job was created "
+                                  "(productiveSeconds + the sum of lostSeconds).")
     running_seconds: float = Field(0.0, description="Time the gang spent Running in segments that already ended "
                                    "(goodput's numerator; the current segment runs from the Running condition).")
+    lost_seconds: LostSeconds | None = Field(None, description="Wall time that did not train, by reason.")
+    productive_seconds: float | None = Field(None, description="Wall time that trained steps that were kept "
+                                             "(goodput's numerator).")
+    time_ledger: TimeLedger | None = Field(None, description="Bookkeeping of lostSeconds (internal).")
     observed_generation: int | None = Field(None, description="metadata.generation of the spec this status was "
                                             "computed from.")
     create_failures: int = Field(0, description="Consecutive gang creations the API server refused part-way "

@@ -99,6 +99,7 @@ class Trainer:
         self.stop_training = False  # set by callbacks (early stopping)
         self.stop_reason = ""
         self.last_metrics: dict[str, Any] = {}
+        self.checkpoint_seconds = 0.0  # time this process's loop was blocked on saves (status.lostSeconds)
         self.model: torch.nn.Module
         self.engine: Engine
         self.data: SequenceBatches
@@ -202,9 +203,13 @@ class Trainer:
             "save_seconds": self.checkpoints.last_save_seconds,
         }
         # storage, not peers: the save has its own deadline (SEQTRAIN_CHECKPOINT_TIMEOUT_SECONDS), not the watchdog's
-        with waiting(f"checkpoint step-{self.step}: shard writes and the publishing barriers",
-                     deadline_s=self.io_timeout_s + 60):
-            return self.checkpoints.save(self.step, self._write_checkpoint, meta)
+        started = time.perf_counter()
+        try:
+            with waiting(f"checkpoint step-{self.step}: shard writes and the publishing barriers",
+                         deadline_s=self.io_timeout_s + 60):
+                return self.checkpoints.save(self.step, self._write_checkpoint, meta)
+        finally:  # what training waited for, however the save is done (published as progress.checkpointSeconds)
+            self.checkpoint_seconds += time.perf_counter() - started
 
     def save_seconds_estimate(self) -> float | None:
         """How long a save takes: this attempt's last one, else the one recorded in the checkpoint resumed from."""
