@@ -26,6 +26,8 @@ def _write_run(workdir: Path, with_status: bool = True) -> list[dict]:
     (workdir / "metrics.jsonl").write_text("\n".join(lines) + '\n{"step": 21, "loss": 3.')  # cut by a crash
     if with_status:
         status = {"phase": "Succeeded", "restarts": 1, "infraRestarts": 1, "stepsLost": [3, 2], "goodput": 0.87,
+                  "productiveSeconds": 87.0, "lostSeconds": {"queueing": 4.0, "startup": 5.0, "restart": 3.0,
+                                                             "recomputed": 1.0, "checkpointStall": 0.0},
                   "progress": {"step": 20, "totalSteps": 20},
                   "conditions": [{"type": "Succeeded", "status": "True", "reason": "TrainingComplete"}]}
         (workdir / "status.json").write_text(json.dumps(status))
@@ -55,6 +57,11 @@ def test_table_matches_metrics_and_status(tmp_path: Path, capsys: pytest.Capture
                                                    / sum(r["step_time_s"] for r in records))
     assert s["peak_mem_mb"] == 320.0 and s["wall_s"] == 38.0
     assert s["phase"] == "Succeeded" and s["reason"] == "TrainingComplete"
+    # where the time went: productive + lost = wall time; reasons that cost nothing are left out, largest first
+    assert s["productive_s"] == 87.0 and s["lost_s"]["startup"] == 5.0
+    rows = dict(table_rows(s))
+    assert rows["wall time (productive)"] == "100 s (87.0 s productive)"
+    assert rows["lost time by reason"] == "start-up 5.0 s, queueing 4.0 s, restart 3.0 s, recomputed 1.0 s"
 
     out = capsys.readouterr().out
     for text in ("Succeeded (TrainingComplete)", "20 / 20", "87.0%", "4.2000 (step 10)", "6.350 bits/byte",

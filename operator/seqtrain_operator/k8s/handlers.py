@@ -233,6 +233,7 @@ _last_counts: dict[tuple[str, str], tuple[int, int]] = {}
 def _record(namespace: str, name: str, outcome: Any) -> None:
     st = outcome.status
     STATE.metrics.job_phase(namespace, name, st.phase)
+    STATE.metrics.job_status(namespace, name, st)
     prev = _last_counts.get((namespace, name))
     if prev is not None:
         STATE.metrics.restarted(st.restarts - prev[0], st.infra_restarts - prev[1])
@@ -295,6 +296,7 @@ async def job_deleted(name: str, namespace: str, **_: Any) -> None:
         # a gang scheduler still holds a pod that is stopping (Kueue's finalizer): keep the job until it is released
         raise kopf.TemporaryError("pods still stopping; releasing them again shortly", delay=2)
     STATE.metrics.job_phase(namespace, name, None)
+    STATE.metrics.job_status(namespace, name, None)
     _last_counts.pop((namespace, name), None)
     STATE.config.known.pop((namespace, name), None)
     STATE.config.expected.forget((namespace, name))

@@ -1,11 +1,15 @@
-"""Prometheus metrics of the operator (not of training: the trainer exports its own)."""
+"""Prometheus metrics of the operator (not of training steps: the trainer exports its own), and per job what the
+status says: goodput, where the wall time went (status.lostSeconds), progress and restarts."""
 
 from __future__ import annotations
 
 from collections import Counter
+from contextlib import suppress
 
 from prometheus_client import CollectorRegistry, Gauge, Histogram, start_http_server
 from prometheus_client import Counter as PromCounter
+
+from seqtrain.spec.status import JobStatus, LostSeconds
 
 PHASES = ("Pending", "Scheduling", "Running", "Restarting", "Succeeded", "Failed", "Suspended")
 
@@ -23,6 +27,23 @@ class OperatorMetrics:
         self.reconcile_errors = PromCounter("seqtrain_reconcile_errors", "Reconcile passes that raised.",
                                             ["error"], registry=self.registry)
         self._phase: dict[tuple[str, str], str] = {}
+        job = ("namespace", "job")
+        r = self.registry
+        self.goodput = Gauge("seqtrain_job_goodput_ratio", "Share of the job's wall time that trained kept steps "
+                             "(status.goodput).", job, registry=r)
+        self.productive = Gauge("seqtrain_job_productive_seconds", "Wall time that trained kept steps "
+                                "(status.productiveSeconds).", job, registry=r)
+        self.lost = Gauge("seqtrain_job_lost_seconds", "Wall time that did not train, by reason "
+                          "(status.lostSeconds); with productive seconds it adds up to the wall time.",
+                          [*job, "reason"], registry=r)
+        self.step = Gauge("seqtrain_job_step", "Last completed step as the operator last saw it.", job, registry=r)
+        self.total_steps = Gauge("seqtrain_job_total_steps", "Steps the job trains (spec.training.steps).", job,
+                                 registry=r)
+        self.tokens_per_second = Gauge("seqtrain_job_tokens_per_second", "Real tokens per second of the last step "
+                                       "(all ranks).", job, registry=r)
+        self.job_restarts = Gauge("seqtrain_job_restarts", "Gang restarts of the job by failure class "
+                                  "(status.restarts, status.infraRestarts).", [*job, "kind"], registry=r)
+        self._per_job = (self.goodput, self.productive, self.step, self.total_steps, self.tokens_per_second)
 
     def job_phase(self, namespace: str, name: str, phase: str | None) -> None:
         key = (namespace, name)
@@ -34,6 +55,32 @@ class OperatorMetrics:
         for p in PHASES:
             self.jobs.labels(phase=p).set(counts.get(p, 0))
 
+    def job_status(self, namespace: str, name: str, st: JobStatus | None) -> None:
+        """The job's figures as its last pass decided them (None: the job is gone, so are its series)."""
+        lv = {"namespace": namespace, "job": name}
+        if st is None:
+            for g in self._per_job:
+                _remove(g, namespace, name)
+            for reason in LostSeconds.model_fields:
+                _remove(self.lost, namespace, name, _camel(reason))
+            for kind in ("user", "infrastructure"):
+                _remove(self.job_restarts, namespace, name, kind)
+            return
+        if st.goodput is not None:
+            self.goodput.labels(**lv).set(st.goodput)
+        if st.productive_seconds is not None:
+            self.productive.labels(**lv).set(st.productive_seconds)
+        if st.lost_seconds is not None:
+            for reason, seconds in st.lost_seconds.model_dump().items():
+                self.lost.labels(**lv, reason=_camel(reason)).set(seconds)
+        if st.progress is not None:
+            self.step.labels(**lv).set(st.progress.step)
+            self.total_steps.labels(**lv).set(st.progress.total_steps)
+            if st.progress.tokens_per_second is not None:
+                self.tokens_per_second.labels(**lv).set(st.progress.tokens_per_second)
+        self.job_restarts.labels(**lv, kind="user").set(st.restarts)
+        self.job_restarts.labels(**lv, kind="infrastructure").set(st.infra_restarts)
+
     def restarted(self, user: int, infra: int) -> None:
         if user > 0:
             self.restarts.labels(kind="user").inc(user)
@@ -42,3 +89,14 @@ class OperatorMetrics:
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> None:
         start_http_server(port, addr=addr, registry=self.registry)
+
+
+def _camel(name: str) -> str:
+    """The reason as status.lostSeconds spells it (checkpoint_stall -> checkpointStall)."""
+    head, *rest = name.split("_")
+    return head + "".join(w.title() for w in rest)
+
+
+def _remove(gauge: Gauge, *labels: str) -> None:
+    with suppress(KeyError):  # never set for this job
+        gauge.remove(*labels)

@@ -62,6 +62,7 @@ class PrometheusExporter(BaseCallback):
 
     def on_step_end(self, trainer: Trainer, step: int, metrics: dict[str, Any]) -> None:
         self.metrics.observe_step(step, metrics)
+        self.metrics.observe_checkpoint_stall(trainer.checkpoint_seconds)  # saves run after the step's callbacks
 
     def on_eval(self, trainer: Trainer, step: int, metrics: dict[str, Any]) -> None:
         self.metrics.observe_eval(metrics)

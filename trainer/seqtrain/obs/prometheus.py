@@ -61,6 +61,8 @@ class TrainerMetrics:
         self.eval_time = Histogram(
             "seqtrain_eval_duration_seconds", "Wall time of one evaluation.", labels, buckets=_STEP_BUCKETS, registry=r
         )
+        self.checkpoint_stall = gauge("seqtrain_checkpoint_stall_seconds", "Time this process's training loop "
+                                      "was blocked on checkpoint saves (status.lostSeconds.checkpointStall).")
         self._server: Any = None
 
     def observe_step(self, step: int, m: dict[str, Any]) -> None:
@@ -80,6 +82,9 @@ class TrainerMetrics:
             self.skipped.labels(**lv).inc()
         if isinstance(m.get("step_time_s"), (int, float)):
             self.step_time.labels(**lv).observe(float(m["step_time_s"]))
+
+    def observe_checkpoint_stall(self, seconds: float) -> None:
+        self.checkpoint_stall.labels(**self._lv).set(seconds)
 
     def observe_eval(self, m: dict[str, Any]) -> None:
         lv = self._lv

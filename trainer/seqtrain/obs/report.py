@@ -1,7 +1,8 @@
 """`seqtrain report WORKDIR [--out FILE]`: a one-page PNG of a run and its key figures in the terminal.
 
 Reads `metrics.jsonl` (the trainer: one line per step, `val_*` on evaluation steps) and, when present,
-`status.json` (the controller: restarts, steps lost to restarts, goodput, phase and its reason). Writes
+`status.json` (the controller: restarts, steps lost to restarts, goodput and where the wall time went
+(`productiveSeconds`, `lostSeconds`), phase and its reason). Writes
 `report.png` (loss and validation loss, learning rate, tokens/s with MFU, memory; the table underneath) and
 `report.json` (the same figures, for scripts) into the run folder.
 """
@@ -93,6 +94,8 @@ def summarize(
         "restarts": (status.restarts + status.infra_restarts) if status else None,
         "steps_lost": sum(status.steps_lost) if status else None,
         "goodput": status.goodput if status else None,
+        "productive_s": status.productive_seconds if status else None,
+        "lost_s": status.lost_seconds.model_dump() if status and status.lost_seconds else None,
         "tokens": int(tokens),
         # time-weighted: total real tokens over total step time (a per-step mean over-weights fast steps)
         "mean_tokens_per_s": tokens / seconds if seconds > 0 else (sum(tps) / len(tps) if tps else None),
@@ -123,6 +126,26 @@ def _fmt(value: Any, kind: str = "") -> str:
     return str(value)
 
 
+_LOST_LABELS = {"queueing": "queueing", "startup": "start-up", "checkpoint_stall": "checkpoint stall",
+                "restart": "restart", "recomputed": "recomputed", "suspended": "suspended"}
+
+
+def _wall(s: dict[str, Any]) -> str:
+    if s["productive_s"] is None:
+        return "n/a"
+    wall = s["productive_s"] + sum((s["lost_s"] or {}).values())
+    return f"{_fmt(wall, 's')} ({_fmt(s['productive_s'], 's')} productive)"
+
+
+def _lost(lost: dict[str, float] | None) -> str:
+    """The lost reasons that cost anything, largest first (status.lostSeconds; they add up with productive)."""
+    if lost is None:
+        return "n/a"
+    parts = [f"{_LOST_LABELS.get(k, k)} {_fmt(v, 's')}" for k, v in sorted(lost.items(), key=lambda kv: -kv[1])
+             if v >= 0.05]
+    return ", ".join(parts) or "none"
+
+
 def table_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
     steps = f"{s['steps']:,}" + (f" / {s['total_steps']:,}" if s["total_steps"] else "")
     at = lambda step: f" (step {step})" if step is not None else ""  # noqa: E731
@@ -138,6 +161,8 @@ def table_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
         ("restarts", _fmt(s["restarts"], "int")),
         ("steps lost to restarts", _fmt(s["steps_lost"], "int")),
         ("goodput", _fmt(s["goodput"], "pct")),
+        ("wall time (productive)", _wall(s)),
+        ("lost time by reason", _lost(s["lost_s"])),
         ("tokens trained", _fmt(s["tokens"], "int")),
         ("mean tokens/s", _fmt(s["mean_tokens_per_s"])),
         ("mean model TFLOP/s", f"{s['mean_model_tflops']:.4g}" if s["mean_model_tflops"] is not None else "n/a"),
@@ -153,7 +178,7 @@ def draw(records: list[dict[str, Any]], rows: list[tuple[str, str]], title: str,
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig = plt.figure(figsize=(11, 12), layout="constrained")
+    fig = plt.figure(figsize=(11, 12.5), layout="constrained")
     grid = fig.add_gridspec(3, 2, height_ratios=[1, 1, 0.9])
     fig.suptitle(title, fontsize=14)
 
