@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 import shutil
 import subprocess
 
@@ -50,7 +51,8 @@ def test_chart_crd_equals_generated_and_committed():
 
 
 @pytest.mark.parametrize("sets", [(), ("watchNamespaces={team-a,team-b}", "metrics.serviceMonitor.enabled=true",
-                                       "replicaCount=2", "operator.schedulerNames.volcano=volcano")])
+                                       "replicaCount=2", "operator.schedulerNames.volcano=volcano",
+                                       "metrics.grafanaDashboard.enabled=true")])
 def test_helm_lint(sets):
     args = [helm(), "lint", str(CHART), "--strict"]
     for s in sets:
@@ -69,7 +71,8 @@ def test_values_schema_rejects_bad_values():
 
 
 @pytest.mark.parametrize("sets", [(), ("watchNamespaces={team-a}", "metrics.serviceMonitor.enabled=true",
-                                       "leaderElection.enabled=false", "webhook.enabled=false")])
+                                       "leaderElection.enabled=false", "webhook.enabled=false",
+                                       "metrics.grafanaDashboard.enabled=true")])
 def test_rendered_manifests_pass_kubernetes_schemas(sets):
     kubernetes_validate = pytest.importorskip("kubernetes_validate")
     docs = render(*sets)
@@ -249,3 +252,81 @@ def test_operator_resources_grow_with_the_cluster_and_an_explicit_setting_wins()
     small, large = resources("scale.pods=1000"), resources("scale.pods=20000")
     assert _mebibytes(large["limits"]["memory"]) > _mebibytes(small["limits"]["memory"])
     assert resources("resources.limits.memory=2Gi") == {"limits": {"memory": "2Gi"}}
+
+
+# ---- the Grafana dashboard: every query names only series the operator or the trainer exports -------------------
+
+# PromQL words that are not metric names: aggregation modifiers and binary-operator keywords (functions are told
+# apart by the "(" that follows them; label names only appear inside {...}, by/without/on/ignoring (...) lists).
+_PROMQL_WORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "offset", "and", "or",
+                 "unless", "inf", "nan"}
+
+
+def promql_metric_names(expr: str) -> set[str]:
+    """The metric names an expression selects: strings, label matchers, range/subquery windows, grouping label
+    lists and function names taken out, what is left that looks like an identifier."""
+    expr = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)
+    expr = re.sub(r"\{[^}]*\}", " ", expr)
+    expr = re.sub(r"\[[^\]]*\]", " ", expr)
+    expr = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", expr)
+    names = set()
+    for m in re.finditer(r"[A-Za-z_:][A-Za-z0-9_:]*", expr):
+        word, rest = m.group(), expr[m.end():].lstrip()
+        if rest.startswith("(") or word.lower() in _PROMQL_WORDS or expr[max(0, m.start() - 1)].isdigit():
+            continue
+        names.add(word)
+    return names
+
+
+def exported_series() -> set[str]:
+    """Every series name the operator's and a trainer rank's registries expose (counters with _total, histograms
+    with _bucket/_sum/_count, ...), from the code itself."""
+    from seqtrain.obs.prometheus import TrainerMetrics
+    from seqtrain_operator.k8s.metrics import OperatorMetrics
+
+    names = set()
+    for registry in (OperatorMetrics().registry, TrainerMetrics("j", 0, {"arch": "gpt"}).registry):
+        for family in registry.collect():
+            names.add(family.name)
+            names.update(s.name for s in family.samples)
+            if family.type == "counter":
+                names.add(family.name + "_total")
+            if family.type == "histogram":
+                names.update(family.name + sfx for sfx in ("_bucket", "_sum", "_count"))
+    return names
+
+
+def test_promql_metric_names_finds_the_selected_series_only():
+    assert promql_metric_names('histogram_quantile(0.5, sum by (job, le) (rate(seqtrain_x_bucket{job=~"a|b"}[5m])))'
+                               ) == {"seqtrain_x_bucket"}
+    assert promql_metric_names('a_total / on(job) group_left b{reason="1e3"} offset 5m') == {"a_total", "b"}
+    assert promql_metric_names("sum without (rank) (seqtrain_step) > 1e3") == {"seqtrain_step"}
+
+
+def test_grafana_dashboard_configmap_queries_only_exported_metrics():
+    assert not by_kind(render(), "ConfigMap")  # off unless asked for
+    docs = render("metrics.grafanaDashboard.enabled=true", "metrics.grafanaDashboard.annotations.grafana_folder=ML")
+    [cm] = by_kind(docs, "ConfigMap")
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"  # what Grafana's sidecar watches
+    assert cm["metadata"]["annotations"] == {"grafana_folder": "ML"}
+    [text] = cm["data"].values()
+    dashboard = json.loads(text)
+    panels = [p for p in dashboard["panels"] if p["type"] != "row"]
+    queries = {p["title"]: [t["expr"] for t in p["targets"]] for p in panels}
+    exported = exported_series()
+    assert "seqtrain_job_lost_seconds" in exported and "seqtrain_step_duration_seconds_bucket" in exported
+    used = set()
+    for title, exprs in queries.items():
+        assert exprs, f"panel {title!r} has no query"
+        for expr in exprs:
+            names = promql_metric_names(expr)
+            assert names, f"panel {title!r}: no metric in {expr!r}"
+            assert names <= exported, f"panel {title!r} queries {sorted(names - exported)}, which nothing exports"
+            used |= names
+    for variable in dashboard["templating"]["list"]:
+        if variable["type"] == "query":
+            selector = re.fullmatch(r"label_values\((.+),\s*\w+\)", variable["definition"])  # (series, label)
+            assert selector and promql_metric_names(selector.group(1)) <= exported, variable["definition"]
+    # goodput, lost time by reason, progress and restarts per job
+    assert {"seqtrain_job_goodput_ratio", "seqtrain_job_lost_seconds", "seqtrain_job_step",
+            "seqtrain_job_tokens_per_second", "seqtrain_job_restarts"} <= used
