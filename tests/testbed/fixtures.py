@@ -210,6 +210,7 @@ class Operator:
     tb: Testbed
     webhook_port: int
     proc: subprocess.Popen[bytes] | None = None
+    metrics_port: int = field(default_factory=free_port)  # the chart's metrics.enabled passes --metrics-port too
     kubeconfig: Path = TB / "operator.kubeconfig"
     log: Path = TB / "logs" / "operator.log"
 
@@ -247,7 +248,7 @@ class Operator:
         # (two clones) apart.
         argv = [str(ROOT / ".venv" / "bin" / "seqtrain"), "operator", "--all-namespaces", "--peering=seqtrain",
                 f"--progress-port={free_port()}", f"--master-port={free_port()}", "--termination-grace=30",
-                "--node-lost-grace=40",
+                "--node-lost-grace=40", f"--metrics-port={self.metrics_port}",
                 f"--webhook-port={self.webhook_port}", f"--webhook-cert-dir={certs}", "--verbose"]
         env = {**os.environ, "KUBECONFIG": str(self.kubeconfig),
                "PYTHONPATH": f"{ROOT / 'trainer'}:{ROOT / 'operator'}"}
