@@ -156,3 +156,21 @@ def test_a_status_from_before_the_accounting_starts_it_from_the_start_time() -> 
     assert st.lost_seconds is not None and st.lost_seconds.startup == pytest.approx(30)
     assert not any(isinstance(a, CreateGang) for a in decide(job, st, Observed(replicas=gang(1, "Pending")),
                                                                 at(31)).actions)
+
+
+def test_ranks_restarted_in_place_charge_restart_and_recomputed_without_a_new_attempt() -> None:
+    """The pods stay (no Restarting phase, no new attempt): a new trainer process of the same attempt shows up in
+    the progress with a later trainingStartedAt and its own save counter."""
+    b = Backend(make_job())
+    b.tick(0)
+    b.tick(10, gang(1, "Running", "Running"), progress(1, 10, last=10, began=5, saved=1.0))
+    b.tick(22, gang(1, "Running", "Running"), progress(1, 25, last=22, began=5, saved=1.0), ckpt=20)
+    st = b.tick(40, gang(1, "Running", "Running"), progress(1, 27, last=38, began=35, saved=0.2), ckpt=20)
+    assert st.phase == "Running" and st.attempt == 1
+    assert b.lost() == pytest.approx({
+        "queueing": 0, "startup": 5,
+        "restart": 35 - 22,        # the old process's last step seen until the new one trained
+        "recomputed": 5 * 0.5,     # steps 21..25 redone from checkpoint 20
+        "checkpoint_stall": 1.2,   # the new process's counter starts from zero: 0.2 more, not 0.8 less
+        "suspended": 0})
+    assert wall_seconds(st) == pytest.approx(40)

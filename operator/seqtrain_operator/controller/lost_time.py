@@ -73,6 +73,12 @@ def next_state(prev: str, st: JobStatus, p: Progress | None) -> str:
     return "startup"
 
 
+def _step_seconds(before: JobStatus, p: Progress | None) -> float:
+    """The failed trainer's mean step time: as last seen before this pass, else as reported now."""
+    return (before.progress.step_seconds if before.progress is not None else None) or \
+        (p.step_seconds if p is not None else None) or 0.0
+
+
 class _Books:
     def __init__(self, lost: LostSeconds, productive: float) -> None:
         self.lost, self.productive = lost, productive
@@ -131,14 +137,28 @@ def account(before: JobStatus, after: JobStatus, created: datetime | None, now: 
         else:
             books.add("training", seconds_between(train_from, now))
         if len(after.steps_lost) > len(before.steps_lost) and prev == "training":
-            step_s = (p.step_seconds if p is not None else None) or \
-                (before.progress.step_seconds if before.progress is not None else None) or 0.0
-            books.move("recomputed", after.steps_lost[-1] * step_s)
+            books.move("recomputed", after.steps_lost[-1] * _step_seconds(before, p))
 
-    if p is not None and p.attempt is not None and p.checkpoint_seconds is not None and p.attempt >= led.attempt:
-        seen = led.checkpoint_seconds if p.attempt == led.attempt else 0.0
-        books.move("checkpoint_stall", p.checkpoint_seconds - seen)
-        led.attempt, led.checkpoint_seconds = p.attempt, max(seen, p.checkpoint_seconds)
+    if p is not None and p.attempt is not None and p.attempt >= led.attempt:
+        # One trainer process: its attempt and when it began training. A new one in the same attempt (its ranks
+        # restarted in place, the pods kept) starts its save counter from zero, and the time from the old one's
+        # last step until it trained was a restart, not training.
+        same = p.attempt == led.attempt and (led.trainer_started_at is None
+                                             or p.training_started_at == led.trainer_started_at)
+        began, old = parse(p.training_started_at), parse(led.trainer_started_at)
+        if not same and p.attempt == led.attempt and prev == "training" and began and old and began > old:
+            bp = before.progress
+            last = parse(bp.updated_at if bp is not None else None) or old
+            books.move("restart", seconds_between(max(last, old), began))
+            if len(after.steps_lost) == len(before.steps_lost) and bp is not None:
+                # the steps since the checkpoint it resumed from (the latest the old process had published)
+                ck = before.last_checkpoint.step if before.last_checkpoint is not None else 0
+                books.move("recomputed", max(0, bp.step - ck) * _step_seconds(before, p))
+        seen = led.checkpoint_seconds if same else 0.0
+        if p.checkpoint_seconds is not None:
+            books.move("checkpoint_stall", p.checkpoint_seconds - seen)
+        led.attempt, led.checkpoint_seconds = p.attempt, max(seen, p.checkpoint_seconds or 0.0)
+        led.trainer_started_at = p.training_started_at
 
     led.at, led.state = iso(max(now, since)), state
     after.time_ledger = led

@@ -89,6 +89,8 @@ class TimeLedger(_StatusModel):
     state: Literal["queueing", "startup", "restart", "training", "suspended", "done"] = "queueing"
     attempt: int = 0
     checkpoint_seconds: float = Field(0.0, description="checkpointSeconds of `attempt` already charged.")
+    trainer_started_at: str | None = Field(None, description="trainingStartedAt of the trainer process whose "
+                                           "checkpointSeconds were charged.")
 
 
 class JobStatus(_StatusModel):
