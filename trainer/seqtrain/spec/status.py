@@ -116,7 +116,7 @@ class JobStatus(_StatusModel):
     goodput: float | None = Field(None, description="productiveSeconds / wall time since the job was created "
                                   "(productiveSeconds + the sum of lostSeconds).")
     running_seconds: float = Field(0.0, description="Time the gang spent Running in segments that already ended "
-                                   "(goodput's numerator; the current segment runs from the Running condition).")
+                                   "(the current segment runs from the Running condition).")
     lost_seconds: LostSeconds | None = Field(None, description="Wall time that did not train, by reason.")
     productive_seconds: float | None = Field(None, description="Wall time that trained steps that were kept "
                                              "(goodput's numerator).")
