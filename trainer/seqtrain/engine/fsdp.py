@@ -81,14 +81,15 @@ class FSDPEngine(Engine):
         # rank never holds its whole gradient shard (seqtrain.engine.in_backward says when that is exact)
         why_not = blocker(job, ctx.device, ctx.tp_size) if self.sharding else "one data-parallel rank"
         self.in_backward = StepInBackward(model, units, self.optimizer, ctx) if why_not is None else None
-        if self.in_backward is not None and ctx.is_main:
-            print("FSDP2: the optimizer steps each block's shard in backward, once its gradient is reduce-scattered "
-                  "(steps of one micro-batch)", flush=True)
 
     def step(self, micro_batches: list[Batch]) -> StepStats:
         # every micro-batch reduce-scatters into the sharded fp32 gradient (no set_requires_gradient_sync(False):
         # that would keep a full unsharded gradient alive across the accumulation steps)
         armed = self.in_backward is not None and len(micro_batches) == 1  # accumulation: the step after backward
+        if armed and not self.in_backward.announced and self.ctx.is_main:
+            self.in_backward.announced = True
+            print("FSDP2: the optimizer steps each block's shard in backward, once its gradient is reduce-scattered",
+                  flush=True)
         with self.in_backward.armed() if armed else contextlib.nullcontext():
             return self._accumulate(micro_batches, lambda b: self.loss_module(b.tokens, b.targets, b.doc_ids),
                                     lambda last: contextlib.nullcontext())

@@ -90,6 +90,7 @@ class StepInBackward:
                  ctx: DistContext) -> None:
         self.model, self.optimizer, self.ctx = model, optimizer, ctx
         self.active = False
+        self.announced = False  # the log says so once, at the first step that runs so
         self._reset()
         for unit in units:
             # prepend, after fully_shard: runs before FSDP2's pre-forward hook, so FSDP2 wraps the inputs this
