@@ -1,6 +1,6 @@
 """The optimizer step inside backward for FSDP2: each unit's shard is updated as soon as its gradient is
 reduce-scattered, and that gradient freed, so a rank never holds its whole gradient shard (a quarter of the
-model on 4 ranks) on top of its parameter shard (LOMO, torchtitan's `early_step_in_backward`).
+model on 4 ranks) on top of its parameter shard (the fused update of LOMO, Lv et al. 2023).
 
 Only where it is exactly the step after backward (`blocker` says why not): SGD updates each parameter from its own
 gradient alone, with the schedule's current lr; no gradient clipping (the clip factor needs every gradient first);
