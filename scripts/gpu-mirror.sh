@@ -4,7 +4,9 @@
 # image that the GPU benchmark touches; no pydantic, kopf, kubernetes or deepspeed, nothing of ours), then runs
 # what a lease runs: scripts/device-wheels.sh here, and scripts/device-bench.sh OUT with that environment's
 # python3 first on PATH. Without CUDA, device-bench.sh is the dry run, so this proves that the lease's command
-# gets past imports, collection and every part before any GPU time is spent.
+# gets past imports, collection and every part before any GPU time is spent. Its kernels part runs on Triton's
+# interpreter, which `seqtrain bench kernels` patches for numpy 2.5 (the lent machine's numpy; there the GPU
+# compiles the kernels and the interpreter never runs): docs/benchmarks.md says what and why.
 #
 #   scripts/gpu-mirror.sh [OUT]        # OUT defaults to /tmp/seqtrain-gpu-mirror-out; prints summary.json
 #

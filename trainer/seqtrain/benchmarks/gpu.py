@@ -194,6 +194,7 @@ def part_kernels(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     return {"status": "ok" if code == 0 else f"failed (exit {code})", "command": "seqtrain bench kernels " +
             " ".join(argv).replace(str(target), KERNELS_DETAIL), "timer": detail.get("timer"),
             "summary": kernels_summary(detail), "detail_file": target.name,
+            "interpreter_fix": detail.get("interpreter_fix"),
             "note": None if _cuda() else "Triton interpreter on the CPU: times are not speeds"}
 
 
@@ -201,11 +202,16 @@ def interpreter_problem() -> str | None:
     """Why Triton's CPU interpreter cannot run seqtrain's kernels in this environment, or None. Triton 3.6's
     interpreter turns a loop bound derived from `tl.program_id` into a Python int with `int(array)`, which
     numpy 2.5 refuses for 1-element arrays (the lent GPU machine's pair; there the kernels are compiled, not
-    interpreted): a probe kernel with such a loop tells."""
+    interpreted): `seqtrain bench kernels` patches that conversion (`patch_interpreter_for_numpy`), and a probe
+    kernel with such a loop tells whether the interpreter then works."""
     import numpy as np
     import torch
     import triton
     import triton.language as tl
+
+    from seqtrain.benchmarks.kernels import patch_interpreter_for_numpy
+
+    patch_interpreter_for_numpy()  # what the kernels part's run applies too
 
     @triton.jit
     def probe(X, n):

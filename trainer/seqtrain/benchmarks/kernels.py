@@ -261,6 +261,36 @@ def _print_table(rows: list[dict[str, Any]]) -> None:
                 print(f"    {name}: {r[name]['error']}")
 
 
+def patch_interpreter_for_numpy() -> str | None:
+    """Let Triton's CPU interpreter index with its scalars under numpy >= 2.5; returns what was patched, or None.
+
+    Triton 3.6's interpreter gives its tensors `__index__ = int(handle.data)`, where a scalar's data is a
+    1-element array: numpy 2.5 refuses `int()` of an array with a dimension (TypeError), so any `range()` over a
+    bound derived from `tl.program_id` fails there, the lent GPU machine's pair (torch 2.11, triton 3.6, numpy
+    2.5.2). Only the interpreter is touched (a GPU compiles the kernels and never runs this code): the same
+    conversion, through `.item()`, which numpy allows for any 1-element array. Triton restores the attribute after
+    each launch as it does its own."""
+    import numpy as np
+
+    if tuple(int(v) for v in np.__version__.split(".")[:2]) < (2, 5):
+        return None
+    try:
+        from triton.runtime import interpreter
+    except Exception:  # noqa: BLE001 - no triton (or no interpreter): nothing to patch
+        return None
+    original = getattr(interpreter, "_patch_lang_tensor", None)
+    if original is None or getattr(original, "seqtrain_numpy_fix", False):
+        return None if original is None else "triton interpreter: tensor.__index__ via .item() (numpy >= 2.5)"
+
+    def patched(tensor: Any, scope: Any) -> None:
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+    patched.seqtrain_numpy_fix = True  # type: ignore[attr-defined]
+    interpreter._patch_lang_tensor = patched
+    return "triton interpreter: tensor.__index__ via .item() (numpy >= 2.5)"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse(list(sys.argv[1:] if argv is None else argv))
     import torch
@@ -271,9 +301,11 @@ def main(argv: list[str] | None = None) -> int:
     if device == "cuda" and not torch.cuda.is_available():
         print("seqtrain bench kernels: --device cuda but no CUDA GPU is visible", file=sys.stderr)
         return 2
+    interpreter_fix = None
     if device == "cpu":
         # Must precede the first import of seqtrain.kernels.ops (triton reads it when decorating).
         os.environ.setdefault("TRITON_INTERPRET", "1")
+        interpreter_fix = patch_interpreter_for_numpy()
     import seqtrain.kernels as K
 
     probe = torch.zeros(1, device=device)
@@ -300,6 +332,7 @@ def main(argv: list[str] | None = None) -> int:
             "device": torch.cuda.get_device_name() if device == "cuda" else
             f"cpu ({platform.processor() or platform.machine()})",
             "kernel_runs_on": "triton" if device == "cuda" else "triton interpreter (times are not speeds)",
+            "interpreter_fix": interpreter_fix,
             "timer": "triton.testing.do_bench (CUDA events), median" if device == "cuda" else
             "wall clock + sync, median",
             "memory_measure": "cuda max_memory_allocated" if device == "cuda" else "live torch tensors (dispatch mode)",

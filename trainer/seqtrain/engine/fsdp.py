@@ -35,6 +35,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from seqtrain.checkpoint.safe_load import dcp_load, load_plain, require_layout
 from seqtrain.data import Batch
 from seqtrain.engine.base import Engine, StepStats
+from seqtrain.engine.in_backward import StepInBackward, blocker
 from seqtrain.models.loss import CausalLMLoss
 from seqtrain.models.materialize import materialize
 from seqtrain.parallel.grads import clip_grad_norm
@@ -61,9 +62,10 @@ class FSDPEngine(Engine):
         sharded = CausalLMLoss(model)
         self.sharding = ctx.distributed and ctx.dp_size > 1
         self.mp_policy = mixed_precision_policy(job.spec.optimization.precision)
+        units = list(getattr(model, "blocks", None) or getattr(model, "layers", []))
         if self.sharding:
             mesh = ctx.mesh["dp"]
-            for unit in getattr(model, "blocks", None) or getattr(model, "layers", []):
+            for unit in units:
                 fully_shard(unit, mesh=mesh, mp_policy=self.mp_policy)
             # The root is the loss wrapper, so the (tied) output projection runs inside an FSDP forward.
             fully_shard(sharded, mesh=mesh, mp_policy=self.mp_policy)
@@ -75,14 +77,26 @@ class FSDPEngine(Engine):
         self.loss_module = sharded
         self.grad_clip = job.spec.training.grad_clip
         self._shard_trust_ratios(self.tp_names)
+        # SGD without clipping: each block's shard is updated as soon as its gradient is reduce-scattered, so the
+        # rank never holds its whole gradient shard (seqtrain.engine.in_backward says when that is exact)
+        why_not = blocker(job, ctx.device, ctx.tp_size) if self.sharding else "one data-parallel rank"
+        self.in_backward = StepInBackward(model, units, self.optimizer, ctx) if why_not is None else None
 
     def step(self, micro_batches: list[Batch]) -> StepStats:
         # every micro-batch reduce-scatters into the sharded fp32 gradient (no set_requires_gradient_sync(False):
         # that would keep a full unsharded gradient alive across the accumulation steps)
-        return self._accumulate(micro_batches, lambda b: self.loss_module(b.tokens, b.targets, b.doc_ids),
-                                lambda last: contextlib.nullcontext())
+        armed = self.in_backward is not None and len(micro_batches) == 1  # accumulation: the step after backward
+        if armed and not self.in_backward.announced and self.ctx.is_main:
+            self.in_backward.announced = True
+            print("FSDP2: the optimizer steps each block's shard in backward, once its gradient is reduce-scattered",
+                  flush=True)
+        with self.in_backward.armed() if armed else contextlib.nullcontext():
+            return self._accumulate(micro_batches, lambda b: self.loss_module(b.tokens, b.targets, b.doc_ids),
+                                    lambda last: contextlib.nullcontext())
 
     def _clip(self) -> torch.Tensor:
+        if self.in_backward is not None and self.in_backward.active:
+            return self.in_backward.global_norm()  # the blocks' gradients are gone: their norms were kept
         return clip_grad_norm(self.model, self.grad_clip, self.ctx, self.tp_names)
 
     # ---- checkpoints: DCP, resharded on load ---------------------------------------------------------------
