@@ -6,6 +6,7 @@ a kwok pod's IP is a simulated address that nothing here can serve, and pod IPs 
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -13,8 +14,11 @@ from kubernetes.client.rest import ApiException
 from operator_harness import (
     OperatorThread,
     add_node,
+    condition,
+    delete_job,
     fast_config,
     finish_pods,
+    job,
     job_doc,
     jobs,
     module_env,
@@ -167,4 +171,74 @@ def test_admission_webhook_refuses_what_spec_validation_refuses(env):
         submit(cp, job_doc("good", ns))
         wait_pods(cp, ns, "good", 1, 2)
     finally:
+        op.stop()
+
+
+HOLD = "seqtrain.test/hold"  # a finalizer: keeps a deleted object Terminating until the test lets it go
+
+
+def _hold(cp, ns: str, pod_names: list[str], configmaps: list[str]) -> None:
+    for p in pod_names:
+        cp.core.patch_namespaced_pod(p, ns, {"metadata": {"finalizers": [HOLD]}})
+    for c in configmaps:
+        cp.core.patch_namespaced_config_map(c, ns, {"metadata": {"finalizers": [HOLD]}})
+
+
+def _release(cp, ns: str, pod_names: list[str], configmaps: list[str]) -> None:
+    for p in pod_names:
+        with contextlib.suppress(ApiException):
+            cp.core.patch_namespaced_pod(p, ns, {"metadata": {"finalizers": None}})
+    for c in configmaps:
+        with contextlib.suppress(ApiException):
+            cp.core.patch_namespaced_config_map(c, ns, {"metadata": {"finalizers": None}})
+
+
+def test_a_reapplied_name_adopts_nothing_of_its_deleted_namesake(env):
+    """A running job is deleted and the same name applied again at once, with another spec, while the old pods are
+    still terminating (a kubelet in its grace period) and the old immutable ConfigMap still waits for the garbage
+    collector (both held by a finalizer here). The new job takes neither: it waits for the old pods with the reason
+    in its Scheduled condition, creates no pod while the old ConfigMap holds the name (a 409 from another job's
+    object is no success), then runs its own gang from its own config, charged no restart."""
+    b, _ = env
+    cp, proxy = b.cp, b.proxy
+    ns = _ns(env, "res-reuse")
+    op = OperatorThread(fast_config(), b.webhook()).start()
+    old_pods: list[str] = []
+    try:
+        submit(cp, job_doc("j", ns))
+        old_pods = [p["metadata"]["name"] for p in wait_running(cp, ns, "j", 1, 2)]
+        wait_phase(cp, ns, "j", "Running")
+        old_uid = job(cp, ns, "j")["metadata"]["uid"]
+        _hold(cp, ns, old_pods, ["j-config-1"])
+        delete_job(cp, ns, "j")
+        wait_for(lambda: not jobs(cp, ns), 60, what="the old job gone")
+        new_uid = submit(cp, job_doc("j", ns, training={"steps": 7}))["metadata"]["uid"]
+        assert new_uid != old_uid
+
+        def waiting() -> bool:
+            return "deleted SeqTrainJob of the same name" in condition(status(cp, ns, "j"), "Scheduled").get(
+                "message", "")
+
+        wait_for(waiting, 60, what="the new job waiting for the old pods")
+        assert all(p["metadata"]["ownerReferences"][0]["uid"] == old_uid for p in pods_of(cp, ns, "j"))
+        # the old pods end; the old ConfigMap still holds its name: the new job creates no pod meanwhile
+        _release(cp, ns, old_pods, [])
+        taken = proxy.count("POST", rf"/namespaces/{ns}/configmaps$", status=409)
+        wait_for(lambda: proxy.count("POST", rf"/namespaces/{ns}/configmaps$", status=409) > taken, 60,
+                 what="the new job's ConfigMap refused while the old one holds the name")
+        assert all(p["metadata"]["ownerReferences"][0]["uid"] == old_uid for p in pods_of(cp, ns, "j"))
+        _release(cp, ns, [], ["j-config-1"])
+        new = wait_running(cp, ns, "j", 1, 2)
+        assert {p["metadata"]["ownerReferences"][0]["uid"] for p in new} == {new_uid}
+        assert {p["metadata"]["labels"]["seqtrain.dev/job-uid"] for p in new} == {new_uid}
+        cm = cp.core.read_namespaced_config_map("j-config-1", ns)
+        assert cm.metadata.owner_references[0].uid == new_uid
+        assert json.loads(cm.data["config.json"])["job"]["spec"]["training"]["steps"] == 7
+        st = wait_phase(cp, ns, "j", "Running")
+        assert (st["restarts"], st.get("infraRestarts", 0), st["attempt"]) == (0, 0, 1)
+        finish_pods(cp, ns, "seqtrain.dev/attempt=1")
+        st = wait_phase(cp, ns, "j", "Succeeded")
+        assert (st["restarts"], st.get("infraRestarts", 0)) == (0, 0)
+    finally:
+        _release(cp, ns, old_pods, ["j-config-1"])
         op.stop()

@@ -21,6 +21,7 @@ from seqtrain.spec import API_VERSION, KIND, RuntimeConfig, SeqTrainJob, Trainer
 from seqtrain.spec.names import configmap_name, hostname, pod_name, service_name
 from seqtrain.spec.policy import PodPolicy
 from seqtrain_operator.k8s.gangs import ADAPTERS, adapter_for
+from seqtrain_operator.k8s.owner import LABEL_UID
 from seqtrain_operator.k8s.template import apply_pod_template
 from seqtrain_operator.planner.inventory import GPU_PRODUCT_LABEL, GPU_RESOURCE
 from seqtrain_operator.planner.placement import pod_tolerations
@@ -94,7 +95,7 @@ def attempt_labels(job: str, attempt: int) -> dict[str, str]:
 
 
 def _meta(name: str, owner: Owner, labels: dict[str, str], annotations: dict[str, str] | None = None) -> dict:
-    meta: dict[str, Any] = {"name": name, "namespace": owner.namespace, "labels": labels,
+    meta: dict[str, Any] = {"name": name, "namespace": owner.namespace, "labels": {**labels, LABEL_UID: owner.uid},
                             "ownerReferences": [owner.reference()]}
     if annotations:
         meta["annotations"] = annotations
