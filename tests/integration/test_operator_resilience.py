@@ -34,6 +34,8 @@ from operator_harness import (
     wait_running,
 )
 
+from seqtrain_operator.k8s import handlers
+
 pytestmark = pytest.mark.timeout(600)
 
 
@@ -241,4 +243,44 @@ def test_a_reapplied_name_adopts_nothing_of_its_deleted_namesake(env):
         assert (st["restarts"], st.get("infraRestarts", 0)) == (0, 0)
     finally:
         _release(cp, ns, old_pods, ["j-config-1"])
+        op.stop()
+
+
+def test_objects_deleted_while_the_watches_are_cut_leave_no_ghost(env):
+    """The pod and node watches are cut and cannot resume (410 Gone), and the LISTs that follow are held (an
+    apiserver being replaced) while a pod of a running gang and an empty node are deleted: no DELETED event ever
+    tells of them. The LIST that gets through replaces what the operator's caches held: the gang's lost pod is seen
+    (the gang restarts) and the deleted node attracts no pins (a job that would fit only there waits Unschedulable
+    and creates no pod)."""
+    b, _ = env
+    cp, proxy = b.cp, b.proxy
+    ns = _ns(env, "res-ghost")
+    op = OperatorThread(fast_config(), b.webhook()).start()
+    try:
+        submit(cp, job_doc("a", ns, resources={"cpu": "3"}))
+        wait_running(cp, ns, "a", 1, 2)
+        wait_phase(cp, ns, "a", "Running")
+        add_node(cp, f"{ns}-1", pool=ns)  # empty: the only node job b below would fit on
+        wait_for(lambda: any(n["metadata"]["name"] == f"{ns}-1" for n in handlers.IndexViews().nodes()), 60,
+                 what="the operator sees the new node")
+        watches = r"^/api/v1/(pods|nodes)$"
+        proxy.add_rule("GET", watches, gone=True, times=None)  # a watch that tries to resume: 410, LIST again
+        held = proxy.add_rule("GET", watches, watch=False, delay=20.0, times=None)
+        assert proxy.drop_watches(watches) >= 2
+        wait_for(lambda: held.hits >= 2, 60, what="the relists held")
+        cp.core.delete_namespaced_pod("a-1-1", ns, grace_period_seconds=0)
+        cp.core.delete_node(f"{ns}-1")
+        wait_for(lambda: not [p for p in pods_of(cp, ns, "a", 1) if p["metadata"]["name"] == "a-1-1"], 30,
+                 what="a-1-1 gone")
+        wait_for(lambda: f"{ns}-1" not in [n.metadata.name for n in cp.core.list_node().items], 30,
+                 what="the node gone")
+        proxy.clear_rules()
+        wait_pods(cp, ns, "a", 2, 2, timeout=120)  # the lost pod was seen: the gang restarted
+        wait_phase(cp, ns, "a", "Running", timeout=180)
+        submit(cp, job_doc("b", ns, replicas=1, resources={"cpu": "4"}))  # 2 of 8 CPUs are left on the live node
+        wait_for(lambda: condition(status(cp, ns, "b"), "Scheduled").get("reason") == "Unschedulable", 60,
+                 what="b waiting for capacity")
+        assert pods_of(cp, ns, "b") == []
+    finally:
+        proxy.clear_rules()
         op.stop()

@@ -248,6 +248,29 @@ class Kube:
     async def list_nodes(self) -> list[dict]:
         return (await self._call(self.core.list_node)).get("items", [])
 
+    async def list_nodes_paged(self, label_selector: str = "", project: Callable[[dict], dict] | None = None
+                               ) -> tuple[list[dict], str]:
+        """Every selected node, `PAGE` at a time, and the list's resourceVersion (see list_pods_paged)."""
+        items: list[dict] = []
+        token: str | None = None
+        while True:
+            kw: dict[str, Any] = {"label_selector": label_selector, "limit": PAGE}
+            if token:
+                kw["_continue"] = token
+            try:
+                data = await self._call(self.core.list_node, **kw)
+            except ApiException as exc:
+                if exc.status == 410 and token:
+                    items, token = [], None
+                    continue
+                raise
+            page = data.get("items") or []
+            items.extend(map(project, page) if project is not None else page)
+            meta = data.get("metadata") or {}
+            token = meta.get("continue")
+            if not token:
+                return items, str(meta.get("resourceVersion") or "")
+
     async def crd_exists(self, name: str) -> bool:
         return await self.get_crd(name) is not None
 
