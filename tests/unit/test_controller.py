@@ -23,6 +23,7 @@ from seqtrain_operator.controller import (
     iso,
     parse,
 )
+from seqtrain_operator.controller import conditions as cond
 from seqtrain_operator.controller.failure_policy import FailureClass, classify, root_cause
 from seqtrain_operator.planner.types import Node
 
@@ -48,11 +49,14 @@ def make_job(replicas: int = 2, *, max_restarts: int = 2, max_infra: int = 3, ba
 
 
 def gang(attempt: int, *phases: str, **failed: object) -> tuple[ReplicaObservation, ...]:
-    """gang(1, "Running", "Failed", exit_code=137) -> replica 0 Running, replica 1 Failed with the given fields."""
+    """gang(1, "Running", "Failed", exit_code=137) -> replica 0 Running, replica 1 Failed with the given fields.
+    "Pending": not placed on a node (kube-scheduler could not); "Starting": Pending on node-<i> (ContainerCreating)."""
     out = []
     for i, ph in enumerate(phases):
         extra = failed if ph == "Failed" else {}
-        out.append(ReplicaObservation(replica=i, attempt=attempt, phase=ph, node=f"node-{i}", **extra))  # type: ignore[arg-type]
+        node = None if ph == "Pending" else f"node-{i}"
+        out.append(ReplicaObservation(replica=i, attempt=attempt, phase="Pending" if ph == "Starting" else ph,  # type: ignore[arg-type]
+                                      node=node, **extra))
     return tuple(out)
 
 
@@ -727,3 +731,35 @@ def test_a_native_gang_waiting_in_kube_schedulers_queue_is_not_torn_down_after_t
     refused = Observed(replicas=(waiting.replicas[0], replace(waiting.replicas[1], queued=False)))
     d = decide(job, st, refused, T0 + timedelta(seconds=900))
     assert d.of(DeleteGang) == [DeleteGang(1, "PendingTimeout")]
+
+
+def test_a_placed_replica_that_is_starting_is_progress_with_its_own_deadline() -> None:
+    # A 10-20 GB CUDA image pull or a volume attach takes longer than pendingGraceSeconds: the gang was torn down and
+    # re-planned (pulling again elsewhere) in a loop. Placed and starting now counts toward startTimeoutSeconds.
+    job = make_job(pending_grace=60)
+    assert job.spec.scheduling.start_timeout_seconds == 1800
+    st = decide(job, JobStatus(), Observed(), T0).status
+    starting = Observed(replicas=gang(1, "Running", "Starting"))
+    d = decide(job, st, starting, T0 + timedelta(seconds=600))
+    assert not d.of(DeleteGang) and d.status.phase == "Scheduling" and d.status.restarts == 0
+    c = cond.get(d.status, "Starting")
+    assert c is not None and (c.status, c.reason) == ("True", "ContainerCreating") and "node-1" in c.message
+    d = decide(job, d.status, starting, T0 + timedelta(seconds=1801))
+    assert d.of(DeleteGang) == [DeleteGang(1, "StartTimeout")] and d.status.restarts == 0
+    assert cond.get(d.status, "Scheduled").reason == "StartTimeout"  # type: ignore[union-attr]
+
+
+def test_only_unschedulable_replicas_count_toward_the_pending_grace() -> None:
+    job = make_job(pending_grace=60)
+    st = decide(job, JobStatus(), Observed(), T0).status
+    d = decide(job, st, Observed(replicas=gang(1, "Starting", "Pending")), T0 + timedelta(seconds=61))
+    assert d.of(DeleteGang) == [DeleteGang(1, "PendingTimeout")]
+
+
+def test_the_starting_condition_ends_when_the_gang_runs() -> None:
+    job = make_job()
+    st = decide(job, JobStatus(), Observed(), T0).status
+    st = decide(job, st, Observed(replicas=gang(1, "Running", "Starting")), T0 + timedelta(seconds=5)).status
+    st = decide(job, st, Observed(replicas=gang(1, "Running", "Running")), T0 + timedelta(seconds=9)).status
+    c = cond.get(st, "Starting")
+    assert st.phase == "Running" and c is not None and (c.status, c.reason) == ("False", "Started")

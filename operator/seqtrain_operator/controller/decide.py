@@ -230,6 +230,9 @@ def _live_gang(ctx: _Ctx, current: tuple[ReplicaObservation, ...]) -> None:
         if st.phase != "Running":
             st.create_failures = 0
             cond.set_condition(st, "Scheduled", "True", "GangRunning", f"{len(current)} replica(s) running", ctx.now)
+            if (c := cond.get(st, "Starting")) is not None and c.status == "True":
+                cond.set_condition(st, "Starting", "False", "Started", f"attempt {st.attempt}: every replica started",
+                                   ctx.now)
             cond.enter_phase(st, "Running", "GangRunning", f"attempt {st.attempt}: all replicas running", ctx.now)
             ctx.event("Normal", "Running", f"attempt {st.attempt}: all {len(current)} replica(s) running")
         hang = _hang(ctx)
@@ -269,17 +272,32 @@ def _live_gang(ctx: _Ctx, current: tuple[ReplicaObservation, ...]) -> None:
         ctx.actions.append(RequeueAfter(max(1.0, min(POLL_SECONDS * 6, limit - waited))))
         return
     # Replicas still in kube-scheduler's queue (native gangs: not yet tried, not refused) are not stuck; a burst of
-    # thousands of pods takes it a while. Stuck: refused by the scheduler, or bound and not starting.
-    stuck = [r for r in current if r.phase == "Pending" and not (native and r.queued)]
-    if waited > grace and stuck:
+    # thousands of pods takes it a while. Stuck: refused by the scheduler (not placed on a node).
+    stuck = [r for r in current if r.phase == "Pending" and not r.node and not (native and r.queued)]
+    # Placed and starting (ContainerCreating: pulling a large image, attaching a volume) is progress, with a deadline
+    # of its own: tearing it down would only start the pull or the attach again elsewhere.
+    starting = [r for r in current if r.phase == "Pending" and r.node]
+    start_limit = job.spec.scheduling.start_timeout_seconds
+    if (waited > grace and stuck) or (waited > start_limit and starting):
         # A partly started gang holds resources others need: tear it down and re-plan from scratch.
-        ctx.delete(st.attempt, "PendingTimeout")
-        cond.set_condition(st, "Scheduled", "False", "PendingTimeout",
-                           f"replicas still pending after {grace}s; re-planning", ctx.now)
-        ctx.event("Warning", "PendingTimeout", f"attempt {st.attempt}: replicas pending for {waited:.0f}s")
+        why, limit = ("PendingTimeout", grace) if waited > grace and stuck else ("StartTimeout", start_limit)
+        what = "still unschedulable" if why == "PendingTimeout" else "placed but not started"
+        ctx.delete(st.attempt, why)
+        cond.set_condition(st, "Scheduled", "False", why, f"replicas {what} after {limit}s; re-planning", ctx.now)
+        ctx.event("Warning", why, f"attempt {st.attempt}: replicas {what} for {waited:.0f}s")
         st.phase = "Scheduling"
         return
-    ctx.actions.append(RequeueAfter(max(1.0, grace - waited)))
+    if starting:
+        r = starting[0]
+        cond.set_condition(st, "Starting", "True", "ContainerCreating",
+                           f"attempt {st.attempt}: {len(starting)} replica(s) placed and starting (replica {r.replica} "
+                           f"on {r.node}: pulling the image or attaching volumes) for {waited:.0f}s; "
+                           f"scheduling.startTimeoutSeconds = {start_limit}", ctx.now)
+    elif (c := cond.get(st, "Starting")) is not None and c.status == "True":
+        cond.set_condition(st, "Starting", "False", "Started", f"attempt {st.attempt}: every placed replica started",
+                           ctx.now)
+    deadlines = ([grace - waited] if stuck else []) + ([start_limit - waited] if starting else [])
+    ctx.actions.append(RequeueAfter(max(1.0, min(deadlines + [POLL_SECONDS * 6]))))
 
 
 def _settling(ctx: _Ctx, current: tuple[ReplicaObservation, ...]) -> float | None:
@@ -300,7 +318,8 @@ def _tearing_down(st: JobStatus) -> bool:
     """The operator itself gave up the live attempt without a failure (pending timeout: re-plan; the API server
     refused part of the gang)."""
     c = cond.get(st, "Scheduled")
-    return st.phase == "Scheduling" and c is not None and c.reason in ("PendingTimeout", "CreateFailed")
+    return st.phase == "Scheduling" and c is not None and c.reason in ("PendingTimeout", "StartTimeout",
+                                                                       "CreateFailed")
 
 
 def _queued(ctx: _Ctx, current: tuple[ReplicaObservation, ...]) -> None:
