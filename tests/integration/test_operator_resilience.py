@@ -284,3 +284,28 @@ def test_objects_deleted_while_the_watches_are_cut_leave_no_ghost(env):
     finally:
         proxy.clear_rules()
         op.stop()
+
+
+def test_a_read_write_once_checkpoint_claim_for_a_multi_node_gang_is_refused_at_admission(env):
+    """The apiserver calls the webhook, which reads the claim: a ReadWriteOnce volume attaches to one node, so the
+    other replicas of a 2-replica gang would wait in ContainerCreating for ever (Multi-Attach). Refused at apply time
+    with the fix named; a ReadWriteMany claim, or one replica, is admitted."""
+    b, _ = env
+    cp = b.cp
+    ns = _ns(env, "res-rwo")
+    for name, mode in (("rwo", "ReadWriteOnce"), ("rwx", "ReadWriteMany")):
+        cp.core.create_namespaced_persistent_volume_claim(ns, {
+            "metadata": {"name": name}, "spec": {"accessModes": [mode], "resources": {"requests": {"storage": "1Gi"}}}})
+    op = OperatorThread(fast_config(), b.webhook()).start()
+    try:
+        with pytest.raises(ApiException) as refused:
+            submit(cp, job_doc("shared", ns, checkpoint={"pvc": "rwo"}))
+        assert refused.value.status == 422, refused.value.body
+        message = json.loads(refused.value.body)["message"]
+        assert "spec.checkpoint.pvc: claim rwo is ReadWriteOnce" in message and "ReadWriteMany" in message, message
+        assert jobs(cp, ns) == []
+        submit(cp, job_doc("one", ns, replicas=1, checkpoint={"pvc": "rwo"}))
+        submit(cp, job_doc("shared", ns, checkpoint={"pvc": "rwx"}))
+        assert sorted(j["metadata"]["name"] for j in jobs(cp, ns)) == ["one", "shared"]
+    finally:
+        op.stop()

@@ -71,6 +71,9 @@ with `kubectl auth can-i --list` as the ServiceAccount.
 - apiGroups: [""]
   resources: ["configmaps"]
   verbs: ["get", "create", "delete", "deletecollection"]
+- apiGroups: [""]  # the webhook reads a job's checkpoint claim (its access modes)
+  resources: ["persistentvolumeclaims"]
+  verbs: ["get"]
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]

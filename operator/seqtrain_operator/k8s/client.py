@@ -315,7 +315,8 @@ class Kube:
         try:
             if api_version == "v1":
                 fn = {"Pod": self.core.read_namespaced_pod, "Service": self.core.read_namespaced_service,
-                      "ConfigMap": self.core.read_namespaced_config_map}[kind]
+                      "ConfigMap": self.core.read_namespaced_config_map,
+                      "PersistentVolumeClaim": self.core.read_namespaced_persistent_volume_claim}[kind]
                 return await self._call(fn, name, namespace)
             group, version = api_version.split("/")
             return await self._call(self.custom.get_namespaced_custom_object, group, version, namespace,

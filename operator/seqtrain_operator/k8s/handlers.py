@@ -34,6 +34,7 @@ from seqtrain.spec.policy import job_policy_problems
 from seqtrain_operator.k8s import manifests as m
 from seqtrain_operator.k8s import project
 from seqtrain_operator.k8s.busy import BusyPods
+from seqtrain_operator.k8s.claims import claim_problem
 from seqtrain_operator.k8s.client import Kube, load_config
 from seqtrain_operator.k8s.foreign import ForeignPods
 from seqtrain_operator.k8s.ledger import Ledger
@@ -328,7 +329,24 @@ def enable_webhook(config: WebhookConfig) -> None:
     STATE.webhook = config
     registry = kopf.get_default_registry()
     if not any(h.id == WEBHOOK_ID for h in registry._webhooks.get_all_handlers()):
-        kopf.on.validate(API_GROUP, VERSION, PLURAL, id=WEBHOOK_ID, operations=["CREATE", "UPDATE"])(validate)
+        kopf.on.validate(API_GROUP, VERSION, PLURAL, id=WEBHOOK_ID, operations=["CREATE", "UPDATE"])(admit)
+
+
+async def admit(body: dict[str, Any], operation: str | None = None, old: dict[str, Any] | None = None,
+                **_: Any) -> None:
+    """The webhook: `validate`, then what only the cluster can tell (the checkpoint claim's access modes)."""
+    validate(body, operation, old)
+    if operation == "UPDATE" and old is not None and old.get("spec") == body.get("spec"):
+        return
+    if (body.get("metadata") or {}).get("deletionTimestamp") or STATE.kube is None:
+        return
+    job = parse_job({k: body.get(k) for k in ("apiVersion", "kind", "spec")} |
+                    {"metadata": {"name": (body.get("metadata") or {}).get("name") or "job"}})
+    namespace = (body.get("metadata") or {}).get("namespace") or "default"
+    if job.spec.checkpoint.pvc and job.spec.replicas > 1:
+        claim = await STATE.kube.read("v1", "PersistentVolumeClaim", namespace, job.spec.checkpoint.pvc)
+        if (problem := claim_problem(job, claim)) is not None:
+            raise kopf.AdmissionError(problem, code=422)
 
 
 def validate(body: dict[str, Any], operation: str | None = None, old: dict[str, Any] | None = None,
