@@ -289,3 +289,30 @@ def test_the_documented_crd_upgrade_path_upgrades_the_schema(testbed: Testbed, s
         assert stored["imagePullTimeoutSeconds"] == 1234
     finally:
         delete_job(testbed, ns, "crd-upgrade")
+
+
+# ---- issue 24: a slow start is progress, not a stuck gang ---------------------------------------------------------
+
+
+def test_replicas_placed_and_starting_are_progress_not_a_stuck_gang(
+        testbed: Testbed, seqtrain_operator: Operator, ns: str) -> None:
+    """Both replicas are placed and stay ContainerCreating for 40 s (a large image being pulled, a volume being
+    attached: the node agent holds them, as a kubelet reports it), far past pendingGraceSeconds (5). The gang is not
+    torn down and re-planned (which would only pull again): the Starting condition says why it waits, and once the
+    containers start the job trains to the end on its first attempt."""
+    job = cpu_job("slow-start")
+    job["spec"]["training"]["steps"] = 12
+    job["spec"]["scheduling"]["pendingGraceSeconds"] = 5
+    job["spec"]["podTemplate"] = {"metadata": {"annotations": {"testbed.seqtrain.dev/start-delay-seconds": "40"}}}
+    testbed.apply(job, ns)
+    try:
+        starting = wait("the Starting condition", lambda: (c := condition(testbed, ns, "slow-start", "Starting"))
+                        and c["status"] == "True" and c, 120, 1)
+        assert starting["reason"] == "ContainerCreating" and "startTimeoutSeconds" in starting["message"], starting
+        done = wait_phase(testbed, seqtrain_operator, ns, "slow-start", "Succeeded")
+        assert done["attempt"] == 1 and done.get("restarts", 0) == 0, done
+        assert not [e for e in events(testbed, ns, "slow-start") if e["reason"] in ("PendingTimeout", "StartTimeout")]
+        c = condition(testbed, ns, "slow-start", "Starting")
+        assert c is not None and (c["status"], c["reason"]) == ("False", "Started"), c
+    finally:
+        delete_job(testbed, ns, "slow-start")
