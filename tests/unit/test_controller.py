@@ -132,9 +132,10 @@ def test_pending_longer_than_grace_tears_the_gang_down() -> None:
     (None, "UnexpectedAdmissionError", FailureClass.INFRASTRUCTURE),
     (None, "NodeAffinity", FailureClass.INFRASTRUCTURE),
     (5, None, FailureClass.INFRASTRUCTURE),
-    (143, "Evicted", FailureClass.INFRASTRUCTURE),
+    (143, "Evicted", FailureClass.DISRUPTION),
     (None, "NodeLost", FailureClass.INFRASTRUCTURE),
-    (137, "Preempted", FailureClass.INFRASTRUCTURE),
+    (137, "Preempted", FailureClass.DISRUPTION),
+    (143, "NodeShutdown", FailureClass.DISRUPTION),
 ])
 def test_failure_classification(exit_code: int | None, reason: str | None, klass: FailureClass) -> None:
     r = ReplicaObservation(replica=0, attempt=1, phase="Failed", exit_code=exit_code, reason=reason)
@@ -302,7 +303,7 @@ def test_permanent_failure_fails_without_restart() -> None:
 def test_infrastructure_failure_uses_its_own_budget_and_avoids_the_node() -> None:
     job = make_job(max_restarts=0)
     st = run_to_running(job)
-    d = decide(job, st, Observed(replicas=gang(1, "Running", "Failed", reason="Evicted")), T0)
+    d = decide(job, st, Observed(replicas=gang(1, "Running", "Failed", exit_code=5)), T0)  # no CUDA device
     assert d.status.phase == "Restarting" and d.status.restarts == 0 and d.status.infra_restarts == 1
     assert "node-1" in d.status.failed_nodes
     d2 = decide(job, d.status, Observed(), T0 + timedelta(seconds=10))
@@ -763,3 +764,17 @@ def test_the_starting_condition_ends_when_the_gang_runs() -> None:
     st = decide(job, st, Observed(replicas=gang(1, "Running", "Running")), T0 + timedelta(seconds=9)).status
     c = cond.get(st, "Starting")
     assert st.phase == "Running" and c is not None and (c.status, c.reason) == ("False", "Started")
+
+
+@pytest.mark.parametrize("reason", ["Preempted", "Evicted", "NodeShutdown"])
+def test_a_disruption_restarts_without_spending_a_budget_or_avoiding_the_node(reason: str) -> None:
+    # Preemption, a drain (the Eviction API), a graceful node shutdown (spot reclaim): the cluster's choice on a
+    # healthy node. They used up maxInfraRestarts and put the node on the avoid list for 600 s.
+    job = make_job(max_restarts=0, max_infra=0)
+    st = run_to_running(job)
+    d = decide(job, st, Observed(replicas=gang(1, "Running", "Failed", reason=reason)), T0)
+    assert d.status.phase == "Restarting" and (d.status.restarts, d.status.infra_restarts) == (0, 0)
+    assert d.status.failed_nodes == {} and "not counted" in d.status.message
+    assert d.of(DeleteGang) == [DeleteGang(1, reason)]
+    d2 = decide(job, d.status, Observed(), T0 + timedelta(seconds=10))
+    assert d2.of(CreateGang) and d2.of(CreateGang)[0].avoid_nodes == ()

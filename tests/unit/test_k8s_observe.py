@@ -51,10 +51,10 @@ CASES = [
     ("invalid config", pod(phase="Failed", term={"exitCode": 3}), "Failed", None, 3, FailureClass.PERMANENT),
     ("oom", pod(phase="Failed", term={"exitCode": 137, "reason": "OOMKilled"}), "Failed", "OOMKilled", 137,
      FailureClass.USER),
-    ("evicted", pod(phase="Failed", reason="Evicted"), "Failed", "Evicted", None, FailureClass.INFRASTRUCTURE),
+    ("evicted", pod(phase="Failed", reason="Evicted"), "Failed", "Evicted", None, FailureClass.DISRUPTION),
     ("preempted", pod(phase="Failed", term={"exitCode": 143}, conditions=[
         {"type": "DisruptionTarget", "status": "True", "reason": "PreemptionByScheduler"}]),
-     "Failed", "Preempted", 143, FailureClass.INFRASTRUCTURE),
+     "Failed", "Preempted", 143, FailureClass.DISRUPTION),
     ("deleted by someone", pod(deleting=True), "Failed", "Deleted", None, FailureClass.INFRASTRUCTURE),
     ("evicted by the taint manager from a NotReady node", pod(deleting=True, conditions=[
         {"type": "DisruptionTarget", "status": "True", "reason": "DeletionByTaintManager"}]),

@@ -530,6 +530,8 @@ def _on_failure(ctx: _Ctx, failure: Failure) -> None:
         st.infra_restarts += 1
         if failure.node:
             st.failed_nodes[failure.node] = iso(ctx.now + timedelta(seconds=ft.node_avoid_seconds))
+    elif failure.cls is FailureClass.DISRUPTION:
+        pass  # the cluster's choice, on a healthy node: no budget spent, no node avoided
     else:
         if _repeated_startup_failure(ctx, failure):
             said = "" if failure.error is None or failure.error in failure.message else f" ({failure.error})"
@@ -545,6 +547,7 @@ def _on_failure(ctx: _Ctx, failure: Failure) -> None:
     st.steps_lost.append(max(0, done - ck))
     st.next_restart_time = iso(ctx.now + timedelta(seconds=delay))
     count = f"restart {st.restarts}/{ft.max_restarts}" if failure.cls is FailureClass.USER else \
+        "restart (a disruption: not counted)" if failure.cls is FailureClass.DISRUPTION else \
         f"infrastructure restart {st.infra_restarts}/{ft.max_infra_restarts}"
     msg = f"{failure.message}; {count} in {delay:g}s from checkpoint step {ck or 'none'}"
     cond.enter_phase(st, "Restarting", failure.reason, msg, ctx.now)
