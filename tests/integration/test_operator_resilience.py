@@ -309,3 +309,41 @@ def test_a_read_write_once_checkpoint_claim_for_a_multi_node_gang_is_refused_at_
         assert sorted(j["metadata"]["name"] for j in jobs(cp, ns)) == ["one", "shared"]
     finally:
         op.stop()
+
+
+def test_an_eviction_is_a_disruption_and_a_budget_makes_it_wait(env):
+    """A drain evicts a replica through the Eviction API (the apiserver marks the pod DisruptionTarget,
+    EvictionByEvictionAPI): the gang restarts without spending maxInfraRestarts (0 here) and without putting the
+    healthy node on the avoid list. With scheduling.podDisruptionBudget the eviction is refused (429) and the gang
+    runs on; with scheduling.doNotDisrupt the pods carry the autoscalers' annotations."""
+    b, _ = env
+    cp = b.cp
+    ns = _ns(env, "res-evict")
+    op = OperatorThread(fast_config(), b.webhook()).start()
+    try:
+        submit(cp, job_doc("j", ns, faultTolerance={"maxInfraRestarts": 0}, scheduling={"doNotDisrupt": True}))
+        pods = wait_running(cp, ns, "j", 1, 2)
+        assert all(p["metadata"]["annotations"]["karpenter.sh/do-not-disrupt"] == "true" for p in pods)
+        wait_phase(cp, ns, "j", "Running")
+        # the evicted pod is held Terminating, so the operator sees its last state (kwok would remove it at once)
+        _hold(cp, ns, ["j-1-1"], [])
+        cp.core.create_namespaced_pod_eviction("j-1-1", ns, {"metadata": {"name": "j-1-1", "namespace": ns}})
+        st = wait_phase(cp, ns, "j", "Restarting", timeout=60)
+        assert (st["restarts"], st.get("infraRestarts", 0), st.get("failedNodes") or {}) == (0, 0, {}), st
+        assert "Evicted" in st["message"] and "not counted" in st["message"], st["message"]
+        _release(cp, ns, ["j-1-1"], [])
+        wait_running(cp, ns, "j", 2, 2)
+        st = wait_phase(cp, ns, "j", "Running")
+        assert (st["attempt"], st["restarts"], st.get("infraRestarts", 0)) == (2, 0, 0), st
+
+        submit(cp, job_doc("k", ns, scheduling={"podDisruptionBudget": True}))
+        wait_running(cp, ns, "k", 1, 2)
+        wait_phase(cp, ns, "k", "Running")
+        with pytest.raises(ApiException) as refused:
+            cp.core.create_namespaced_pod_eviction("k-1-0", ns, {"metadata": {"name": "k-1-0", "namespace": ns}})
+        assert refused.value.status == 429, refused.value.body
+        assert "disruption budget" in refused.value.body
+        assert status(cp, ns, "k")["attempt"] == 1
+    finally:
+        _release(cp, ns, ["j-1-1"], [])
+        op.stop()

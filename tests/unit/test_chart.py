@@ -97,7 +97,8 @@ OPERATOR_NAMESPACED = {
     ("", "services", "create"), ("", "configmaps", "create"), ("", "configmaps", "deletecollection"),
     # get, delete: a name taken by a deleted job's namesake (Kube.create reads whose it is; delete_exact)
     *(("", r, v) for r in ("pods", "services", "configmaps") for v in ("get", "delete")),
-    ("", "events", "create"), ("", "persistentvolumeclaims", "get"),  # the webhook: the checkpoint claim's modes
+    ("", "events", "create"), ("", "persistentvolumeclaims", "get"),
+    *(("policy", "poddisruptionbudgets", v) for v in ("get", "create", "delete")),  # scheduling.podDisruptionBudget  # the webhook: the checkpoint claim's modes
     *((g, "podgroups", v) for g in ("scheduling.x-k8s.io", "scheduling.volcano.sh", "scheduling.run.ai")
       for v in ("get", "create", "delete")),
     ("scheduling.x-k8s.io", "podgroups", "patch"),  # coscheduling's retry nudge

@@ -71,6 +71,9 @@ with `kubectl auth can-i --list` as the ServiceAccount.
 - apiGroups: [""]
   resources: ["configmaps"]
   verbs: ["get", "create", "delete", "deletecollection"]
+- apiGroups: ["policy"]  # scheduling.podDisruptionBudget: one per job (owned by it, so GC deletes it)
+  resources: ["poddisruptionbudgets"]
+  verbs: ["get", "create", "delete"]
 - apiGroups: [""]  # the webhook reads a job's checkpoint claim (its access modes)
   resources: ["persistentvolumeclaims"]
   verbs: ["get"]

@@ -139,7 +139,8 @@ def _transient(exc: BaseException) -> bool:
 
 
 def _plural(kind: str) -> str:
-    return "networkpolicies" if kind == "NetworkPolicy" else kind.lower() + "s"
+    return {"NetworkPolicy": "networkpolicies", "PodDisruptionBudget": "poddisruptionbudgets"}.get(kind,
+                                                                                                 kind.lower() + "s")
 
 
 class Kube:

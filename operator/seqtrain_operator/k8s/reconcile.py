@@ -467,7 +467,9 @@ async def create_gang(kube: Kube, job: SeqTrainJob, owner: m.Owner, attempt: int
             on_created(obj["metadata"]["name"])
 
     netpol = [m.build_network_policy(job, owner, settings)] if settings.network_policy else []
-    for obj in [m.build_service(owner, settings), *netpol, gang.configmap, *([gang.podgroup] if gang.podgroup else [])]:
+    pdb = [m.build_pdb(owner)] if job.spec.scheduling.pod_disruption_budget else []
+    for obj in [m.build_service(owner, settings), *netpol, *pdb, gang.configmap,
+                *([gang.podgroup] if gang.podgroup else [])]:
         await create(obj)  # what the pods refer to, first
     # The pods together: one admission holds the admission lock until its pods exist, so their creation time is
     # every queued job's wait. All are attempted; the first refusal (or error) is raised after.

@@ -179,3 +179,11 @@ class SchedulingSpec(SpecModel):
     )
     node_selector: dict[str, str] = Field(default_factory=dict, description="Node labels every trainer pod requires.")
     tolerations: list[Toleration] = Field(default_factory=list, description="Tolerations of the trainer pods.")
+    do_not_disrupt: bool = Field(
+        False, description="Annotate the trainer pods karpenter.sh/do-not-disrupt and cluster-autoscaler's "
+        "safe-to-evict=false: autoscalers then never consolidate or scale down a node the gang runs on."
+    )
+    pod_disruption_budget: bool = Field(
+        False, description="Create a PodDisruptionBudget (maxUnavailable 0) over the job's pods: a drain or any other "
+        "eviction through the Eviction API waits for the job instead of restarting the whole gang."
+    )
