@@ -778,3 +778,21 @@ def test_a_disruption_restarts_without_spending_a_budget_or_avoiding_the_node(re
     assert d.of(DeleteGang) == [DeleteGang(1, reason)]
     d2 = decide(job, d.status, Observed(), T0 + timedelta(seconds=10))
     assert d2.of(CreateGang) and d2.of(CreateGang)[0].avoid_nodes == ()
+
+
+def test_a_replica_overdue_in_terminating_is_force_deleted_saying_so() -> None:
+    job = make_job()
+    st = run_to_running(job)
+    d = decide(job, st, Observed(replicas=gang(1, "Running", "Failed", exit_code=1)), T0)
+    assert d.status.phase == "Restarting"
+    dying = gang(1, "Failed", "Failed", exit_code=1)
+    stuck = Observed(replicas=(replace(dying[0], terminating=True, overdue=True), replace(dying[1], terminating=True)))
+    d2 = decide(job, d.status, stuck, T0 + timedelta(seconds=200))
+    assert [a.force_nodes for a in d2.of(DeleteGang)] == [("node-0",)]
+    c = cond.get(d2.status, "Terminating")
+    assert c is not None and (c.status, c.reason) == ("True", "TerminationOverdue") and "node-0" in c.message
+    assert [e.reason for e in d2.of(Event)] == ["ForceDeleted"]
+    d3 = decide(job, d2.status, stuck, T0 + timedelta(seconds=205))  # said once
+    assert not d3.of(Event)
+    d4 = decide(job, d3.status, Observed(), T0 + timedelta(seconds=210))
+    assert d4.of(CreateGang) and cond.get(d4.status, "Terminating").status == "False"  # type: ignore[union-attr]

@@ -283,3 +283,18 @@ def test_in_cluster_login_uses_the_service_env_the_kubelet_sets_not_cluster_dns(
     assert in_cluster_server({"KUBERNETES_SERVICE_HOST": "fd00::1", "KUBERNETES_SERVICE_PORT": "6443"}, "x") == \
         "https://[fd00::1]:6443"
     assert in_cluster_server({}, "https://kubernetes.default.svc") == "https://kubernetes.default.svc"
+
+
+def test_a_pod_terminating_long_past_its_grace_on_a_ready_node_is_overdue() -> None:
+    # deletionTimestamp 11:59:00 is when its grace period ended; NOW is 12:00:00
+    (r,) = observe_replicas([pod(deleting=True)], [node("n1")], NOW)
+    assert r.terminating and not r.overdue  # 60 s: the kubelet may still be confirming
+    later = NOW + timedelta(seconds=30)
+    (r,) = observe_replicas([pod(deleting=True)], [node("n1")], later)
+    assert r.overdue
+    held = pod(deleting=True)
+    held["metadata"]["finalizers"] = ["example.com/keep"]  # a finalizer's owner holds it, not the kubelet
+    (r,) = observe_replicas([held], [node("n1")], later)
+    assert not r.overdue
+    (r,) = observe_replicas([pod(node_name="down", deleting=True)], [node("down", ready="False")], later)
+    assert not r.overdue  # a node that is not Ready takes the node-lost path

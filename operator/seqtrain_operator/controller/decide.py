@@ -75,9 +75,20 @@ class _Ctx:
         self.actions.append(Event(type_, reason, message))  # type: ignore[arg-type]
 
     def delete(self, attempt: int, reason: str) -> None:
-        """Delete every replica of `attempt`; force it on nodes that are lost (see DeleteGang.force_nodes)."""
-        lost = sorted({r.node for r in self.observed.replicas if r.attempt == attempt and r.node_lost and r.node})
+        """Delete every replica of `attempt`; force it on nodes that are lost (see DeleteGang.force_nodes), and where
+        a replica is overdue in Terminating on a Ready node (said in the Terminating condition and an Event)."""
+        mine = [r for r in self.observed.replicas if r.attempt == attempt and r.node]
+        overdue = sorted({r.node for r in mine if r.overdue and r.node})
+        lost = sorted({r.node for r in mine if r.node_lost and r.node} | set(overdue))
         self.actions.append(DeleteGang(attempt, reason, tuple(lost)))
+        if overdue:
+            replicas = ", ".join(str(r.replica) for r in mine if r.overdue)
+            msg = (f"attempt {attempt}: replica(s) {replicas} still terminating on Ready node(s) {', '.join(overdue)} "
+                   f"past their grace period (the kubelet did not confirm): force-deleted")
+            prev = cond.get(self.st, "Terminating")
+            if prev is None or prev.message != msg:
+                cond.set_condition(self.st, "Terminating", "True", "TerminationOverdue", msg, self.now)
+                self.event("Warning", "ForceDeleted", msg)
 
 
 def decide(job: SeqTrainJob, status: JobStatus, observed: Observed, now: datetime) -> Decision:
@@ -392,6 +403,8 @@ def _no_gang(ctx: _Ctx) -> None:
         return
     restarting = st.phase == "Restarting"
     before = st.replicas
+    if (c := cond.get(st, "Terminating")) is not None and c.status == "True":
+        cond.set_condition(st, "Terminating", "False", "Gone", "the earlier attempt's pods are gone", ctx.now)
     st.attempt += 1
     st.replicas = admitted.replicas
     st.world_size = ctx.gang_job.spec.world_size

@@ -14,7 +14,8 @@ or fails it after the trainer succeeded):
   DisruptionTarget condition's reason (PreemptionByScheduler -> Preempted, DeletionByTaintManager -> NodeLost,
   EvictionByEvictionAPI / TerminationByKubelet -> Evicted);
 - deletionTimestamp set -> Failed, Deleted, terminating (the core knows whether it asked for the deletion: a
-  teardown it ordered is never charged);
+  teardown it ordered is never charged); overdue once the grace period ended over a minute ago on a Ready node with
+  no finalizer holding it (the core then force-deletes it, saying so);
 - on a node that is NotReady/unreachable for longer than a grace period, or removed -> Failed, NodeLost,
   node_lost (the pod object may stay "Running" for minutes before the node controller evicts it, and once deleted
   it keeps its deletionTimestamp forever: no kubelet confirms; the core then force-deletes it).
@@ -42,6 +43,9 @@ _NEVER_STARTS = {"InvalidImageName", "CreateContainerConfigError", "CreateContai
 _FALLBACK_BYTES = 2048
 # The trainer's per-step console line (seqtrain.train.loop.Trainer.log_step): progress, never a failure's reason.
 _PROGRESS_LINE = re.compile(r"^step \d+/\d+ ")
+# A kubelet SIGKILLs a pod's containers when its grace period ends and confirms the deletion at once; a pod still
+# there this long after that, on a Ready node, is stuck (a wedged kubelet or runtime): the core force-deletes it.
+TERMINATION_OVERDUE_SECONDS = 60.0
 _DISRUPTION = {"PreemptionByScheduler": "Preempted", "DeletionByTaintManager": "NodeLost",
                "EvictionByEvictionAPI": "Evicted", "TerminationByKubelet": "Evicted"}
 
@@ -136,10 +140,13 @@ def replica_of(pod: Mapping[str, Any], nodes: Mapping[str, Mapping[str, Any]], n
             message = f"node {node} {'was removed' if gone else f'has not been Ready for {down:.0f}s'}"
     if phase == "Failed" and reason is None and _disruption(pod):
         reason = _disruption(pod)
+    due = parse(meta.get("deletionTimestamp"))  # the API sets it to when the grace period ends
+    overdue = (terminating and bool(node) and not node_unready and not meta.get("finalizers") and due is not None
+               and seconds_between(due, now) > TERMINATION_OVERDUE_SECONDS)
     return ReplicaObservation(replica=replica, attempt=attempt, phase=phase,  # type: ignore[arg-type]
                               exit_code=code, reason=reason, node=node, message=message, terminating=terminating,
-                              node_lost=node_lost, node_unready=node_unready, finished_at=term.get("finishedAt"),
-                              error=error)
+                              node_lost=node_lost, node_unready=node_unready, overdue=overdue,
+                              finished_at=term.get("finishedAt"), error=error)
 
 
 def failure_message(text: str | None) -> str:
