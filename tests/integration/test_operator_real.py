@@ -72,6 +72,13 @@ def test_node_loss_force_deletes_restarts_from_the_checkpoint_charged_to_infrast
     dead = victim["spec"]["nodeName"]
     node_back.append(dead)
     testbed.node_down(dead)
+    # Dead or only partitioned? The operator cannot tell: pods that may still run (and write checkpoints) are never
+    # force-deleted on that evidence. The gang waits, saying how to end the wait; an admin confirms the node is down.
+    waiting = wait("the NodeUnreachable condition", lambda: (c := condition(testbed, ns, "node-loss", "NodeUnreachable"))
+                   and c["status"] == "True" and c, RUN_TIMEOUT, 1)
+    assert dead in waiting["message"] and "out-of-service" in waiting["message"], waiting
+    assert testbed.get("pod", victim["metadata"]["name"], ns) is not None
+    testbed.fence(dead)
     done = wait_phase(testbed, seqtrain_operator, ns, "node-loss", "Succeeded")
     assert done["infraRestarts"] >= 1 and done.get("restarts", 0) == 0, done
     assert dead in done.get("failedNodes", {}), done
@@ -81,7 +88,7 @@ def test_node_loss_force_deletes_restarts_from_the_checkpoint_charged_to_infrast
     assert sorted(losses(ns, "node-loss")) == list(range(1, 41))
     # The taint manager evicted the pod of the NotReady node (DisruptionTarget DeletionByTaintManager), or the
     # operator's node-lost grace ran out first: either way the restart says the node was lost.
-    restarted = [e for e in events(testbed, ns, "node-loss") if e["reason"] == "NodeLost"]
+    restarted = [e for e in events(testbed, ns, "node-loss") if e["reason"] in ("NodeLost", "NodeUnreachable")]
     assert restarted and f"on {dead}" in restarted[0]["message"], events(testbed, ns, "node-loss")
 
 
@@ -306,8 +313,13 @@ def test_replicas_placed_and_starting_are_progress_not_a_stuck_gang(
     job["spec"]["podTemplate"] = {"metadata": {"annotations": {"testbed.seqtrain.dev/start-delay-seconds": "40"}}}
     testbed.apply(job, ns)
     try:
-        starting = wait("the Starting condition", lambda: (c := condition(testbed, ns, "slow-start", "Starting"))
-                        and c["status"] == "True" and c, 120, 1)
+        def waiting() -> Any:  # the Starting condition, or the teardown that must not happen
+            torn = [e["message"] for e in events(testbed, ns, "slow-start")
+                    if e["reason"] in ("PendingTimeout", "StartTimeout")]
+            return torn or ((c := condition(testbed, ns, "slow-start", "Starting")) and c["status"] == "True" and c)
+
+        starting = wait("the gang waiting for its replicas to start", waiting, 120, 1)
+        assert isinstance(starting, dict), f"torn down while its replicas were starting: {starting}"
         assert starting["reason"] == "ContainerCreating" and "startTimeoutSeconds" in starting["message"], starting
         done = wait_phase(testbed, seqtrain_operator, ns, "slow-start", "Succeeded")
         assert done["attempt"] == 1 and done.get("restarts", 0) == 0, done

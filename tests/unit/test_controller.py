@@ -796,3 +796,23 @@ def test_a_replica_overdue_in_terminating_is_force_deleted_saying_so() -> None:
     assert not d3.of(Event)
     d4 = decide(job, d3.status, Observed(), T0 + timedelta(seconds=210))
     assert d4.of(CreateGang) and cond.get(d4.status, "Terminating").status == "False"  # type: ignore[union-attr]
+
+
+def test_a_gang_waits_for_pods_on_an_unreachable_node_and_says_how_to_end_the_wait() -> None:
+    job = make_job()
+    st = run_to_running(job)
+    unreachable = replace(gang(1, "Running", "Failed")[1], reason="NodeUnreachable", node_unready=True)
+    d = decide(job, st, Observed(replicas=(gang(1, "Running")[0], unreachable)), T0)
+    assert d.status.phase == "Restarting" and d.status.infra_restarts == 1
+    assert [a.force_nodes for a in d.of(DeleteGang)] == [()]  # may still run: never forced on that evidence
+    dying = Observed(replicas=(replace(unreachable, terminating=True),))
+    d2 = decide(job, d.status, dying, T0 + timedelta(seconds=30))
+    assert [a.force_nodes for a in d2.of(DeleteGang)] == [()] and not d2.of(CreateGang)
+    c = cond.get(d2.status, "NodeUnreachable")
+    assert c is not None and c.status == "True" and "node-1" in c.message and "out-of-service" in c.message
+    assert [e.reason for e in d2.of(Event)] == ["NodeUnreachable"]
+    fenced = Observed(replicas=(replace(unreachable, terminating=True, reason="NodeLost", node_lost=True),))
+    d3 = decide(job, d2.status, fenced, T0 + timedelta(seconds=60))
+    assert [a.force_nodes for a in d3.of(DeleteGang)] == [("node-1",)]
+    d4 = decide(job, d3.status, Observed(), T0 + timedelta(seconds=90))
+    assert d4.of(CreateGang) and cond.get(d4.status, "NodeUnreachable").status == "False"  # type: ignore[union-attr]

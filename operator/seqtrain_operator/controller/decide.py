@@ -207,6 +207,7 @@ def _live_gang(ctx: _Ctx, current: tuple[ReplicaObservation, ...]) -> None:
         # We already decided to tear this gang down (or Ctrl-C/suspend left it dying): keep deleting, then wait.
         # Its replicas now fail or vanish because WE asked: that is never a failure to charge (nor a node to avoid).
         ctx.delete(st.attempt, "TearingDown")
+        _partitioned(ctx, current)
         ctx.actions.append(RequeueAfter(POLL_SECONDS))
         return
     _placement(ctx, current)
@@ -311,6 +312,21 @@ def _live_gang(ctx: _Ctx, current: tuple[ReplicaObservation, ...]) -> None:
     ctx.actions.append(RequeueAfter(max(1.0, min(deadlines + [POLL_SECONDS * 6]))))
 
 
+def _partitioned(ctx: _Ctx, current: tuple[ReplicaObservation, ...]) -> None:
+    """Replicas on unreachable nodes that nobody confirmed down may still run (a partition): their pods are never
+    force-deleted on that evidence, so the next gang waits for them; say so, and how to end the wait."""
+    nodes = sorted({r.node for r in current if r.reason == "NodeUnreachable" and r.node})
+    if not nodes:
+        return
+    msg = (f"attempt {ctx.st.attempt}: waiting for the pods on unreachable node(s) {', '.join(nodes)}, which may "
+           f"still run (a network partition) and are never force-deleted on that evidence; once a node is known to "
+           f"be down, taint it node.kubernetes.io/out-of-service=nodeshutdown:NoExecute (or delete the Node)")
+    prev = cond.get(ctx.st, "NodeUnreachable")
+    if prev is None or prev.status != "True" or prev.message != msg:
+        cond.set_condition(ctx.st, "NodeUnreachable", "True", "AwaitingOutOfService", msg, ctx.now)
+        ctx.event("Warning", "NodeUnreachable", msg)
+
+
 def _settling(ctx: _Ctx, current: tuple[ReplicaObservation, ...]) -> float | None:
     """Seconds to wait before charging a user-class failure, or None to act now (see FAILURE_SETTLE_SECONDS)."""
     alive = [r for r in current if r.phase in ("Pending", "Running")]
@@ -403,8 +419,9 @@ def _no_gang(ctx: _Ctx) -> None:
         return
     restarting = st.phase == "Restarting"
     before = st.replicas
-    if (c := cond.get(st, "Terminating")) is not None and c.status == "True":
-        cond.set_condition(st, "Terminating", "False", "Gone", "the earlier attempt's pods are gone", ctx.now)
+    for kind in ("Terminating", "NodeUnreachable"):
+        if (c := cond.get(st, kind)) is not None and c.status == "True":
+            cond.set_condition(st, kind, "False", "Gone", "the earlier attempt's pods are gone", ctx.now)
     st.attempt += 1
     st.replicas = admitted.replicas
     st.world_size = ctx.gang_job.spec.world_size

@@ -31,7 +31,7 @@ EXIT_COLLECTIVE_TIMEOUT = 4  # a peer died or hung; usually a consequence, not t
 EXIT_DEVICE_UNAVAILABLE = 5  # seqtrain.runtime.exitcodes: no CUDA device on a GPU pod: the node is broken
 EXIT_CHECKPOINT_UNAVAILABLE = 6  # seqtrain.runtime.exitcodes: a checkpoint could not be loaded now (kept)
 
-INFRA_REASONS = frozenset({"NodeLost", "Deleted", "Unschedulable", "DeadlineExceeded", "GPUUnavailable"})
+INFRA_REASONS = frozenset({"NodeLost", "NodeUnreachable", "Deleted", "Unschedulable", "DeadlineExceeded", "GPUUnavailable"})
 # What k8s/observe.py makes of a pod's DisruptionTarget condition (PreemptionByScheduler, EvictionByEvictionAPI,
 # TerminationByKubelet) and of the kubelet's own reasons (node-pressure eviction, graceful node shutdown).
 DISRUPTION_REASONS = frozenset({"Preempted", "Evicted", "NodeShutdown", "Shutdown", "Terminated"})
