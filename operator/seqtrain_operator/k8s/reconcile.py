@@ -165,7 +165,8 @@ def _changed(old: dict[str, Any], new: dict[str, Any], coalesce_progress: bool =
 
 
 class Views(Protocol):
-    """Where a pass reads its job's pods and the nodes: the operator's in-memory kopf indexes (no LIST per pass)."""
+    """Where a pass reads its job's pods and the nodes: the operator's in-memory mirrors (k8s/mirror.py; no LIST per
+    pass)."""
 
     def pods(self, namespace: str, job: str) -> list[dict]: ...
 
