@@ -63,6 +63,7 @@ def test_a_node_loss_shrinks_the_gang_and_its_return_grows_it_back(
         node_back.append(dead)
         t_down = datetime.now().astimezone()
         testbed.node_down(dead)
+        testbed.fence(dead)  # an admin confirms it is down: its pods may be force-deleted (non-graceful shutdown)
 
         small = wait("the gang running at 2 replicas", lambda: running_at(testbed, ns, 2, first["attempt"]),
                      RUN_TIMEOUT, 1)

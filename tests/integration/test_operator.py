@@ -207,6 +207,14 @@ def stop_kwok_node(cp, name: str) -> None:
     cp.core.patch_node(name, {"metadata": {"labels": {"type": "dead"}}})
 
 
+def fence_node(cp, name: str) -> None:
+    """The out-of-service taint: an admin confirms the node is down."""
+    taints = cp.core.read_node(name).spec.taints or []
+    keep = [cp.api.sanitize_for_serialization(t) for t in taints]
+    cp.core.patch_node(name, {"spec": {"taints": [*keep, {"key": "node.kubernetes.io/out-of-service",
+                                                           "value": "nodeshutdown", "effect": "NoExecute"}]}})
+
+
 def test_node_loss_is_an_infrastructure_restart_on_another_node(env):
     b, _ = env
     cp = b.cp
@@ -217,6 +225,12 @@ def test_node_loss_is_an_infrastructure_restart_on_another_node(env):
     first = wait_running(cp, ns, "inf", 1, 1)[0]["spec"]["nodeName"]
     wait_phase(cp, ns, "inf", "Running")
     stop_kwok_node(cp, first)
+    # partitioned or dead: the operator cannot tell, and never force-deletes a pod that may still run on that
+    # evidence; an admin confirms the node is down (Kubernetes' non-graceful node shutdown)
+    wait_for(lambda: condition(status(cp, ns, "inf"), "NodeUnreachable").get("status") == "True", 90,
+             what="the NodeUnreachable condition")
+    assert [p["metadata"]["name"] for p in pods_of(cp, ns, "inf")] == ["inf-1-0"]
+    fence_node(cp, first)
     pod2 = wait_pods(cp, ns, "inf", 2, 1, timeout=90)[0]
     st = status(cp, ns, "inf")
     assert st["infraRestarts"] == 1 and st["restarts"] == 0 and first in st["failedNodes"]

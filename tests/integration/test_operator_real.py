@@ -72,6 +72,13 @@ def test_node_loss_force_deletes_restarts_from_the_checkpoint_charged_to_infrast
     dead = victim["spec"]["nodeName"]
     node_back.append(dead)
     testbed.node_down(dead)
+    # Dead or only partitioned? The operator cannot tell: pods that may still run (and write checkpoints) are never
+    # force-deleted on that evidence. The gang waits, saying how to end the wait; an admin confirms the node is down.
+    waiting = wait("the NodeUnreachable condition", lambda: (c := condition(testbed, ns, "node-loss", "NodeUnreachable"))
+                   and c["status"] == "True" and c, RUN_TIMEOUT, 1)
+    assert dead in waiting["message"] and "out-of-service" in waiting["message"], waiting
+    assert testbed.get("pod", victim["metadata"]["name"], ns) is not None
+    testbed.fence(dead)
     done = wait_phase(testbed, seqtrain_operator, ns, "node-loss", "Succeeded")
     assert done["infraRestarts"] >= 1 and done.get("restarts", 0) == 0, done
     assert dead in done.get("failedNodes", {}), done
@@ -81,7 +88,7 @@ def test_node_loss_force_deletes_restarts_from_the_checkpoint_charged_to_infrast
     assert sorted(losses(ns, "node-loss")) == list(range(1, 41))
     # The taint manager evicted the pod of the NotReady node (DisruptionTarget DeletionByTaintManager), or the
     # operator's node-lost grace ran out first: either way the restart says the node was lost.
-    restarted = [e for e in events(testbed, ns, "node-loss") if e["reason"] == "NodeLost"]
+    restarted = [e for e in events(testbed, ns, "node-loss") if e["reason"] in ("NodeLost", "NodeUnreachable")]
     assert restarted and f"on {dead}" in restarted[0]["message"], events(testbed, ns, "node-loss")
 
 
@@ -187,11 +194,15 @@ def test_the_service_account_can_do_exactly_what_the_operator_does(testbed: Test
     assert g["seqtrainjobs.seqtrain.dev/finalizers"] == {"update"}
     assert g["seqtrainjobs.seqtrain.dev/status"] == {"patch"}
     assert g["seqtrainjobs.seqtrain.dev"] == {"get", "list", "watch", "patch", "delete"}  # delete: TTL
-    assert g["pods"] == {"list", "watch", "create", "deletecollection", "patch"}  # patch: Kueue's pod group
+    # get, delete: a name a deleted job's namesake still holds (Kube.create reads whose it is, deletes it by uid)
+    assert g["pods"] == {"get", "list", "watch", "create", "delete", "deletecollection", "patch"}  # patch: Kueue
     assert g["workloads.kueue.x-k8s.io"] == {"delete"}
-    assert g["podgroups.scheduling.x-k8s.io"] == {"create", "delete", "patch"}  # patch: coscheduling's retry
-    assert g["podgroups.scheduling.volcano.sh"] == {"create", "delete"}
-    assert g["services"] == {"create"} and g["configmaps"] == {"create", "deletecollection"}
+    assert g["podgroups.scheduling.x-k8s.io"] == {"get", "create", "delete", "patch"}  # patch: coscheduling
+    assert g["podgroups.scheduling.volcano.sh"] == {"get", "create", "delete"}
+    assert g["services"] == {"get", "create", "delete"}
+    assert g["configmaps"] == {"get", "create", "delete", "deletecollection"}
+    assert g["persistentvolumeclaims"] == {"get"}  # the webhook: the checkpoint claim's access modes
+    assert g["poddisruptionbudgets.policy"] == {"get", "create", "delete"}  # scheduling.podDisruptionBudget
     assert g["namespaces"] == {"list", "watch"} and g["nodes"] == {"list", "watch"}
     assert "secrets" not in g and "*" not in g and "deployments.apps" not in g
 
@@ -289,3 +300,35 @@ def test_the_documented_crd_upgrade_path_upgrades_the_schema(testbed: Testbed, s
         assert stored["imagePullTimeoutSeconds"] == 1234
     finally:
         delete_job(testbed, ns, "crd-upgrade")
+
+
+# ---- issue 24: a slow start is progress, not a stuck gang ---------------------------------------------------------
+
+
+def test_replicas_placed_and_starting_are_progress_not_a_stuck_gang(
+        testbed: Testbed, seqtrain_operator: Operator, ns: str) -> None:
+    """Both replicas are placed and stay ContainerCreating for 40 s (a large image being pulled, a volume being
+    attached: the node agent holds them, as a kubelet reports it), far past pendingGraceSeconds (5). The gang is not
+    torn down and re-planned (which would only pull again): the Starting condition says why it waits, and once the
+    containers start the job trains to the end on its first attempt."""
+    job = cpu_job("slow-start")
+    job["spec"]["training"]["steps"] = 12
+    job["spec"]["scheduling"]["pendingGraceSeconds"] = 5
+    job["spec"]["podTemplate"] = {"metadata": {"annotations": {"testbed.seqtrain.dev/start-delay-seconds": "40"}}}
+    testbed.apply(job, ns)
+    try:
+        def waiting() -> Any:  # the Starting condition, or the teardown that must not happen
+            torn = [e["message"] for e in events(testbed, ns, "slow-start")
+                    if e["reason"] in ("PendingTimeout", "StartTimeout")]
+            return torn or ((c := condition(testbed, ns, "slow-start", "Starting")) and c["status"] == "True" and c)
+
+        starting = wait("the gang waiting for its replicas to start", waiting, 120, 1)
+        assert isinstance(starting, dict), f"torn down while its replicas were starting: {starting}"
+        assert starting["reason"] == "ContainerCreating" and "startTimeoutSeconds" in starting["message"], starting
+        done = wait_phase(testbed, seqtrain_operator, ns, "slow-start", "Succeeded")
+        assert done["attempt"] == 1 and done.get("restarts", 0) == 0, done
+        assert not [e for e in events(testbed, ns, "slow-start") if e["reason"] in ("PendingTimeout", "StartTimeout")]
+        c = condition(testbed, ns, "slow-start", "Starting")
+        assert c is not None and (c["status"], c["reason"]) == ("False", "Started"), c
+    finally:
+        delete_job(testbed, ns, "slow-start")

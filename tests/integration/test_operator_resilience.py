@@ -6,6 +6,7 @@ a kwok pod's IP is a simulated address that nothing here can serve, and pod IPs 
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -13,8 +14,11 @@ from kubernetes.client.rest import ApiException
 from operator_harness import (
     OperatorThread,
     add_node,
+    condition,
+    delete_job,
     fast_config,
     finish_pods,
+    job,
     job_doc,
     jobs,
     module_env,
@@ -29,6 +33,8 @@ from operator_harness import (
     wait_pods,
     wait_running,
 )
+
+from seqtrain_operator.k8s import handlers
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -167,4 +173,177 @@ def test_admission_webhook_refuses_what_spec_validation_refuses(env):
         submit(cp, job_doc("good", ns))
         wait_pods(cp, ns, "good", 1, 2)
     finally:
+        op.stop()
+
+
+HOLD = "seqtrain.test/hold"  # a finalizer: keeps a deleted object Terminating until the test lets it go
+
+
+def _hold(cp, ns: str, pod_names: list[str], configmaps: list[str]) -> None:
+    for p in pod_names:
+        cp.core.patch_namespaced_pod(p, ns, {"metadata": {"finalizers": [HOLD]}})
+    for c in configmaps:
+        cp.core.patch_namespaced_config_map(c, ns, {"metadata": {"finalizers": [HOLD]}})
+
+
+def _release(cp, ns: str, pod_names: list[str], configmaps: list[str]) -> None:
+    for p in pod_names:
+        with contextlib.suppress(ApiException):
+            cp.core.patch_namespaced_pod(p, ns, {"metadata": {"finalizers": None}})
+    for c in configmaps:
+        with contextlib.suppress(ApiException):
+            cp.core.patch_namespaced_config_map(c, ns, {"metadata": {"finalizers": None}})
+
+
+def test_a_reapplied_name_adopts_nothing_of_its_deleted_namesake(env):
+    """A running job is deleted and the same name applied again at once, with another spec, while the old pods are
+    still terminating (a kubelet in its grace period) and the old immutable ConfigMap still waits for the garbage
+    collector (both held by a finalizer here). The new job takes neither: it waits for the old pods with the reason
+    in its Scheduled condition, creates no pod while the old ConfigMap holds the name (a 409 from another job's
+    object is no success), then runs its own gang from its own config, charged no restart."""
+    b, _ = env
+    cp, proxy = b.cp, b.proxy
+    ns = _ns(env, "res-reuse")
+    op = OperatorThread(fast_config(), b.webhook()).start()
+    old_pods: list[str] = []
+    try:
+        submit(cp, job_doc("j", ns))
+        old_pods = [p["metadata"]["name"] for p in wait_running(cp, ns, "j", 1, 2)]
+        wait_phase(cp, ns, "j", "Running")
+        old_uid = job(cp, ns, "j")["metadata"]["uid"]
+        _hold(cp, ns, old_pods, ["j-config-1"])
+        delete_job(cp, ns, "j")
+        wait_for(lambda: not jobs(cp, ns), 60, what="the old job gone")
+        new_uid = submit(cp, job_doc("j", ns, training={"steps": 7}))["metadata"]["uid"]
+        assert new_uid != old_uid
+
+        def waiting() -> bool:
+            return "deleted SeqTrainJob of the same name" in condition(status(cp, ns, "j"), "Scheduled").get(
+                "message", "")
+
+        wait_for(waiting, 60, what="the new job waiting for the old pods")
+        assert all(p["metadata"]["ownerReferences"][0]["uid"] == old_uid for p in pods_of(cp, ns, "j"))
+        # the old pods end; the old ConfigMap still holds its name: the new job creates no pod meanwhile
+        _release(cp, ns, old_pods, [])
+        taken = proxy.count("POST", rf"/namespaces/{ns}/configmaps$", status=409)
+        wait_for(lambda: proxy.count("POST", rf"/namespaces/{ns}/configmaps$", status=409) > taken, 60,
+                 what="the new job's ConfigMap refused while the old one holds the name")
+        assert all(p["metadata"]["ownerReferences"][0]["uid"] == old_uid for p in pods_of(cp, ns, "j"))
+        _release(cp, ns, [], ["j-config-1"])
+        new = wait_running(cp, ns, "j", 1, 2)
+        assert {p["metadata"]["ownerReferences"][0]["uid"] for p in new} == {new_uid}
+        assert {p["metadata"]["labels"]["seqtrain.dev/job-uid"] for p in new} == {new_uid}
+        cm = cp.core.read_namespaced_config_map("j-config-1", ns)
+        assert cm.metadata.owner_references[0].uid == new_uid
+        assert json.loads(cm.data["config.json"])["job"]["spec"]["training"]["steps"] == 7
+        st = wait_phase(cp, ns, "j", "Running")
+        assert (st["restarts"], st.get("infraRestarts", 0), st["attempt"]) == (0, 0, 1)
+        finish_pods(cp, ns, "seqtrain.dev/attempt=1")
+        st = wait_phase(cp, ns, "j", "Succeeded")
+        assert (st["restarts"], st.get("infraRestarts", 0)) == (0, 0)
+    finally:
+        _release(cp, ns, old_pods, ["j-config-1"])
+        op.stop()
+
+
+def test_objects_deleted_while_the_watches_are_cut_leave_no_ghost(env):
+    """The pod and node watches are cut and cannot resume (410 Gone), and the LISTs that follow are held (an
+    apiserver being replaced) while a pod of a running gang and an empty node are deleted: no DELETED event ever
+    tells of them. The LIST that gets through replaces what the operator's caches held: the gang's lost pod is seen
+    (the gang restarts) and the deleted node attracts no pins (a job that would fit only there waits Unschedulable
+    and creates no pod)."""
+    b, _ = env
+    cp, proxy = b.cp, b.proxy
+    ns = _ns(env, "res-ghost")
+    op = OperatorThread(fast_config(), b.webhook()).start()
+    try:
+        submit(cp, job_doc("a", ns, resources={"cpu": "3"}))
+        wait_running(cp, ns, "a", 1, 2)
+        wait_phase(cp, ns, "a", "Running")
+        add_node(cp, f"{ns}-1", pool=ns)  # empty: the only node job b below would fit on
+        wait_for(lambda: any(n["metadata"]["name"] == f"{ns}-1" for n in handlers.IndexViews().nodes()), 60,
+                 what="the operator sees the new node")
+        watches = r"^/api/v1/(pods|nodes)$"
+        proxy.add_rule("GET", watches, gone=True, times=None)  # a watch that tries to resume: 410, LIST again
+        held = proxy.add_rule("GET", watches, watch=False, delay=20.0, times=None)
+        assert proxy.drop_watches(watches) >= 2
+        wait_for(lambda: held.hits >= 2, 60, what="the relists held")
+        cp.core.delete_namespaced_pod("a-1-1", ns, grace_period_seconds=0)
+        cp.core.delete_node(f"{ns}-1")
+        wait_for(lambda: not [p for p in pods_of(cp, ns, "a", 1) if p["metadata"]["name"] == "a-1-1"], 30,
+                 what="a-1-1 gone")
+        wait_for(lambda: f"{ns}-1" not in [n.metadata.name for n in cp.core.list_node().items], 30,
+                 what="the node gone")
+        proxy.clear_rules()
+        wait_pods(cp, ns, "a", 2, 2, timeout=120)  # the lost pod was seen: the gang restarted
+        wait_phase(cp, ns, "a", "Running", timeout=180)
+        submit(cp, job_doc("b", ns, replicas=1, resources={"cpu": "4"}))  # 2 of 8 CPUs are left on the live node
+        wait_for(lambda: condition(status(cp, ns, "b"), "Scheduled").get("reason") == "Unschedulable", 60,
+                 what="b waiting for capacity")
+        assert pods_of(cp, ns, "b") == []
+    finally:
+        proxy.clear_rules()
+        op.stop()
+
+
+def test_a_read_write_once_checkpoint_claim_for_a_multi_node_gang_is_refused_at_admission(env):
+    """The apiserver calls the webhook, which reads the claim: a ReadWriteOnce volume attaches to one node, so the
+    other replicas of a 2-replica gang would wait in ContainerCreating for ever (Multi-Attach). Refused at apply time
+    with the fix named; a ReadWriteMany claim, or one replica, is admitted."""
+    b, _ = env
+    cp = b.cp
+    ns = _ns(env, "res-rwo")
+    for name, mode in (("rwo", "ReadWriteOnce"), ("rwx", "ReadWriteMany")):
+        cp.core.create_namespaced_persistent_volume_claim(ns, {
+            "metadata": {"name": name}, "spec": {"accessModes": [mode], "resources": {"requests": {"storage": "1Gi"}}}})
+    op = OperatorThread(fast_config(), b.webhook()).start()
+    try:
+        with pytest.raises(ApiException) as refused:
+            submit(cp, job_doc("shared", ns, checkpoint={"pvc": "rwo"}))
+        assert refused.value.status == 422, refused.value.body
+        message = json.loads(refused.value.body)["message"]
+        assert "spec.checkpoint.pvc: claim rwo is ReadWriteOnce" in message and "ReadWriteMany" in message, message
+        assert jobs(cp, ns) == []
+        submit(cp, job_doc("one", ns, replicas=1, checkpoint={"pvc": "rwo"}))
+        submit(cp, job_doc("shared", ns, checkpoint={"pvc": "rwx"}))
+        assert sorted(j["metadata"]["name"] for j in jobs(cp, ns)) == ["one", "shared"]
+    finally:
+        op.stop()
+
+
+def test_an_eviction_is_a_disruption_and_a_budget_makes_it_wait(env):
+    """A drain evicts a replica through the Eviction API (the apiserver marks the pod DisruptionTarget,
+    EvictionByEvictionAPI): the gang restarts without spending maxInfraRestarts (0 here) and without putting the
+    healthy node on the avoid list. With scheduling.podDisruptionBudget the eviction is refused (429) and the gang
+    runs on; with scheduling.doNotDisrupt the pods carry the autoscalers' annotations."""
+    b, _ = env
+    cp = b.cp
+    ns = _ns(env, "res-evict")
+    op = OperatorThread(fast_config(), b.webhook()).start()
+    try:
+        submit(cp, job_doc("j", ns, faultTolerance={"maxInfraRestarts": 0}, scheduling={"doNotDisrupt": True}))
+        pods = wait_running(cp, ns, "j", 1, 2)
+        assert all(p["metadata"]["annotations"]["karpenter.sh/do-not-disrupt"] == "true" for p in pods)
+        wait_phase(cp, ns, "j", "Running")
+        # the evicted pod is held Terminating, so the operator sees its last state (kwok would remove it at once)
+        _hold(cp, ns, ["j-1-1"], [])
+        cp.core.create_namespaced_pod_eviction("j-1-1", ns, {"metadata": {"name": "j-1-1", "namespace": ns}})
+        st = wait_phase(cp, ns, "j", "Restarting", timeout=60)
+        assert (st["restarts"], st.get("infraRestarts", 0), st.get("failedNodes") or {}) == (0, 0, {}), st
+        assert "Evicted" in st["message"] and "not counted" in st["message"], st["message"]
+        _release(cp, ns, ["j-1-1"], [])
+        wait_running(cp, ns, "j", 2, 2)
+        st = wait_phase(cp, ns, "j", "Running")
+        assert (st["attempt"], st["restarts"], st.get("infraRestarts", 0)) == (2, 0, 0), st
+
+        submit(cp, job_doc("k", ns, scheduling={"podDisruptionBudget": True}))
+        wait_running(cp, ns, "k", 1, 2)
+        wait_phase(cp, ns, "k", "Running")
+        with pytest.raises(ApiException) as refused:
+            cp.core.create_namespaced_pod_eviction("k-1-0", ns, {"metadata": {"name": "k-1-0", "namespace": ns}})
+        assert refused.value.status == 429, refused.value.body
+        assert "disruption budget" in refused.value.body
+        assert status(cp, ns, "k")["attempt"] == 1
+    finally:
+        _release(cp, ns, ["j-1-1"], [])
         op.stop()

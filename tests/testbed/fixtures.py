@@ -65,6 +65,9 @@ def binaries() -> str:
     return out.stdout.strip()
 
 
+OUT_OF_SERVICE = "node.kubernetes.io/out-of-service"
+
+
 def wait(what: str, probe: Callable[[], T], timeout: float, interval: float = 1.0) -> T:
     """Poll `probe` until it returns something truthy; fail naming `what` and the last value after `timeout`."""
     deadline = time.monotonic() + timeout
@@ -166,6 +169,12 @@ class Testbed:
 
     def node_up(self, node: str) -> None:
         self.run(str(SCRIPT), "node-up", node)
+        self.kubectl("taint", "node", node, f"{OUT_OF_SERVICE}-", check=False)  # if a test fenced it
+
+    def fence(self, node: str) -> None:
+        """Confirm a node is down, as an admin does (Kubernetes' non-graceful node shutdown): the out-of-service
+        taint. Until then the operator never force-deletes pods that may still run on an unreachable node."""
+        self.kubectl("taint", "node", node, f"{OUT_OF_SERVICE}=nodeshutdown:NoExecute", "--overwrite")
 
     def pod_pid(self, uid: str) -> int | None:
         """The process-group id of a pod the node agent runs (None: not running here)."""

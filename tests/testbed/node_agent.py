@@ -13,7 +13,8 @@ to one of its nodes it does what the kubelet documentation says a kubelet does, 
   cannot see a pod's mount paths, so each mountPath is rewritten to its local folder in the argv, the env values
   and the configMap/secret files (a config file that names /checkpoints/... then names the folder); a Service host
   name (`*.svc`, `*.svc.cluster.local`) in an env value becomes 127.0.0.1, the pod IP of every pod here;
-- reports status like a kubelet: Pending (ContainerCreating) -> Running (podIP, startTime, containerStatuses
+- reports status like a kubelet: Pending (ContainerCreating; held that many seconds for a pod annotated
+  testbed.seqtrain.dev/start-delay-seconds, as a large image pull or a volume attach holds it) -> Running (podIP, startTime, containerStatuses
   started/ready, Ready conditions) -> terminated with exitCode, reason Completed / Error / OOMKilled (the
   process group's resident memory passed limits.memory and the agent killed it, as the kernel's OOM killer does
   in a cgroup), and the termination message: the terminationMessagePath file (mapped into the pod folder), or
@@ -193,6 +194,10 @@ def terminated_state(exit_code: int, oom: bool, message: str, started: str, fini
     return out
 
 
+# Test-only: a pod with this annotation stays ContainerCreating for that many seconds before it starts.
+START_DELAY = "testbed.seqtrain.dev/start-delay-seconds"
+
+
 def pod_conditions(ready: bool, initialized: bool = True) -> list[dict[str, Any]]:
     t = now()
     cond = [("PodReadyToStartContainers", initialized), ("Initialized", initialized), ("Ready", ready),
@@ -299,6 +304,7 @@ class Agent:
         self.labels = dict(labels)
         self.capacity = dict(capacity)
         self.procs: dict[str, Proc] = {}
+        self.creating: dict[str, float] = {}  # pod uid -> when it entered ContainerCreating (START_DELAY)
         self.down: set[str] = set()
         self.stop = threading.Event()
         (state / "down").mkdir(parents=True, exist_ok=True)
@@ -724,6 +730,8 @@ class Agent:
             if phase in ("Succeeded", "Failed"):
                 self.procs[uid] = None  # type: ignore[assignment]  # finished before this agent started
                 return
+            if self.still_creating(pod):
+                return
             self.start(pod)
             return
         if proc is None:
@@ -743,7 +751,24 @@ class Agent:
         if not proc.reported and not self.companions_running(pod, proc):
             self.report_exit(pod, proc)
 
+    def still_creating(self, pod: dict[str, Any]) -> bool:
+        """A pod annotated START_DELAY stays ContainerCreating that long (a large image being pulled, a volume
+        being attached), as a kubelet reports it, before its containers start."""
+        delay = float((pod["metadata"].get("annotations") or {}).get(START_DELAY) or 0)
+        if delay <= 0:
+            return False
+        uid = pod["metadata"]["uid"]
+        if uid not in self.creating:
+            self.creating[uid] = time.monotonic()
+            self.patch_status(pod, {"phase": "Pending", "hostIP": POD_IP, "startTime": now(),
+                                    "conditions": pod_conditions(False),
+                                    "containerStatuses": [container_status(
+                                        pod["spec"]["containers"][0], {"waiting": {"reason": "ContainerCreating"}},
+                                        False, False)]})
+        return time.monotonic() - self.creating[uid] < delay
+
     def forget(self, uid: str) -> None:
+        self.creating.pop(uid, None)
         proc = self.procs.pop(uid, None)
         if self.runtime is not None:
             self.runtime.remove(uid, proc)

@@ -98,9 +98,12 @@ OPERATOR_NAMESPACED = {
     ("seqtrain.dev", "seqtrainjobs/status", "patch"), ("seqtrain.dev", "seqtrainjobs/finalizers", "update"),
     *(("", "pods", v) for v in ("list", "watch", "create", "deletecollection", "patch")),  # patch: Kueue
     ("", "services", "create"), ("", "configmaps", "create"), ("", "configmaps", "deletecollection"),
-    ("", "events", "create"),
+    # get, delete: a name taken by a deleted job's namesake (Kube.create reads whose it is; delete_exact)
+    *(("", r, v) for r in ("pods", "services", "configmaps") for v in ("get", "delete")),
+    ("", "events", "create"), ("", "persistentvolumeclaims", "get"),
+    *(("policy", "poddisruptionbudgets", v) for v in ("get", "create", "delete")),  # scheduling.podDisruptionBudget  # the webhook: the checkpoint claim's modes
     *((g, "podgroups", v) for g in ("scheduling.x-k8s.io", "scheduling.volcano.sh", "scheduling.run.ai")
-      for v in ("create", "delete")),
+      for v in ("get", "create", "delete")),
     ("scheduling.x-k8s.io", "podgroups", "patch"),  # coscheduling's retry nudge
     ("kueue.x-k8s.io", "workloads", "delete"),
     *(("kopf.dev", "kopfpeerings", v) for v in ("get", "list", "watch", "patch")),

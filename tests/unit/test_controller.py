@@ -23,6 +23,7 @@ from seqtrain_operator.controller import (
     iso,
     parse,
 )
+from seqtrain_operator.controller import conditions as cond
 from seqtrain_operator.controller.failure_policy import FailureClass, classify, root_cause
 from seqtrain_operator.controller.lost_time import wall_seconds
 from seqtrain_operator.planner.types import Node
@@ -49,11 +50,14 @@ def make_job(replicas: int = 2, *, max_restarts: int = 2, max_infra: int = 3, ba
 
 
 def gang(attempt: int, *phases: str, **failed: object) -> tuple[ReplicaObservation, ...]:
-    """gang(1, "Running", "Failed", exit_code=137) -> replica 0 Running, replica 1 Failed with the given fields."""
+    """gang(1, "Running", "Failed", exit_code=137) -> replica 0 Running, replica 1 Failed with the given fields.
+    "Pending": not placed on a node (kube-scheduler could not); "Starting": Pending on node-<i> (ContainerCreating)."""
     out = []
     for i, ph in enumerate(phases):
         extra = failed if ph == "Failed" else {}
-        out.append(ReplicaObservation(replica=i, attempt=attempt, phase=ph, node=f"node-{i}", **extra))  # type: ignore[arg-type]
+        node = None if ph == "Pending" else f"node-{i}"
+        out.append(ReplicaObservation(replica=i, attempt=attempt, phase="Pending" if ph == "Starting" else ph,  # type: ignore[arg-type]
+                                      node=node, **extra))
     return tuple(out)
 
 
@@ -129,9 +133,10 @@ def test_pending_longer_than_grace_tears_the_gang_down() -> None:
     (None, "UnexpectedAdmissionError", FailureClass.INFRASTRUCTURE),
     (None, "NodeAffinity", FailureClass.INFRASTRUCTURE),
     (5, None, FailureClass.INFRASTRUCTURE),
-    (143, "Evicted", FailureClass.INFRASTRUCTURE),
+    (143, "Evicted", FailureClass.DISRUPTION),
     (None, "NodeLost", FailureClass.INFRASTRUCTURE),
-    (137, "Preempted", FailureClass.INFRASTRUCTURE),
+    (137, "Preempted", FailureClass.DISRUPTION),
+    (143, "NodeShutdown", FailureClass.DISRUPTION),
 ])
 def test_failure_classification(exit_code: int | None, reason: str | None, klass: FailureClass) -> None:
     r = ReplicaObservation(replica=0, attempt=1, phase="Failed", exit_code=exit_code, reason=reason)
@@ -299,7 +304,7 @@ def test_permanent_failure_fails_without_restart() -> None:
 def test_infrastructure_failure_uses_its_own_budget_and_avoids_the_node() -> None:
     job = make_job(max_restarts=0)
     st = run_to_running(job)
-    d = decide(job, st, Observed(replicas=gang(1, "Running", "Failed", reason="Evicted")), T0)
+    d = decide(job, st, Observed(replicas=gang(1, "Running", "Failed", exit_code=5)), T0)  # no CUDA device
     assert d.status.phase == "Restarting" and d.status.restarts == 0 and d.status.infra_restarts == 1
     assert "node-1" in d.status.failed_nodes
     d2 = decide(job, d.status, Observed(), T0 + timedelta(seconds=10))
@@ -735,3 +740,87 @@ def test_a_native_gang_waiting_in_kube_schedulers_queue_is_not_torn_down_after_t
     refused = Observed(replicas=(waiting.replicas[0], replace(waiting.replicas[1], queued=False)))
     d = decide(job, st, refused, T0 + timedelta(seconds=900))
     assert d.of(DeleteGang) == [DeleteGang(1, "PendingTimeout")]
+
+
+def test_a_placed_replica_that_is_starting_is_progress_with_its_own_deadline() -> None:
+    # A 10-20 GB CUDA image pull or a volume attach takes longer than pendingGraceSeconds: the gang was torn down and
+    # re-planned (pulling again elsewhere) in a loop. Placed and starting now counts toward startTimeoutSeconds.
+    job = make_job(pending_grace=60)
+    assert job.spec.scheduling.start_timeout_seconds == 1800
+    st = decide(job, JobStatus(), Observed(), T0).status
+    starting = Observed(replicas=gang(1, "Running", "Starting"))
+    d = decide(job, st, starting, T0 + timedelta(seconds=600))
+    assert not d.of(DeleteGang) and d.status.phase == "Scheduling" and d.status.restarts == 0
+    c = cond.get(d.status, "Starting")
+    assert c is not None and (c.status, c.reason) == ("True", "ContainerCreating") and "node-1" in c.message
+    d = decide(job, d.status, starting, T0 + timedelta(seconds=1801))
+    assert d.of(DeleteGang) == [DeleteGang(1, "StartTimeout")] and d.status.restarts == 0
+    assert cond.get(d.status, "Scheduled").reason == "StartTimeout"  # type: ignore[union-attr]
+
+
+def test_only_unschedulable_replicas_count_toward_the_pending_grace() -> None:
+    job = make_job(pending_grace=60)
+    st = decide(job, JobStatus(), Observed(), T0).status
+    d = decide(job, st, Observed(replicas=gang(1, "Starting", "Pending")), T0 + timedelta(seconds=61))
+    assert d.of(DeleteGang) == [DeleteGang(1, "PendingTimeout")]
+
+
+def test_the_starting_condition_ends_when_the_gang_runs() -> None:
+    job = make_job()
+    st = decide(job, JobStatus(), Observed(), T0).status
+    st = decide(job, st, Observed(replicas=gang(1, "Running", "Starting")), T0 + timedelta(seconds=5)).status
+    st = decide(job, st, Observed(replicas=gang(1, "Running", "Running")), T0 + timedelta(seconds=9)).status
+    c = cond.get(st, "Starting")
+    assert st.phase == "Running" and c is not None and (c.status, c.reason) == ("False", "Started")
+
+
+@pytest.mark.parametrize("reason", ["Preempted", "Evicted", "NodeShutdown"])
+def test_a_disruption_restarts_without_spending_a_budget_or_avoiding_the_node(reason: str) -> None:
+    # Preemption, a drain (the Eviction API), a graceful node shutdown (spot reclaim): the cluster's choice on a
+    # healthy node. They used up maxInfraRestarts and put the node on the avoid list for 600 s.
+    job = make_job(max_restarts=0, max_infra=0)
+    st = run_to_running(job)
+    d = decide(job, st, Observed(replicas=gang(1, "Running", "Failed", reason=reason)), T0)
+    assert d.status.phase == "Restarting" and (d.status.restarts, d.status.infra_restarts) == (0, 0)
+    assert d.status.failed_nodes == {} and "not counted" in d.status.message
+    assert d.of(DeleteGang) == [DeleteGang(1, reason)]
+    d2 = decide(job, d.status, Observed(), T0 + timedelta(seconds=10))
+    assert d2.of(CreateGang) and d2.of(CreateGang)[0].avoid_nodes == ()
+
+
+def test_a_replica_overdue_in_terminating_is_force_deleted_saying_so() -> None:
+    job = make_job()
+    st = run_to_running(job)
+    d = decide(job, st, Observed(replicas=gang(1, "Running", "Failed", exit_code=1)), T0)
+    assert d.status.phase == "Restarting"
+    dying = gang(1, "Failed", "Failed", exit_code=1)
+    stuck = Observed(replicas=(replace(dying[0], terminating=True, overdue=True), replace(dying[1], terminating=True)))
+    d2 = decide(job, d.status, stuck, T0 + timedelta(seconds=200))
+    assert [a.force_nodes for a in d2.of(DeleteGang)] == [("node-0",)]
+    c = cond.get(d2.status, "Terminating")
+    assert c is not None and (c.status, c.reason) == ("True", "TerminationOverdue") and "node-0" in c.message
+    assert [e.reason for e in d2.of(Event)] == ["ForceDeleted"]
+    d3 = decide(job, d2.status, stuck, T0 + timedelta(seconds=205))  # said once
+    assert not d3.of(Event)
+    d4 = decide(job, d3.status, Observed(), T0 + timedelta(seconds=210))
+    assert d4.of(CreateGang) and cond.get(d4.status, "Terminating").status == "False"  # type: ignore[union-attr]
+
+
+def test_a_gang_waits_for_pods_on_an_unreachable_node_and_says_how_to_end_the_wait() -> None:
+    job = make_job()
+    st = run_to_running(job)
+    unreachable = replace(gang(1, "Running", "Failed")[1], reason="NodeUnreachable", node_unready=True)
+    d = decide(job, st, Observed(replicas=(gang(1, "Running")[0], unreachable)), T0)
+    assert d.status.phase == "Restarting" and d.status.infra_restarts == 1
+    assert [a.force_nodes for a in d.of(DeleteGang)] == [()]  # may still run: never forced on that evidence
+    dying = Observed(replicas=(replace(unreachable, terminating=True),))
+    d2 = decide(job, d.status, dying, T0 + timedelta(seconds=30))
+    assert [a.force_nodes for a in d2.of(DeleteGang)] == [()] and not d2.of(CreateGang)
+    c = cond.get(d2.status, "NodeUnreachable")
+    assert c is not None and c.status == "True" and "node-1" in c.message and "out-of-service" in c.message
+    assert [e.reason for e in d2.of(Event)] == ["NodeUnreachable"]
+    fenced = Observed(replicas=(replace(unreachable, terminating=True, reason="NodeLost", node_lost=True),))
+    d3 = decide(job, d2.status, fenced, T0 + timedelta(seconds=60))
+    assert [a.force_nodes for a in d3.of(DeleteGang)] == [("node-1",)]
+    d4 = decide(job, d3.status, Observed(), T0 + timedelta(seconds=90))
+    assert d4.of(CreateGang) and cond.get(d4.status, "NodeUnreachable").status == "False"  # type: ignore[union-attr]

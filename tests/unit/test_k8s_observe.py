@@ -51,15 +51,16 @@ CASES = [
     ("invalid config", pod(phase="Failed", term={"exitCode": 3}), "Failed", None, 3, FailureClass.PERMANENT),
     ("oom", pod(phase="Failed", term={"exitCode": 137, "reason": "OOMKilled"}), "Failed", "OOMKilled", 137,
      FailureClass.USER),
-    ("evicted", pod(phase="Failed", reason="Evicted"), "Failed", "Evicted", None, FailureClass.INFRASTRUCTURE),
+    ("evicted", pod(phase="Failed", reason="Evicted"), "Failed", "Evicted", None, FailureClass.DISRUPTION),
     ("preempted", pod(phase="Failed", term={"exitCode": 143}, conditions=[
         {"type": "DisruptionTarget", "status": "True", "reason": "PreemptionByScheduler"}]),
-     "Failed", "Preempted", 143, FailureClass.INFRASTRUCTURE),
+     "Failed", "Preempted", 143, FailureClass.DISRUPTION),
     ("deleted by someone", pod(deleting=True), "Failed", "Deleted", None, FailureClass.INFRASTRUCTURE),
     ("evicted by the taint manager from a NotReady node", pod(deleting=True, conditions=[
         {"type": "DisruptionTarget", "status": "True", "reason": "DeletionByTaintManager"}]),
      "Failed", "NodeLost", None, FailureClass.INFRASTRUCTURE),
-    ("node not ready long", pod(node_name="down"), "Failed", "NodeLost", None, FailureClass.INFRASTRUCTURE),
+    ("node not ready long", pod(node_name="down"), "Failed", "NodeUnreachable", None,
+     FailureClass.INFRASTRUCTURE),
     ("node not ready briefly", pod(node_name="blip"), "Running", None, None, None),
     ("node removed", pod(node_name="gone"), "Failed", "NodeLost", None, FailureClass.INFRASTRUCTURE),
     ("bad image", pod(phase="Pending", waiting={"reason": "InvalidImageName"}), "Failed", "InvalidImageName", None,
@@ -87,14 +88,33 @@ def test_pod_to_replica_observation(name, p, phase, reason, code, cls):
 
 
 def test_pod_on_a_dead_node_is_lost_even_while_terminating():
-    nodes = [node("n1"), node("down", "Unknown", "2026-11-22T11:58:00Z"), node("blip", "Unknown",
-                                                                               "2026-11-22T11:59:50Z")]
+    nodes = [node("n1"), fenced(node("down", "Unknown", "2026-11-22T11:58:00Z")),
+             node("blip", "Unknown", "2026-11-22T11:59:50Z")]
     (r,) = observe_replicas([pod(node_name="down", deleting=True)], nodes, NOW, node_lost_grace=40)
     assert (r.phase, r.reason, r.terminating, r.node_lost) == ("Failed", "NodeLost", True, True)
     (r,) = observe_replicas([pod(node_name="blip", deleting=True)], nodes, NOW, node_lost_grace=40)
     assert (r.phase, r.reason, r.terminating, r.node_lost) == ("Failed", "Deleted", True, False)
     (r,) = observe_replicas([pod(node_name="gone", phase="Failed", term={"exitCode": 137})], nodes, NOW)
     assert r.node_lost and r.exit_code == 137
+
+
+def fenced(n):
+    n.setdefault("spec", {})["taints"] = [{"key": "node.kubernetes.io/out-of-service", "value": "nodeshutdown",
+                                           "effect": "NoExecute"}]
+    return n
+
+
+def test_an_unreachable_node_is_never_taken_for_dead_until_it_is_out_of_service():
+    # Partitioned, not dead: its pods may still run and write checkpoints. Force-deleting them after 40 s made two
+    # gangs write one checkpoint folder.
+    nodes = [node("down", "Unknown", "2026-11-22T11:58:00Z")]
+    (r,) = observe_replicas([pod(node_name="down")], nodes, NOW, node_lost_grace=40)
+    assert (r.phase, r.reason, r.node_lost, r.node_unready) == ("Failed", "NodeUnreachable", False, True)
+    assert "node.kubernetes.io/out-of-service" in r.message and classify(r).cls is FailureClass.INFRASTRUCTURE
+    (r,) = observe_replicas([pod(node_name="down", deleting=True)], nodes, NOW, node_lost_grace=40)
+    assert (r.reason, r.node_lost) == ("NodeUnreachable", False)
+    (r,) = observe_replicas([pod(node_name="down", deleting=True)], [fenced(nodes[0])], NOW, node_lost_grace=40)
+    assert (r.reason, r.node_lost) == ("NodeLost", True)
 
 
 def test_pods_without_labels_are_ignored_and_order_is_stable():
@@ -283,3 +303,18 @@ def test_in_cluster_login_uses_the_service_env_the_kubelet_sets_not_cluster_dns(
     assert in_cluster_server({"KUBERNETES_SERVICE_HOST": "fd00::1", "KUBERNETES_SERVICE_PORT": "6443"}, "x") == \
         "https://[fd00::1]:6443"
     assert in_cluster_server({}, "https://kubernetes.default.svc") == "https://kubernetes.default.svc"
+
+
+def test_a_pod_terminating_long_past_its_grace_on_a_ready_node_is_overdue() -> None:
+    # deletionTimestamp 11:59:00 is when its grace period ended; NOW is 12:00:00
+    (r,) = observe_replicas([pod(deleting=True)], [node("n1")], NOW)
+    assert r.terminating and not r.overdue  # 60 s: the kubelet may still be confirming
+    later = NOW + timedelta(seconds=30)
+    (r,) = observe_replicas([pod(deleting=True)], [node("n1")], later)
+    assert r.overdue
+    held = pod(deleting=True)
+    held["metadata"]["finalizers"] = ["example.com/keep"]  # a finalizer's owner holds it, not the kubelet
+    (r,) = observe_replicas([held], [node("n1")], later)
+    assert not r.overdue
+    (r,) = observe_replicas([pod(node_name="down", deleting=True)], [node("down", ready="False")], later)
+    assert not r.overdue  # a node that is not Ready takes the node-lost path

@@ -39,6 +39,7 @@ def test_every_object_is_owned_and_labelled():
                         "uid": "1234-abcd", "controller": True, "blockOwnerDeletion": True}]
         assert obj["metadata"]["namespace"] == "ml"
         assert obj["metadata"]["labels"][m.LABEL_JOB] == "gpt"
+        assert obj["metadata"]["labels"][m.LABEL_UID] == "1234-abcd"  # a re-applied name is another job
     assert [p["metadata"]["name"] for p in gang.pods] == ["gpt-3-0", "gpt-3-1"]
     assert gang.pods[1]["metadata"]["labels"][m.LABEL_ATTEMPT] == "3"
     assert gang.pods[1]["metadata"]["labels"][m.LABEL_REPLICA] == "1"
@@ -167,7 +168,7 @@ def test_objects_pass_kubernetes_schema():
     multi = m.build_gang(job(resources={"gpus": 2}, scheduling={
         "tolerations": [{"key": "k", "operator": "Equal", "value": "v", "effect": "NoExecute",
                          "tolerationSeconds": 30}]}), OWNER, 1, SETTINGS, None)
-    for obj in (plain.configmap, *plain.pods, *multi.pods, m.build_service(OWNER, SETTINGS)):
+    for obj in (plain.configmap, *plain.pods, *multi.pods, m.build_service(OWNER, SETTINGS), m.build_pdb(OWNER)):
         kubernetes_validate.validate(obj, "1.33", strict=True)
 
 
@@ -200,3 +201,15 @@ def test_every_generated_name_is_valid_for_the_longest_valid_job_name(replicas: 
     for pod in gang.pods:
         host = pod["spec"]["hostname"]
         assert DNS1123_LABEL.match(host) and len(host) <= 63
+
+
+def test_disruption_opt_ins_annotate_the_pods_and_budget_the_gang():
+    plain = m.build_gang(job(), OWNER, 1, SETTINGS, None).pods[0]
+    assert m.DO_NOT_DISRUPT not in (plain["metadata"].get("annotations") or {})
+    kept = m.build_gang(job(scheduling={"doNotDisrupt": True}), OWNER, 1, SETTINGS, None).pods[0]
+    assert kept["metadata"]["annotations"][m.DO_NOT_DISRUPT] == "true"
+    assert kept["metadata"]["annotations"][m.SAFE_TO_EVICT] == "false"
+    pdb = m.build_pdb(OWNER)
+    assert pdb["spec"] == {"maxUnavailable": 0, "selector": {"matchLabels": {
+        m.LABEL_JOB: "gpt", m.LABEL_MANAGED: m.MANAGER, m.LABEL_UID: "1234-abcd"}}}
+    assert pdb["metadata"]["ownerReferences"][0]["uid"] == "1234-abcd"

@@ -7,6 +7,8 @@ import copy
 import kopf
 import pytest
 
+from seqtrain.spec import parse_job
+from seqtrain_operator.k8s.claims import claim_problem
 from seqtrain_operator.k8s.handlers import validate
 
 
@@ -38,3 +40,19 @@ def test_updates_of_an_object_being_deleted_are_allowed() -> None:
     new["metadata"]["deletionTimestamp"] = "2026-11-23T12:00:00Z"
     new["spec"]["replicas"] = -1
     validate(new, operation="UPDATE", old={**BAD, "metadata": new["metadata"]})
+
+
+def test_a_checkpoint_claim_one_node_can_mount_is_refused_for_a_multi_node_gang() -> None:
+    def claim(*modes: str, bound: tuple[str, ...] = ()) -> dict:
+        return {"spec": {"accessModes": list(modes)}, "status": {"accessModes": list(bound)} if bound else {}}
+
+    two = parse_job(job(replicas=2, training={"globalBatchSize": 16}, checkpoint={"pvc": "ck"}))
+    one = parse_job(job(replicas=1, training={"globalBatchSize": 16}, checkpoint={"pvc": "ck"}))
+    problem = claim_problem(two, claim("ReadWriteOnce"))
+    assert problem is not None and problem.startswith("spec.checkpoint.pvc: claim ck is ReadWriteOnce")
+    assert "ReadWriteMany" in problem and "replicas: 1" in problem
+    assert claim_problem(two, claim("ReadWriteOncePod")) is not None
+    assert claim_problem(two, claim("ReadWriteMany")) is None
+    assert claim_problem(two, claim("ReadWriteOnce", bound=("ReadWriteOnce", "ReadWriteMany"))) is None
+    assert claim_problem(one, claim("ReadWriteOnce")) is None
+    assert claim_problem(two, None) is None  # not created yet: its pods wait for it

@@ -61,21 +61,28 @@ with `kubectl auth can-i --list` as the ServiceAccount.
 - apiGroups: ["seqtrain.dev"]
   resources: ["seqtrainjobs/finalizers"]
   verbs: ["update"]
+# get, delete: an object whose name is taken by a deleted job's namesake is read (whose is it?) and deleted by uid
 - apiGroups: [""]
   resources: ["pods"]
-  verbs: ["list", "watch", "create", "deletecollection", "patch"]  # patch: Kueue's retriable-in-group, finalizer
+  verbs: ["get", "list", "watch", "create", "delete", "deletecollection", "patch"]  # patch: Kueue's retriable-in-group, finalizer
 - apiGroups: [""]
   resources: ["services"]
-  verbs: ["create"]
+  verbs: ["get", "create", "delete"]
 - apiGroups: [""]
   resources: ["configmaps"]
-  verbs: ["create", "deletecollection"]
+  verbs: ["get", "create", "delete", "deletecollection"]
+- apiGroups: ["policy"]  # scheduling.podDisruptionBudget: one per job (owned by it, so GC deletes it)
+  resources: ["poddisruptionbudgets"]
+  verbs: ["get", "create", "delete"]
+- apiGroups: [""]  # the webhook reads a job's checkpoint claim (its access modes)
+  resources: ["persistentvolumeclaims"]
+  verbs: ["get"]
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]
 - apiGroups: ["scheduling.x-k8s.io", "scheduling.volcano.sh", "scheduling.run.ai"]
   resources: ["podgroups"]
-  verbs: ["create", "delete"]
+  verbs: ["get", "create", "delete"]
 - apiGroups: ["scheduling.x-k8s.io"]  # coscheduling: touch a queued gang's PodGroup so the plugin retries it
   resources: ["podgroups"]
   verbs: ["patch"]
@@ -88,7 +95,7 @@ with `kubectl auth can-i --list` as the ServiceAccount.
 {{- if .Values.networkPolicy.enabled }}
 - apiGroups: ["networking.k8s.io"]  # networkPolicy.enabled: one per job (owned by it, so GC deletes it)
   resources: ["networkpolicies"]
-  verbs: ["create"]
+  verbs: ["get", "create", "delete"]
 {{- end }}
 {{- end -}}
 

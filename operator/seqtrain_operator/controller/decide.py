@@ -75,9 +75,20 @@ class _Ctx:
         self.actions.append(Event(type_, reason, message))  # type: ignore[arg-type]
 
     def delete(self, attempt: int, reason: str) -> None:
-        """Delete every replica of `attempt`; force it on nodes that are lost (see DeleteGang.force_nodes)."""
-        lost = sorted({r.node for r in self.observed.replicas if r.attempt == attempt and r.node_lost and r.node})
+        """Delete every replica of `attempt`; force it on nodes that are lost (see DeleteGang.force_nodes), and where
+        a replica is overdue in Terminating on a Ready node (said in the Terminating condition and an Event)."""
+        mine = [r for r in self.observed.replicas if r.attempt == attempt and r.node]
+        overdue = sorted({r.node for r in mine if r.overdue and r.node})
+        lost = sorted({r.node for r in mine if r.node_lost and r.node} | set(overdue))
         self.actions.append(DeleteGang(attempt, reason, tuple(lost)))
+        if overdue:
+            replicas = ", ".join(str(r.replica) for r in mine if r.overdue)
+            msg = (f"attempt {attempt}: replica(s) {replicas} still terminating on Ready node(s) {', '.join(overdue)} "
+                   f"past their grace period (the kubelet did not confirm): force-deleted")
+            prev = cond.get(self.st, "Terminating")
+            if prev is None or prev.message != msg:
+                cond.set_condition(self.st, "Terminating", "True", "TerminationOverdue", msg, self.now)
+                self.event("Warning", "ForceDeleted", msg)
 
 
 def decide(job: SeqTrainJob, status: JobStatus, observed: Observed, now: datetime) -> Decision:
@@ -197,6 +208,7 @@ def _live_gang(ctx: _Ctx, current: tuple[ReplicaObservation, ...]) -> None:
         # We already decided to tear this gang down (or Ctrl-C/suspend left it dying): keep deleting, then wait.
         # Its replicas now fail or vanish because WE asked: that is never a failure to charge (nor a node to avoid).
         ctx.delete(st.attempt, "TearingDown")
+        _partitioned(ctx, current)
         ctx.actions.append(RequeueAfter(POLL_SECONDS))
         return
     _placement(ctx, current)
@@ -231,6 +243,9 @@ def _live_gang(ctx: _Ctx, current: tuple[ReplicaObservation, ...]) -> None:
         if st.phase != "Running":
             st.create_failures = 0
             cond.set_condition(st, "Scheduled", "True", "GangRunning", f"{len(current)} replica(s) running", ctx.now)
+            if (c := cond.get(st, "Starting")) is not None and c.status == "True":
+                cond.set_condition(st, "Starting", "False", "Started", f"attempt {st.attempt}: every replica started",
+                                   ctx.now)
             cond.enter_phase(st, "Running", "GangRunning", f"attempt {st.attempt}: all replicas running", ctx.now)
             ctx.event("Normal", "Running", f"attempt {st.attempt}: all {len(current)} replica(s) running")
         hang = _hang(ctx)
@@ -270,17 +285,47 @@ def _live_gang(ctx: _Ctx, current: tuple[ReplicaObservation, ...]) -> None:
         ctx.actions.append(RequeueAfter(max(1.0, min(POLL_SECONDS * 6, limit - waited))))
         return
     # Replicas still in kube-scheduler's queue (native gangs: not yet tried, not refused) are not stuck; a burst of
-    # thousands of pods takes it a while. Stuck: refused by the scheduler, or bound and not starting.
-    stuck = [r for r in current if r.phase == "Pending" and not (native and r.queued)]
-    if waited > grace and stuck:
+    # thousands of pods takes it a while. Stuck: refused by the scheduler (not placed on a node).
+    stuck = [r for r in current if r.phase == "Pending" and not r.node and not (native and r.queued)]
+    # Placed and starting (ContainerCreating: pulling a large image, attaching a volume) is progress, with a deadline
+    # of its own: tearing it down would only start the pull or the attach again elsewhere.
+    starting = [r for r in current if r.phase == "Pending" and r.node]
+    start_limit = job.spec.scheduling.start_timeout_seconds
+    if (waited > grace and stuck) or (waited > start_limit and starting):
         # A partly started gang holds resources others need: tear it down and re-plan from scratch.
-        ctx.delete(st.attempt, "PendingTimeout")
-        cond.set_condition(st, "Scheduled", "False", "PendingTimeout",
-                           f"replicas still pending after {grace}s; re-planning", ctx.now)
-        ctx.event("Warning", "PendingTimeout", f"attempt {st.attempt}: replicas pending for {waited:.0f}s")
+        why, limit = ("PendingTimeout", grace) if waited > grace and stuck else ("StartTimeout", start_limit)
+        what = "still unschedulable" if why == "PendingTimeout" else "placed but not started"
+        ctx.delete(st.attempt, why)
+        cond.set_condition(st, "Scheduled", "False", why, f"replicas {what} after {limit}s; re-planning", ctx.now)
+        ctx.event("Warning", why, f"attempt {st.attempt}: replicas {what} for {waited:.0f}s")
         st.phase = "Scheduling"
         return
-    ctx.actions.append(RequeueAfter(max(1.0, grace - waited)))
+    if starting:
+        r = starting[0]
+        cond.set_condition(st, "Starting", "True", "ContainerCreating",
+                           f"attempt {st.attempt}: {len(starting)} replica(s) placed and starting (replica {r.replica} "
+                           f"on {r.node}: pulling the image or attaching volumes) for {waited:.0f}s; "
+                           f"scheduling.startTimeoutSeconds = {start_limit}", ctx.now)
+    elif (c := cond.get(st, "Starting")) is not None and c.status == "True":
+        cond.set_condition(st, "Starting", "False", "Started", f"attempt {st.attempt}: every placed replica started",
+                           ctx.now)
+    deadlines = ([grace - waited] if stuck else []) + ([start_limit - waited] if starting else [])
+    ctx.actions.append(RequeueAfter(max(1.0, min(deadlines + [POLL_SECONDS * 6]))))
+
+
+def _partitioned(ctx: _Ctx, current: tuple[ReplicaObservation, ...]) -> None:
+    """Replicas on unreachable nodes that nobody confirmed down may still run (a partition): their pods are never
+    force-deleted on that evidence, so the next gang waits for them; say so, and how to end the wait."""
+    nodes = sorted({r.node for r in current if r.reason == "NodeUnreachable" and r.node})
+    if not nodes:
+        return
+    msg = (f"attempt {ctx.st.attempt}: waiting for the pods on unreachable node(s) {', '.join(nodes)}, which may "
+           f"still run (a network partition) and are never force-deleted on that evidence; once a node is known to "
+           f"be down, taint it node.kubernetes.io/out-of-service=nodeshutdown:NoExecute (or delete the Node)")
+    prev = cond.get(ctx.st, "NodeUnreachable")
+    if prev is None or prev.status != "True" or prev.message != msg:
+        cond.set_condition(ctx.st, "NodeUnreachable", "True", "AwaitingOutOfService", msg, ctx.now)
+        ctx.event("Warning", "NodeUnreachable", msg)
 
 
 def _settling(ctx: _Ctx, current: tuple[ReplicaObservation, ...]) -> float | None:
@@ -301,7 +346,8 @@ def _tearing_down(st: JobStatus) -> bool:
     """The operator itself gave up the live attempt without a failure (pending timeout: re-plan; the API server
     refused part of the gang)."""
     c = cond.get(st, "Scheduled")
-    return st.phase == "Scheduling" and c is not None and c.reason in ("PendingTimeout", "CreateFailed")
+    return st.phase == "Scheduling" and c is not None and c.reason in ("PendingTimeout", "StartTimeout",
+                                                                       "CreateFailed")
 
 
 def _queued(ctx: _Ctx, current: tuple[ReplicaObservation, ...]) -> None:
@@ -374,6 +420,9 @@ def _no_gang(ctx: _Ctx) -> None:
         return
     restarting = st.phase == "Restarting"
     before = st.replicas
+    for kind in ("Terminating", "NodeUnreachable"):
+        if (c := cond.get(st, kind)) is not None and c.status == "True":
+            cond.set_condition(st, kind, "False", "Gone", "the earlier attempt's pods are gone", ctx.now)
     st.attempt += 1
     st.replicas = admitted.replicas
     st.world_size = ctx.gang_job.spec.world_size
@@ -512,6 +561,8 @@ def _on_failure(ctx: _Ctx, failure: Failure) -> None:
         st.infra_restarts += 1
         if failure.node:
             st.failed_nodes[failure.node] = iso(ctx.now + timedelta(seconds=ft.node_avoid_seconds))
+    elif failure.cls is FailureClass.DISRUPTION:
+        pass  # the cluster's choice, on a healthy node: no budget spent, no node avoided
     else:
         if _repeated_startup_failure(ctx, failure):
             said = "" if failure.error is None or failure.error in failure.message else f" ({failure.error})"
@@ -527,6 +578,7 @@ def _on_failure(ctx: _Ctx, failure: Failure) -> None:
     st.steps_lost.append(max(0, done - ck))
     st.next_restart_time = iso(ctx.now + timedelta(seconds=delay))
     count = f"restart {st.restarts}/{ft.max_restarts}" if failure.cls is FailureClass.USER else \
+        "restart (a disruption: not counted)" if failure.cls is FailureClass.DISRUPTION else \
         f"infrastructure restart {st.infra_restarts}/{ft.max_infra_restarts}"
     msg = f"{failure.message}; {count} in {delay:g}s from checkpoint step {ck or 'none'}"
     cond.enter_phase(st, "Restarting", failure.reason, msg, ctx.now)

@@ -8,6 +8,9 @@
   counted in status.infraRestarts against faultTolerance.maxInfraRestarts; the node is avoided for a while. Exit
   code 6 (a checkpoint could not be loaded now: out of memory, a CUDA error, a storage I/O error; the checkpoint
   is kept) is infrastructure too, without avoiding the node (the storage is shared).
+- disruption: the cluster took the replica away on purpose, from a healthy node (preemption by a higher priority,
+  an eviction through the Eviction API: a drain, an autoscaler's scale-down or consolidation; the kubelet ending it
+  for a graceful node shutdown: spot reclaim) -> restart, counted against no budget, and no node is avoided.
 - user: everything else (a crash, OOM, SIGKILL from outside, a hang, a collective timeout) -> restart, counted in
   status.restarts against faultTolerance.maxRestarts. OOMKilled says so in the reason and names the fix.
 - image pulls that fail (ErrImagePull, ImagePullBackOff) are not failures at all until
@@ -28,8 +31,10 @@ EXIT_COLLECTIVE_TIMEOUT = 4  # a peer died or hung; usually a consequence, not t
 EXIT_DEVICE_UNAVAILABLE = 5  # seqtrain.runtime.exitcodes: no CUDA device on a GPU pod: the node is broken
 EXIT_CHECKPOINT_UNAVAILABLE = 6  # seqtrain.runtime.exitcodes: a checkpoint could not be loaded now (kept)
 
-INFRA_REASONS = frozenset({"Evicted", "Preempted", "NodeLost", "NodeShutdown", "Deleted", "Unschedulable",
-                           "DeadlineExceeded", "Shutdown", "Terminated", "GPUUnavailable"})
+INFRA_REASONS = frozenset({"NodeLost", "NodeUnreachable", "Deleted", "Unschedulable", "DeadlineExceeded", "GPUUnavailable"})
+# What k8s/observe.py makes of a pod's DisruptionTarget condition (PreemptionByScheduler, EvictionByEvictionAPI,
+# TerminationByKubelet) and of the kubelet's own reasons (node-pressure eviction, graceful node shutdown).
+DISRUPTION_REASONS = frozenset({"Preempted", "Evicted", "NodeShutdown", "Shutdown", "Terminated"})
 # Kubelet admission rejections (pod phase Failed, status.reason): "OutOf" + resource name, plus these.
 KUBELET_ADMISSION_REASONS = frozenset({"UnexpectedAdmissionError", "NodeAffinity", "NodeSelectorMismatching",
                                        "NodeName", "NodePorts", "InvalidNodeInfo", "PodOSNotSupported"})
@@ -45,6 +50,7 @@ def kubelet_rejected(reason: str | None) -> bool:
 class FailureClass(str, Enum):
     USER = "User"
     INFRASTRUCTURE = "Infrastructure"
+    DISRUPTION = "Disruption"
     PERMANENT = "Permanent"
 
 
@@ -89,6 +95,9 @@ def classify(r: ReplicaObservation) -> Failure:
         reason = r.reason or "InvalidConfig"
         return Failure(FailureClass.PERMANENT, reason, f"{where} failed permanently ({reason}, "
                        f"{describe_exit(r.exit_code)}){detail}", r.replica, r.node)
+    if r.reason in DISRUPTION_REASONS:
+        return Failure(FailureClass.DISRUPTION, r.reason or "Disrupted",
+                       f"{where} disrupted by the cluster ({r.reason}){detail}", r.replica, r.node)
     if r.reason in INFRA_REASONS:
         return Failure(FailureClass.INFRASTRUCTURE, r.reason or "Infrastructure",
                        f"{where} lost to infrastructure ({r.reason}){detail}", r.replica, r.node)
@@ -114,7 +123,8 @@ def classify(r: ReplicaObservation) -> Failure:
 def _rank(f: Failure, r: ReplicaObservation) -> tuple[int, int]:
     # When one rank dies the others usually fail shortly after (broken collectives). Report the cause, not the echo:
     # permanent > infrastructure (a lost node makes its peers look like user failures) > user > collective timeout.
-    order = {FailureClass.PERMANENT: 0, FailureClass.INFRASTRUCTURE: 1, FailureClass.USER: 2}[f.cls]
+    order = {FailureClass.PERMANENT: 0, FailureClass.INFRASTRUCTURE: 1, FailureClass.DISRUPTION: 1,
+             FailureClass.USER: 2}[f.cls]
     echo = 1 if r.exit_code == EXIT_COLLECTIVE_TIMEOUT and not r.reason else 0
     return (order, echo)
 

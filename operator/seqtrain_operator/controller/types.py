@@ -30,6 +30,8 @@ class ReplicaObservation:
     node_lost: its node has been NotReady/unreachable (or removed) for longer than the backend's grace period:
     no kubelet will ever confirm its deletion, so deleting it must be forced.
     node_unready: its node is not Ready right now (for any time; node_lost once past the grace period).
+    overdue: terminating on a Ready node well past its deletion deadline (the grace period), with no finalizer
+    holding it: its kubelet did not confirm, so deleting it must be forced.
     finished_at: when it terminated (ISO-8601; None while it runs or when the backend cannot tell).
     error: the one-line error the failing rank reported (`seqtrain train: error: ...`, read from its log or the
     pod's termination message), None when it reported none; the controller compares it across attempts.
@@ -47,6 +49,7 @@ class ReplicaObservation:
     terminating: bool = False
     node_lost: bool = False
     node_unready: bool = False
+    overdue: bool = False
     finished_at: str | None = None
     error: str | None = None
     queued: bool = False

@@ -4,7 +4,7 @@ shown yet (kube-scheduler's "assumed" pods).
 
 The running operator counts pods with the capacity ledger (k8s/ledger.py) and keeps only its reservations here
 (`outstanding`); the LIST below serves a pass without the indexes. Where the pods come from, cheapest first:
-- the operator's own pods: its label-selected pod watch (the kopf index), always current and free to read;
+- the operator's own pods: its label-selected pod mirror (k8s/mirror.py), always current and free to read;
 - everyone else's: one LIST of the pods without the job label, shared by every admission within `ttl` seconds
   (a cluster's other tenants); it does not grow with the number of SeqTrainJobs, so 1000 queued jobs neither LIST
   8000 pods 1000 times nor once every few seconds;

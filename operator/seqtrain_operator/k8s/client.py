@@ -2,7 +2,8 @@
 
 The official (synchronous) client runs in worker threads. Transient failures (HTTP 5xx, 429, timeouts, dropped
 connections) are retried with capped exponential backoff; 409 AlreadyExists on create counts as success (the
-object is there: idempotent); 404 on delete likewise. A 409 Conflict on the status write is raised as `Conflict`
+object is there: idempotent) only when the object there is the same job's (its job-uid label or ownerReference:
+a deleted job's namesake is raised as `NameTaken`); 404 on delete likewise. A 409 Conflict on the status write is raised as `Conflict`
 so the caller re-reads and decides again instead of overwriting a newer object.
 """
 
@@ -24,6 +25,7 @@ from kubernetes.client.rest import ApiException
 from urllib3.exceptions import HTTPError as Urllib3Error
 
 from seqtrain.spec import API_GROUP, API_VERSION, PLURAL
+from seqtrain_operator.k8s.owner import owner_uid
 
 log = logging.getLogger("seqtrain.operator")
 _VERSION = API_VERSION.split("/")[1]
@@ -34,6 +36,17 @@ PAGE = 500  # objects per LIST response
 
 class Conflict(Exception):
     """The object changed since it was read (HTTP 409 on a write with a resourceVersion precondition)."""
+
+
+class NameTaken(Exception):
+    """Create answered 409, and the object of that name belongs to another SeqTrainJob (a deleted job of the same
+    name whose objects are still going), or vanished before it could be read. `uid`: that object's own uid (None:
+    gone), `terminating`: it is being deleted already."""
+
+    def __init__(self, obj: dict[str, Any], uid: str | None, terminating: bool, owner: str | None):
+        self.api_version, self.kind, self.name = obj["apiVersion"], obj["kind"], obj["metadata"]["name"]
+        super().__init__(f"{self.kind} {self.name} belongs to an earlier SeqTrainJob of the same name (uid {owner})")
+        self.uid, self.terminating, self.owner = uid, terminating, owner
 
 
 class Unavailable(Exception):
@@ -123,6 +136,11 @@ def _transient(exc: BaseException) -> bool:
     if isinstance(exc, ApiException):
         return exc.status in (0, 429) or exc.status >= 500
     return isinstance(exc, Urllib3Error | ConnectionError | TimeoutError)
+
+
+def _plural(kind: str) -> str:
+    return {"NetworkPolicy": "networkpolicies", "PodDisruptionBudget": "poddisruptionbudgets"}.get(kind,
+                                                                                                 kind.lower() + "s")
 
 
 class Kube:
@@ -231,6 +249,29 @@ class Kube:
     async def list_nodes(self) -> list[dict]:
         return (await self._call(self.core.list_node)).get("items", [])
 
+    async def list_nodes_paged(self, label_selector: str = "", project: Callable[[dict], dict] | None = None
+                               ) -> tuple[list[dict], str]:
+        """Every selected node, `PAGE` at a time, and the list's resourceVersion (see list_pods_paged)."""
+        items: list[dict] = []
+        token: str | None = None
+        while True:
+            kw: dict[str, Any] = {"label_selector": label_selector, "limit": PAGE}
+            if token:
+                kw["_continue"] = token
+            try:
+                data = await self._call(self.core.list_node, **kw)
+            except ApiException as exc:
+                if exc.status == 410 and token:
+                    items, token = [], None
+                    continue
+                raise
+            page = data.get("items") or []
+            items.extend(map(project, page) if project is not None else page)
+            meta = data.get("metadata") or {}
+            token = meta.get("continue")
+            if not token:
+                return items, str(meta.get("resourceVersion") or "")
+
     async def crd_exists(self, name: str) -> bool:
         return await self.get_crd(name) is not None
 
@@ -245,8 +286,10 @@ class Kube:
     # ---- writes ----------------------------------------------------------------------------------------------
 
     async def create(self, obj: dict[str, Any]) -> bool:
-        """Create a namespaced object; False when it already exists (idempotent)."""
-        ns = obj["metadata"]["namespace"]
+        """Create a namespaced object; False when it already exists and is the same job's (idempotent). Raises
+        NameTaken when the existing one is another job's: a predecessor's pod or immutable ConfigMap is never
+        taken for this job's own."""
+        ns, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
         kind, api_version = obj["kind"], obj["apiVersion"]
         try:
             if api_version == "v1":
@@ -255,13 +298,50 @@ class Kube:
                 await self._call(fn, ns, obj)
             else:
                 group, version = api_version.split("/")
-                plural = "networkpolicies" if kind == "NetworkPolicy" else kind.lower() + "s"
-                await self._call(self.custom.create_namespaced_custom_object, group, version, ns, plural, obj)
+                await self._call(self.custom.create_namespaced_custom_object, group, version, ns, _plural(kind), obj)
             return True
         except ApiException as exc:
-            if exc.status == 409:
-                return False
+            if exc.status != 409:
+                raise
+        mine = owner_uid(obj)
+        there = await self.read(api_version, kind, ns, name)
+        theirs = owner_uid(there) if there is not None else None
+        if there is None or (mine is not None and theirs is not None and theirs != mine):
+            meta = (there or {}).get("metadata") or {}
+            raise NameTaken(obj, meta.get("uid"), bool(meta.get("deletionTimestamp")), theirs)
+        return False
+
+    async def read(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        """One namespaced object (None: absent)."""
+        try:
+            if api_version == "v1":
+                fn = {"Pod": self.core.read_namespaced_pod, "Service": self.core.read_namespaced_service,
+                      "ConfigMap": self.core.read_namespaced_config_map,
+                      "PersistentVolumeClaim": self.core.read_namespaced_persistent_volume_claim}[kind]
+                return await self._call(fn, name, namespace)
+            group, version = api_version.split("/")
+            return await self._call(self.custom.get_namespaced_custom_object, group, version, namespace,
+                                    _plural(kind), name)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
             raise
+
+    async def delete_exact(self, api_version: str, kind: str, namespace: str, name: str, uid: str) -> None:
+        """Delete this very object (a precondition on its uid: never a namesake created meanwhile)."""
+        body = {"preconditions": {"uid": uid}}
+        try:
+            if api_version == "v1":
+                fn = {"Pod": self.core.delete_namespaced_pod, "Service": self.core.delete_namespaced_service,
+                      "ConfigMap": self.core.delete_namespaced_config_map}[kind]
+                await self._call(fn, name, namespace, body=body)
+            else:
+                group, version = api_version.split("/")
+                await self._call(self.custom.delete_namespaced_custom_object, group, version, namespace,
+                                 _plural(kind), name, body=body)
+        except ApiException as exc:
+            if exc.status not in (404, 409):  # gone, or another object by now (the precondition failed)
+                raise
 
     async def delete_pods(self, namespace: str, label_selector: str, *, node: str | None = None,
                           force: bool = False) -> None:

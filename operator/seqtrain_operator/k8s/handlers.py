@@ -1,12 +1,13 @@
 """kopf wiring: one reconcile loop (a kopf daemon) per SeqTrainJob, woken by its pods' and the nodes' changes.
 
 Load: pods are watched with a server-side label selector (only the operator's pods reach it), and every pass reads
-its job's pods and the nodes from in-memory kopf indexes fed by those watches (kopf fills every index before any
-daemon starts, so a fresh operator never mistakes an unfilled cache for a vanished gang) instead of LISTing them,
-and reads the job itself from kopf's live body while its resourceVersion is the last one this operator knows (a
-GET otherwise). The indexes hold trimmed projections (k8s/project.py); gang admission reads free capacity from a
-ledger that pod events keep (k8s/ledger.py; other tenants' pods through k8s/foreign.py's watch), never a LIST; a
-job waiting for capacity does so less often the longer it waits (node changes wake it at once).
+its job's pods and the nodes from in-memory mirrors fed by those watches (k8s/mirror.py: every relist after a cut
+watch REPLACES what they held, so an object deleted in the gap leaves no ghost; no pass runs before their first
+LIST, so a fresh operator never mistakes an unfilled cache for a vanished gang) instead of LISTing them, and reads
+the job itself from kopf's live body while its resourceVersion is the last one this operator knows (a GET
+otherwise). The mirrors hold trimmed projections (k8s/project.py); gang admission reads free capacity from a ledger
+that pod events keep (k8s/ledger.py; other tenants' pods through k8s/foreign.py's mirror), never a LIST; a job
+waiting for capacity does so less often the longer it waits (node changes wake it at once).
 
 Level-based: every pass reads the cluster and the job's status and calls the shared controller core; an event
 only makes the next pass come sooner. The daemons run only in the active operator (kopf peering freezes the
@@ -33,10 +34,12 @@ from seqtrain.spec.policy import job_policy_problems
 from seqtrain_operator.k8s import manifests as m
 from seqtrain_operator.k8s import project
 from seqtrain_operator.k8s.busy import BusyPods
+from seqtrain_operator.k8s.claims import claim_problem
 from seqtrain_operator.k8s.client import Kube, load_config
 from seqtrain_operator.k8s.foreign import ForeignPods
 from seqtrain_operator.k8s.ledger import Ledger
 from seqtrain_operator.k8s.metrics import OperatorMetrics
+from seqtrain_operator.k8s.mirror import Mirror
 from seqtrain_operator.k8s.progress import authority
 from seqtrain_operator.k8s.reconcile import Config, cleanup, reconcile
 from seqtrain_operator.k8s.release import FINALIZER
@@ -68,7 +71,13 @@ class OperatorState:
     wakeups: dict[tuple[str, str], asyncio.Event] = field(default_factory=dict)
     nodes_seen: dict[str, Any] = field(default_factory=dict)
     ledger: Ledger = field(default_factory=Ledger)  # node capacity taken, from pod events (k8s/ledger.py)
-    foreign: ForeignPods | None = None  # other tenants' pods into the ledger (k8s/foreign.py)
+    foreign: Mirror | None = None  # other tenants' pods into the ledger (k8s/foreign.py)
+    pods: Mirror | None = None  # the operator's pods (k8s/mirror.py)
+    nodes: Mirror | None = None
+    by_job: dict[tuple[str, str], dict[tuple[str, str], dict]] = field(default_factory=dict)  # (ns, job) -> pods
+
+    def mirrors(self) -> list[Mirror]:
+        return [x for x in (self.pods, self.nodes, self.foreign) if x is not None]
 
     def poke(self, namespace: str | None, name: str | None) -> None:
         ev = self.wakeups.get((namespace or "", name or ""))
@@ -92,8 +101,6 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
     settings.networking.request_timeout = 30
-    # Server-side filtering: the apiserver sends only pods that carry the job label, not every pod in the cluster.
-    settings.watching.label_selectors["v1", "pods"] = m.LABEL_JOB
     if STATE.webhook is not None:
         w = STATE.webhook
         settings.admission.server = kopf.WebhookServer(port=w.port, certfile=w.certfile, pkeyfile=w.keyfile,
@@ -102,17 +109,24 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     await warn_if_crd_is_old(STATE.kube)
     STATE.wakeups.clear()
     STATE.nodes_seen.clear()
-    STATE.ledger = Ledger()  # before the watches start: the pod index fills it
+    STATE.ledger = Ledger()  # before the watches start: the pod mirror fills it
+    STATE.by_job.clear()
     STATE.foreign = ForeignPods(STATE.kube, STATE.ledger)
-    STATE.foreign.start()
+    # Server-side filtering: the apiserver sends only pods that carry the job label, not every pod in the cluster.
+    STATE.pods = Mirror(STATE.kube, "pods", label_selector=m.LABEL_JOB, project=project.pod, on_upsert=pod_changed,
+                        on_delete=pod_deleted, name="the operator's pods")
+    STATE.nodes = Mirror(STATE.kube, "nodes", project=project.node, on_upsert=lambda n, _old: node_changed(n),
+                         on_delete=lambda n: node_changed(n, deleted=True))
+    for mirror in STATE.mirrors():
+        mirror.start()
     if STATE.metrics_port:
         STATE.metrics.serve(STATE.metrics_port)
 
 
 @kopf.on.cleanup()
 async def stop_watching(**_: Any) -> None:
-    if STATE.foreign is not None:
-        await STATE.foreign.stop()
+    for mirror in STATE.mirrors():
+        await mirror.stop()
 
 
 async def warn_if_crd_is_old(kube: Kube) -> list[str]:
@@ -152,59 +166,77 @@ def _emit(body: dict[str, Any], type_: str, reason: str, message: str) -> None:
     kopf.event(body, type=type_, reason=reason, message=message[:1024])
 
 
-@kopf.index("", "v1", "pods", labels={m.LABEL_JOB: kopf.PRESENT})
-def job_pods(namespace: str, labels: dict[str, str], body: kopf.Body, **_: Any) -> dict[tuple[str, str], dict]:
-    """(namespace, job) -> its pods, trimmed (k8s/project.py; kopf keeps the index current from the label-selected
-    pod watch). Every pod event also updates the capacity ledger here: kopf fills its indexes before any daemon
-    starts, so the ledger is complete before the first admission."""
-    pod = project.pod(body)
+def pod_changed(pod: dict, old: dict | None) -> None:
+    """One of the operator's pods added or changed (a watch event, or a relist)."""
+    meta = pod["metadata"]
+    key, job = (meta.get("namespace") or "", meta["name"]), (meta.get("labels") or {}).get(m.LABEL_JOB)
+    if old is not None and (old_job := (old["metadata"].get("labels") or {}).get(m.LABEL_JOB)) != job:
+        STATE.by_job.get((key[0], old_job or ""), {}).pop(key, None)
     STATE.ledger.update(pod)
-    return {(namespace, labels[m.LABEL_JOB]): pod}
+    if job is not None:
+        STATE.by_job.setdefault((key[0], job), {})[key] = pod
+    STATE.poke(key[0], job)
 
 
-@kopf.index("", "v1", "nodes")
-def cluster_nodes(name: str, body: kopf.Body, **_: Any) -> dict[str, dict]:
-    return {name: project.node(body)}
+def pod_deleted(pod: dict) -> None:
+    """Deleted: its DELETED event, or absent from a relist (deleted while the watch was cut)."""
+    meta = pod["metadata"]
+    key, job = (meta.get("namespace") or "", meta["name"]), (meta.get("labels") or {}).get(m.LABEL_JOB)
+    # an admission reservation for it (if one is left) ends: see k8s/busy.py; so does the record of its creation
+    # (k8s/expect.py)
+    STATE.config.busy.gone(key)
+    STATE.ledger.remove(key)
+    STATE.config.expected.gone(*key)
+    if (pods := STATE.by_job.get((key[0], job or ""))) is not None:
+        pods.pop(key, None)
+        if not pods:
+            del STATE.by_job[(key[0], job or "")]
+    STATE.poke(key[0], job)
 
 
 @dataclass
 class IndexViews:
-    """reconcile.Views over the kopf indexes."""
-
-    pods_index: Any
-    nodes_index: Any
+    """reconcile.Views over the mirrors."""
 
     def pods(self, namespace: str, job: str) -> list[dict]:
-        return list(self.pods_index.get((namespace, job), ()))
+        return list(STATE.by_job.get((namespace, job), {}).values())
 
     def all_pods(self) -> list[dict]:
-        return [body for bodies in self.pods_index.values() for body in bodies]
+        return [p for pods in STATE.by_job.values() for p in pods.values()]
 
     def nodes(self) -> list[dict]:
-        return [body for bodies in self.nodes_index.values() for body in bodies]
+        return list(STATE.nodes.objects.values()) if STATE.nodes is not None else []
 
     async def free(self, job: tuple[str, str], busy: BusyPods) -> list[Any]:
         """Free capacity per node from the ledger (no LIST): allocatable less every pod's requests and the
-        reservations it does not show yet. Waits for the first LIST of other tenants' pods."""
-        if STATE.foreign is not None:
-            await STATE.foreign.synced.wait()
+        reservations it does not show yet."""
         return STATE.ledger.free(self.nodes(), busy.outstanding(STATE.ledger.seen, job), job)
 
 
+async def _synced(stopped: kopf.DaemonStopped) -> bool:
+    """Wait for the first LIST of every mirror (False: the daemon was stopped meanwhile)."""
+    while not stopped:
+        if all(x.synced.is_set() for x in STATE.mirrors()):
+            return True
+        await asyncio.sleep(0.1)
+    return False
+
+
 @kopf.daemon(API_GROUP, VERSION, PLURAL, id="reconcile", cancellation_timeout=10.0)
-async def reconcile_loop(name: str, namespace: str, stopped: kopf.DaemonStopped, job_pods: Any = None,
-                         cluster_nodes: Any = None, body: Any = None, **_: Any) -> None:
+async def reconcile_loop(name: str, namespace: str, stopped: kopf.DaemonStopped, body: Any = None,
+                         **_: Any) -> None:
     key = (namespace, name)
     wake = STATE.wakeups.setdefault(key, asyncio.Event())
     failures = 0
     try:
+        if not await _synced(stopped):
+            return
         while not stopped:
             wake.clear()
             started = time.perf_counter()
             try:
                 assert STATE.kube is not None
-                views = IndexViews(job_pods, cluster_nodes) if job_pods is not None and cluster_nodes is not None \
-                    else None
+                views = IndexViews() if STATE.pods is not None and STATE.nodes is not None else None
                 # body: kopf's live view of the job, replaced on every watch event (a GET only when it may be stale)
                 outcome = await reconcile(STATE.kube, STATE.config, namespace, name, _emit, views=views, live=body)
                 failures = 0
@@ -263,16 +295,6 @@ async def job_changed(name: str, namespace: str, body: dict[str, Any], **_: Any)
         STATE.poke(namespace, name)
 
 
-@kopf.on.event("", "v1", "pods", labels={m.LABEL_JOB: kopf.PRESENT})
-async def pod_changed(labels: dict[str, str], namespace: str, name: str, type: str,  # noqa: A002 (kopf's kwarg)
-                      **_: Any) -> None:
-    if type == "DELETED":  # an admission reservation for it (if one is left) ends: see k8s/busy.py; so does
-        STATE.config.busy.gone((namespace, name))  # the record of its creation (k8s/expect.py)
-        STATE.ledger.remove((namespace, name))
-        STATE.config.expected.gone(namespace, name)
-    STATE.poke(namespace, labels.get(m.LABEL_JOB))
-
-
 def _node_digest(body: dict[str, Any]) -> Any:
     status, spec = body.get("status") or {}, body.get("spec") or {}
     ready = [c.get("status") for c in status.get("conditions") or [] if c.get("type") == "Ready"]
@@ -280,10 +302,10 @@ def _node_digest(body: dict[str, Any]) -> Any:
             repr(sorted((body.get("metadata") or {}).get("labels", {}).items())))
 
 
-@kopf.on.event("", "v1", "nodes")
-async def node_changed(name: str, type: str, body: dict[str, Any], **_: Any) -> None:  # noqa: A002 (kopf's kwarg)
+def node_changed(body: dict[str, Any], deleted: bool = False) -> None:
     # Heartbeats change nodes all the time; only readiness, cordons, taints, capacity and labels matter here.
-    digest = None if type == "DELETED" else _node_digest(body)
+    name = body["metadata"]["name"]
+    digest = None if deleted else _node_digest(body)
     if STATE.nodes_seen.get(name) != digest:
         STATE.nodes_seen[name] = digest
         STATE.poke_all()
@@ -309,7 +331,24 @@ def enable_webhook(config: WebhookConfig) -> None:
     STATE.webhook = config
     registry = kopf.get_default_registry()
     if not any(h.id == WEBHOOK_ID for h in registry._webhooks.get_all_handlers()):
-        kopf.on.validate(API_GROUP, VERSION, PLURAL, id=WEBHOOK_ID, operations=["CREATE", "UPDATE"])(validate)
+        kopf.on.validate(API_GROUP, VERSION, PLURAL, id=WEBHOOK_ID, operations=["CREATE", "UPDATE"])(admit)
+
+
+async def admit(body: dict[str, Any], operation: str | None = None, old: dict[str, Any] | None = None,
+                **_: Any) -> None:
+    """The webhook: `validate`, then what only the cluster can tell (the checkpoint claim's access modes)."""
+    validate(body, operation, old)
+    if operation == "UPDATE" and old is not None and old.get("spec") == body.get("spec"):
+        return
+    if (body.get("metadata") or {}).get("deletionTimestamp") or STATE.kube is None:
+        return
+    job = parse_job({k: body.get(k) for k in ("apiVersion", "kind", "spec")} |
+                    {"metadata": {"name": (body.get("metadata") or {}).get("name") or "job"}})
+    namespace = (body.get("metadata") or {}).get("namespace") or "default"
+    if job.spec.checkpoint.pvc and job.spec.replicas > 1:
+        claim = await STATE.kube.read("v1", "PersistentVolumeClaim", namespace, job.spec.checkpoint.pvc)
+        if (problem := claim_problem(job, claim)) is not None:
+            raise kopf.AdmissionError(problem, code=422)
 
 
 def validate(body: dict[str, Any], operation: str | None = None, old: dict[str, Any] | None = None,

@@ -1,5 +1,5 @@
 """The capacity ledger: what every non-terminated pod bound or pinned to a node takes of it, kept per node and
-updated one pod event at a time (ours from kopf's pod index, other tenants' from k8s/foreign.py's watch).
+updated one pod event at a time (ours from their mirror, other tenants' from k8s/foreign.py's; k8s/mirror.py).
 
 Why: admission used to re-read every pod of the cluster per gang (a LIST of other tenants' pods, then an inventory
 of all 8000 pods: about 8M pod visits in the 1000-job run). Now a pod event costs one subtraction and one addition,

@@ -21,6 +21,7 @@ from seqtrain.spec import API_VERSION, KIND, RuntimeConfig, SeqTrainJob, Trainer
 from seqtrain.spec.names import configmap_name, hostname, pod_name, service_name
 from seqtrain.spec.policy import PodPolicy
 from seqtrain_operator.k8s.gangs import ADAPTERS, adapter_for
+from seqtrain_operator.k8s.owner import LABEL_UID
 from seqtrain_operator.k8s.template import apply_pod_template
 from seqtrain_operator.planner.inventory import GPU_PRODUCT_LABEL, GPU_RESOURCE
 from seqtrain_operator.planner.placement import pod_tolerations
@@ -33,6 +34,8 @@ LABEL_REPLICA = f"{GROUP}/replica"
 LABEL_MANAGED = "app.kubernetes.io/managed-by"
 MANAGER = "seqtrain-operator"
 CONTAINER = "trainer"
+DO_NOT_DISRUPT = "karpenter.sh/do-not-disrupt"
+SAFE_TO_EVICT = "cluster-autoscaler.kubernetes.io/safe-to-evict"
 CONFIG_DIR = "/etc/seqtrain"
 CONFIG_FILE = "config.json"
 CHECKPOINT_MOUNT = "/checkpoints"
@@ -94,7 +97,7 @@ def attempt_labels(job: str, attempt: int) -> dict[str, str]:
 
 
 def _meta(name: str, owner: Owner, labels: dict[str, str], annotations: dict[str, str] | None = None) -> dict:
-    meta: dict[str, Any] = {"name": name, "namespace": owner.namespace, "labels": labels,
+    meta: dict[str, Any] = {"name": name, "namespace": owner.namespace, "labels": {**labels, LABEL_UID: owner.uid},
                             "ownerReferences": [owner.reference()]}
     if annotations:
         meta["annotations"] = annotations
@@ -140,6 +143,16 @@ def build_network_policy(job: SeqTrainJob, owner: Owner, settings: Settings) -> 
         "metadata": _meta(service_name(owner.name), owner, job_labels(owner.name)),
         "spec": {"podSelector": {"matchLabels": job_labels(owner.name)}, "policyTypes": ["Ingress"],
                  "ingress": rules},
+    }
+
+
+def build_pdb(owner: Owner) -> dict[str, Any]:
+    """scheduling.podDisruptionBudget: no voluntary eviction of the job's pods (a drain, a scale-down) while they run:
+    one evicted replica restarts the whole gang, so the eviction waits for the job instead."""
+    return {
+        "apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+        "metadata": _meta(service_name(owner.name), owner, job_labels(owner.name)),
+        "spec": {"maxUnavailable": 0, "selector": {"matchLabels": {**job_labels(owner.name), LABEL_UID: owner.uid}}},
     }
 
 
@@ -259,6 +272,8 @@ def build_pod(job: SeqTrainJob, owner: Owner, attempt: int, replica: int, settin
     if settings.progress_port:
         ports.append({"name": "progress", "containerPort": settings.progress_port, "protocol": "TCP"})
     annotations = dict(gang_annotations)
+    if s.scheduling.do_not_disrupt:  # Karpenter's and Cluster Autoscaler's words for "leave this node alone"
+        annotations |= {DO_NOT_DISRUPT: "true", SAFE_TO_EVICT: "false"}
     if settings.metrics_port:
         # Rank r of the pod serves /metrics on metrics_port + r (seqtrain.obs.prometheus); the annotations let a
         # Prometheus with the usual pod-annotation scrape config find local rank 0 without a PodMonitor.

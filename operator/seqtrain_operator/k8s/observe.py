@@ -14,10 +14,15 @@ or fails it after the trainer succeeded):
   DisruptionTarget condition's reason (PreemptionByScheduler -> Preempted, DeletionByTaintManager -> NodeLost,
   EvictionByEvictionAPI / TerminationByKubelet -> Evicted);
 - deletionTimestamp set -> Failed, Deleted, terminating (the core knows whether it asked for the deletion: a
-  teardown it ordered is never charged);
-- on a node that is NotReady/unreachable for longer than a grace period, or removed -> Failed, NodeLost,
-  node_lost (the pod object may stay "Running" for minutes before the node controller evicts it, and once deleted
-  it keeps its deletionTimestamp forever: no kubelet confirms; the core then force-deletes it).
+  teardown it ordered is never charged); overdue once the grace period ended over a minute ago on a Ready node with
+  no finalizer holding it (the core then force-deletes it, saying so);
+- on a node that is NotReady/unreachable for longer than a grace period -> Failed, NodeUnreachable: the node may
+  be partitioned, not dead, and its pods may still run and write checkpoints, so they are never force-deleted on
+  that evidence (split brain); the gang waits, saying how to confirm the node is down;
+- on such a node once it carries the out-of-service taint (node.kubernetes.io/out-of-service: an admin or their
+  automation confirmed it is down, Kubernetes' non-graceful node shutdown), or removed -> Failed, NodeLost,
+  node_lost (once deleted the pod keeps its deletionTimestamp forever: no kubelet confirms; the core then
+  force-deletes it, and the pod garbage collector does the same on an out-of-service node).
 """
 
 from __future__ import annotations
@@ -42,6 +47,10 @@ _NEVER_STARTS = {"InvalidImageName", "CreateContainerConfigError", "CreateContai
 _FALLBACK_BYTES = 2048
 # The trainer's per-step console line (seqtrain.train.loop.Trainer.log_step): progress, never a failure's reason.
 _PROGRESS_LINE = re.compile(r"^step \d+/\d+ ")
+# A kubelet SIGKILLs a pod's containers when its grace period ends and confirms the deletion at once; a pod still
+# there this long after that, on a Ready node, is stuck (a wedged kubelet or runtime): the core force-deletes it.
+TERMINATION_OVERDUE_SECONDS = 60.0
+OUT_OF_SERVICE = "node.kubernetes.io/out-of-service"
 _DISRUPTION = {"PreemptionByScheduler": "Preempted", "DeletionByTaintManager": "NodeLost",
                "EvictionByEvictionAPI": "Evicted", "TerminationByKubelet": "Evicted"}
 
@@ -87,6 +96,11 @@ def not_ready_for(node: Mapping[str, Any], now: datetime) -> float | None:
     return None
 
 
+def out_of_service(node: Mapping[str, Any]) -> bool:
+    """An admin (or their automation) confirmed the node is down: Kubernetes' non-graceful node shutdown taint."""
+    return any(t.get("key") == OUT_OF_SERVICE for t in (node.get("spec") or {}).get("taints") or [])
+
+
 def replica_of(pod: Mapping[str, Any], nodes: Mapping[str, Mapping[str, Any]], now: datetime,
                node_lost_grace: float = 40.0) -> ReplicaObservation | None:
     """One pod -> its replica observation (None for a pod without our labels)."""
@@ -129,17 +143,28 @@ def replica_of(pod: Mapping[str, Any], nodes: Mapping[str, Mapping[str, Any]], n
     if node:
         gone = node not in nodes
         down = None if gone else not_ready_for(nodes[node], now)
-        node_lost = gone or (down is not None and down >= node_lost_grace)
+        unreachable = down is not None and down >= node_lost_grace
+        node_lost = gone or (unreachable and out_of_service(nodes[node]))
         node_unready = gone or down is not None
-        if node_lost and (phase in ("Pending", "Running") or (terminating and reason in ("Deleted", "NodeLost"))):
-            phase, reason = "Failed", "NodeLost"
-            message = f"node {node} {'was removed' if gone else f'has not been Ready for {down:.0f}s'}"
+        if (node_lost or unreachable) and (phase in ("Pending", "Running")
+                                           or (terminating and reason in ("Deleted", "NodeLost"))):
+            phase, reason = "Failed", "NodeLost" if node_lost else "NodeUnreachable"
+            if gone:
+                message = f"node {node} was removed"
+            elif node_lost:
+                message = f"node {node} has not been Ready for {down:.0f}s and is out of service"
+            else:
+                message = (f"node {node} has not been Ready for {down:.0f}s; its pods may still run: once it is "
+                           f"known to be down, taint it {OUT_OF_SERVICE}=nodeshutdown:NoExecute (or delete the Node)")
     if phase == "Failed" and reason is None and _disruption(pod):
         reason = _disruption(pod)
+    due = parse(meta.get("deletionTimestamp"))  # the API sets it to when the grace period ends
+    overdue = (terminating and bool(node) and not node_unready and not meta.get("finalizers") and due is not None
+               and seconds_between(due, now) > TERMINATION_OVERDUE_SECONDS)
     return ReplicaObservation(replica=replica, attempt=attempt, phase=phase,  # type: ignore[arg-type]
                               exit_code=code, reason=reason, node=node, message=message, terminating=terminating,
-                              node_lost=node_lost, node_unready=node_unready, finished_at=term.get("finishedAt"),
-                              error=error)
+                              node_lost=node_lost, node_unready=node_unready, overdue=overdue,
+                              finished_at=term.get("finishedAt"), error=error)
 
 
 def failure_message(text: str | None) -> str:

@@ -6,9 +6,10 @@ and IDs, a node's image list and system info, about 150 KB a pod with its histor
 operator RSS. A projection keeps a few hundred bytes.
 
 Kept of a pod: name, namespace, uid, resourceVersion (the inventory memoizes by it), labels, annotations,
-finalizers, deletionTimestamp; nodeName, schedulingGates, the node affinity (a pod pinned to a node), the containers'
-names and resources, overhead; phase, reason, message, podIP, nominatedNodeName, the conditions' type, status and
-reason, the containers' names and current states (a terminated state's message is rank 0's final progress).
+finalizers, deletionTimestamp, the ownerReferences' kind, uid and controller flag (whose pod it is); nodeName,
+schedulingGates, the node affinity (a pod pinned to a node), the containers' names and resources, overhead; phase,
+reason, message, podIP, nominatedNodeName, the conditions' type, status and reason, the containers' names and
+current states (a terminated state's message is rank 0's final progress).
 Of a node: name, uid, resourceVersion, labels; unschedulable, taints; allocatable, capacity, and the Ready
 condition (status and since when).
 """
@@ -34,6 +35,8 @@ def _containers(items: Any) -> list[dict[str, Any]]:
 def pod(body: Mapping[str, Any]) -> dict[str, Any]:
     meta, spec, status = body.get("metadata") or {}, body.get("spec") or {}, body.get("status") or {}
     m = _pick(meta, _META)
+    if refs := [_pick(r, ("kind", "uid", "controller")) for r in meta.get("ownerReferences") or []]:
+        m["ownerReferences"] = refs  # whose pod it is (k8s/manifests.owner_uid), beside the job-uid label
     if annotations := {k: v for k, v in (meta.get("annotations") or {}).items() if k != _LAST_APPLIED}:
         m["annotations"] = annotations
     s = _pick(spec, ("nodeName", "schedulingGates", "overhead", "schedulerName"))

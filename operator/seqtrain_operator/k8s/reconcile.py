@@ -48,7 +48,7 @@ from seqtrain_operator.controller.types import Decision
 from seqtrain_operator.k8s import calls
 from seqtrain_operator.k8s import manifests as m
 from seqtrain_operator.k8s.busy import BusyPods
-from seqtrain_operator.k8s.client import Conflict, Kube, api_message
+from seqtrain_operator.k8s.client import Conflict, Kube, NameTaken, api_message
 from seqtrain_operator.k8s.expect import Expectations
 from seqtrain_operator.k8s.gangs import ADAPTERS, GangScheduler, adapter_for
 from seqtrain_operator.k8s.observe import (
@@ -58,6 +58,7 @@ from seqtrain_operator.k8s.observe import (
     observe_replicas,
     rank0_ip,
 )
+from seqtrain_operator.k8s.owner import owned_by
 from seqtrain_operator.k8s.progress import poll_progress, progress_url
 from seqtrain_operator.planner.inventory import inventory
 from seqtrain_operator.planner.types import Node, Plan
@@ -168,7 +169,8 @@ def _changed(old: dict[str, Any], new: dict[str, Any], coalesce_progress: bool =
 
 
 class Views(Protocol):
-    """Where a pass reads its job's pods and the nodes: the operator's in-memory kopf indexes (no LIST per pass)."""
+    """Where a pass reads its job's pods and the nodes: the operator's in-memory mirrors (k8s/mirror.py; no LIST per
+    pass)."""
 
     def pods(self, namespace: str, job: str) -> list[dict]: ...
 
@@ -220,6 +222,8 @@ async def reconcile(kube: Kube, cfg: Config, namespace: str, name: str, emit: Ev
         # job). Deciding now would take the admission path for a gang that exists (the 300-job run spent the
         # operator's CPU there while kopf fell minutes behind the pod events).
         return Outcome(requeue=cfg.idle_poll, status=status)
+    # A job re-applied under a deleted job's name sees that job's pods under the same label: never its own
+    pods, predecessors = _split_by_owner(pods, body["metadata"]["uid"])
     adapter = adapter_for(job.spec.scheduling.gang)
     replicas = _observe(adapter, pods, nodes, now, cfg)
     reported, unreachable = Reported(), None
@@ -252,6 +256,8 @@ async def reconcile(kube: Kube, cfg: Config, namespace: str, name: str, emit: Ev
                 observed = replace(observed, capacity=await _free(kube, cfg, views, nodes, (namespace, name)))
             else:
                 observed = replace(observed, unschedulable=await admission(kube, job))
+            if predecessors:  # their names are this job's first attempt's: wait until they are gone
+                observed = replace(observed, unschedulable=await _predecessors_going(kube, predecessors))
         decision = decide(job, status, observed, now)
         if admitting and job.spec.scheduling.gang == "native":  # pods the core placed (others: no node yet)
             reserved = cfg.busy.reserve(p for a in decision.of(CreateGang)
@@ -305,6 +311,17 @@ async def _write_and_act(kube: Kube, cfg: Config, body: dict[str, Any], job: Seq
                 cfg.busy.release(reserved)
                 return await _create_failed(kube, cfg, body, job, owner, new, action.attempt, str(refused), emit,
                                             now)
+            except NameTaken as taken:
+                # A deleted namesake's object (its ConfigMap, its Service) still holds the name: it is deleted (it
+                # belongs to no job now) and the next pass creates what is absent; the status already names the
+                # attempt. Never charged: nothing failed.
+                cfg.busy.release(reserved)
+                log.info("%s/%s: %s; creating it once it is gone", namespace, name, taken)
+                if taken.uid is not None and not taken.terminating:
+                    await kube.delete_exact(taken.api_version, taken.kind, namespace, taken.name, taken.uid)
+                for ev in decision.of(Event):
+                    emit(body, ev.type, ev.reason, ev.message)
+                return Outcome(requeue=1.0, status=new, events=tuple(decision.of(Event)))
     adapter = adapter_for(job.spec.scheduling.gang)
     if adapter is not None and new.phase in TERMINAL_PHASES:
         await adapter.on_finished(kube, job, owner, pods)
@@ -327,6 +344,25 @@ def _cache_behind(cfg: Config, body: dict[str, Any], status: JobStatus) -> bool:
     return bool(cfg.expected.known((body["metadata"]["namespace"], body["metadata"]["name"]), status.attempt))
 
 
+def _split_by_owner(pods: list[dict], uid: str) -> tuple[list[dict], list[dict]]:
+    """(this job's pods, those of a deleted job of the same name that are still there)."""
+    ours, others = [], []
+    for p in pods:
+        (ours if owned_by(p, uid) else others).append(p)
+    return ours, others
+
+
+async def _predecessors_going(kube: Kube, pods: list[dict]) -> str:
+    """Delete what a deleted namesake left running (the garbage collector would, later), and say what is awaited."""
+    for p in pods:
+        meta = p["metadata"]
+        if not meta.get("deletionTimestamp") and meta.get("uid"):
+            await kube.delete_exact("v1", "Pod", meta["namespace"], meta["name"], meta["uid"])
+    names = ", ".join(sorted(p["metadata"]["name"] for p in pods)[:5])
+    return (f"waiting for {len(pods)} pod(s) of a deleted SeqTrainJob of the same name to end ({names}): their "
+            f"names are this job's")
+
+
 def _remember(expected: Expectations, job: tuple[str, str], attempt: int, pod: str) -> None:
     expected.created(job, attempt, [pod])
 
@@ -342,7 +378,8 @@ async def _existing(kube: Kube, cfg: Config, owner: m.Owner, attempt: int, attem
     known = cfg.expected.known(key, attempt)
     if known is None:
         selector = f"{m.LABEL_JOB}={owner.name},{m.LABEL_ATTEMPT}={attempt}"
-        known = {p["metadata"]["name"] for p in await kube.list_pods(owner.namespace, selector)}
+        known = {p["metadata"]["name"] for p in await kube.list_pods(owner.namespace, selector)
+                 if owned_by(p, owner.uid)}
         cfg.expected.created(key, attempt, known)
     return known
 
@@ -435,7 +472,9 @@ async def create_gang(kube: Kube, job: SeqTrainJob, owner: m.Owner, attempt: int
             on_created(obj["metadata"]["name"])
 
     netpol = [m.build_network_policy(job, owner, settings)] if settings.network_policy else []
-    for obj in [m.build_service(owner, settings), *netpol, gang.configmap, *([gang.podgroup] if gang.podgroup else [])]:
+    pdb = [m.build_pdb(owner)] if job.spec.scheduling.pod_disruption_budget else []
+    for obj in [m.build_service(owner, settings), *netpol, *pdb, gang.configmap,
+                *([gang.podgroup] if gang.podgroup else [])]:
         await create(obj)  # what the pods refer to, first
     # The pods together: one admission holds the admission lock until its pods exist, so their creation time is
     # every queued job's wait. All are attempted; the first refusal (or error) is raised after.

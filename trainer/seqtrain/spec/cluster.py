@@ -168,7 +168,22 @@ class SchedulingSpec(SpecModel):
     timeout_seconds: int | None = Field(None, ge=1, le=365 * DAY, description="How long the gang may wait for capacity.")
     on_timeout: Literal["fail", "wait"] = Field("fail", description="What to do when timeoutSeconds passes.")
     pending_grace_seconds: int = Field(
-        300, ge=1, le=30 * DAY, description="A created pod Pending longer than this tears the gang down for re-planning."
+        300, ge=1, le=30 * DAY, description="A created pod that kube-scheduler could not place (Unschedulable) for "
+        "longer than this tears the gang down for re-planning. Pods already placed on a node and starting (pulling "
+        "the image, attaching and mounting volumes) count toward startTimeoutSeconds instead."
+    )
+    start_timeout_seconds: int = Field(
+        1800, ge=1, le=30 * DAY, description="How long pods placed on a node may take to start (ContainerCreating: "
+        "a 10-20 GB image pull, a volume attach) before the gang is torn down and re-planned; counted from the "
+        "gang's creation. The reason shows in the Starting condition meanwhile."
     )
     node_selector: dict[str, str] = Field(default_factory=dict, description="Node labels every trainer pod requires.")
     tolerations: list[Toleration] = Field(default_factory=list, description="Tolerations of the trainer pods.")
+    do_not_disrupt: bool = Field(
+        False, description="Annotate the trainer pods karpenter.sh/do-not-disrupt and cluster-autoscaler's "
+        "safe-to-evict=false: autoscalers then never consolidate or scale down a node the gang runs on."
+    )
+    pod_disruption_budget: bool = Field(
+        False, description="Create a PodDisruptionBudget (maxUnavailable 0) over the job's pods: a drain or any other "
+        "eviction through the Eviction API waits for the job instead of restarting the whole gang."
+    )
