@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import queue
 import signal
 import socket
 import subprocess
@@ -36,7 +37,7 @@ import time
 from collections.abc import Mapping, Sequence
 from types import FrameType
 
-from seqtrain.runtime import exitcodes
+from seqtrain.runtime import exitcodes, restart
 
 GRACE_ENV = "SEQTRAIN_TERM_GRACE_SECONDS"
 LOG_DIR_ENV = "SEQTRAIN_RANK_LOG_DIR"
@@ -166,11 +167,14 @@ def launch(command: Sequence[str], nproc: int, environ: Mapping[str, str] | None
            term_grace: float = DEFAULT_TERM_GRACE_SECONDS, failure_grace: float = FAILURE_GRACE_SECONDS) -> int:
     """Run `command` as `nproc` rank processes; return the pod's exit code (`replica_exit_code`).
 
+    With SEQTRAIN_INPLACE_DELAYS set (seqtrain.runtime.restart), a restartable rank failure restarts the ranks of
+    every replica in place, as the coordinator's rounds say, until the in-place restarts are used up.
     Installs SIGTERM/SIGINT handlers for the duration (main thread only) and restores the previous ones."""
     base = dict(os.environ if environ is None else environ)
     try:
         envs = rank_envs(nproc, base)
-    except LaunchError as exc:
+        plan = restart.in_place_from(base, int(envs[0]["WORLD_SIZE"]) // nproc)
+    except (LaunchError, restart.RestartConfigError) as exc:
         _say(f"invalid config: {exc}")
         return exitcodes.INVALID_CONFIG
     procs: list[subprocess.Popen] = []
@@ -182,29 +186,44 @@ def launch(command: Sequence[str], nproc: int, environ: Mapping[str, str] | None
             if p.returncode is None:  # not reaped yet (no waitpid in a handler: it may interrupt poll())
                 _signal_group(p, signum)
 
-    codes: list[int] = []
+    node = int(envs[0]["NODE_RANK"])
+    coordinator = peer = None
+    if plan.enabled:
+        host = restart.bind_address(base)
+        if node == 0:
+            try:
+                coordinator = restart.Coordinator(plan, host)
+            except OSError as exc:  # the port is taken: no in-place restart, today's behaviour
+                _say(f"cannot serve in-place restarts on {host}:{plan.port} ({exc}); a failure re-creates the gang")
+        target = (host if host != "0.0.0.0" else "127.0.0.1") if node == 0 else envs[0]["MASTER_ADDR"]
+        peer = restart.Peer(target, plan.port, node)
     log_dir = base.get(LOG_DIR_ENV) or None
     previous = {sig: signal.signal(sig, forward) for sig in _FORWARDED}
+    rnd = _Round(0)
     try:
-        for local, extra in enumerate(envs):
-            if received:  # stopped while starting: start no more ranks
-                break
-            try:
-                out = open(os.path.join(log_dir, f"rank-{extra['RANK']}.log"), "ab") if log_dir else None  # noqa: SIM115
+        while True:
+            codes: list[int] = []
+            procs.clear()
+            extra_env = {restart.ROUND_ENV: str(rnd.number)}
+            if rnd.not_before is not None:
+                extra_env[restart.NOT_BEFORE_ENV] = f"{rnd.not_before:.3f}"
+            for local, extra in enumerate(envs):
+                if received:  # stopped while starting: start no more ranks
+                    break
                 try:
-                    procs.append(subprocess.Popen(list(command), env={**base, **extra}, stdin=subprocess.DEVNULL,
-                                                  stdout=out, stderr=subprocess.STDOUT if out else None,
-                                                  start_new_session=True))
-                finally:
-                    if out is not None:
-                        out.close()  # the child holds its own descriptor
-            except OSError as exc:
-                _say(f"cannot start local rank {local}: {exc}")
-                codes.append(exitcodes.ERROR)  # counts as the first failure: _wait stops the ranks started
+                    procs.append(_start_rank(command, {**base, **extra, **extra_env}, log_dir, extra["RANK"]))
+                except OSError as exc:
+                    _say(f"cannot start local rank {local}: {exc}")
+                    codes.append(exitcodes.ERROR)  # counts as the first failure: _wait stops the ranks started
+                    break
+            if log_dir:
+                _write_pids(log_dir, envs[0]["NODE_RANK"], {e["RANK"]: p.pid for e, p in zip(envs, procs, strict=False)})
+            codes = _wait(procs, codes, term_grace, failure_grace, received, peer, rnd)
+            following = _next_round(peer, rnd, plan, received)
+            if following is None:
                 break
-        if log_dir:
-            _write_pids(log_dir, envs[0]["NODE_RANK"], {e["RANK"]: p.pid for e, p in zip(envs, procs, strict=False)})
-        codes = _wait(procs, codes, term_grace, failure_grace, received)
+            _say(f"in-place restart {following.number}: starting {len(envs)} local rank(s) again")
+            rnd = following
     finally:
         for p in procs:  # anything a rank left behind in its group
             _signal_group(p, signal.SIGKILL)
@@ -213,10 +232,96 @@ def launch(command: Sequence[str], nproc: int, environ: Mapping[str, str] | None
                 p.wait(timeout=10)  # reaped; one even SIGKILL cannot stop is left to the OS rather than hang us
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        if peer is not None:
+            peer.close()
+        if coordinator is not None:
+            coordinator.close()
     code = replica_exit_code(codes)
+    if rnd.abort_code is not None and not rnd.failed_here:
+        code = rnd.abort_code  # our ranks were stopped because of another replica's failure: report its cause
     if code:
         _say(f"exit codes of local ranks, in the order they ended: {codes}; exiting {code}")
+        if rnd.number:
+            _report_rounds(rnd.number)
     return code
+
+
+def _report_rounds(rounds: int) -> None:
+    """Say how many in-place restarts this gang made, last, in the log and the termination message."""
+    line = f"{restart.ROUNDS_MARKER}{rounds}"
+    print(line, file=sys.stderr, flush=True)
+    path = os.environ.get("SEQTRAIN_TERMINATION_LOG") or "/dev/termination-log"
+    if os.path.exists(path) and os.access(path, os.W_OK):
+        with contextlib.suppress(OSError), open(path, "a", encoding="utf-8") as f:
+            f.write(f"\n{line}\n")
+
+
+class _Round:
+    """One incarnation of this replica's ranks, and what the coordinator said about it (all set by `_wait`)."""
+
+    def __init__(self, number: int, not_before: float | None = None) -> None:
+        self.number = number
+        self.not_before = not_before
+        self.failed_here = False  # a local rank failed (restartably) and we asked for a restart
+        self.restart: dict | None = None  # the coordinator's {"restart": n, "notBefore": t}
+        self.abort_code: int | None = None  # the coordinator gave up in-place restarts (the cause's code)
+
+    def take(self, msg: dict) -> None:
+        if "restart" in msg and int(msg["restart"]) > self.number and self.abort_code is None:
+            self.restart = msg
+        elif "abort" in msg:
+            _say(f"no in-place restart: {msg.get('why', '')}")
+            self.abort_code = int(msg.get("code") or exitcodes.ERROR)
+
+
+def _start_rank(command: Sequence[str], env: dict[str, str], log_dir: str | None, rank: str) -> subprocess.Popen:
+    out = open(os.path.join(log_dir, f"rank-{rank}.log"), "ab") if log_dir else None  # noqa: SIM115
+    try:
+        return subprocess.Popen(list(command), env=env, stdin=subprocess.DEVNULL, stdout=out,
+                                stderr=subprocess.STDOUT if out else None, start_new_session=True)
+    finally:
+        if out is not None:
+            out.close()  # the child holds its own descriptor
+
+
+def _drain(peer: restart.Peer | None, rnd: _Round) -> None:
+    while peer is not None:
+        try:
+            rnd.take(peer.inbox.get_nowait())
+        except queue.Empty:
+            return
+
+
+def _next_round(peer: restart.Peer | None, rnd: _Round, plan: restart.InPlace, received: list[int]) -> _Round | None:
+    """Every local rank has ended: the next round to start when the gang restarts in place, else None (exit).
+
+    A replica restarts only through the barrier: it says it is ready for the round the coordinator announced and
+    waits for every other replica to say so ("go"). A signal to the launcher, an abort, a lost coordinator or no
+    answer within the barrier's deadline all end it with today's exit code."""
+    if peer is None or received or not peer.connected.is_set():
+        return None
+    deadline = time.monotonic() + plan.barrier_seconds + FAILURE_GRACE_SECONDS
+    while rnd.restart is None and rnd.abort_code is None:  # we asked: the answer comes at once unless rank 0 is gone
+        if not rnd.failed_here or received or peer.lost.is_set() or time.monotonic() > deadline:
+            return None
+        _drain(peer, rnd)
+        time.sleep(POLL_SECONDS)
+    if rnd.abort_code is not None or rnd.restart is None:
+        return None
+    number = int(rnd.restart["restart"])
+    if not peer.send({"ready": number}):
+        return None
+    while not received and not peer.lost.is_set() and time.monotonic() < deadline:
+        try:
+            msg = peer.inbox.get(timeout=POLL_SECONDS)
+        except queue.Empty:
+            continue
+        if msg.get("go") == number:
+            return _Round(number, float(rnd.restart.get("notBefore") or 0) or None)
+        rnd.take(msg)
+        if rnd.abort_code is not None:
+            return None
+    return None
 
 
 def _write_pids(log_dir: str, node_rank: str, pids: dict[str, int]) -> None:
@@ -228,12 +333,15 @@ def _write_pids(log_dir: str, node_rank: str, pids: dict[str, int]) -> None:
 
 
 def _wait(procs: list[subprocess.Popen], codes: list[int], term_grace: float, failure_grace: float,
-          received: list[int]) -> list[int]:
+          received: list[int], peer: restart.Peer | None = None, rnd: _Round | None = None) -> list[int]:
     """Poll until every child ended; returns their normalized codes in the order they ended (appended to `codes`).
 
     The first non-zero exit (or a signal to the launcher) starts the stop: SIGTERM to the rest, SIGKILL at the
-    deadline: `failure_grace` after a rank failure, `term_grace` after a stop request."""
+    deadline: `failure_grace` after a rank failure, `term_grace` after a stop request. With a `peer` (in-place
+    restarts), a restartable failure is reported to the coordinator, and its restart order (another replica
+    failed) stops the ranks the same way."""
     running = dict(enumerate(procs))
+    rnd = rnd if rnd is not None else _Round(0)
     deadline: float | None = None if not codes else time.monotonic() + failure_grace
     if codes:
         for p in running.values():
@@ -247,9 +355,18 @@ def _wait(procs: list[subprocess.Popen], codes: list[int], term_grace: float, fa
             codes.append(normalize(rc))
             if codes[-1] != 0 and deadline is None:
                 _say(f"local rank {local} exited with code {codes[-1]}; stopping the other {len(running)} rank(s)")
+                if peer is not None and not received and restart.restartable(codes[-1]) and \
+                        rnd.restart is None and peer.send({"fail": rnd.number, "code": codes[-1]}):
+                    rnd.failed_here = True
                 deadline = time.monotonic() + failure_grace
                 for q in running.values():
                     _signal_group(q, signal.SIGTERM)
+        _drain(peer, rnd)
+        if rnd.restart is not None and deadline is None and running:
+            _say(f"another replica failed (in-place restart {rnd.restart['restart']}): stopping the local ranks")
+            deadline = time.monotonic() + failure_grace
+            for q in running.values():
+                _signal_group(q, signal.SIGTERM)
         if received and deadline is None:
             deadline = time.monotonic() + term_grace  # the handler already forwarded the signal
         if deadline is not None and time.monotonic() >= deadline and running:

@@ -53,6 +53,9 @@ class Progress(_StatusModel):
     best_step: int | None = Field(None, description="Step of the lowest validation loss (its checkpoint is kept).")
     stop_reason: str | None = Field(None, description="Why training ended before training.steps, e.g. EarlyStopped.")
     stop_message: str | None = Field(None, description="Human-readable detail of stopReason.")
+    attempt: int | None = Field(None, description="The gang incarnation (status.attempt) whose rank 0 reported this.")
+    restart_round: int | None = Field(None, description="In-place restarts of that incarnation so far (0: its first "
+                                      "start).")
 
 
 class CheckpointRef(_StatusModel):
@@ -78,6 +81,9 @@ class JobStatus(_StatusModel):
     completion_time: str | None = None
     message: str = ""
     attempt: int = Field(0, description="Gang incarnation counter (1 for the first start).")
+    restart_round: int = Field(0, description="In-place restarts of the current incarnation counted so far.")
+    in_place_restarts: int = Field(0, description="Of `restarts`, those done in place (ranks restarted in the "
+                                   "existing pods, not a re-created gang).")
     next_restart_time: str | None = Field(None, description="When a pending restart may start (backoff).")
     failed_nodes: dict[str, str] = Field(default_factory=dict, description="node -> time until which it is avoided.")
     steps_lost: list[int] = Field(default_factory=list, description="Steps redone after each restart.")
