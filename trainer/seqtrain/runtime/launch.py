@@ -362,8 +362,9 @@ def _wait(procs: list[subprocess.Popen], codes: list[int], term_grace: float, fa
                 for q in running.values():
                     _signal_group(q, signal.SIGTERM)
         _drain(peer, rnd)
-        if rnd.restart is not None and deadline is None and running:
-            _say(f"another replica failed (in-place restart {rnd.restart['restart']}): stopping the local ranks")
+        if (rnd.restart is not None or rnd.abort_code is not None) and deadline is None and running:
+            what = f"in-place restart {rnd.restart['restart']}" if rnd.restart is not None else "the gang gives up"
+            _say(f"another replica failed ({what}): stopping the local ranks")
             deadline = time.monotonic() + failure_grace
             for q in running.values():
                 _signal_group(q, signal.SIGTERM)
