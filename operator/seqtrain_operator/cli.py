@@ -20,6 +20,7 @@ BENCHMARKS = {
     "memory": "seqtrain.benchmarks.memory",
     "layouts": "seqtrain.benchmarks.layouts",
     "operator": "seqtrain_operator.benchmark",
+    "recovery": "seqtrain_operator.bench_recovery",
     "gpu": "seqtrain.benchmarks.gpu",
 }
 

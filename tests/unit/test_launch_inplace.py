@@ -142,7 +142,7 @@ def test_pods_carry_the_in_place_settings_only_when_the_core_hands_them_out() ->
 
 # A fake rank: records that it started (rank, round, pid), then does what FAKE_PLAN["<rank>:<round>"] says (default
 # "ok"): "ok" exit 0 | "exit:N" exit N | "wait" until SIGTERM (exit 143) | "fail-when:NAME" exit 1 once FAKE_OUT/NAME
-# exists.
+# exists | "early:N" exit N before its first step (every other plan marks a step done, as the trainer does).
 FAKE = r"""
 import json, os, signal, sys, time
 out, rank = os.environ["FAKE_OUT"], os.environ["RANK"]
@@ -151,6 +151,8 @@ open(os.path.join(out, f"start-{rank}-{rnd}-{os.getpid()}"), "w").close()
 act = json.loads(os.environ["FAKE_PLAN"]).get(f"{rank}:{rnd}", "ok")
 kind, _, arg = act.partition(":")
 signal.signal(signal.SIGTERM, lambda s, f: os._exit(143))
+if kind == "early": sys.exit(int(arg))
+if os.environ.get("SEQTRAIN_STEPPED_FILE"): open(os.environ["SEQTRAIN_STEPPED_FILE"], "a").close()
 if kind == "exit": sys.exit(int(arg))
 deadline = time.monotonic() + 60
 while kind in ("wait", "fail-when") and time.monotonic() < deadline:
@@ -238,3 +240,13 @@ def test_a_lost_replica_makes_the_others_fall_back_to_re_creation(tmp_path: Path
     launchers[1].wait(timeout=DEADLINE_S)
     assert code == 1 and "not connected" in err, err
     assert starts(tmp_path) == [(0, 0), (1, 0)]  # nothing restarted in place
+
+
+@pytest.mark.slow
+def test_a_failure_before_the_first_step_is_left_to_the_operator(tmp_path: Path) -> None:
+    launchers = gang(tmp_path, {"0:0": "wait", "1:0": "early:1"}, delays="0,0")
+    code, err = ends(launchers[1:])[0]
+    assert code == 1 and "before its first step" in err
+    launchers[0].send_signal(signal.SIGTERM)
+    ends(launchers[:1])
+    assert starts(tmp_path) == [(0, 0), (1, 0)]

@@ -29,10 +29,12 @@ import contextlib
 import json
 import os
 import queue
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from types import FrameType
@@ -198,6 +200,7 @@ def launch(command: Sequence[str], nproc: int, environ: Mapping[str, str] | None
         target = (host if host != "0.0.0.0" else "127.0.0.1") if node == 0 else envs[0]["MASTER_ADDR"]
         peer = restart.Peer(target, plan.port, node)
     log_dir = base.get(LOG_DIR_ENV) or None
+    marks = tempfile.mkdtemp(prefix="seqtrain-launch-") if plan.enabled else None
     previous = {sig: signal.signal(sig, forward) for sig in _FORWARDED}
     rnd = _Round(0)
     try:
@@ -205,6 +208,9 @@ def launch(command: Sequence[str], nproc: int, environ: Mapping[str, str] | None
             codes: list[int] = []
             procs.clear()
             extra_env = {restart.ROUND_ENV: str(rnd.number)}
+            if marks is not None:
+                rnd.stepped_file = os.path.join(marks, f"stepped-{rnd.number}")
+                extra_env[restart.STEPPED_ENV] = rnd.stepped_file
             if rnd.not_before is not None:
                 extra_env[restart.NOT_BEFORE_ENV] = f"{rnd.not_before:.3f}"
             for local, extra in enumerate(envs):
@@ -236,6 +242,8 @@ def launch(command: Sequence[str], nproc: int, environ: Mapping[str, str] | None
             peer.close()
         if coordinator is not None:
             coordinator.close()
+        if marks is not None:
+            shutil.rmtree(marks, ignore_errors=True)
     code = replica_exit_code(codes)
     if rnd.abort_code is not None and not rnd.failed_here:
         code = rnd.abort_code  # our ranks were stopped because of another replica's failure: report its cause
@@ -265,6 +273,10 @@ class _Round:
         self.failed_here = False  # a local rank failed (restartably) and we asked for a restart
         self.restart: dict | None = None  # the coordinator's {"restart": n, "notBefore": t}
         self.abort_code: int | None = None  # the coordinator gave up in-place restarts (the cause's code)
+        self.stepped_file: str | None = None  # a local rank creates it after its first step
+
+    def stepped(self) -> bool:
+        return self.stepped_file is not None and os.path.exists(self.stepped_file)
 
     def take(self, msg: dict) -> None:
         if "restart" in msg and int(msg["restart"]) > self.number and self.abort_code is None:
@@ -355,9 +367,12 @@ def _wait(procs: list[subprocess.Popen], codes: list[int], term_grace: float, fa
             codes.append(normalize(rc))
             if codes[-1] != 0 and deadline is None:
                 _say(f"local rank {local} exited with code {codes[-1]}; stopping the other {len(running)} rank(s)")
-                if peer is not None and not received and restart.restartable(codes[-1]) and \
-                        rnd.restart is None and peer.send({"fail": rnd.number, "code": codes[-1]}):
-                    rnd.failed_here = True
+                if peer is not None and not received and restart.restartable(codes[-1]) and rnd.restart is None:
+                    if not rnd.stepped():
+                        _say("it failed before its first step: not restarting in place (a start-up failure is the "
+                             "operator's to judge)")
+                    elif peer.send({"fail": rnd.number, "code": codes[-1]}):
+                        rnd.failed_here = True
                 deadline = time.monotonic() + failure_grace
                 for q in running.values():
                     _signal_group(q, signal.SIGTERM)

@@ -42,6 +42,7 @@ PORT_ENV = "SEQTRAIN_RESTART_PORT"
 BARRIER_ENV = "SEQTRAIN_RESTART_BARRIER_SECONDS"
 ROUND_ENV = "SEQTRAIN_RESTART_ROUND"
 NOT_BEFORE_ENV = "SEQTRAIN_START_NOT_BEFORE"  # wall-clock epoch seconds; ranks start training no earlier
+STEPPED_ENV = "SEQTRAIN_STEPPED_FILE"  # a rank creates this file after its first step (`mark_stepped`)
 # Stopping a replica's ranks takes up to the launcher's FAILURE_GRACE_SECONDS (SIGTERM -> SIGKILL), so the barrier
 # waits longer than that: a launcher that has not come by then has lost its pod or node.
 DEFAULT_BARRIER_SECONDS = 30.0
@@ -342,6 +343,23 @@ class Peer:
         except (OSError, ValueError):
             pass
         self.lost.set()
+
+
+_stepped = False
+
+
+def mark_stepped() -> None:
+    """In a rank, after each step (cheap: acts once): create SEQTRAIN_STEPPED_FILE, so the launcher knows this
+    incarnation got past start-up. A failure before the first step is not restarted in place: a start-up failure
+    is the controller's to judge (it stops one that repeats identically), and re-creating may move the pod."""
+    global _stepped
+    if _stepped:
+        return
+    _stepped = True
+    path = os.environ.get(STEPPED_ENV, "")
+    if path:
+        with contextlib.suppress(OSError):
+            open(path, "a").close()  # noqa: SIM115
 
 
 def wait_not_before(environ: Mapping[str, str] | None = None) -> None:
