@@ -28,7 +28,9 @@ import contextlib
 import json
 import os
 import queue
+import signal
 import socket
+import sys
 import threading
 import time
 from collections.abc import Mapping
@@ -346,6 +348,22 @@ class Peer:
 
 
 _stepped = False
+
+
+def die_with_launcher(environ: Mapping[str, str] | None = None) -> None:
+    """In a rank the launcher started (it sets SEQTRAIN_RESTART_ROUND): die by SIGKILL when the launcher dies. A
+    lost pod takes its launcher down with every process of its group, but the ranks run in sessions of their own;
+    on a real node the container's cgroup goes too, elsewhere (the test node agent, a SIGKILLed local replica) an
+    orphaned rank would train on and keep its peers from noticing the loss."""
+    env = os.environ if environ is None else environ
+    if ROUND_ENV not in env or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() == 1:  # the launcher died before the line above took effect
+        os._exit(128 + signal.SIGKILL)
 
 
 def mark_stepped() -> None:

@@ -13,7 +13,7 @@ from pydantic import ValidationError
 
 from seqtrain.runtime import exitcodes
 from seqtrain.runtime.exitcodes import DeviceUnavailable, InvalidConfig
-from seqtrain.runtime.restart import wait_not_before
+from seqtrain.runtime.restart import die_with_launcher, wait_not_before
 from seqtrain.spec import SpecError, TrainerConfig, parse_job, read_trainer_config, resolve
 from seqtrain.spec.job import SeqTrainJob
 
@@ -99,6 +99,7 @@ class _TerminateFlag:
 
 
 def main(config_path: str) -> int:
+    die_with_launcher()
     flag = _TerminateFlag()
     signal.signal(signal.SIGTERM, flag)
     ctx = None
