@@ -73,11 +73,19 @@ def test_a_launcher_that_leaves_during_a_round_aborts_it_at_once() -> None:
     assert msg["abort"] == 1 and "left" in msg["why"]
 
 
-def test_no_round_opens_while_a_launcher_is_not_connected() -> None:
+def test_no_round_opens_once_a_launcher_disconnected() -> None:
     b = barrier(0, 1)
     b.leave(1, now=0.0)  # its pod is gone; nothing runs a barrier yet
     (msg,) = b.fail(0, 0, 4, now=1.0)
     assert "abort" in msg and "[1]" in msg["why"]
+
+
+def test_a_launcher_that_connects_during_a_round_gets_its_order() -> None:
+    b = barrier(0)  # replica 1's launcher has not connected yet (its pod started later)
+    (msg,) = b.fail(0, 0, 1, now=0.0)
+    assert b.join(1) == [msg]
+    b.ready(0, 1)
+    assert b.ready(1, 1) == [{"go": 1}]
 
 
 # ---- settings --------------------------------------------------------------------------------------------------
@@ -151,6 +159,11 @@ open(os.path.join(out, f"start-{rank}-{rnd}-{os.getpid()}"), "w").close()
 act = json.loads(os.environ["FAKE_PLAN"]).get(f"{rank}:{rnd}", "ok")
 kind, _, arg = act.partition(":")
 signal.signal(signal.SIGTERM, lambda s, f: os._exit(143))
+n = int(os.environ["WORLD_SIZE"])  # act once every rank of this round started (none is stopped before it did)
+until = time.monotonic() + 30
+while time.monotonic() < until and len({f.split("-")[1] for f in os.listdir(out)
+                                        if f.startswith("start-") and f.split("-")[2] == rnd}) < n:
+    time.sleep(0.01)
 if kind == "early": sys.exit(int(arg))
 if os.environ.get("SEQTRAIN_STEPPED_FILE"): open(os.environ["SEQTRAIN_STEPPED_FILE"], "a").close()
 if kind == "exit": sys.exit(int(arg))
@@ -238,7 +251,8 @@ def test_a_lost_replica_makes_the_others_fall_back_to_re_creation(tmp_path: Path
     (tmp_path / "lost").touch()  # rank 0's collective fails because its peer vanished
     code, err = ends(launchers[:1])[0]
     launchers[1].wait(timeout=DEADLINE_S)
-    assert code == 1 and "not connected" in err, err
+    # at once when its connection was seen to drop, else at the barrier's deadline
+    assert code == 1 and "no in-place restart" in err and ("disconnected" in err or "did not reach" in err), err
     assert starts(tmp_path) == [(0, 0), (1, 0)]  # nothing restarted in place
 
 
@@ -250,3 +264,27 @@ def test_a_failure_before_the_first_step_is_left_to_the_operator(tmp_path: Path)
     launchers[0].send_signal(signal.SIGTERM)
     ends(launchers[:1])
     assert starts(tmp_path) == [(0, 0), (1, 0)]
+
+
+@pytest.mark.slow
+def test_a_rank_dies_with_its_launcher(tmp_path: Path) -> None:
+    # The launcher (a pod's main process) is SIGKILLed alone, as the test node agent does when a node dies: the
+    # rank, in a session of its own, must not train on as an orphan.
+    rank = ("import time; from seqtrain.runtime.restart import die_with_launcher; die_with_launcher(); "
+            "open(__import__('os').environ['FAKE_OUT'] + '/up', 'w').close(); time.sleep(60)")
+    env = {**os.environ, "PYTHONPATH": TRAINER_ROOT, "FAKE_OUT": str(tmp_path)}
+    for k in ("WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "SEQTRAIN_INPLACE_DELAYS"):
+        env.pop(k, None)
+    launcher = subprocess.Popen([sys.executable, "-m", "seqtrain.runtime.launch", "--nproc-per-node=1", "--",
+                                 sys.executable, "-c", rank], env=env)
+    deadline = time.monotonic() + DEADLINE_S
+    while not (tmp_path / "up").exists():
+        assert time.monotonic() < deadline and launcher.poll() is None
+        time.sleep(0.02)
+    children = Path(f"/proc/{launcher.pid}/task/{launcher.pid}/children").read_text().split()
+    launcher.kill()
+    launcher.wait()
+    for pid in map(int, children):
+        while Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1][:3]:
+            assert time.monotonic() < deadline, "the rank outlived its launcher"
+            time.sleep(0.02)

@@ -198,7 +198,7 @@ def launch(command: Sequence[str], nproc: int, environ: Mapping[str, str] | None
             except OSError as exc:  # the port is taken: no in-place restart, today's behaviour
                 _say(f"cannot serve in-place restarts on {host}:{plan.port} ({exc}); a failure re-creates the gang")
         target = (host if host != "0.0.0.0" else "127.0.0.1") if node == 0 else envs[0]["MASTER_ADDR"]
-        peer = restart.Peer(target, plan.port, node)
+        peer = restart.Peer(target, plan.port, node, plan.barrier_seconds)
     log_dir = base.get(LOG_DIR_ENV) or None
     marks = tempfile.mkdtemp(prefix="seqtrain-launch-") if plan.enabled else None
     previous = {sig: signal.signal(sig, forward) for sig in _FORWARDED}
@@ -207,7 +207,7 @@ def launch(command: Sequence[str], nproc: int, environ: Mapping[str, str] | None
         while True:
             codes: list[int] = []
             procs.clear()
-            extra_env = {restart.ROUND_ENV: str(rnd.number)}
+            extra_env = {restart.ROUND_ENV: str(rnd.number), restart.LAUNCHER_PID_ENV: str(os.getpid())}
             if marks is not None:
                 rnd.stepped_file = os.path.join(marks, f"stepped-{rnd.number}")
                 extra_env[restart.STEPPED_ENV] = rnd.stepped_file
@@ -367,15 +367,15 @@ def _wait(procs: list[subprocess.Popen], codes: list[int], term_grace: float, fa
             codes.append(normalize(rc))
             if codes[-1] != 0 and deadline is None:
                 _say(f"local rank {local} exited with code {codes[-1]}; stopping the other {len(running)} rank(s)")
+                deadline = time.monotonic() + failure_grace
+                for q in running.values():
+                    _signal_group(q, signal.SIGTERM)
                 if peer is not None and not received and restart.restartable(codes[-1]) and rnd.restart is None:
                     if not rnd.stepped():
                         _say("it failed before its first step: not restarting in place (a start-up failure is the "
                              "operator's to judge)")
-                    elif peer.send({"fail": rnd.number, "code": codes[-1]}):
+                    elif peer.connected.wait(peer.patience) and peer.send({"fail": rnd.number, "code": codes[-1]}):
                         rnd.failed_here = True
-                deadline = time.monotonic() + failure_grace
-                for q in running.values():
-                    _signal_group(q, signal.SIGTERM)
         _drain(peer, rnd)
         if (rnd.restart is not None or rnd.abort_code is not None) and deadline is None and running:
             what = f"in-place restart {rnd.restart['restart']}" if rnd.restart is not None else "the gang gives up"

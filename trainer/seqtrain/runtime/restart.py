@@ -44,6 +44,7 @@ PORT_ENV = "SEQTRAIN_RESTART_PORT"
 BARRIER_ENV = "SEQTRAIN_RESTART_BARRIER_SECONDS"
 ROUND_ENV = "SEQTRAIN_RESTART_ROUND"
 NOT_BEFORE_ENV = "SEQTRAIN_START_NOT_BEFORE"  # wall-clock epoch seconds; ranks start training no earlier
+LAUNCHER_PID_ENV = "SEQTRAIN_LAUNCHER_PID"  # the rank's parent (PID 1 in a container: no other test works)
 STEPPED_ENV = "SEQTRAIN_STEPPED_FILE"  # a rank creates this file after its first step (`mark_stepped`)
 # Stopping a replica's ranks takes up to the launcher's FAILURE_GRACE_SECONDS (SIGTERM -> SIGKILL), so the barrier
 # waits longer than that: a launcher that has not come by then has lost its pod or node.
@@ -139,16 +140,21 @@ class Barrier:
     deadline: float | None = None  # while a barrier is open
     waiting: set[int] = field(default_factory=set)
     connected: set[int] = field(default_factory=set)
+    left: set[int] = field(default_factory=set)  # connected once, then dropped: the pod stopped or is lost
     aborted: bool = False
     cause: int = exitcodes.ERROR
+    announced: dict[str, Any] | None = None  # the open round's restart message
 
     def join(self, node: int) -> list[dict[str, Any]]:
+        """A launcher connected; the messages for it alone (the open round's order: it connected late)."""
         self.connected.add(node)
-        return []
+        self.left.discard(node)
+        return [self.announced] if self.deadline is not None and self.announced is not None else []
 
     def leave(self, node: int, now: float) -> list[dict[str, Any]]:
         """A launcher's connection dropped: its pod stopped or is lost. During a barrier it can never come."""
         self.connected.discard(node)
+        self.left.add(node)
         if self.deadline is not None and node in self.waiting:
             return self._abort(f"replica {node} left during in-place restart {self.round}")
         return []
@@ -160,15 +166,15 @@ class Barrier:
         if self.round >= len(self.plan.delays):
             return self._abort(f"replica {node} failed with exit code {code} and the {len(self.plan.delays)} "
                                "in-place restart(s) allowed are used up")
-        missing = set(range(self.plan.replicas)) - self.connected
-        if missing:
-            return self._abort(f"replica {node} failed with exit code {code}; replica(s) {sorted(missing)} are not "
-                               "connected, so the gang cannot restart in place")
+        if self.left:  # (one not connected YET still may: it gets the order when it does, or misses the deadline)
+            return self._abort(f"replica {node} failed with exit code {code}; replica(s) {sorted(self.left)} "
+                               "disconnected (pod stopped or lost), so the gang cannot restart in place")
         self.round += 1
         self.deadline = now + self.plan.barrier_seconds
         self.waiting = set(range(self.plan.replicas))
         not_before = time.time() + self.plan.delays[self.round - 1]
-        return [{"restart": self.round, "notBefore": not_before, "node": node, "code": code}]
+        self.announced = {"restart": self.round, "notBefore": not_before, "node": node, "code": code}
+        return [self.announced]
 
     def ready(self, node: int, at_round: int) -> list[dict[str, Any]]:
         if self.aborted or at_round != self.round or self.deadline is None:
@@ -251,7 +257,9 @@ class Coordinator:
                     if "hello" in msg:
                         node = int(msg["hello"])
                         self._conns[node] = conn
-                        out = self.barrier.join(node)
+                        for late in self.barrier.join(node):
+                            conn.sendall((json.dumps(late) + "\n").encode())
+                        out = []
                     elif node is None:
                         return
                     elif "fail" in msg:
@@ -299,8 +307,9 @@ class Peer:
     """A launcher's connection to the coordinator: connects in the background (rank 0's pod may start later),
     queues what the coordinator says. `lost` is set once a connection that existed dropped."""
 
-    def __init__(self, host: str, port: int, node: int) -> None:
+    def __init__(self, host: str, port: int, node: int, patience: float = DEFAULT_BARRIER_SECONDS) -> None:
         self.node = node
+        self.patience = patience  # how long a failure report waits for a connection not made yet
         self.inbox: queue.Queue[dict[str, Any]] = queue.Queue()
         self.connected = threading.Event()
         self.lost = threading.Event()
@@ -362,7 +371,8 @@ def die_with_launcher(environ: Mapping[str, str] | None = None) -> None:
 
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    if os.getppid() == 1:  # the launcher died before the line above took effect
+    launcher = env.get(LAUNCHER_PID_ENV, "")
+    if launcher.isdigit() and os.getppid() != int(launcher):  # it died before the line above took effect
         os._exit(128 + signal.SIGKILL)
 
 
