@@ -229,6 +229,7 @@ def launch(command: Sequence[str], nproc: int, environ: Mapping[str, str] | None
             if following is None:
                 break
             _say(f"in-place restart {following.number}: starting {len(envs)} local rank(s) again")
+            _clear_termination_message()
             rnd = following
     finally:
         for p in procs:  # anything a rank left behind in its group
@@ -254,12 +255,27 @@ def launch(command: Sequence[str], nproc: int, environ: Mapping[str, str] | None
     return code
 
 
+def _termination_log() -> str | None:
+    """The container's termination-message file when there is one we may write (seqtrain.obs.progress's rule)."""
+    path = os.environ.get("SEQTRAIN_TERMINATION_LOG") or "/dev/termination-log"
+    return path if os.path.exists(path) and os.access(path, os.W_OK) else None
+
+
+def _clear_termination_message() -> None:
+    """Before an in-place restart: the last round's error line is not this round's; rank 0's final progress (which
+    says the round) or the next failure's error line goes there instead."""
+    path = _termination_log()
+    if path is not None:
+        with contextlib.suppress(OSError), open(path, "w", encoding="utf-8"):
+            pass
+
+
 def _report_rounds(rounds: int) -> None:
     """Say how many in-place restarts this gang made, last, in the log and the termination message."""
     line = f"{restart.ROUNDS_MARKER}{rounds}"
     print(line, file=sys.stderr, flush=True)
-    path = os.environ.get("SEQTRAIN_TERMINATION_LOG") or "/dev/termination-log"
-    if os.path.exists(path) and os.access(path, os.W_OK):
+    path = _termination_log()
+    if path is not None:
         with contextlib.suppress(OSError), open(path, "a", encoding="utf-8") as f:
             f.write(f"\n{line}\n")
 
