@@ -62,9 +62,13 @@ def records(tb: Testbed, ns: str, name: str) -> list[dict[str, Any]]:
 
 
 def rank_pid(tb: Testbed, pod: dict[str, Any]) -> int:
-    """The rank process of a 1-rank pod: the launcher's child (the launcher is the pod's main process)."""
+    """The rank process of a 1-rank pod: the launcher's child when in-place restarts are on (the launcher is then the
+    pod's main process), else the pod's main process itself."""
     pgid = tb.pod_pid(pod["metadata"]["uid"])
     assert pgid is not None, pod["metadata"]["name"]
+    env = {e["name"] for e in pod["spec"]["containers"][0].get("env", [])}
+    if "SEQTRAIN_INPLACE_DELAYS" not in env:
+        return pgid
     def child() -> int | None:
         for pid in Path("/proc").iterdir():
             if not pid.name.isdigit():
