@@ -166,11 +166,14 @@ def _say(text: str) -> None:
 
 
 def launch(command: Sequence[str], nproc: int, environ: Mapping[str, str] | None = None,
-           term_grace: float = DEFAULT_TERM_GRACE_SECONDS, failure_grace: float = FAILURE_GRACE_SECONDS) -> int:
+           term_grace: float = DEFAULT_TERM_GRACE_SECONDS, failure_grace: float = FAILURE_GRACE_SECONDS,
+           standby: bool = False) -> int:
     """Run `command` as `nproc` rank processes; return the pod's exit code (`replica_exit_code`).
 
     With SEQTRAIN_INPLACE_DELAYS set (seqtrain.runtime.restart), a restartable rank failure restarts the ranks of
-    every replica in place, as the coordinator's rounds say, until the in-place restarts are used up.
+    every replica in place, as the coordinator's rounds say, until the in-place restarts are used up. `standby`
+    (the command is the trainer, which honours SEQTRAIN_STANDBY_FD): each round also starts spare ranks for the
+    next one, which import torch while it trains, so an in-place restart does not wait for the imports.
     Installs SIGTERM/SIGINT handlers for the duration (main thread only) and restores the previous ones."""
     base = dict(os.environ if environ is None else environ)
     try:
@@ -203,25 +206,31 @@ def launch(command: Sequence[str], nproc: int, environ: Mapping[str, str] | None
     marks = tempfile.mkdtemp(prefix="seqtrain-launch-") if plan.enabled else None
     previous = {sig: signal.signal(sig, forward) for sig in _FORWARDED}
     rnd = _Round(0)
+    spares: list[tuple[subprocess.Popen, int]] = []
     try:
         while True:
             codes: list[int] = []
             procs.clear()
-            extra_env = {restart.ROUND_ENV: str(rnd.number), restart.LAUNCHER_PID_ENV: str(os.getpid())}
-            if marks is not None:
-                rnd.stepped_file = os.path.join(marks, f"stepped-{rnd.number}")
-                extra_env[restart.STEPPED_ENV] = rnd.stepped_file
-            if rnd.not_before is not None:
-                extra_env[restart.NOT_BEFORE_ENV] = f"{rnd.not_before:.3f}"
-            for local, extra in enumerate(envs):
-                if received:  # stopped while starting: start no more ranks
-                    break
-                try:
-                    procs.append(_start_rank(command, {**base, **extra, **extra_env}, log_dir, extra["RANK"]))
-                except OSError as exc:
-                    _say(f"cannot start local rank {local}: {exc}")
-                    codes.append(exitcodes.ERROR)  # counts as the first failure: _wait stops the ranks started
-                    break
+            order = _round_env(rnd, marks)
+            if spares and len(spares) == len(envs) and all(p.poll() is None for p, _ in spares) and not received:
+                procs.extend(_release(spares, order))  # imports done: they go on from here
+            else:
+                _drop(spares)
+                for local, extra in enumerate(envs):
+                    if received:  # stopped while starting: start no more ranks
+                        break
+                    try:
+                        procs.append(_start_rank(command, {**base, **extra, **order}, log_dir, extra["RANK"])[0])
+                    except OSError as exc:
+                        _say(f"cannot start local rank {local}: {exc}")
+                        codes.append(exitcodes.ERROR)  # counts as the first failure: _wait stops the ranks started
+                        break
+            spares = []
+            if standby and plan.enabled and rnd.number < len(plan.delays) and not received and not codes:
+                # Spares for the next in-place restart: started now, they import torch while this round trains.
+                with contextlib.suppress(OSError):
+                    spares = [_start_rank(command, {**base, **extra, **_round_env(_Round(rnd.number + 1), marks)},
+                                          log_dir, extra["RANK"], standby=True) for extra in envs]
             if log_dir:
                 _write_pids(log_dir, envs[0]["NODE_RANK"], {e["RANK"]: p.pid for e, p in zip(envs, procs, strict=False)})
             codes = _wait(procs, codes, term_grace, failure_grace, received, peer, rnd)
@@ -232,6 +241,7 @@ def launch(command: Sequence[str], nproc: int, environ: Mapping[str, str] | None
             _clear_termination_message()
             rnd = following
     finally:
+        _drop(spares)
         for p in procs:  # anything a rank left behind in its group
             _signal_group(p, signal.SIGKILL)
         for p in procs:
@@ -302,14 +312,63 @@ class _Round:
             self.abort_code = int(msg.get("code") or exitcodes.ERROR)
 
 
-def _start_rank(command: Sequence[str], env: dict[str, str], log_dir: str | None, rank: str) -> subprocess.Popen:
+def _round_env(rnd: _Round, marks: str | None) -> dict[str, str]:
+    """What a rank of round `rnd` gets on top of its identity (see seqtrain.runtime.restart)."""
+    env = {restart.ROUND_ENV: str(rnd.number), restart.LAUNCHER_PID_ENV: str(os.getpid())}
+    if marks is not None:
+        rnd.stepped_file = os.path.join(marks, f"stepped-{rnd.number}")
+        env[restart.STEPPED_ENV] = rnd.stepped_file
+    if rnd.not_before is not None:
+        env[restart.NOT_BEFORE_ENV] = f"{rnd.not_before:.3f}"
+    return env
+
+
+def _start_rank(command: Sequence[str], env: dict[str, str], log_dir: str | None, rank: str,
+                standby: bool = False) -> tuple[subprocess.Popen, int]:
+    """Start one rank; `standby`: a spare that waits after its imports for the order on a pipe (returns the pipe's
+    write end, else -1)."""
     out = open(os.path.join(log_dir, f"rank-{rank}.log"), "ab") if log_dir else None  # noqa: SIM115
+    read = write = -1
+    if standby:
+        read, write = os.pipe()
+        env = {**env, restart.STANDBY_ENV: str(read)}
     try:
-        return subprocess.Popen(list(command), env=env, stdin=subprocess.DEVNULL, stdout=out,
-                                stderr=subprocess.STDOUT if out else None, start_new_session=True)
+        proc = subprocess.Popen(list(command), env=env, stdin=subprocess.DEVNULL, stdout=out,
+                                stderr=subprocess.STDOUT if out else None, start_new_session=True,
+                                pass_fds=(read,) if standby else ())
+    except OSError:
+        if standby:
+            os.close(write)
+        raise
     finally:
         if out is not None:
             out.close()  # the child holds its own descriptor
+        if standby:
+            os.close(read)
+    return proc, write
+
+
+def _release(spares: list[tuple[subprocess.Popen, int]], order: dict[str, str]) -> list[subprocess.Popen]:
+    """Send the spares their start order (this round's variables); they become the round's ranks."""
+    line = (json.dumps(order) + "\n").encode()
+    for _, fd in spares:
+        with contextlib.suppress(OSError):
+            os.write(fd, line)
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    return [p for p, _ in spares]
+
+
+def _drop(spares: list[tuple[subprocess.Popen, int]]) -> None:
+    """Spares no round will use: close their pipes (they exit by themselves) and make sure they are gone."""
+    for p, fd in spares:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        _signal_group(p, signal.SIGKILL)
+    for p, _ in spares:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(timeout=10)
+    spares.clear()
 
 
 def _drain(peer: restart.Peer | None, rnd: _Round) -> None:
@@ -441,7 +500,7 @@ def main(config: str, nproc: int, command: Sequence[str] | None = None) -> int:
         _say(f"invalid config: {exc}")
         return exitcodes.INVALID_CONFIG
     rank = list(command) if command else [sys.executable, "-m", "seqtrain.train.entry", "--config", config]
-    return launch(rank, nproc, term_grace=grace)
+    return launch(rank, nproc, term_grace=grace, standby=not command)
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ BARRIER_ENV = "SEQTRAIN_RESTART_BARRIER_SECONDS"
 ROUND_ENV = "SEQTRAIN_RESTART_ROUND"
 NOT_BEFORE_ENV = "SEQTRAIN_START_NOT_BEFORE"  # wall-clock epoch seconds; ranks start training no earlier
 LAUNCHER_PID_ENV = "SEQTRAIN_LAUNCHER_PID"  # the rank's parent (PID 1 in a container: no other test works)
+STANDBY_ENV = "SEQTRAIN_STANDBY_FD"  # a spare rank reads its start order (JSON env) from this descriptor
 STEPPED_ENV = "SEQTRAIN_STEPPED_FILE"  # a rank creates this file after its first step (`mark_stepped`)
 # Stopping a replica's ranks takes up to the launcher's FAILURE_GRACE_SECONDS (SIGTERM -> SIGKILL), so the barrier
 # waits longer than that: a launcher that has not come by then has lost its pod or node.
@@ -388,6 +389,22 @@ def mark_stepped() -> None:
     if path:
         with contextlib.suppress(OSError):
             open(path, "a").close()  # noqa: SIM115
+
+
+def await_start() -> None:
+    """In a spare rank (SEQTRAIN_STANDBY_FD set): the launcher started it ahead of the next in-place restart, so
+    that its imports (torch: seconds) are done when the restart comes. Block until the launcher writes the start
+    order, one JSON line of environment variables (the round, its backoff); end quietly when it closes the pipe
+    instead (no restart came)."""
+    raw = os.environ.pop(STANDBY_ENV, "")
+    if not raw.isdigit():
+        return
+    with os.fdopen(int(raw), "r", encoding="utf-8") as pipe:
+        line = pipe.readline()
+    if not line.strip():
+        os._exit(0)
+    order = json.loads(line)
+    os.environ.update({str(k): str(v) for k, v in order.items()})
 
 
 def wait_not_before(environ: Mapping[str, str] | None = None) -> None:
