@@ -288,3 +288,21 @@ def test_a_rank_dies_with_its_launcher(tmp_path: Path) -> None:
         while Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1][:3]:
             assert time.monotonic() < deadline, "the rank outlived its launcher"
             time.sleep(0.02)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("order", ['{"SEQTRAIN_RESTART_ROUND": "2"}\n', ""], ids=["released", "dropped"])
+def test_a_spare_rank_waits_for_its_order_after_its_imports(order: str) -> None:
+    # What a spare rank does between its imports and its start (seqtrain.train.entry): wait on the launcher's pipe.
+    code = ("import os; from seqtrain.runtime.restart import await_start; await_start(); "
+            "print(os.environ['SEQTRAIN_RESTART_ROUND'], 'SEQTRAIN_STANDBY_FD' in os.environ)")
+    read, write = os.pipe()
+    env = {**os.environ, "PYTHONPATH": TRAINER_ROOT, R.STANDBY_ENV: str(read), R.ROUND_ENV: "?"}
+    child = subprocess.Popen([sys.executable, "-c", code], env=env, pass_fds=(read,), stdout=subprocess.PIPE,
+                             text=True)
+    os.close(read)
+    os.write(write, order.encode())
+    os.close(write)
+    out, _ = child.communicate(timeout=DEADLINE_S)
+    assert child.returncode == 0
+    assert out.split() == (["2", "False"] if order else [])  # dropped: it ends without starting
