@@ -17,7 +17,10 @@ What it does, in order:
 - forwards SIGTERM/SIGINT to every child and waits up to SEQTRAIN_TERM_GRACE_SECONDS (the manifests set it a little
   below the pod's terminationGracePeriodSeconds) before SIGKILL;
 - when a child exits non-zero, SIGTERMs the others and SIGKILLs them after FAILURE_GRACE_SECONDS;
-- exits with `replica_exit_code` of the children's codes.
+- exits with `replica_exit_code` of the children's codes; unless the gang may restart in place
+  (SEQTRAIN_INPLACE_DELAYS, seqtrain.runtime.restart): then the launchers of every replica stop their ranks, meet
+  at a barrier and start them again from the latest checkpoint, and exit only when that is not possible;
+- gives every rank SEQTRAIN_RESTART_ROUND (0 on the first start) and makes it die with the launcher.
 Locally (never in a pod) SEQTRAIN_RANK_LOG_DIR=DIR sends rank r's output to DIR/rank-r.log and records the ranks'
 pids in DIR/replica-<NODE_RANK>.pids (JSON {rank: pid}), so the local backend keeps per-rank logs and can stop
 every rank even if this launcher itself is killed.
