@@ -70,7 +70,7 @@ def test_a_launcher_that_leaves_during_a_round_aborts_it_at_once() -> None:
     b = barrier(0, 1)
     b.fail(0, 0, 1, now=0.0)
     (msg,) = b.leave(1, now=0.5)
-    assert msg["abort"] == 1 and "left" in msg["why"]
+    assert msg["abort"] == 1 and "disconnected" in msg["why"]
 
 
 def test_no_round_opens_once_a_launcher_disconnected() -> None:

@@ -157,7 +157,8 @@ class Barrier:
         self.connected.discard(node)
         self.left.add(node)
         if self.deadline is not None and node in self.waiting:
-            return self._abort(f"replica {node} left during in-place restart {self.round}")
+            return self._abort(f"replica {node} disconnected during in-place restart {self.round} (pod stopped or "
+                               "lost)")
         return []
 
     def fail(self, node: int, at_round: int, code: int, now: float) -> list[dict[str, Any]]:
