@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 from collections.abc import Sequence
 
@@ -19,6 +20,7 @@ BENCHMARKS = {
     "memory": "seqtrain.benchmarks.memory",
     "layouts": "seqtrain.benchmarks.layouts",
     "operator": "seqtrain_operator.benchmark",
+    "recovery": "seqtrain_operator.bench_recovery",
     "gpu": "seqtrain.benchmarks.gpu",
 }
 
@@ -102,7 +104,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    if args.nproc_per_node > 1:  # several ranks in this pod: our launcher keeps their exit codes (torchrun does not)
+    # Several ranks in this pod: our launcher keeps their exit codes (torchrun does not). One rank goes through it
+    # too when it may restart in place (seqtrain.runtime.restart): the launcher outlives the rank.
+    if args.nproc_per_node > 1 or os.environ.get("SEQTRAIN_INPLACE_DELAYS", "").strip():
         from seqtrain.runtime.launch import main as launch_main
 
         return launch_main(args.config, args.nproc_per_node)

@@ -164,11 +164,15 @@ def test_rerun_of_finished_job_says_so(job_file: Path, reference: Path) -> None:
     assert (reference / "status.json").read_text() == before
 
 
+@pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "re-created"])
 def test_rank_killed_from_outside_restarts_once_with_identical_losses(job_file: Path, reference: Path,
-                                                                     tmp_path: Path) -> None:
+                                                                     tmp_path: Path, in_place: bool) -> None:
     # The first attempt holds after step 12 (until stopped): the kill lands mid-run however fast the machine is.
+    # In place (the default), the replica processes (each pod's launcher) survive and restart their ranks: still
+    # attempt 1; with faultTolerance.inPlaceRestarts: 0 the gang is re-created as attempt 2 (the old behaviour).
     hold = {"SEQTRAIN_FAULT_HOLD_AT_STEP": "12", "SEQTRAIN_FAULT_ATTEMPT": "1"}
-    proc = seqtrain("run", str(job_file), "--workdir", str(tmp_path), "-q", env=hold)
+    sets = [] if in_place else ["--set", "faultTolerance.inPlaceRestarts=0"]
+    proc = seqtrain("run", str(job_file), "--workdir", str(tmp_path), "-q", *sets, env=hold)
     wait_for("step 12", lambda: last_step(tmp_path) >= 12, proc)
     pids = rank_pids(tmp_path)
     assert pids is not None
@@ -176,11 +180,22 @@ def test_rank_killed_from_outside_restarts_once_with_identical_losses(job_file: 
     rc, out = finish(proc)
     assert rc == 0, out
     st = status(tmp_path)
-    assert st["phase"] == "Succeeded" and st["restarts"] == 1 and st["attempt"] == 2, st
+    assert st["phase"] == "Succeeded" and st["restarts"] == 1, st
+    assert (st["attempt"], st.get("inPlaceRestarts", 0)) == ((1, 1) if in_place else (2, 0)), st
     assert not any(alive(p) for p in pids.values())
     events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
-    warning = next(e for e in events if e["type"] == "Warning")
-    assert "SIGKILL" in warning["message"]
+    if in_place:
+        (restarted,) = [e for e in events if e["reason"] == "RestartedInPlace"]
+        assert "mode: in-place" in restarted["message"] and "checkpoint step 10" in restarted["message"]
+        assert not any(e["reason"] == "Restarted" for e in events)  # no gang was re-created
+        assert not (tmp_path / "attempts" / "2").exists()
+        for replica in (0, 1):  # the same replica process started its rank twice
+            said = (tmp_path / "attempts" / "1" / f"replica-{replica}.log").read_text()
+            assert "in-place restart 1: starting 1 local rank(s) again" in said
+    else:
+        warning = next(e for e in events if e["type"] == "Warning")
+        assert "SIGKILL" in warning["message"]
+        assert any(e["reason"] == "Restarted" and "mode: re-created" in e["message"] for e in events)
     assert losses(tmp_path) == losses(reference)
     assert st["stepsLost"] and st["goodput"] < 1  # redone steps count against goodput
 
@@ -205,7 +220,9 @@ def test_kill_while_a_checkpoint_is_written_never_publishes_it(job_file: Path, r
     st = status(tmp_path)
     assert st["phase"] == "Succeeded" and st["restarts"] == 1
     restarted = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
-    assert any(e["reason"] == "Restarted" and "from checkpoint step 10" in e["message"] for e in restarted)
+    # (in place: the launchers restart the ranks; a re-created gang would say the same step)
+    assert any(e["reason"] in ("Restarted", "RestartedInPlace") and "from checkpoint step 10" in e["message"]
+               for e in restarted)
     assert losses(tmp_path) == losses(reference)
     assert not (tmp_path / "checkpoints" / ".tmp-step-20").exists()  # cleaned up by a later save
 
@@ -232,12 +249,13 @@ def test_ctrl_c_suspends_and_the_next_run_resumes(job_file: Path, reference: Pat
 
 
 def test_max_restarts_exhausted_fails_with_exit_1(job_file: Path, tmp_path: Path) -> None:
-    # Rank 1 kills itself after step 3 in every attempt: 1 restart allowed, so the second death is final.
+    # Rank 1 kills itself after step 3 in every attempt: 1 restart allowed, so the second death is final. The one
+    # restart is made in place (attempt 1, its launchers restart the ranks), and it is charged all the same.
     rc, out = run(job_file, tmp_path, "faultTolerance.maxRestarts=1",
                   env={"SEQTRAIN_FAULT_KILL_AT_STEP": "3:1"})
     assert rc == 1, out
     st = status(tmp_path)
-    assert st["phase"] == "Failed" and st["restarts"] == 1 and st["attempt"] == 2
+    assert st["phase"] == "Failed" and st["restarts"] == 1 and st["attempt"] == 1 and st["inPlaceRestarts"] == 1
     assert "maxRestarts (1) reached" in st["message"]
     assert "Failed" in out and "rank-1.log" in out
 

@@ -36,6 +36,8 @@ def crash_job(name: str, pvc: bool) -> dict[str, Any]:
     env = [{"name": "SEQTRAIN_FAULT_KILL_AT_STEP", "value": f"{KILL_AT}:1"},
            {"name": "SEQTRAIN_FAULT_ATTEMPT", "value": "1"}]
     job["spec"]["podTemplate"] = {"spec": {"containers": [{"name": "trainer", "env": env}]}}
+    # Re-creating the gang is what this test is about (in-place restarts: test_testbed_inplace_restart.py).
+    job["spec"]["faultTolerance"]["inPlaceRestarts"] = 0
     return job
 
 

@@ -36,14 +36,16 @@ T0 = datetime(2026, 11, 22, 12, 0, 0, tzinfo=timezone.utc)
 
 def make_job(replicas: int = 2, *, max_restarts: int = 2, max_infra: int = 3, backoff: float = 5.0,
              max_backoff: float = 300.0, hang: int | None = None, suspend: bool = False,
-             sched_timeout: int | None = None, pending_grace: int = 300) -> SeqTrainJob:
+             sched_timeout: int | None = None, pending_grace: int = 300, in_place: int = 0) -> SeqTrainJob:
+    """in_place: faultTolerance.inPlaceRestarts, 0 here so a gang's launchers give up at once (a replica Failed)."""
     return SeqTrainJob.model_validate({
         "apiVersion": "seqtrain.dev/v1alpha1", "kind": "SeqTrainJob", "metadata": {"name": "t"},
         "spec": {
             "replicas": replicas, "suspend": suspend,
             "training": {"steps": 100, "globalBatchSize": 8 * replicas},
             "faultTolerance": {"maxRestarts": max_restarts, "maxInfraRestarts": max_infra, "backoffSeconds": backoff,
-                               "maxBackoffSeconds": max_backoff, "hangTimeoutSeconds": hang},
+                               "maxBackoffSeconds": max_backoff, "hangTimeoutSeconds": hang,
+                               "inPlaceRestarts": in_place},
             "scheduling": {"timeoutSeconds": sched_timeout, "pendingGraceSeconds": pending_grace},
         },
     })
@@ -824,3 +826,72 @@ def test_a_gang_waits_for_pods_on_an_unreachable_node_and_says_how_to_end_the_wa
     assert [a.force_nodes for a in d3.of(DeleteGang)] == [("node-1",)]
     d4 = decide(job, d3.status, Observed(), T0 + timedelta(seconds=90))
     assert d4.of(CreateGang) and cond.get(d4.status, "NodeUnreachable").status == "False"  # type: ignore[union-attr]
+
+
+# ---- in-place restarts (seqtrain.runtime.restart): the launchers restart, the core hands out and charges ----------
+
+
+def test_a_new_gang_gets_one_backoff_per_in_place_restart_within_the_budget_left() -> None:
+    job = make_job(max_restarts=3, backoff=2.0, in_place=2)
+    assert decide(job, JobStatus(), Observed(), T0).of(CreateGang)[0].in_place_delays == (2.0, 4.0)
+    # two restarts already charged: one left, and it is the third restart (2 * 2**2 = 8 s)
+    d = decide(job, JobStatus(restarts=2), Observed(), T0)
+    assert d.of(CreateGang)[0].in_place_delays == (8.0,)
+    assert decide(job, JobStatus(restarts=3), Observed(), T0).of(CreateGang)[0].in_place_delays == ()
+
+
+def test_in_place_restarts_0_keeps_todays_behaviour() -> None:
+    assert decide(make_job(in_place=0), JobStatus(), Observed(), T0).of(CreateGang)[0].in_place_delays == ()
+
+
+def in_place_progress(attempt: int, rnd: int, step: int = 12) -> Progress:
+    return Progress(step=step, attempt=attempt, restart_round=rnd, updated_at=iso(T0))
+
+
+def test_a_round_reported_by_rank_0_is_charged_once_with_an_event_naming_the_mode() -> None:
+    job = make_job(max_restarts=3, in_place=2)
+    st = run_to_running(job)
+    st.progress = Progress(step=17)
+    seen = Observed(replicas=gang(1, "Running", "Running"), progress=in_place_progress(1, 1),
+                    latest_checkpoint=ck(10))
+    d = decide(job, st, seen, T0 + timedelta(seconds=30))
+    assert (d.status.restarts, d.status.in_place_restarts, d.status.restart_round) == (1, 1, 1)
+    assert d.status.attempt == 1 and d.of(CreateGang) == [] and d.of(DeleteGang) == []
+    (ev,) = [e for e in d.of(Event) if e.reason == "RestartedInPlace"]
+    assert "mode: in-place" in ev.message and "checkpoint step 10" in ev.message and "restart 1/3" in ev.message
+    assert d.status.steps_lost == [7]  # step 17 was reached, the ranks resumed from 10
+    again = decide(job, d.status, seen, T0 + timedelta(seconds=40))  # level-based: the same round is not recharged
+    assert (again.status.restarts, again.status.in_place_restarts) == (1, 1)
+    assert not [e for e in again.of(Event) if e.reason == "RestartedInPlace"]
+
+
+def test_a_round_of_an_earlier_attempt_is_not_charged_to_this_one() -> None:
+    job = make_job(max_restarts=3, in_place=2)
+    st = run_to_running(job)
+    st.attempt = 2
+    d = decide(job, st, Observed(replicas=gang(2, "Running", "Running"), progress=in_place_progress(1, 2)), T0)
+    assert (d.status.restarts, d.status.in_place_restarts) == (0, 0)
+
+
+def test_rounds_only_the_launchers_exit_reported_are_charged_before_the_re_creation() -> None:
+    # rank 0 never reported its rounds (it failed before its first step each time); the launchers' exit report has
+    # them: the 2 in-place restarts spent the budget of 2, so this failure fails the job instead of re-creating it.
+    job = make_job(max_restarts=2, in_place=2)
+    st = run_to_running(job)
+    failed = gang(1, "Failed", "Failed", exit_code=1, restart_round=2)
+    d = decide(job, st, Observed(replicas=failed), T0 + timedelta(seconds=60))
+    assert d.status.in_place_restarts == 2 and d.status.restarts == 2 and d.status.phase == "Failed"
+    assert "maxRestarts (2) reached" in d.status.message
+
+
+def test_a_re_created_gang_says_so_and_starts_a_new_round_count() -> None:
+    job = make_job(max_restarts=3, backoff=1.0, in_place=1)
+    st = run_to_running(job)
+    failed = gang(1, "Failed", "Failed", exit_code=1, restart_round=1)
+    st = decide(job, st, Observed(replicas=failed), T0 + timedelta(seconds=60)).status
+    assert (st.phase, st.restarts, st.restart_round) == ("Restarting", 2, 1)
+    d = decide(job, st, Observed(), T0 + timedelta(seconds=120))
+    (create,) = d.of(CreateGang)
+    assert create.attempt == 2 and create.in_place_delays == (4.0,) and d.status.restart_round == 0
+    (ev,) = [e for e in d.of(Event) if e.reason == "Restarted"]
+    assert "mode: re-created" in ev.message

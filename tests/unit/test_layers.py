@@ -35,10 +35,11 @@ LAYERS: dict[str, int] = {
     "seqtrain_operator.local": 2,
     "seqtrain_operator.cli": 3,
     "seqtrain_operator.benchmark": 3,
+    "seqtrain_operator.bench_recovery": 3,
 }
 # The operator image has no torch: from the trainer it may import only these torch-free packages/modules.
 OPERATOR_MAY_IMPORT = ("seqtrain.spec", "seqtrain.layout", "seqtrain.runtime.exitcodes", "seqtrain.runtime.launch",
-                       "seqtrain.train.metrics",
+                       "seqtrain.runtime.restart", "seqtrain.train.metrics",
                        "seqtrain.checkpoint.discovery")
 # The one console script: its trainer commands (train, report, bench, ...) import the trainer inside the command
 # function, so `seqtrain validate` and `seqtrain operator` stay torch-free; only its module-level imports count.

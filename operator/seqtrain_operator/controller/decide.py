@@ -125,7 +125,7 @@ def decide(job: SeqTrainJob, status: JobStatus, observed: Observed, now: datetim
     elif job.spec.suspend:
         _suspend(ctx, gv.current)
     elif gv.current:
-        _live_gang(ctx, gv.current)
+        _live_gang(ctx, gv.current, status.progress.step if status.progress else 0)
     else:
         _no_gang(ctx)
     # spec.ttlSecondsAfterFinished, from the pass that finished the job on: a finished job is not polled, so the
@@ -202,7 +202,7 @@ def _suspend(ctx: _Ctx, current: tuple[ReplicaObservation, ...]) -> None:
         ctx.event("Normal", "Suspended", "gang stopped (spec.suspend)")
 
 
-def _live_gang(ctx: _Ctx, current: tuple[ReplicaObservation, ...]) -> None:
+def _live_gang(ctx: _Ctx, current: tuple[ReplicaObservation, ...], status_step: int) -> None:
     st, job = ctx.st, ctx.job
     if st.phase in ("Restarting", "Suspended") or _tearing_down(st):
         # We already decided to tear this gang down (or Ctrl-C/suspend left it dying): keep deleting, then wait.
@@ -212,6 +212,7 @@ def _live_gang(ctx: _Ctx, current: tuple[ReplicaObservation, ...]) -> None:
         ctx.actions.append(RequeueAfter(POLL_SECONDS))
         return
     _placement(ctx, current)
+    _count_in_place(ctx, status_step)
     gang = ctx.gang_job
     phase = gang_policy.gang_phase(gang, current)
     if phase == "Failed":
@@ -410,7 +411,8 @@ def _no_gang(ctx: _Ctx) -> None:
         # Created but not observed yet (a lagging cache, or the create failed half-way): create what is absent,
         # on the nodes the status says it was planned on.
         plan = gang_policy.plan_of(ctx.gang_job, st.placement) if obs.capacity is not None else None
-        ctx.actions.append(CreateGang(st.attempt, _resume_step(ctx), _avoid(ctx), plan, _size_override(ctx)))
+        ctx.actions.append(CreateGang(st.attempt, _resume_step(ctx), _avoid(ctx), plan, _size_override(ctx),
+                                      _in_place_delays(ctx)))
         ctx.actions.append(RequeueAfter(POLL_SECONDS))
         return
 
@@ -428,10 +430,12 @@ def _no_gang(ctx: _Ctx) -> None:
     st.world_size = ctx.gang_job.spec.world_size
     st.next_restart_time = None
     st.attempt_start_time = iso(ctx.now)
+    st.restart_round = 0
     if st.start_time is None:
         st.start_time = iso(ctx.now)
     resume = _resume_step(ctx)
-    ctx.actions.append(CreateGang(st.attempt, resume, _avoid(ctx), admitted.plan, _size_override(ctx)))
+    ctx.actions.append(CreateGang(st.attempt, resume, _avoid(ctx), admitted.plan, _size_override(ctx),
+                                  _in_place_delays(ctx)))
     st.placement = gang_policy.placement_of(admitted.plan) if admitted.plan is not None else []
     size = f"{admitted.replicas} of {job.spec.replicas}" if admitted.replicas < job.spec.replicas else \
         f"{admitted.replicas}"
@@ -444,7 +448,8 @@ def _no_gang(ctx: _Ctx) -> None:
     cond.enter_phase(st, "Scheduling", "GangCreated", f"attempt {st.attempt}: starting {size} replica(s) {where}",
                      ctx.now)
     if restarting:
-        ctx.event("Normal", "Restarted", f"attempt {st.attempt}: gang of {size} replica(s) restarted {where}")
+        ctx.event("Normal", "Restarted", f"attempt {st.attempt}: gang of {size} replica(s) re-created {where} "
+                  "(mode: re-created, new pods)")
     else:
         ctx.event("Normal", "GangCreated", f"attempt {st.attempt}: gang of {size} replica(s) created {where}")
     if admitted.replicas < job.spec.replicas:
@@ -531,6 +536,38 @@ def _scale_up(ctx: _Ctx, grow: gang_policy.Admitted) -> None:
     st.next_restart_time = iso(ctx.now)
     ctx.event("Normal", "ScalingUp", msg)
     ctx.actions.append(RequeueAfter(POLL_SECONDS))
+
+
+def _in_place_delays(ctx: _Ctx) -> tuple[float, ...]:
+    """The backoff of each in-place restart the new gang's launchers may make: faultTolerance.inPlaceRestarts, at
+    most the restart budget left, each delayed as the restart it is counted as would be (backoff_seconds)."""
+    st, ft = ctx.st, ctx.job.spec.fault_tolerance
+    n = max(0, min(ft.in_place_restarts, ft.max_restarts - st.restarts))
+    return tuple(backoff_seconds(ft, st.restarts + st.infra_restarts + k) for k in range(1, n + 1))
+
+
+def _count_in_place(ctx: _Ctx, step_before: int) -> None:
+    """Charge the in-place restarts the live gang's launchers made (rank 0's progress reports its round): each
+    counts in status.restarts like a re-created gang, with an Event naming the mode. Level-based: the status
+    records the round counted, so a repeated observation charges nothing."""
+    st, p = ctx.st, ctx.observed.progress
+    seen = [r.restart_round for r in ctx.observed.replicas if r.attempt == st.attempt]
+    if p is not None and p.attempt == st.attempt and p.restart_round is not None:
+        seen.append(p.restart_round)
+    rnd = max(seen, default=0)
+    if rnd <= st.restart_round:
+        return
+    ft = ctx.job.spec.fault_tolerance
+    new = rnd - st.restart_round
+    st.restart_round = rnd
+    st.in_place_restarts += new
+    st.restarts = min(ft.max_restarts, st.restarts + new)
+    ck = _resume_step(ctx)
+    st.steps_lost.append(max(0, step_before - (ck or 0)))
+    msg = (f"attempt {st.attempt}: ranks restarted in place (round {rnd}, mode: in-place, same pods) "
+           f"from checkpoint step {ck if ck is not None else 'none'}; restart {st.restarts}/{ft.max_restarts}")
+    st.message = msg
+    ctx.event("Warning", "RestartedInPlace", msg)
 
 
 def _resume_step(ctx: _Ctx) -> int | None:

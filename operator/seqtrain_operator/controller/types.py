@@ -37,6 +37,8 @@ class ReplicaObservation:
     pod's termination message), None when it reported none; the controller compares it across attempts.
     queued: waiting in an external gang scheduler's queue (e.g. gated by Kueue until its Workload is admitted):
     not stuck, so scheduling.pendingGraceSeconds does not tear the gang down.
+    restart_round: the in-place restarts its launcher reported making when it exited (seqtrain.runtime.restart);
+    0 while it runs (rank 0's progress reports the round then).
     """
 
     replica: int
@@ -53,6 +55,7 @@ class ReplicaObservation:
     finished_at: str | None = None
     error: str | None = None
     queued: bool = False
+    restart_round: int = 0
 
 
 @dataclass(frozen=True)
@@ -103,13 +106,16 @@ class CreateGang:
     plan: where each replica goes, when the core placed the gang (Observed.capacity given); None: the backend's
     scheduler places it.
     replicas: how many replicas this attempt runs when not spec.replicas (an elastic gang admitted smaller: build
-    the gang from `job.with_replicas(replicas)`); None: spec.replicas."""
+    the gang from `job.with_replicas(replicas)`); None: spec.replicas.
+    in_place_delays: the backoff of each in-place restart this gang may make (seqtrain.runtime.restart: the
+    launchers get it as SEQTRAIN_INPLACE_DELAYS); () for none: a failure re-creates the gang."""
 
     attempt: int
     resume_from_step: int | None = None
     avoid_nodes: tuple[str, ...] = ()
     plan: Plan | None = None
     replicas: int | None = None
+    in_place_delays: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)

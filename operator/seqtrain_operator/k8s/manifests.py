@@ -197,7 +197,13 @@ def _command(job: SeqTrainJob, owner: Owner, replica: int, settings: Settings) -
     return replica_command(f"{CONFIG_DIR}/{CONFIG_FILE}", job.spec.resources.procs)
 
 
-def _env(job: SeqTrainJob, owner: Owner, attempt: int, replica: int, settings: Settings) -> list[dict[str, Any]]:
+def restart_port(settings: Settings) -> int:
+    """The in-place restart coordinator's port on NODE_RANK 0's pod: the one after the rendezvous port."""
+    return settings.master_port + 1
+
+
+def _env(job: SeqTrainJob, owner: Owner, attempt: int, replica: int, settings: Settings,
+         in_place_delays: tuple[float, ...] = ()) -> list[dict[str, Any]]:
     procs = job.spec.resources.procs
     env = [
         {"name": "MASTER_ADDR", "value": master_addr(owner)},
@@ -222,6 +228,9 @@ def _env(job: SeqTrainJob, owner: Owner, attempt: int, replica: int, settings: S
     # SIGTERM only when its last save fits in what is left of this
     grace = max(1, settings.termination_grace_seconds - TERM_GRACE_MARGIN_SECONDS)
     env.append({"name": "SEQTRAIN_TERM_GRACE_SECONDS", "value": str(grace)})
+    if in_place_delays:
+        env += [{"name": "SEQTRAIN_INPLACE_DELAYS", "value": ",".join(f"{d:g}" for d in in_place_delays)},
+                {"name": "SEQTRAIN_RESTART_PORT", "value": str(restart_port(settings))}]
     return env
 
 
@@ -263,12 +272,14 @@ def gang_metadata(job: SeqTrainJob, owner: Owner, attempt: int) -> tuple[dict[st
 
 
 def build_pod(job: SeqTrainJob, owner: Owner, attempt: int, replica: int, settings: Settings,
-              node: str | None = None) -> dict[str, Any]:
+              node: str | None = None, in_place_delays: tuple[float, ...] = ()) -> dict[str, Any]:
     """One replica's pod. `node` pins it (native gang); None leaves placement to the (external) scheduler."""
     s = job.spec
     gang_labels, gang_annotations = gang_metadata(job, owner, attempt)
     labels = {**attempt_labels(owner.name, attempt), LABEL_REPLICA: str(replica), **gang_labels}
     ports = [{"name": "rendezvous", "containerPort": settings.master_port, "protocol": "TCP"}]
+    if in_place_delays:  # NODE_RANK 0's launcher coordinates in-place restarts here (seqtrain.runtime.restart)
+        ports.append({"name": "restart", "containerPort": restart_port(settings), "protocol": "TCP"})
     if settings.progress_port:
         ports.append({"name": "progress", "containerPort": settings.progress_port, "protocol": "TCP"})
     annotations = dict(gang_annotations)
@@ -287,7 +298,7 @@ def build_pod(job: SeqTrainJob, owner: Owner, attempt: int, replica: int, settin
         "image": s.image,
         "imagePullPolicy": settings.image_pull_policy,
         "command": _command(job, owner, replica, settings),
-        "env": _env(job, owner, attempt, replica, settings),
+        "env": _env(job, owner, attempt, replica, settings, in_place_delays),
         "ports": ports,
         "resources": _resources(job),
         "volumeMounts": [
@@ -368,8 +379,11 @@ class Gang:
     pods: tuple[dict[str, Any], ...]
 
 
-def build_gang(job: SeqTrainJob, owner: Owner, attempt: int, settings: Settings, plan: Plan | None) -> Gang:
-    """The objects of attempt `attempt`. `plan` pins replica r to plan.replicas[r].node (native gang)."""
+def build_gang(job: SeqTrainJob, owner: Owner, attempt: int, settings: Settings, plan: Plan | None,
+               in_place_delays: tuple[float, ...] = ()) -> Gang:
+    """The objects of attempt `attempt`. `plan` pins replica r to plan.replicas[r].node (native gang);
+    `in_place_delays`: CreateGang.in_place_delays (the launchers' in-place restarts)."""
     nodes = {a.replica: a.node for a in plan.replicas} if plan is not None else {}
-    pods = tuple(build_pod(job, owner, attempt, r, settings, nodes.get(r)) for r in range(job.spec.replicas))
+    pods = tuple(build_pod(job, owner, attempt, r, settings, nodes.get(r), in_place_delays)
+                 for r in range(job.spec.replicas))
     return Gang(build_configmap(job, owner, attempt, settings), build_podgroup(job, owner, attempt), pods)

@@ -34,6 +34,7 @@ from datetime import datetime
 from typing import Any, NamedTuple
 
 from seqtrain.runtime.exitcodes import last_error
+from seqtrain.runtime.restart import rounds_in
 from seqtrain.spec.status import CheckpointRef, Progress
 from seqtrain_operator.controller.clock import parse, seconds_between
 from seqtrain_operator.controller.failure_policy import IMAGE_PULL_REASONS, kubelet_rejected
@@ -164,7 +165,8 @@ def replica_of(pod: Mapping[str, Any], nodes: Mapping[str, Mapping[str, Any]], n
     return ReplicaObservation(replica=replica, attempt=attempt, phase=phase,  # type: ignore[arg-type]
                               exit_code=code, reason=reason, node=node, message=message, terminating=terminating,
                               node_lost=node_lost, node_unready=node_unready, overdue=overdue,
-                              finished_at=term.get("finishedAt"), error=error)
+                              finished_at=term.get("finishedAt"), error=error,
+                              restart_round=rounds_in(term.get("message")))
 
 
 def failure_message(text: str | None) -> str:

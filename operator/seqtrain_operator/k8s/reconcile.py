@@ -304,7 +304,8 @@ async def _write_and_act(kube: Kube, cfg: Config, body: dict[str, Any], job: Seq
             try:
                 exist = await _existing(kube, cfg, owner, action.attempt, int(old_status.get("attempt") or 0))
                 await create_gang(kube, _sized(job, action), owner, action.attempt, cfg.settings, action.plan,
-                                  exist, functools.partial(_remember, cfg.expected, (namespace, name), action.attempt))
+                                  exist, functools.partial(_remember, cfg.expected, (namespace, name), action.attempt),
+                                  action.in_place_delays)
                 cfg.busy.created(reserved)
                 reserved.clear()  # they exist: the index or their DELETED event ends them, not an error in a later step
             except GangRefused as refused:
@@ -451,12 +452,13 @@ class GangRefused(Exception):
 
 async def create_gang(kube: Kube, job: SeqTrainJob, owner: m.Owner, attempt: int, settings: m.Settings,
                       plan: Plan | None, exist: Collection[str] = (),
-                      on_created: Callable[[str], None] | None = None) -> list[dict]:
+                      on_created: Callable[[str], None] | None = None,
+                      in_place_delays: tuple[float, ...] = ()) -> list[dict]:
     """Create what is absent of this attempt's objects; existing ones (a repeat after a crash) are kept; returns the
     gang's pods. `exist`: names of pods known to exist (not POSTed again; when all do, nothing is); `on_created`
     is told each pod that exists once its creation returned. Raises GangRefused when the API server refuses one:
     the caller tears the partial gang down."""
-    gang = m.build_gang(job, owner, attempt, settings, plan)
+    gang = m.build_gang(job, owner, attempt, settings, plan, in_place_delays)
     absent = [p for p in gang.pods if p["metadata"]["name"] not in exist]
     if not absent:
         return gang.pods

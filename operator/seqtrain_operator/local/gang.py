@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from seqtrain.runtime.exitcodes import last_error
 from seqtrain.runtime.launch import GRACE_ENV, LOG_DIR_ENV, free_port, normalize, replica_command
+from seqtrain.runtime.restart import rounds_in
 from seqtrain_operator.controller.types import ReplicaObservation
 
 NODE = "localhost"
@@ -51,10 +52,11 @@ class Replica:
     ranks: list[int]
     log_dir: str
     log_path: str  # the replica process's own output (the rank's log when it is one rank)
+    supervised: bool = False  # its ranks run under the launcher (several ranks, or in-place restarts)
 
     def rank_pids(self) -> dict[int, int]:
         """rank -> pid: the process itself for one rank; else what the launcher recorded once it started them."""
-        if len(self.ranks) == 1:
+        if not self.supervised:
             return {self.ranks[0]: self.proc.pid}
         try:
             with open(os.path.join(self.log_dir, f"replica-{self.replica}.pids"), encoding="utf-8") as f:
@@ -76,9 +78,10 @@ class LocalGang:
     @classmethod
     def start(cls, attempt: int, replicas: int, procs_per_replica: int, gpus_per_replica: int, config_path: str,
               log_dir: str, extra_env: Mapping[str, str] | None = None,
-              command: Sequence[str] | None = None) -> LocalGang:
+              command: Sequence[str] | None = None, in_place_delays: tuple[float, ...] = ()) -> LocalGang:
         """Spawn every replica (all or none). `command` replaces the rank's `seqtrain train --config` (tests use tiny
-        fakes); a multi-rank replica still runs it through the one launcher."""
+        fakes); a multi-rank replica still runs it through the one launcher, and so does every replica when
+        `in_place_delays` (CreateGang.in_place_delays) allows in-place restarts: its launcher survives its ranks."""
         gang = cls(attempt=attempt, replicas=replicas, procs_per_replica=procs_per_replica, port=free_port())
         world = replicas * procs_per_replica
         os.makedirs(log_dir, exist_ok=True)
@@ -91,6 +94,9 @@ class LocalGang:
         base["PYTHONUNBUFFERED"] = "1"
         for name in ("RANK", "LOCAL_RANK", "NODE_RANK"):  # identity comes from below only
             base.pop(name, None)
+        if in_place_delays:  # seqtrain.runtime.restart: replica 0's launcher coordinates on a port of its own
+            base["SEQTRAIN_INPLACE_DELAYS"] = ",".join(f"{d:g}" for d in in_place_delays)
+            base["SEQTRAIN_RESTART_PORT"] = str(free_port())
         try:
             for replica in range(replicas):
                 # The pod's bootstrap environment (manifests._env), with loopback as rank 0's address.
@@ -107,7 +113,8 @@ class LocalGang:
                     first = replica * gpus_per_replica
                     env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in range(first, first + gpus_per_replica))
                 ranks = list(range(replica * procs_per_replica, (replica + 1) * procs_per_replica))
-                if procs_per_replica == 1:
+                supervised = procs_per_replica > 1 or bool(in_place_delays)
+                if not supervised:
                     env.update({"RANK": str(ranks[0]), "LOCAL_RANK": "0"})
                     argv = list(command) if command else replica_command(config_path, 1, _CLI)
                     log_path = os.path.join(log_dir, f"rank-{ranks[0]}.log")
@@ -115,12 +122,13 @@ class LocalGang:
                     env[LOG_DIR_ENV] = log_dir  # the launcher writes rank-r.log and the ranks' pids here
                     env[GRACE_ENV] = str(max(1.0, TERM_GRACE_SECONDS - LAUNCHER_GRACE_MARGIN_SECONDS))
                     argv = ([sys.executable, "-m", "seqtrain.runtime.launch", f"--nproc-per-node={procs_per_replica}",
-                             "--", *command] if command else replica_command(config_path, procs_per_replica, _CLI))
+                             "--", *command] if command else
+                            replica_command(config_path, procs_per_replica, _CLI))  # one rank: SEQTRAIN_INPLACE_DELAYS
                     log_path = os.path.join(log_dir, f"replica-{replica}.log")
                 with open(log_path, "ab") as log:
                     proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
                                             stdin=subprocess.DEVNULL, start_new_session=True)
-                gang.members.append(Replica(replica, proc, ranks, log_dir, log_path))
+                gang.members.append(Replica(replica, proc, ranks, log_dir, log_path, supervised))
         except BaseException:
             gang.stop(grace=0)  # all or none
             raise
@@ -149,8 +157,10 @@ class LocalGang:
                 said = f" ({error})" if error else ""
                 who = f"rank {m.ranks[0]}" if len(m.ranks) == 1 else f"replica {m.replica} (ranks {m.ranks[0]}-{m.ranks[-1]})"
                 where = logs[0] if len(logs) == 1 else f"{m.log_path}, {logs[0]} ..."
+                rounds = rounds_in(_tail(m.log_path)) if m.supervised else 0
                 out.append(ReplicaObservation(m.replica, self.attempt, "Failed", exit_code=code, node=NODE,
-                                              message=f"{who} {_describe(rc)}{said}; log {where}", error=error))
+                                              message=f"{who} {_describe(rc)}{said}; log {where}", error=error,
+                                              restart_round=rounds))
         return tuple(out)
 
     def alive(self) -> bool:

@@ -189,7 +189,8 @@ class LocalRun:
         write_trainer_config(cfg, job, RuntimeConfig(workdir=self.workdir, checkpoint_dir=self.ckpt_dir,
                                                      attempt=action.attempt, metrics_port=0, progress_port=0))
         res = job.spec.resources
-        self.gang = LocalGang.start(action.attempt, job.spec.replicas, res.procs, res.gpus, cfg, adir)
+        self.gang = LocalGang.start(action.attempt, job.spec.replicas, res.procs, res.gpus, cfg, adir,
+                                    in_place_delays=action.in_place_delays)
         self._record_gang()
 
     def _stop_gang(self, grace: float) -> None:

@@ -87,10 +87,13 @@ class ProgressPublisher(BaseCallback):
         # Checkpoints set aside as unusable (this start or an earlier one): the operator turns each into one
         # Warning Event, whichever backend runs the job.
         skipped = [{"step": step, "reason": why} for step, why in quarantined(trainer.runtime.checkpoint_dir)]
-        # attempt and the moment training began: status.lostSeconds ends start-up (or a restart) there
+        # attempt and the moment training began: status.lostSeconds ends start-up (or a restart) there; the
+        # in-place restart round (seqtrain.runtime.restart): the operator charges each in-place restart once it
+        # sees the round here.
+        rnd = os.environ.get("SEQTRAIN_RESTART_ROUND", "")
         self.reporter.update(flush=True, step=trainer.step, loss=last.get("loss"), stop_reason=None, stop_message=None,
-                             attempt=trainer.runtime.attempt, training_started_at=_iso_ms(),
-                             checkpoint_seconds=0.0, step_seconds=None,
+                             attempt=trainer.runtime.attempt, restart_round=int(rnd) if rnd.isdigit() else 0,
+                             training_started_at=_iso_ms(), checkpoint_seconds=0.0, step_seconds=None,
                              **self._checkpoint(trainer, trainer.step) if trainer.resumed_from else {},
                              **{"skippedCheckpoints": skipped} if skipped else {})
 

@@ -13,7 +13,8 @@ cluster they go in the trainer container's env (spec.podTemplate): the one SEQTR
 - SEQTRAIN_FAULT_SETUP_ERROR=TEXT: every rank raises RuntimeError(TEXT) while setting up, before its first step
   (a start-up failure that repeats identically on every attempt).
 - SEQTRAIN_FAULT_ATTEMPT=A: inject only in gang incarnation A (the controller sets SEQTRAIN_ATTEMPT for every
-  rank), so a fault fires once and the restarted gang runs clean.
+  rank), so a fault fires once and the restarted gang runs clean; an in-place restart (the launcher sets
+  SEQTRAIN_RESTART_ROUND) is a new incarnation too: A fires in A's first start only, A.R in its in-place round R.
 """
 
 from __future__ import annotations
@@ -30,8 +31,11 @@ def _int(name: str) -> int | None:
 
 
 def _armed() -> bool:
-    only = _int("SEQTRAIN_FAULT_ATTEMPT")
-    return only is None or only == _int("SEQTRAIN_ATTEMPT")
+    raw = os.environ.get("SEQTRAIN_FAULT_ATTEMPT", "").strip()
+    if not raw:
+        return True
+    attempt, _, rnd = raw.partition(".")
+    return int(attempt) == _int("SEQTRAIN_ATTEMPT") and int(rnd or 0) == (_int("SEQTRAIN_RESTART_ROUND") or 0)
 
 
 def term_requested_at(step: int) -> bool:

@@ -17,7 +17,10 @@ What it does, in order:
 - forwards SIGTERM/SIGINT to every child and waits up to SEQTRAIN_TERM_GRACE_SECONDS (the manifests set it a little
   below the pod's terminationGracePeriodSeconds) before SIGKILL;
 - when a child exits non-zero, SIGTERMs the others and SIGKILLs them after FAILURE_GRACE_SECONDS;
-- exits with `replica_exit_code` of the children's codes.
+- exits with `replica_exit_code` of the children's codes; unless the gang may restart in place
+  (SEQTRAIN_INPLACE_DELAYS, seqtrain.runtime.restart): then the launchers of every replica stop their ranks, meet
+  at a barrier and start them again from the latest checkpoint, and exit only when that is not possible;
+- gives every rank SEQTRAIN_RESTART_ROUND (0 on the first start) and makes it die with the launcher.
 Locally (never in a pod) SEQTRAIN_RANK_LOG_DIR=DIR sends rank r's output to DIR/rank-r.log and records the ranks'
 pids in DIR/replica-<NODE_RANK>.pids (JSON {rank: pid}), so the local backend keeps per-rank logs and can stop
 every rank even if this launcher itself is killed.
@@ -28,15 +31,18 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import queue
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from types import FrameType
 
-from seqtrain.runtime import exitcodes
+from seqtrain.runtime import exitcodes, restart
 
 GRACE_ENV = "SEQTRAIN_TERM_GRACE_SECONDS"
 LOG_DIR_ENV = "SEQTRAIN_RANK_LOG_DIR"
@@ -163,14 +169,20 @@ def _say(text: str) -> None:
 
 
 def launch(command: Sequence[str], nproc: int, environ: Mapping[str, str] | None = None,
-           term_grace: float = DEFAULT_TERM_GRACE_SECONDS, failure_grace: float = FAILURE_GRACE_SECONDS) -> int:
+           term_grace: float = DEFAULT_TERM_GRACE_SECONDS, failure_grace: float = FAILURE_GRACE_SECONDS,
+           standby: bool = False) -> int:
     """Run `command` as `nproc` rank processes; return the pod's exit code (`replica_exit_code`).
 
+    With SEQTRAIN_INPLACE_DELAYS set (seqtrain.runtime.restart), a restartable rank failure restarts the ranks of
+    every replica in place, as the coordinator's rounds say, until the in-place restarts are used up. `standby`
+    (the command is the trainer, which honours SEQTRAIN_STANDBY_FD): each round also starts spare ranks for the
+    next one, which import torch while it trains, so an in-place restart does not wait for the imports.
     Installs SIGTERM/SIGINT handlers for the duration (main thread only) and restores the previous ones."""
     base = dict(os.environ if environ is None else environ)
     try:
         envs = rank_envs(nproc, base)
-    except LaunchError as exc:
+        plan = restart.in_place_from(base, int(envs[0]["WORLD_SIZE"]) // nproc)
+    except (LaunchError, restart.RestartConfigError) as exc:
         _say(f"invalid config: {exc}")
         return exitcodes.INVALID_CONFIG
     procs: list[subprocess.Popen] = []
@@ -182,30 +194,57 @@ def launch(command: Sequence[str], nproc: int, environ: Mapping[str, str] | None
             if p.returncode is None:  # not reaped yet (no waitpid in a handler: it may interrupt poll())
                 _signal_group(p, signum)
 
-    codes: list[int] = []
-    log_dir = base.get(LOG_DIR_ENV) or None
-    previous = {sig: signal.signal(sig, forward) for sig in _FORWARDED}
-    try:
-        for local, extra in enumerate(envs):
-            if received:  # stopped while starting: start no more ranks
-                break
+    node = int(envs[0]["NODE_RANK"])
+    coordinator = peer = None
+    if plan.enabled:
+        host = restart.bind_address(base)
+        if node == 0:
             try:
-                out = open(os.path.join(log_dir, f"rank-{extra['RANK']}.log"), "ab") if log_dir else None  # noqa: SIM115
-                try:
-                    procs.append(subprocess.Popen(list(command), env={**base, **extra}, stdin=subprocess.DEVNULL,
-                                                  stdout=out, stderr=subprocess.STDOUT if out else None,
-                                                  start_new_session=True))
-                finally:
-                    if out is not None:
-                        out.close()  # the child holds its own descriptor
-            except OSError as exc:
-                _say(f"cannot start local rank {local}: {exc}")
-                codes.append(exitcodes.ERROR)  # counts as the first failure: _wait stops the ranks started
+                coordinator = restart.Coordinator(plan, host)
+            except OSError as exc:  # the port is taken: no in-place restart, today's behaviour
+                _say(f"cannot serve in-place restarts on {host}:{plan.port} ({exc}); a failure re-creates the gang")
+        target = (host if host != "0.0.0.0" else "127.0.0.1") if node == 0 else envs[0]["MASTER_ADDR"]
+        peer = restart.Peer(target, plan.port, node, plan.barrier_seconds)
+    log_dir = base.get(LOG_DIR_ENV) or None
+    marks = tempfile.mkdtemp(prefix="seqtrain-launch-") if plan.enabled else None
+    previous = {sig: signal.signal(sig, forward) for sig in _FORWARDED}
+    rnd = _Round(0)
+    spares: list[tuple[subprocess.Popen, int]] = []
+    try:
+        while True:
+            codes: list[int] = []
+            procs.clear()
+            order = _round_env(rnd, marks)
+            if spares and len(spares) == len(envs) and all(p.poll() is None for p, _ in spares) and not received:
+                procs.extend(_release(spares, order))  # imports done: they go on from here
+            else:
+                _drop(spares)
+                for local, extra in enumerate(envs):
+                    if received:  # stopped while starting: start no more ranks
+                        break
+                    try:
+                        procs.append(_start_rank(command, {**base, **extra, **order}, log_dir, extra["RANK"])[0])
+                    except OSError as exc:
+                        _say(f"cannot start local rank {local}: {exc}")
+                        codes.append(exitcodes.ERROR)  # counts as the first failure: _wait stops the ranks started
+                        break
+            spares = []
+            if standby and plan.enabled and rnd.number < len(plan.delays) and not received and not codes:
+                # Spares for the next in-place restart: started now, they import torch while this round trains.
+                with contextlib.suppress(OSError):
+                    spares = [_start_rank(command, {**base, **extra, **_round_env(_Round(rnd.number + 1), marks)},
+                                          log_dir, extra["RANK"], standby=True) for extra in envs]
+            if log_dir:
+                _write_pids(log_dir, envs[0]["NODE_RANK"], {e["RANK"]: p.pid for e, p in zip(envs, procs, strict=False)})
+            codes = _wait(procs, codes, term_grace, failure_grace, received, peer, rnd)
+            following = _next_round(peer, rnd, plan, received)
+            if following is None:
                 break
-        if log_dir:
-            _write_pids(log_dir, envs[0]["NODE_RANK"], {e["RANK"]: p.pid for e, p in zip(envs, procs, strict=False)})
-        codes = _wait(procs, codes, term_grace, failure_grace, received)
+            _say(f"in-place restart {following.number}: starting {len(envs)} local rank(s) again")
+            _clear_termination_message()
+            rnd = following
     finally:
+        _drop(spares)
         for p in procs:  # anything a rank left behind in its group
             _signal_group(p, signal.SIGKILL)
         for p in procs:
@@ -213,10 +252,166 @@ def launch(command: Sequence[str], nproc: int, environ: Mapping[str, str] | None
                 p.wait(timeout=10)  # reaped; one even SIGKILL cannot stop is left to the OS rather than hang us
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        if peer is not None:
+            peer.close()
+        if coordinator is not None:
+            coordinator.close()
+        if marks is not None:
+            shutil.rmtree(marks, ignore_errors=True)
     code = replica_exit_code(codes)
+    if rnd.abort_code is not None and not rnd.failed_here:
+        code = rnd.abort_code  # our ranks were stopped because of another replica's failure: report its cause
     if code:
         _say(f"exit codes of local ranks, in the order they ended: {codes}; exiting {code}")
+        if rnd.number:
+            _report_rounds(rnd.number)
     return code
+
+
+def _termination_log() -> str | None:
+    """The container's termination-message file when there is one we may write (seqtrain.obs.progress's rule)."""
+    path = os.environ.get("SEQTRAIN_TERMINATION_LOG") or "/dev/termination-log"
+    return path if os.path.exists(path) and os.access(path, os.W_OK) else None
+
+
+def _clear_termination_message() -> None:
+    """Before an in-place restart: the last round's error line is not this round's; rank 0's final progress (which
+    says the round) or the next failure's error line goes there instead."""
+    path = _termination_log()
+    if path is not None:
+        with contextlib.suppress(OSError), open(path, "w", encoding="utf-8"):
+            pass
+
+
+def _report_rounds(rounds: int) -> None:
+    """Say how many in-place restarts this gang made, last, in the log and the termination message."""
+    line = f"{restart.ROUNDS_MARKER}{rounds}"
+    print(line, file=sys.stderr, flush=True)
+    path = _termination_log()
+    if path is not None:
+        with contextlib.suppress(OSError), open(path, "a", encoding="utf-8") as f:
+            f.write(f"\n{line}\n")
+
+
+class _Round:
+    """One incarnation of this replica's ranks, and what the coordinator said about it (all set by `_wait`)."""
+
+    def __init__(self, number: int, not_before: float | None = None) -> None:
+        self.number = number
+        self.not_before = not_before
+        self.failed_here = False  # a local rank failed (restartably) and we asked for a restart
+        self.restart: dict | None = None  # the coordinator's {"restart": n, "notBefore": t}
+        self.abort_code: int | None = None  # the coordinator gave up in-place restarts (the cause's code)
+        self.stepped_file: str | None = None  # a local rank creates it after its first step
+
+    def stepped(self) -> bool:
+        return self.stepped_file is not None and os.path.exists(self.stepped_file)
+
+    def take(self, msg: dict) -> None:
+        if "restart" in msg and int(msg["restart"]) > self.number and self.abort_code is None:
+            self.restart = msg
+        elif "abort" in msg:
+            _say(f"no in-place restart: {msg.get('why', '')}")
+            self.abort_code = int(msg.get("code") or exitcodes.ERROR)
+
+
+def _round_env(rnd: _Round, marks: str | None) -> dict[str, str]:
+    """What a rank of round `rnd` gets on top of its identity (see seqtrain.runtime.restart)."""
+    env = {restart.ROUND_ENV: str(rnd.number), restart.LAUNCHER_PID_ENV: str(os.getpid())}
+    if marks is not None:
+        rnd.stepped_file = os.path.join(marks, f"stepped-{rnd.number}")
+        env[restart.STEPPED_ENV] = rnd.stepped_file
+    if rnd.not_before is not None:
+        env[restart.NOT_BEFORE_ENV] = f"{rnd.not_before:.3f}"
+    return env
+
+
+def _start_rank(command: Sequence[str], env: dict[str, str], log_dir: str | None, rank: str,
+                standby: bool = False) -> tuple[subprocess.Popen, int]:
+    """Start one rank; `standby`: a spare that waits after its imports for the order on a pipe (returns the pipe's
+    write end, else -1)."""
+    out = open(os.path.join(log_dir, f"rank-{rank}.log"), "ab") if log_dir else None  # noqa: SIM115
+    read = write = -1
+    if standby:
+        read, write = os.pipe()
+        env = {**env, restart.STANDBY_ENV: str(read)}
+    try:
+        proc = subprocess.Popen(list(command), env=env, stdin=subprocess.DEVNULL, stdout=out,
+                                stderr=subprocess.STDOUT if out else None, start_new_session=True,
+                                pass_fds=(read,) if standby else ())
+    except OSError:
+        if standby:
+            os.close(write)
+        raise
+    finally:
+        if out is not None:
+            out.close()  # the child holds its own descriptor
+        if standby:
+            os.close(read)
+    return proc, write
+
+
+def _release(spares: list[tuple[subprocess.Popen, int]], order: dict[str, str]) -> list[subprocess.Popen]:
+    """Send the spares their start order (this round's variables); they become the round's ranks."""
+    line = (json.dumps(order) + "\n").encode()
+    for _, fd in spares:
+        with contextlib.suppress(OSError):
+            os.write(fd, line)
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    return [p for p, _ in spares]
+
+
+def _drop(spares: list[tuple[subprocess.Popen, int]]) -> None:
+    """Spares no round will use: close their pipes (they exit by themselves) and make sure they are gone."""
+    for p, fd in spares:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        _signal_group(p, signal.SIGKILL)
+    for p, _ in spares:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(timeout=10)
+    spares.clear()
+
+
+def _drain(peer: restart.Peer | None, rnd: _Round) -> None:
+    while peer is not None:
+        try:
+            rnd.take(peer.inbox.get_nowait())
+        except queue.Empty:
+            return
+
+
+def _next_round(peer: restart.Peer | None, rnd: _Round, plan: restart.InPlace, received: list[int]) -> _Round | None:
+    """Every local rank has ended: the next round to start when the gang restarts in place, else None (exit).
+
+    A replica restarts only through the barrier: it says it is ready for the round the coordinator announced and
+    waits for every other replica to say so ("go"). A signal to the launcher, an abort, a lost coordinator or no
+    answer within the barrier's deadline all end it with today's exit code."""
+    if peer is None or received or not peer.connected.is_set():
+        return None
+    deadline = time.monotonic() + plan.barrier_seconds + FAILURE_GRACE_SECONDS
+    while rnd.restart is None and rnd.abort_code is None:  # we asked: the answer comes at once unless rank 0 is gone
+        if not rnd.failed_here or received or peer.lost.is_set() or time.monotonic() > deadline:
+            return None
+        _drain(peer, rnd)
+        time.sleep(POLL_SECONDS)
+    if rnd.abort_code is not None or rnd.restart is None:
+        return None
+    number = int(rnd.restart["restart"])
+    if not peer.send({"ready": number}):
+        return None
+    while not received and not peer.lost.is_set() and time.monotonic() < deadline:
+        try:
+            msg = peer.inbox.get(timeout=POLL_SECONDS)
+        except queue.Empty:
+            continue
+        if msg.get("go") == number:
+            return _Round(number, float(rnd.restart.get("notBefore") or 0) or None)
+        rnd.take(msg)
+        if rnd.abort_code is not None:
+            return None
+    return None
 
 
 def _write_pids(log_dir: str, node_rank: str, pids: dict[str, int]) -> None:
@@ -228,12 +423,15 @@ def _write_pids(log_dir: str, node_rank: str, pids: dict[str, int]) -> None:
 
 
 def _wait(procs: list[subprocess.Popen], codes: list[int], term_grace: float, failure_grace: float,
-          received: list[int]) -> list[int]:
+          received: list[int], peer: restart.Peer | None = None, rnd: _Round | None = None) -> list[int]:
     """Poll until every child ended; returns their normalized codes in the order they ended (appended to `codes`).
 
     The first non-zero exit (or a signal to the launcher) starts the stop: SIGTERM to the rest, SIGKILL at the
-    deadline: `failure_grace` after a rank failure, `term_grace` after a stop request."""
+    deadline: `failure_grace` after a rank failure, `term_grace` after a stop request. With a `peer` (in-place
+    restarts), a restartable failure is reported to the coordinator, and its restart order (another replica
+    failed) stops the ranks the same way."""
     running = dict(enumerate(procs))
+    rnd = rnd if rnd is not None else _Round(0)
     deadline: float | None = None if not codes else time.monotonic() + failure_grace
     if codes:
         for p in running.values():
@@ -250,6 +448,19 @@ def _wait(procs: list[subprocess.Popen], codes: list[int], term_grace: float, fa
                 deadline = time.monotonic() + failure_grace
                 for q in running.values():
                     _signal_group(q, signal.SIGTERM)
+                if peer is not None and not received and restart.restartable(codes[-1]) and rnd.restart is None:
+                    if not rnd.stepped():
+                        _say("it failed before its first step: not restarting in place (a start-up failure is the "
+                             "operator's to judge)")
+                    elif peer.connected.wait(peer.patience) and peer.send({"fail": rnd.number, "code": codes[-1]}):
+                        rnd.failed_here = True
+        _drain(peer, rnd)
+        if (rnd.restart is not None or rnd.abort_code is not None) and deadline is None and running:
+            what = f"in-place restart {rnd.restart['restart']}" if rnd.restart is not None else "the gang gives up"
+            _say(f"another replica failed ({what}): stopping the local ranks")
+            deadline = time.monotonic() + failure_grace
+            for q in running.values():
+                _signal_group(q, signal.SIGTERM)
         if received and deadline is None:
             deadline = time.monotonic() + term_grace  # the handler already forwarded the signal
         if deadline is not None and time.monotonic() >= deadline and running:
@@ -292,7 +503,7 @@ def main(config: str, nproc: int, command: Sequence[str] | None = None) -> int:
         _say(f"invalid config: {exc}")
         return exitcodes.INVALID_CONFIG
     rank = list(command) if command else [sys.executable, "-m", "seqtrain.train.entry", "--config", config]
-    return launch(rank, nproc, term_grace=grace)
+    return launch(rank, nproc, term_grace=grace, standby=not command)
 
 
 if __name__ == "__main__":

@@ -123,6 +123,12 @@ class FaultToleranceSpec(SpecModel):
     )
     backoff_seconds: float = Field(5.0, ge=0, le=DAY, description="Delay before the first restart; doubles each time.")
     max_backoff_seconds: float = Field(300.0, ge=0, le=DAY, description="Upper bound of the restart delay.")
+    in_place_restarts: int = Field(
+        2, ge=0, le=10_000, description="Of the restarts for failures of the training itself, how many may restart "
+        "the ranks in the existing pods (each pod's launcher restarts them from the latest checkpoint; the pods, their "
+        "nodes and images stay) before the gang is deleted and re-created. Counted in maxRestarts. 0: always "
+        "re-create the gang."
+    )
     hang_timeout_seconds: int | None = Field(
         None, ge=1, le=30 * DAY, description="Treat the gang as failed when no step completes for this long."
     )

@@ -60,6 +60,8 @@ class Progress(_StatusModel):
                                              "checkpoint saves so far.")
     step_seconds: float | None = Field(None, description="Mean wall time of one optimizer step in this attempt "
                                        "(prices the steps redone after a restart).")
+    restart_round: int | None = Field(None, description="In-place restarts of that incarnation so far (0: its first "
+                                      "start).")
 
 
 class CheckpointRef(_StatusModel):
@@ -110,6 +112,9 @@ class JobStatus(_StatusModel):
     completion_time: str | None = None
     message: str = ""
     attempt: int = Field(0, description="Gang incarnation counter (1 for the first start).")
+    restart_round: int = Field(0, description="In-place restarts of the current incarnation counted so far.")
+    in_place_restarts: int = Field(0, description="Of `restarts`, those done in place (ranks restarted in the "
+                                   "existing pods, not a re-created gang).")
     next_restart_time: str | None = Field(None, description="When a pending restart may start (backoff).")
     failed_nodes: dict[str, str] = Field(default_factory=dict, description="node -> time until which it is avoided.")
     steps_lost: list[int] = Field(default_factory=list, description="Steps redone after each restart.")

@@ -13,6 +13,7 @@ from pydantic import ValidationError
 
 from seqtrain.runtime import exitcodes
 from seqtrain.runtime.exitcodes import DeviceUnavailable, InvalidConfig
+from seqtrain.runtime.restart import await_start, die_with_launcher, wait_not_before
 from seqtrain.spec import SpecError, TrainerConfig, parse_job, read_trainer_config, resolve
 from seqtrain.spec.job import SeqTrainJob
 
@@ -98,6 +99,7 @@ class _TerminateFlag:
 
 
 def main(config_path: str) -> int:
+    die_with_launcher()
     flag = _TerminateFlag()
     signal.signal(signal.SIGTERM, flag)
     ctx = None
@@ -108,6 +110,8 @@ def main(config_path: str) -> int:
         from seqtrain.train.callbacks import build_callbacks
         from seqtrain.train.loop import Trainer
 
+        await_start()  # a spare rank: the imports above are done; wait here for the in-place restart
+        wait_not_before()  # an in-place restart's backoff, run down while the imports above took their time
         ctx = init_distributed(use_gpu=job.spec.resources.gpus > 0,
                                timeout_seconds=job.spec.optimization.comm_timeout_seconds,
                                expected_world=job.spec.world_size)

@@ -28,7 +28,7 @@ from seqtrain.models.materialize import materialize, new_model, shards_first
 from seqtrain.parallel.apply import init_mesh, parallelize
 from seqtrain.parallel.pipeline import local_modules
 from seqtrain.parallel.watchdog import waiting
-from seqtrain.runtime import faults
+from seqtrain.runtime import faults, restart
 from seqtrain.runtime.callbacks import CallbackList
 from seqtrain.runtime.dist import DistContext
 from seqtrain.runtime.exitcodes import InvalidConfig
@@ -300,6 +300,7 @@ class Trainer:
             stats = self.engine.step(micro_batches)
         self.step += 1
         self.tokens_seen += stats.target_tokens
+        restart.mark_stepped()  # tells the launcher this incarnation got past start-up (in-place restarts)
         faults.maybe_kill_after_step(self.step, self.ctx.rank)
         if faults.term_requested_at(self.step):
             self.terminate_signal = True

@@ -1,0 +1,168 @@
+"""In-place restart on the real control plane (scripts/testbed.sh): a SIGKILLed rank is restarted by the launchers in
+the pods that run (same pod uids, still attempt 1), counted in status.restarts with an Event naming the mode; with
+faultTolerance.inPlaceRestarts: 0 the same kill re-creates the gang (new pods, attempt 2); and when a pod is lost
+(its node dies) the surviving launcher cannot restart in place and the operator re-creates the gang.
+
+examples/k8s-cpu.yaml (2 replicas x 1 rank, PVC checkpoints every 10 steps) on the node agent's CPU nodes. Each
+run prints the seconds from the kill to the next completed step (metrics.jsonl on the claim), in place vs re-created.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from testbed.fixtures import ROOT, TB, Operator, Testbed, wait
+
+pytestmark = pytest.mark.slow
+
+STEPS, KILL_AFTER = 400, 15  # enough steps that the kill lands mid-run however fast the machine is
+RUN_TIMEOUT = 900
+
+
+def job(name: str, in_place: int | None = None, steps: int = STEPS) -> dict[str, Any]:
+    out = yaml.safe_load((ROOT / "examples" / "k8s-cpu.yaml").read_text())
+    out["metadata"]["name"] = name
+    out["spec"]["training"]["steps"] = steps
+    out["spec"]["scheduling"]["nodeSelector"] = {"seqtrain.dev/testbed-agent": "true"}
+    if in_place is not None:
+        out["spec"]["faultTolerance"]["inPlaceRestarts"] = in_place
+    return out
+
+
+@pytest.fixture(scope="module")
+def ns(testbed: Testbed, seqtrain_operator: Operator) -> str:
+    return testbed.checkpoint_namespace("inplace")
+
+
+def status(tb: Testbed, ns: str, name: str) -> dict[str, Any]:
+    return ((tb.get("seqtrainjob", name, ns) or {}).get("status")) or {}
+
+
+def pods(tb: Testbed, ns: str, name: str) -> dict[int, dict[str, Any]]:
+    """replica -> pod of the job, whatever its attempt (only live ones)."""
+    items = tb.get("pods", namespace=ns, selector=f"seqtrain.dev/job={name}") or []
+    return {int(p["metadata"]["labels"]["seqtrain.dev/replica"]): p for p in items
+            if not p["metadata"].get("deletionTimestamp")}
+
+
+def records(tb: Testbed, ns: str, name: str) -> list[dict[str, Any]]:
+    path = TB / "volumes" / ns / name / "metrics.jsonl"
+    try:
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except (OSError, ValueError):
+        return []
+
+
+def rank_pid(tb: Testbed, pod: dict[str, Any]) -> int:
+    """The rank process of a 1-rank pod: the launcher's child when in-place restarts are on (the launcher is then the
+    pod's main process), else the pod's main process itself."""
+    pgid = tb.pod_pid(pod["metadata"]["uid"])
+    assert pgid is not None, pod["metadata"]["name"]
+    env = {e["name"] for e in pod["spec"]["containers"][0].get("env", [])}
+    if "SEQTRAIN_INPLACE_DELAYS" not in env:
+        return pgid
+    def child() -> int | None:
+        for pid in Path("/proc").iterdir():
+            if not pid.name.isdigit():
+                continue
+            try:
+                stat = (pid / "stat").read_text().rsplit(")", 1)[1].split()
+                cmd = (pid / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"seqtrain.train.entry" in cmd and os.getpgid(int(stat[1])) == pgid:
+                return int(pid.name)
+        return None
+    return wait("the pod's rank process", child, 120, interval=0.5)
+
+
+def kill_rank_and_time_recovery(tb: Testbed, ns: str, name: str) -> tuple[dict[int, str], float]:
+    """Wait for step KILL_AFTER, SIGKILL replica 1's rank; returns the pod uids before the kill and the seconds from
+    the kill to the first step completed after it."""
+    wait(f"{name} at step {KILL_AFTER}", lambda: any(r["step"] >= KILL_AFTER for r in records(tb, ns, name)),
+         RUN_TIMEOUT, interval=0.2)
+    before = pods(tb, ns, name)
+    victim = rank_pid(tb, before[1])
+    killed = time.time()
+    os.kill(victim, signal.SIGKILL)
+    first = wait("a step completed after the kill",
+                 lambda: min((r["time"] for r in records(tb, ns, name) if r["time"] > killed), default=None),
+                 RUN_TIMEOUT, interval=0.1)
+    return {r: p["metadata"]["uid"] for r, p in before.items()}, first - killed
+
+
+def events(tb: Testbed, ns: str, name: str) -> list[dict[str, Any]]:
+    return [e for e in tb.get("events", namespace=ns) or [] if e["involvedObject"].get("name") == name]
+
+
+def delete(tb: Testbed, ns: str, name: str) -> None:
+    tb.kubectl("delete", "stj", name, "-n", ns, "--ignore-not-found", "--wait=true", "--timeout=180s", timeout=240)
+
+
+@pytest.mark.timeout(2 * RUN_TIMEOUT + 300)
+def test_a_killed_rank_restarts_in_place_in_the_same_pods_and_faster_than_re_creation(
+        testbed: Testbed, seqtrain_operator: Operator, ns: str) -> None:
+    seconds: dict[str, float] = {}
+    try:
+        testbed.apply(job("inplace", steps=60), ns)
+        uids, seconds["in-place"] = kill_rank_and_time_recovery(testbed, ns, "inplace")
+        def done() -> dict[str, Any] | None:
+            st = status(testbed, ns, "inplace")
+            if st.get("phase") == "Failed":
+                pytest.fail(f"failed: {st.get('message')}\n{seqtrain_operator.logs()}", pytrace=False)
+            return st if st.get("phase") == "Succeeded" else None
+        st = wait("inplace Succeeded", done, RUN_TIMEOUT, interval=1)
+        assert (st["restarts"], st.get("inPlaceRestarts"), st["attempt"]) == (1, 1, 1), st
+        assert {r: p["metadata"]["uid"] for r, p in pods(testbed, ns, "inplace").items()} == uids  # same pods
+        (ev,) = [e for e in events(testbed, ns, "inplace") if e["reason"] == "RestartedInPlace"]
+        assert "mode: in-place" in ev["message"] and "restart 1/3" in ev["message"], ev
+        assert not [e for e in events(testbed, ns, "inplace") if e["reason"] == "Restarted"]
+        steps = [r["step"] for r in records(testbed, ns, "inplace")]
+        assert sorted(steps) == list(range(1, 61)) and len(set(steps)) == 60  # every step once
+
+        # The old behaviour, asked for: the same kill re-creates the gang (new pods, attempt 2).
+        testbed.apply(job("recreated", in_place=0), ns)
+        uids, seconds["re-created"] = kill_rank_and_time_recovery(testbed, ns, "recreated")
+        st = wait("the re-created gang running", lambda: (s := status(testbed, ns, "recreated")).get("attempt") == 2
+                  and s.get("phase") == "Running" and s, RUN_TIMEOUT, interval=1)
+        assert st["restarts"] == 1 and st.get("inPlaceRestarts", 0) == 0, st
+        assert not set(uids.values()) & {p["metadata"]["uid"] for p in pods(testbed, ns, "recreated").values()}
+        assert any(e["reason"] == "Restarted" and "mode: re-created" in e["message"]
+                   for e in events(testbed, ns, "recreated"))
+    finally:
+        print(json.dumps({"recoverySeconds": {k: round(v, 2) for k, v in seconds.items()}}))
+        for name in ("inplace", "recreated"):
+            delete(testbed, ns, name)
+
+
+@pytest.mark.timeout(RUN_TIMEOUT + 300)
+def test_a_lost_pod_falls_back_to_re_creating_the_gang(testbed: Testbed, seqtrain_operator: Operator, ns: str,
+                                                       node_back: list[str]) -> None:
+    name = "podlost"
+    try:
+        testbed.apply(job(name), ns)
+        wait(f"{name} at step {KILL_AFTER}", lambda: any(r["step"] >= KILL_AFTER for r in records(testbed, ns, name)),
+             RUN_TIMEOUT, interval=0.2)
+        before = pods(testbed, ns, name)
+        dead = before[1]["spec"]["nodeName"]
+        assert dead != before[0]["spec"]["nodeName"]  # topology: spread
+        node_back.append(dead)
+        testbed.node_down(dead)  # replica 1's pod is lost with its node: replica 0's launcher cannot restart alone
+
+        st = wait("a re-created gang", lambda: (s := status(testbed, ns, name)).get("attempt", 0) >= 2 and s,
+                  RUN_TIMEOUT, interval=1)
+        assert st.get("inPlaceRestarts", 0) == 0 and st["infraRestarts"] >= 1, st
+        assert any(e["reason"] == "Restarted" and "mode: re-created" in e["message"]
+                   for e in events(testbed, ns, name)), events(testbed, ns, name)
+        new = wait("the new gang's pods", lambda: len(p := pods(testbed, ns, name)) == 2 and p, RUN_TIMEOUT)
+        assert not {p["metadata"]["uid"] for p in before.values()} & {p["metadata"]["uid"] for p in new.values()}
+    finally:
+        delete(testbed, ns, name)
