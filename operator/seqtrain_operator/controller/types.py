@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from seqtrain.spec.status import CheckpointRef, JobStatus, Progress
+from seqtrain.spec.status import CheckpointPolicy, CheckpointRef, JobStatus, Progress, WorkAtRisk
 from seqtrain_operator.planner.types import Node, Plan
 
 ReplicaPhase = Literal["Pending", "Running", "Succeeded", "Failed"]
@@ -74,6 +74,7 @@ class Observed:
     the text is shown in the Scheduled condition.
     skipped_checkpoints: (step, reason) of checkpoints the trainer set aside as unusable (a refused or corrupt file);
     each is reported once with a Warning event.
+    checkpoint_policy / work_at_risk: the trainer's `checkpointPolicy` and `workAtRisk` (None: not reported now).
     """
 
     replicas: tuple[ReplicaObservation, ...] = ()
@@ -84,6 +85,8 @@ class Observed:
     progress_unreachable: str | None = None
     generation: int | None = None
     skipped_checkpoints: tuple[tuple[int, str], ...] = ()
+    checkpoint_policy: CheckpointPolicy | None = None
+    work_at_risk: WorkAtRisk | None = None
 
 
 # ---- actions: executed by the backend in the order given ----------------------------------------------------------

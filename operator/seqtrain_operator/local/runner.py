@@ -31,6 +31,7 @@ from seqtrain.spec import SeqTrainJob, SpecError, load_job_file, resolve
 from seqtrain.spec.runtime import RuntimeConfig, write_trainer_config
 from seqtrain.spec.status import TERMINAL_PHASES, JobStatus, Layout
 from seqtrain_operator.controller import CreateGang, DeleteGang, Event, Observed, decide, utcnow
+from seqtrain_operator.controller.checkpoint_policy import failure_history
 from seqtrain_operator.controller.conditions import enter_phase
 from seqtrain_operator.controller.types import ReplicaObservation
 from seqtrain_operator.local.display import ProgressView, plot_loss
@@ -39,6 +40,7 @@ from seqtrain_operator.local.files import (
     atomic_write_text,
     latest_checkpoint,
     read_status,
+    trainer_checkpoint_report,
     with_trainer_progress,
     write_status,
 )
@@ -157,8 +159,10 @@ class LocalRun:
                 if r.phase == "Failed":
                     self.last_failed = r
             progress = with_trainer_progress(self.tail.progress(), os.path.join(self.workdir, "progress.json"))
+            policy, at_risk = trainer_checkpoint_report(os.path.join(self.workdir, "progress.json"))
             observed = Observed(replicas=replicas, latest_checkpoint=latest_checkpoint(self.ckpt_dir),
-                                progress=progress, skipped_checkpoints=tuple(quarantined(self.ckpt_dir)))
+                                progress=progress, skipped_checkpoints=tuple(quarantined(self.ckpt_dir)),
+                                checkpoint_policy=policy, work_at_risk=at_risk)
             now = utcnow()
             d = decide(self.job, status, observed, now)
             if d.status != status:
@@ -166,7 +170,7 @@ class LocalRun:
             status = d.status
             for action in d.actions:
                 if isinstance(action, CreateGang):
-                    self._start_gang(action)
+                    self._start_gang(action, status)
                 elif isinstance(action, DeleteGang) and self.gang is not None and self.gang.attempt == action.attempt:
                     self._stop_gang(TERM_GRACE_SECONDS if action.reason == "Suspended" else FAILURE_TEARDOWN_GRACE)
             for ev in d.of(Event):
@@ -178,7 +182,7 @@ class LocalRun:
                 return status
             time.sleep(POLL_SECONDS)
 
-    def _start_gang(self, action: CreateGang) -> None:
+    def _start_gang(self, action: CreateGang, status: JobStatus) -> None:
         job = resolve(self.job)
         if action.replicas is not None:
             job = job.with_replicas(action.replicas)
@@ -187,7 +191,8 @@ class LocalRun:
         cfg = os.path.join(adir, "config.json")
         # Ports 0: every rank serves /metrics (rank 0 also progress) on a free port, noted in <workdir>/endpoints/.
         write_trainer_config(cfg, job, RuntimeConfig(workdir=self.workdir, checkpoint_dir=self.ckpt_dir,
-                                                     attempt=action.attempt, metrics_port=0, progress_port=0))
+                                                     attempt=action.attempt, metrics_port=0, progress_port=0,
+                                                     failure_history=failure_history(status)))
         res = job.spec.resources
         self.gang = LocalGang.start(action.attempt, job.spec.replicas, res.procs, res.gpus, cfg, adir)
         self._record_gang()

@@ -82,13 +82,15 @@ class ProgressPublisher(BaseCallback):
         skipped = [{"step": step, "reason": why} for step, why in quarantined(trainer.runtime.checkpoint_dir)]
         self.reporter.update(flush=True, step=trainer.step, loss=last.get("loss"), stop_reason=None, stop_message=None,
                              **self._checkpoint(trainer, trainer.step) if trainer.resumed_from else {},
-                             **{"skippedCheckpoints": skipped} if skipped else {})
+                             **{"skippedCheckpoints": skipped} if skipped else {}, **trainer.checkpoint_report())
 
     def on_step_end(self, trainer: Trainer, step: int, metrics: dict[str, Any]) -> None:
         saved = self._checkpoint(trainer, self._saving) if self._saving is not None else {}
         self._saving = step if trainer.checkpoint_due() else None
+        # checkpointPolicy, workAtRisk (as of this step: its own save, if due, comes after the callbacks)
         self.reporter.update(flush=bool(saved), step=step, loss=metrics.get("loss"),
-                             tokens_per_second=metrics.get("tokens_per_s"), mfu=metrics.get("mfu"), **saved)
+                             tokens_per_second=metrics.get("tokens_per_s"), mfu=metrics.get("mfu"), **saved,
+                             **trainer.checkpoint_report())
 
     @staticmethod
     def _checkpoint(trainer: Trainer, step: int) -> dict[str, Any]:
@@ -107,6 +109,6 @@ class ProgressPublisher(BaseCallback):
 
     def on_train_end(self, trainer: Trainer, reason: str) -> None:
         # the loop's last save (end, stop, SIGTERM) happened after the last on_step_end
-        self.reporter.update(flush=True, **self._checkpoint(trainer, trainer.step))
+        self.reporter.update(flush=True, **self._checkpoint(trainer, trainer.step), **trainer.checkpoint_report())
         self.reporter.finish()
         self.reporter.close()
