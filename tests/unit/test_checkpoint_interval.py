@@ -68,7 +68,7 @@ def test_auto_saves_early_to_measure_then_follows_the_measurements() -> None:
     p.observe_save(1.0)
     assert p.recompute(0.0) == 90  # MTBF 150 s / 3 = 50 s: tau = sqrt(2 x 1 x 50) - 1 = 9 s = 90 steps
     assert not p.due(100, 89, 9.0) and p.due(101, 90, 9.0)
-    rep = p.report(0.0)
+    rep = p.report()
     assert rep["intervalSteps"] == 90 and rep["saveSeconds"] == 1.0 and rep["mtbfSeconds"] == 50.0
     assert rep["sources"] == {"intervalSteps": "youngDaly", "saveSeconds": "measured", "mtbfSeconds": "measured"}
     p.observe_save(4.0)  # the storage got slower: save less often
@@ -77,11 +77,11 @@ def test_auto_saves_early_to_measure_then_follows_the_measurements() -> None:
 
 def test_fixed_steps_and_seconds_are_the_users() -> None:
     steps = IntervalPolicy(fixed_steps=10)
-    assert steps.recompute(0.0) == 10 and steps.report(0.0)["sources"]["intervalSteps"] == "user"
+    assert steps.recompute(0.0) == 10 and steps.report()["sources"]["intervalSteps"] == "user"
     assert steps.due(20, 3, 0.0) and not steps.due(21, 1, 0.0)  # multiples of N, as before
     secs = IntervalPolicy(fixed_seconds=30.0)
     secs.observe_step(0.5)
-    assert secs.recompute(0.0) == 60 and secs.report(0.0)["intervalSeconds"] == 30.0
+    assert secs.recompute(0.0) == 60 and secs.report()["intervalSeconds"] == 30.0
     assert not secs.due(7, 7, 29.9) and secs.due(8, 8, 30.0)
 
 

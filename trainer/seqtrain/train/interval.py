@@ -74,6 +74,7 @@ class IntervalPolicy:
     _steps_seen: int = 0
     _interval: int | None = None
     _why: str = "firstSave"
+    _inputs: tuple[float | None, float | None, float] = (None, None, 0.0)  # save, step, attempt seconds used
 
     @property
     def auto(self) -> bool:
@@ -94,6 +95,7 @@ class IntervalPolicy:
 
     def recompute(self, attempt_s: float) -> int | None:
         """The interval in steps from what is known now (None: not known yet: no save or step time measured)."""
+        self._inputs = (self.save_s, self.step_s, attempt_s)
         if self.fixed_steps is not None:
             self._interval, self._why = self.fixed_steps, "user"
         elif self.fixed_seconds is not None:
@@ -117,14 +119,16 @@ class IntervalPolicy:
             return steps_since_save >= max(self.min_steps, WARMUP_STEPS)
         return steps_since_save >= self._interval
 
-    def report(self, attempt_s: float) -> dict:
-        """The `status.checkpointPolicy` object (wire form)."""
+    def report(self) -> dict:
+        """The `status.checkpointPolicy` object (wire form): the figures of the last recompute(), so intervalSteps
+        follows from saveSeconds, mtbfSeconds and stepSeconds as shown."""
+        save_s, step_s, attempt_s = self._inputs
         mtbf, mtbf_source = self.mtbf(attempt_s)
         sources = {"intervalSteps": self._why, "mtbfSeconds": mtbf_source}
         if self.save_source:
             sources["saveSeconds"] = self.save_source
-        out = {"intervalSteps": self._interval, "saveSeconds": _round(self.save_s), "mtbfSeconds": _round(mtbf),
-               "stepSeconds": _round(self.step_s), "failures": self.failures,
+        out = {"intervalSteps": self._interval, "saveSeconds": _round(save_s), "mtbfSeconds": _round(mtbf),
+               "stepSeconds": _round(step_s), "failures": self.failures,
                "exposureSeconds": round(self.earlier_running_s + attempt_s, 3), "sources": sources}
         if self.fixed_seconds is not None:
             out["intervalSeconds"] = self.fixed_seconds

@@ -253,7 +253,7 @@ class Trainer:
         last = self._logged_interval
         if now is not None and self.interval.auto and (last is None or abs(now - last) > 0.25 * last):
             self._logged_interval = now
-            r = self.interval.report(time.monotonic() - self.started_at)
+            r = self.interval.report()
             self.log(f"seqtrain: checkpoint interval {now} steps ({r['sources']['intervalSteps']}): save "
                      f"{r.get('saveSeconds', 0):.3g}s, step {r.get('stepSeconds', 0):.3g}s, gang MTBF "
                      f"{r['mtbfSeconds']:.4g}s ({r['sources']['mtbfSeconds']}, {self.interval.failures} failure(s))")
@@ -265,7 +265,7 @@ class Trainer:
                                    "seconds": round(now - self.saved_at, 3)}
         if self.saved_wall is not None:
             at_risk["checkpointAgeSeconds"] = round(max(0.0, time.time() - self.saved_wall), 3)
-        return {"checkpointPolicy": self.interval.report(now - self.started_at), "workAtRisk": at_risk}
+        return {"checkpointPolicy": self.interval.report(), "workAtRisk": at_risk}
 
     def save_seconds_estimate(self) -> float | None:
         """How long a save takes: this attempt's last one, else the one recorded in the checkpoint resumed from."""
@@ -372,6 +372,7 @@ class Trainer:
         self.tokens_seen += stats.target_tokens
         self.interval.observe_step(time.perf_counter() - t0)
         faults.maybe_kill_after_step(self.step, self.ctx.rank)
+        faults.maybe_fail_at_rate(self.ctx.rank)
         if faults.term_requested_at(self.step):
             self.terminate_signal = True
         if self.terminate_signal and self.terminate_time is None:
