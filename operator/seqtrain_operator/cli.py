@@ -20,6 +20,7 @@ BENCHMARKS = {
     "layouts": "seqtrain.benchmarks.layouts",
     "operator": "seqtrain_operator.benchmark",
     "gpu": "seqtrain.benchmarks.gpu",
+    "checkpoint-interval": "seqtrain_operator.interval_bench",
 }
 
 

@@ -243,15 +243,17 @@ class Trainer:
             self.ckpt_block_s = time.monotonic() - started
             self.interval.observe_save(self.ckpt_block_s)
             self.saved_at, self.saved_step, self.saved_wall = time.monotonic(), self.step, time.time()
-            self._recompute_interval()
+            self._recompute_interval(log=True)
         return info
 
-    def _recompute_interval(self) -> None:
+    def _recompute_interval(self, log: bool = False) -> None:
+        """Rank 0, every step (the MTBF grows with failure-free time, the step time drifts); said on the console
+        after a save when it moved by more than a quarter."""
         if not self.ctx.is_main:
             return
         now = self.interval.recompute(time.monotonic() - self.started_at)
         last = self._logged_interval
-        if now is not None and self.interval.auto and (last is None or abs(now - last) > 0.25 * last):
+        if log and now is not None and self.interval.auto and (last is None or abs(now - last) > 0.25 * last):
             self._logged_interval = now
             r = self.interval.report()
             self.log(f"seqtrain: checkpoint interval {now} steps ({r['sources']['intervalSteps']}): save "

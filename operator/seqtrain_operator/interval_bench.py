@@ -1,0 +1,123 @@
+"""`seqtrain bench checkpoint-interval`: goodput of `checkpoint.intervalSteps: auto` against fixed intervals that
+are too short and too long, under failures injected at a known rate, in one run.
+
+Every variant is the same local job (`seqtrain run`, the controller core restarting the gang after each failure)
+with the same fault variables: rank 0 SIGKILLs itself after an exponentially distributed training time of mean
+`--mtbf` seconds (SEQTRAIN_FAULT_MTBF_SECONDS, a seed per attempt, so every variant sees the same draws), and every
+checkpoint save takes `--save-delay` seconds longer (SEQTRAIN_FAULT_SAVE_DELAY: the tiny model saves in
+milliseconds; the delay stands for the storage time of a model worth checkpointing, and training stands still for
+it as it would). A variant stops at the end of training or at `--cap` seconds (then it is stopped as Ctrl-C does,
+Suspended).
+
+Two figures per variant: `goodput`, status.goodput as the controller defines it (seqtrain_operator.controller.goodput:
+time Running x kept / computed steps, over wall time; it counts checkpoint stalls and each attempt's start-up as
+productive), and `trainingGoodput`, the optimizer-step time of the steps kept (metrics.jsonl's `step_time_s`, one
+line per step: a restarted gang replaces the lines of the steps it redoes) over wall time: what a save stall costs
+shows only in the second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+JOB = """\
+apiVersion: seqtrain.dev/v1alpha1
+kind: SeqTrainJob
+metadata: {{name: interval-{name}}}
+spec:
+  replicas: 1
+  resources: {{gpus: 0}}
+  model: {{arch: gpt, preset: tiny}}
+  data: {{source: builtin, seqLen: 64}}
+  training: {{steps: {steps}, globalBatchSize: 8, microBatchSize: 8, logEvery: 1000000}}
+  checkpoint: {{intervalSteps: {interval}, keep: 1}}
+  faultTolerance: {{maxRestarts: 10000, maxInfraRestarts: 10000, backoffSeconds: 0, maxBackoffSeconds: 0}}
+"""
+
+
+def _variant(name: str, interval: str, a: argparse.Namespace, tmp: str) -> dict[str, Any]:
+    job = os.path.join(tmp, f"{name}.yaml")
+    with open(job, "w", encoding="utf-8") as f:
+        f.write(JOB.format(name=name, steps=a.steps, interval=interval))
+    workdir = os.path.join(tmp, name)
+    env = {**os.environ, "SEQTRAIN_FAULT_MTBF_SECONDS": f"{a.mtbf}:{a.seed}",
+           "SEQTRAIN_FAULT_SAVE_DELAY": str(a.save_delay), "OMP_NUM_THREADS": "1"}
+    started = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-m", "seqtrain_operator.cli", "run", job, "--workdir", workdir, "-q"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    capped = False
+    status_file = os.path.join(workdir, "status.json")
+    try:
+        proc.wait(timeout=a.cap)
+        wall = time.monotonic() - started
+        st = _read(status_file)
+    except subprocess.TimeoutExpired:
+        capped = True
+        wall = time.monotonic() - started
+        st = _read(status_file)  # the controller's last word while it ran (written atomically every decision)
+        proc.send_signal(signal.SIGTERM)  # as Ctrl-C: the gang stops, the job is Suspended
+        proc.wait(timeout=120)
+    policy = st.get("checkpointPolicy") or {}
+    steps = (st.get("progress") or {}).get("step", 0)
+    useful = sum(r.get("step_time_s") or 0.0 for r in _metrics(os.path.join(workdir, "metrics.jsonl"))
+                 if r["step"] <= steps)
+    return {"variant": name, "intervalSteps": interval, "chosenIntervalSteps": policy.get("intervalSteps"),
+            "goodput": st.get("goodput"), "trainingGoodput": round(useful / wall, 4) if wall > 0 else None,
+            "usefulStepSeconds": round(useful, 1), "phase": st.get("phase"), "capped": capped, "wallSeconds": round(wall, 1),
+            "stepsDone": steps, "stepsPerWallSecond": round(steps / wall, 2) if wall > 0 else None,
+            "restarts": st.get("restarts", 0) + st.get("infraRestarts", 0), "stepsLost": sum(st.get("stepsLost", [])),
+            "checkpointPolicy": policy}
+
+
+def _metrics(path: str) -> list[dict[str, Any]]:
+    with open(path, encoding="utf-8") as f:
+        return [r for r in (json.loads(line) for line in f if line.strip()) if isinstance(r.get("step"), int)]
+
+
+def _read(path: str) -> dict[str, Any]:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="seqtrain bench checkpoint-interval", description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=600, help="training steps of the job")
+    p.add_argument("--mtbf", type=float, default=15.0, help="mean training seconds between injected failures")
+    p.add_argument("--save-delay", type=float, default=1.0, help="seconds added to every checkpoint save")
+    p.add_argument("--short", type=int, default=5, help="the too-short fixed interval (steps)")
+    p.add_argument("--long", type=int, default=400, help="the too-long fixed interval (steps)")
+    p.add_argument("--cap", type=float, default=120.0, help="wall seconds a variant may run")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--out", default="benchmarks/results/checkpoint-interval-cpu.json")
+    a = p.parse_args(argv)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="seqtrain-interval-") as tmp:
+        for name, interval in (("short", str(a.short)), ("auto", "auto"), ("long", str(a.long))):
+            row = _variant(name, interval, a, tmp)
+            rows.append(row)
+            print(f"{name:>5} interval {row['chosenIntervalSteps'] or interval:>6}: goodput {row['goodput']}, "
+                  f"training goodput {row['trainingGoodput']}, "
+                  f"{row['stepsDone']}/{a.steps} steps in {row['wallSeconds']}s, {row['restarts']} restarts, "
+                  f"{row['stepsLost']} steps redone{' (capped)' if row['capped'] else ''}", flush=True)
+    result = {"benchmark": "checkpoint-interval", "date": time.strftime("%Y-%m-%d"), "machine": platform.platform(),
+              "cpus": os.cpu_count(), "job": f"gpt tiny, seqLen 64, batch 8, 1 CPU process, {a.steps} steps",
+              "mtbfSeconds": a.mtbf, "saveDelaySeconds": a.save_delay, "capSeconds": a.cap, "seed": a.seed,
+              "variants": rows}
+    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
+    with open(a.out, "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=2)
+    print(f"wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
