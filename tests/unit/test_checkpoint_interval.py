@@ -142,3 +142,21 @@ def test_decide_puts_the_trainers_report_in_status() -> None:
     d = decide(job, JobStatus(), Observed(checkpoint_policy=policy, work_at_risk=risk), NOW)
     out = d.status.to_dict()
     assert out["checkpointPolicy"]["intervalSteps"] == 9 and out["workAtRisk"]["steps"] == 3
+
+
+def test_every_attempt_is_told_the_jobs_failures_in_its_trainer_config() -> None:
+    import json
+
+    from seqtrain.spec import TrainerConfig
+    from seqtrain_operator.k8s import manifests as m
+
+    job = load_job(HEAD + "spec:\n  checkpoint: {intervalSteps: auto}\n")
+    owner = m.Owner(name="j", namespace="ns", uid="u-1")
+    settings = m.Settings(rank_mtbf_hours=2000.0)
+    history = failure_history(JobStatus(restarts=1, infra_restarts=2, running_seconds=42.5), settings.rank_mtbf_hours)
+    gang = m.build_gang(job, owner, 4, settings, None, history)
+    cfg = TrainerConfig.model_validate(json.loads(gang.configmap["data"][m.CONFIG_FILE]))
+    assert cfg.runtime.failure_history.failures == 3 and cfg.runtime.failure_history.running_seconds == 42.5
+    assert cfg.runtime.failure_history.rank_mtbf_hours == 2000.0
+    first = TrainerConfig.model_validate(json.loads(m.build_configmap(job, owner, 1, settings)["data"][m.CONFIG_FILE]))
+    assert first.runtime.failure_history.failures == 0 and first.runtime.failure_history.rank_mtbf_hours == 2000.0
