@@ -11,9 +11,10 @@ Suspended).
 
 Two figures per variant: `goodput`, status.goodput as the controller defines it (seqtrain_operator.controller.goodput:
 time Running x kept / computed steps, over wall time; it counts checkpoint stalls and each attempt's start-up as
-productive), and `trainingGoodput`, the optimizer-step time of the steps kept (metrics.jsonl's `step_time_s`, one
-line per step: a restarted gang replaces the lines of the steps it redoes) over wall time: what a save stall costs
-shows only in the second.
+productive), and `trainingGoodput`, useful training time over wall time, where useful training time is the steps
+kept x one step time common to all variants (the median `step_time_s` of every step every variant ran, from
+metrics.jsonl): the same work counts the same in every variant, whatever the load of a shared machine did to the
+step time of one of them. What a save stall costs shows only in the second.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import json
 import os
 import platform
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -68,11 +70,10 @@ def _variant(name: str, interval: str, a: argparse.Namespace, tmp: str) -> dict[
         proc.wait(timeout=120)
     policy = st.get("checkpointPolicy") or {}
     steps = (st.get("progress") or {}).get("step", 0)
-    useful = sum(r.get("step_time_s") or 0.0 for r in _metrics(os.path.join(workdir, "metrics.jsonl"))
-                 if r["step"] <= steps)
+    step_times = [r["step_time_s"] for r in _metrics(os.path.join(workdir, "metrics.jsonl"))
+                  if isinstance(r.get("step_time_s"), float)]
     return {"variant": name, "intervalSteps": interval, "chosenIntervalSteps": policy.get("intervalSteps"),
-            "goodput": st.get("goodput"), "trainingGoodput": round(useful / wall, 4) if wall > 0 else None,
-            "usefulStepSeconds": round(useful, 1), "phase": st.get("phase"), "capped": capped, "wallSeconds": round(wall, 1),
+            "goodput": st.get("goodput"), "stepTimes": step_times, "phase": st.get("phase"), "capped": capped, "wallSeconds": round(wall, 1),
             "stepsDone": steps, "stepsPerWallSecond": round(steps / wall, 2) if wall > 0 else None,
             "restarts": st.get("restarts", 0) + st.get("infraRestarts", 0), "stepsLost": sum(st.get("stepsLost", [])),
             "checkpointPolicy": policy}
@@ -90,27 +91,32 @@ def _read(path: str) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="seqtrain bench checkpoint-interval", description=__doc__.split("\n")[0])
-    p.add_argument("--steps", type=int, default=600, help="training steps of the job")
-    p.add_argument("--mtbf", type=float, default=15.0, help="mean training seconds between injected failures")
-    p.add_argument("--save-delay", type=float, default=1.0, help="seconds added to every checkpoint save")
+    p.add_argument("--steps", type=int, default=900, help="training steps of the job")
+    p.add_argument("--mtbf", type=float, default=10.0, help="mean training seconds between injected failures")
+    p.add_argument("--save-delay", type=float, default=0.5, help="seconds added to every checkpoint save")
     p.add_argument("--short", type=int, default=5, help="the too-short fixed interval (steps)")
-    p.add_argument("--long", type=int, default=400, help="the too-long fixed interval (steps)")
-    p.add_argument("--cap", type=float, default=120.0, help="wall seconds a variant may run")
+    p.add_argument("--long", type=int, default=600, help="the too-long fixed interval (steps)")
+    p.add_argument("--cap", type=float, default=150.0, help="wall seconds a variant may run")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--out", default="benchmarks/results/checkpoint-interval-cpu.json")
     a = p.parse_args(argv)
     rows = []
     with tempfile.TemporaryDirectory(prefix="seqtrain-interval-") as tmp:
         for name, interval in (("short", str(a.short)), ("auto", "auto"), ("long", str(a.long))):
-            row = _variant(name, interval, a, tmp)
-            rows.append(row)
-            print(f"{name:>5} interval {row['chosenIntervalSteps'] or interval:>6}: goodput {row['goodput']}, "
-                  f"training goodput {row['trainingGoodput']}, "
-                  f"{row['stepsDone']}/{a.steps} steps in {row['wallSeconds']}s, {row['restarts']} restarts, "
-                  f"{row['stepsLost']} steps redone{' (capped)' if row['capped'] else ''}", flush=True)
+            rows.append(_variant(name, interval, a, tmp))
+    step_s = statistics.median(t for row in rows for t in row["stepTimes"])
+    for row in rows:
+        row["medianStepSeconds"] = round(statistics.median(row.pop("stepTimes")), 4)
+        row["usefulSeconds"] = round(row["stepsDone"] * step_s, 1)
+        row["trainingGoodput"] = round(row["usefulSeconds"] / row["wallSeconds"], 4)
+        print(f"{row['variant']:>5} interval {row['chosenIntervalSteps'] or row['intervalSteps']:>6}: goodput "
+              f"{row['goodput']}, training goodput {row['trainingGoodput']}, {row['stepsDone']}/{a.steps} steps in "
+              f"{row['wallSeconds']}s, {row['restarts']} restarts, {row['stepsLost']} steps redone"
+              f"{' (capped)' if row['capped'] else ''}", flush=True)
     result = {"benchmark": "checkpoint-interval", "date": time.strftime("%Y-%m-%d"), "machine": platform.platform(),
               "cpus": os.cpu_count(), "job": f"gpt tiny, seqLen 64, batch 8, 1 CPU process, {a.steps} steps",
               "mtbfSeconds": a.mtbf, "saveDelaySeconds": a.save_delay, "capSeconds": a.cap, "seed": a.seed,
+              "commonStepSeconds": round(step_s, 4),
               "variants": rows}
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out, "w", encoding="utf-8") as f:
