@@ -91,11 +91,11 @@ def _read(path: str) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="seqtrain bench checkpoint-interval", description=__doc__.split("\n")[0])
-    p.add_argument("--steps", type=int, default=900, help="training steps of the job")
-    p.add_argument("--mtbf", type=float, default=10.0, help="mean training seconds between injected failures")
-    p.add_argument("--save-delay", type=float, default=0.5, help="seconds added to every checkpoint save")
+    p.add_argument("--steps", type=int, default=600, help="training steps of the job")
+    p.add_argument("--mtbf", type=float, default=4.0, help="mean training seconds between injected failures")
+    p.add_argument("--save-delay", type=float, default=0.25, help="seconds added to every checkpoint save")
     p.add_argument("--short", type=int, default=5, help="the too-short fixed interval (steps)")
-    p.add_argument("--long", type=int, default=600, help="the too-long fixed interval (steps)")
+    p.add_argument("--long", type=int, default=200, help="the too-long fixed interval (steps)")
     p.add_argument("--cap", type=float, default=150.0, help="wall seconds a variant may run")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--out", default="benchmarks/results/checkpoint-interval-cpu.json")
