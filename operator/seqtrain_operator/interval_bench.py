@@ -7,7 +7,9 @@ with the same fault variables: rank 0 SIGKILLs itself after an exponentially dis
 checkpoint save takes `--save-delay` seconds longer (SEQTRAIN_FAULT_SAVE_DELAY: the tiny model saves in
 milliseconds; the delay stands for the storage time of a model worth checkpointing, and training stands still for
 it as it would). A variant stops at the end of training or at `--cap` seconds (then it is stopped as Ctrl-C does,
-Suspended).
+Suspended). Variants: fixed `--short`, `auto` (the trainer's default prior, 50,000 hours per rank: it learns the
+rate from the job's failures), `auto-prior` (`auto` told the injected rate as the cluster's prior through
+SEQTRAIN_RANK_MTBF_HOURS, as a chart whose `operator.rankMtbfHours` knows its cluster would), fixed `--long`.
 
 Two figures per variant: `goodput`, status.goodput as the controller defines it (seqtrain_operator.controller.goodput:
 time Running x kept / computed steps, over wall time; it counts checkpoint stalls and each attempt's start-up as
@@ -46,13 +48,15 @@ spec:
 """
 
 
-def _variant(name: str, interval: str, a: argparse.Namespace, tmp: str) -> dict[str, Any]:
+def _variant(name: str, interval: str, a: argparse.Namespace, tmp: str, prior_hours: float | None = None) -> dict[str, Any]:
     job = os.path.join(tmp, f"{name}.yaml")
     with open(job, "w", encoding="utf-8") as f:
         f.write(JOB.format(name=name, steps=a.steps, interval=interval))
     workdir = os.path.join(tmp, name)
     env = {**os.environ, "SEQTRAIN_FAULT_MTBF_SECONDS": f"{a.mtbf}:{a.seed}",
            "SEQTRAIN_FAULT_SAVE_DELAY": str(a.save_delay), "OMP_NUM_THREADS": "1"}
+    if prior_hours is not None:  # the cluster's prior, as the chart's operator.rankMtbfHours would give it
+        env["SEQTRAIN_RANK_MTBF_HOURS"] = str(prior_hours)
     started = time.monotonic()
     proc = subprocess.Popen([sys.executable, "-m", "seqtrain_operator.cli", "run", job, "--workdir", workdir, "-q"],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -102,14 +106,15 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     rows = []
     with tempfile.TemporaryDirectory(prefix="seqtrain-interval-") as tmp:
-        for name, interval in (("short", str(a.short)), ("auto", "auto"), ("long", str(a.long))):
-            rows.append(_variant(name, interval, a, tmp))
+        for name, interval, prior in (("short", str(a.short), None), ("auto", "auto", None),
+                                      ("auto-prior", "auto", a.mtbf / 3600), ("long", str(a.long), None)):
+            rows.append(_variant(name, interval, a, tmp, prior))
     step_s = statistics.median(t for row in rows for t in row["stepTimes"])
     for row in rows:
         row["medianStepSeconds"] = round(statistics.median(row.pop("stepTimes")), 4)
         row["usefulSeconds"] = round(row["stepsDone"] * step_s, 1)
         row["trainingGoodput"] = round(row["usefulSeconds"] / row["wallSeconds"], 4)
-        print(f"{row['variant']:>5} interval {row['chosenIntervalSteps'] or row['intervalSteps']:>6}: goodput "
+        print(f"{row['variant']:>10} interval {row['chosenIntervalSteps'] or row['intervalSteps']:>6}: goodput "
               f"{row['goodput']}, training goodput {row['trainingGoodput']}, {row['stepsDone']}/{a.steps} steps in "
               f"{row['wallSeconds']}s, {row['restarts']} restarts, {row['stepsLost']} steps redone"
               f"{' (capped)' if row['capped'] else ''}", flush=True)

@@ -49,6 +49,7 @@ from seqtrain_operator.planner import local_plan
 
 EXIT_OK, EXIT_FAILED, EXIT_INVALID, EXIT_INTERRUPTED = 0, 1, 2, 130
 POLL_SECONDS = 0.2
+RANK_MTBF_ENV = "SEQTRAIN_RANK_MTBF_HOURS"  # local runs' counterpart of the chart's operator.rankMtbfHours
 FAILURE_TEARDOWN_GRACE = 10.0  # after a rank died the others cannot save anyway (their collectives fail)
 
 
@@ -66,8 +67,17 @@ def run_file(path: str, workdir: str | None = None, overrides: Sequence[str] = (
     if problem is not None:
         print(f"{path}: {problem}", file=sys.stderr)
         return EXIT_INVALID
+    prior = os.environ.get(RANK_MTBF_ENV, "").strip()
+    try:
+        rank_mtbf_hours = float(prior) if prior else None
+        if rank_mtbf_hours is not None and not 0 < rank_mtbf_hours < float("inf"):
+            raise ValueError
+    except ValueError:
+        print(f"{RANK_MTBF_ENV}={prior!r}: must be a positive number of hours (the MTBF of one rank, the prior of "
+              "checkpoint.intervalSteps: auto), or unset", file=sys.stderr)
+        return EXIT_INVALID
     workdir = os.path.abspath(workdir or os.path.join("runs", job.name))
-    return LocalRun(job, workdir, quiet).run()
+    return LocalRun(job, workdir, quiet, rank_mtbf_hours).run()
 
 
 def _local_problem(job: SeqTrainJob) -> str | None:
@@ -91,8 +101,9 @@ def visible_gpus() -> int:
 
 
 class LocalRun:
-    def __init__(self, job: SeqTrainJob, workdir: str, quiet: bool):
+    def __init__(self, job: SeqTrainJob, workdir: str, quiet: bool, rank_mtbf_hours: float | None = None):
         self.job = job
+        self.rank_mtbf_hours = rank_mtbf_hours  # the chart's operator.rankMtbfHours for local runs (None: default)
         self.workdir = workdir
         self.quiet = quiet
         self.ckpt_dir = os.path.abspath(job.spec.checkpoint.path or os.path.join(workdir, "checkpoints"))
@@ -192,7 +203,7 @@ class LocalRun:
         # Ports 0: every rank serves /metrics (rank 0 also progress) on a free port, noted in <workdir>/endpoints/.
         write_trainer_config(cfg, job, RuntimeConfig(workdir=self.workdir, checkpoint_dir=self.ckpt_dir,
                                                      attempt=action.attempt, metrics_port=0, progress_port=0,
-                                                     failure_history=failure_history(status)))
+                                                     failure_history=failure_history(status, self.rank_mtbf_hours)))
         res = job.spec.resources
         self.gang = LocalGang.start(action.attempt, job.spec.replicas, res.procs, res.gpus, cfg, adir)
         self._record_gang()
