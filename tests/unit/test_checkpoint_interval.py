@@ -160,3 +160,15 @@ def test_every_attempt_is_told_the_jobs_failures_in_its_trainer_config() -> None
     assert cfg.runtime.failure_history.rank_mtbf_hours == 2000.0
     first = TrainerConfig.model_validate(json.loads(m.build_configmap(job, owner, 1, settings)["data"][m.CONFIG_FILE]))
     assert first.runtime.failure_history.failures == 0 and first.runtime.failure_history.rank_mtbf_hours == 2000.0
+
+
+@pytest.mark.parametrize("value", ["soon", "0", "-3", "inf"])
+def test_a_bad_local_prior_is_refused_before_anything_runs(value: str, tmp_path, monkeypatch, capsys) -> None:
+    from seqtrain_operator.local.runner import RANK_MTBF_ENV, run_file
+
+    job = tmp_path / "job.yaml"
+    job.write_text(HEAD + "spec:\n  checkpoint: {intervalSteps: auto}\n")
+    monkeypatch.setenv(RANK_MTBF_ENV, value)
+    assert run_file(str(job), str(tmp_path / "run")) == 2
+    assert f"{RANK_MTBF_ENV}='{value}': must be a positive number of hours" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
