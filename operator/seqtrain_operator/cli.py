@@ -22,6 +22,7 @@ BENCHMARKS = {
     "operator": "seqtrain_operator.benchmark",
     "recovery": "seqtrain_operator.bench_recovery",
     "gpu": "seqtrain.benchmarks.gpu",
+    "checkpoint-interval": "seqtrain_operator.interval_bench",
 }
 
 

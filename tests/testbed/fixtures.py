@@ -257,6 +257,7 @@ class Operator:
         # (two clones) apart.
         argv = [str(ROOT / ".venv" / "bin" / "seqtrain"), "operator", "--all-namespaces", "--peering=seqtrain",
                 f"--progress-port={free_port()}", f"--master-port={free_port()}", "--termination-grace=30",
+                "--rank-mtbf-hours=50000",
                 "--node-lost-grace=40", f"--metrics-port={self.metrics_port}",
                 f"--webhook-port={self.webhook_port}", f"--webhook-cert-dir={certs}", "--verbose"]
         env = {**os.environ, "KUBECONFIG": str(self.kubeconfig),

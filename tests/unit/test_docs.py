@@ -124,7 +124,7 @@ def test_readme_commands_are_real_subcommands() -> None:
     sub = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
     missing = sorted(set(named) - set(sub.choices))
     assert not missing, f"README names commands seqtrain does not have: {missing}"
-    bench = re.search(r"`seqtrain bench ([\w\\|]+)`", table)
+    bench = re.search(r"`seqtrain bench ([\w\\|-]+)`", table)
     assert bench, "README lists the benchmarks"
     names = set(bench.group(1).replace("\\", "").split("|"))
     choices = next(a for a in sub.choices["bench"]._actions if a.dest == "name").choices

@@ -11,6 +11,7 @@ from seqtrain.spec.status import Condition, JobStatus, LostSeconds, Progress
 from seqtrain_operator.controller import goodput
 from seqtrain_operator.controller.failure_policy import FailureClass, classify
 from seqtrain_operator.k8s.observe import (
+    Reported,
     failure_message,
     final_progress,
     observe_replicas,
@@ -125,15 +126,27 @@ def test_pods_without_labels_are_ignored_and_order_is_stable():
 
 def test_progress_sources():
     data = {"step": 5, "totalSteps": 9, "loss": 1.5, "lastCheckpoint": {"step": 4, "path": "/c/step-4"}}
-    prog, ck, skipped = progress_from_json(data)
+    prog, ck, skipped = progress_from_json(data)[:3]
     assert prog.step == 5 and prog.loss == 1.5 and ck.step == 4 and skipped == ()
-    assert progress_from_json({"nope": 1}) == (None, None, ())
+    assert progress_from_json({"nope": 1}) == Reported()
     data["skippedCheckpoints"] = [{"step": 3, "reason": "refused: planted pickle"}, {"bad": 1}]
     assert progress_from_json(data).skipped == ((3, "refused: planted pickle"),)
     done = pod(phase="Succeeded", term={"exitCode": 0, "message": json.dumps({"step": 9, "loss": 0.5})})
-    prog, ck, _ = final_progress([done], attempt=1)
+    prog, ck, _ = final_progress([done], attempt=1)[:3]
     assert prog.step == 9 and ck is None
-    assert final_progress([done], attempt=2) == (None, None, ())
+    assert final_progress([done], attempt=2) == Reported()
+
+
+def test_progress_document_carries_checkpoint_policy_and_work_at_risk():
+    data = {"step": 12, "totalSteps": 90, "checkpointPolicy": {"intervalSteps": 7, "saveSeconds": 0.5,
+            "mtbfSeconds": 60.0, "sources": {"intervalSteps": "youngDaly", "mtbfSeconds": "measured"}},
+            "workAtRisk": {"checkpointStep": 7, "steps": 5, "seconds": 2.5}}
+    r = progress_from_json(data)
+    assert r.policy.interval_steps == 7 and r.policy.sources["mtbfSeconds"] == "measured"
+    assert r.at_risk.steps == 5 and r.at_risk.checkpoint_step == 7
+    assert "checkpointPolicy" not in r.progress.model_dump(by_alias=True)  # not copied into status.progress
+    data["workAtRisk"] = {"steps": "many"}  # the pod is the user's: a bad figure is dropped, the rest kept
+    assert progress_from_json(data).at_risk is None and progress_from_json(data).progress.step == 12
     assert rank0_ip([pod(ip="10.0.0.5"), pod(replica=1, ip="10.0.0.6")], 1) == "10.0.0.5"
 
 

@@ -22,8 +22,8 @@ from datetime import datetime, timedelta
 
 from seqtrain.spec import SeqTrainJob
 from seqtrain.spec.status import TERMINAL_PHASES, JobStatus, Progress, ReplicaPlacement
+from seqtrain_operator.controller import checkpoint_policy, gang_policy, goodput, lost_time
 from seqtrain_operator.controller import conditions as cond
-from seqtrain_operator.controller import gang_policy, goodput, lost_time
 from seqtrain_operator.controller.backoff import backoff_seconds
 from seqtrain_operator.controller.clock import iso, parse, seconds_between
 from seqtrain_operator.controller.failure_policy import (
@@ -150,6 +150,7 @@ def _record_progress(ctx: _Ctx) -> None:
         st.progress = Progress(step=0, total_steps=total)
     if obs.latest_checkpoint is not None:
         st.last_checkpoint = obs.latest_checkpoint.model_copy()
+    checkpoint_policy.record(st, obs.checkpoint_policy, obs.work_at_risk, ctx.now)
 
 
 def _record_skipped_checkpoints(ctx: _Ctx) -> None:

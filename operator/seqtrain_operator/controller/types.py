@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from seqtrain.spec.status import CheckpointRef, JobStatus, Progress
+from seqtrain.spec.status import CheckpointPolicy, CheckpointRef, JobStatus, Progress, WorkAtRisk
 from seqtrain_operator.planner.types import Node, Plan
 
 ReplicaPhase = Literal["Pending", "Running", "Succeeded", "Failed"]
@@ -82,6 +82,7 @@ class Observed:
     each is reported once with a Warning event.
     created: when the job was created (the custom resource's creationTimestamp); None: the first pass is its
     creation (a local run). Lost-time accounting starts there.
+    checkpoint_policy / work_at_risk: the trainer's `checkpointPolicy` and `workAtRisk` (None: not reported now).
     """
 
     replicas: tuple[ReplicaObservation, ...] = ()
@@ -93,6 +94,8 @@ class Observed:
     generation: int | None = None
     skipped_checkpoints: tuple[tuple[int, str], ...] = ()
     created: str | None = None
+    checkpoint_policy: CheckpointPolicy | None = None
+    work_at_risk: WorkAtRisk | None = None
 
 
 # ---- actions: executed by the backend in the order given ----------------------------------------------------------

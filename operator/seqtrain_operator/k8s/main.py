@@ -38,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--master-port", type=int, default=29500, help="rendezvous port of rank 0")
     p.add_argument("--termination-grace", type=int, default=120,
                    help="seconds a trainer pod has to checkpoint after SIGTERM")
+    p.add_argument("--rank-mtbf-hours", type=float, default=None,
+                   help="prior mean time between failures of one rank (GPU), hours, for checkpoint.intervalSteps: auto")
     p.add_argument("--node-lost-grace", type=float, default=40.0,
                    help="seconds a node may be NotReady before its pods count as lost")
     p.add_argument("--scheduler-name", action="append", default=[], metavar="GANG=NAME",
@@ -104,9 +106,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if (problem := cluster_config_problem()) is not None:
         print(f"seqtrain operator: {problem}", file=sys.stderr)
         return 2
+    if args.rank_mtbf_hours is not None and args.rank_mtbf_hours <= 0:
+        build_parser().error(f"--rank-mtbf-hours {args.rank_mtbf_hours:g}: must be a positive number of hours")
     settings = Settings(master_port=args.master_port, progress_port=args.progress_port or None,
                         metrics_port=args.trainer_metrics_port or None,
                         termination_grace_seconds=args.termination_grace, scheduler_names=schedulers,
+                        rank_mtbf_hours=args.rank_mtbf_hours,
                         pod_policy=PodPolicy.of(args.pod_policy, args.allow_service_account,
                                                 args.allow_priority_class, args.allow_capability),
                         network_policy=args.network_policy, operator_namespace=args.operator_namespace,

@@ -20,6 +20,7 @@ from seqtrain.runtime.launch import replica_command
 from seqtrain.spec import API_VERSION, KIND, RuntimeConfig, SeqTrainJob, TrainerConfig
 from seqtrain.spec.names import configmap_name, hostname, pod_name, service_name
 from seqtrain.spec.policy import PodPolicy
+from seqtrain.spec.runtime import FailureHistory
 from seqtrain_operator.k8s.gangs import ADAPTERS, adapter_for
 from seqtrain_operator.k8s.owner import LABEL_UID
 from seqtrain_operator.k8s.template import apply_pod_template
@@ -64,6 +65,7 @@ class Settings:
     network_policy: bool = False  # one NetworkPolicy per job (build_network_policy)
     operator_namespace: str | None = None  # where the operator's pods run, and their labels: the progress poller
     operator_labels: dict[str, str] = field(default_factory=dict)
+    rank_mtbf_hours: float | None = None  # cluster prior of checkpoint.intervalSteps: auto (None: the trainer's)
 
     def scheduler_for(self, gang: str) -> str | None:
         return self.scheduler_names.get(gang) or EXTERNAL.get(gang, {}).get("scheduler")
@@ -164,10 +166,12 @@ def checkpoint_paths(job: SeqTrainJob) -> tuple[str, str]:
     return workdir, ck
 
 
-def trainer_config(job: SeqTrainJob, attempt: int, settings: Settings) -> dict[str, Any]:
+def trainer_config(job: SeqTrainJob, attempt: int, settings: Settings,
+                   history: FailureHistory | None = None) -> dict[str, Any]:
     workdir, ck = checkpoint_paths(job)
     runtime = RuntimeConfig(workdir=workdir, checkpoint_dir=ck, attempt=attempt,
-                            progress_port=settings.progress_port, metrics_port=settings.metrics_port)
+                            progress_port=settings.progress_port, metrics_port=settings.metrics_port,
+                            failure_history=history or FailureHistory(rank_mtbf_hours=settings.rank_mtbf_hours))
     return TrainerConfig(job=user_fields(job), runtime=runtime).to_dict()
 
 
@@ -180,8 +184,9 @@ def user_fields(job: SeqTrainJob) -> dict[str, Any]:
             "metadata": {k: v for k, v in job.metadata.model_dump(mode="json").items() if v not in (None, {}, [])}}
 
 
-def build_configmap(job: SeqTrainJob, owner: Owner, attempt: int, settings: Settings) -> dict[str, Any]:
-    text = json.dumps(trainer_config(job, attempt, settings), indent=2, sort_keys=True)
+def build_configmap(job: SeqTrainJob, owner: Owner, attempt: int, settings: Settings,
+                    history: FailureHistory | None = None) -> dict[str, Any]:
+    text = json.dumps(trainer_config(job, attempt, settings, history), indent=2, sort_keys=True)
     return {
         "apiVersion": "v1", "kind": "ConfigMap",
         "metadata": _meta(configmap_name(owner.name, attempt), owner, attempt_labels(owner.name, attempt)),
@@ -380,10 +385,11 @@ class Gang:
 
 
 def build_gang(job: SeqTrainJob, owner: Owner, attempt: int, settings: Settings, plan: Plan | None,
-               in_place_delays: tuple[float, ...] = ()) -> Gang:
+               in_place_delays: tuple[float, ...] = (), history: FailureHistory | None = None) -> Gang:
     """The objects of attempt `attempt`. `plan` pins replica r to plan.replicas[r].node (native gang);
-    `in_place_delays`: CreateGang.in_place_delays (the launchers' in-place restarts)."""
+    `in_place_delays`: CreateGang.in_place_delays (the launchers' in-place restarts); `history`: the job's failures so
+    far, for the trainer's checkpoint interval (seqtrain_operator.controller.checkpoint_policy)."""
     nodes = {a.replica: a.node for a in plan.replicas} if plan is not None else {}
     pods = tuple(build_pod(job, owner, attempt, r, settings, nodes.get(r), in_place_delays)
                  for r in range(job.spec.replicas))
-    return Gang(build_configmap(job, owner, attempt, settings), build_podgroup(job, owner, attempt), pods)
+    return Gang(build_configmap(job, owner, attempt, settings, history), build_podgroup(job, owner, attempt), pods)

@@ -35,7 +35,8 @@ from typing import Any, NamedTuple
 
 from seqtrain.runtime.exitcodes import last_error
 from seqtrain.runtime.restart import rounds_in
-from seqtrain.spec.status import CheckpointRef, Progress
+from seqtrain.spec.status import CheckpointPolicy, CheckpointRef, Progress, WorkAtRisk
+from seqtrain_operator.controller.checkpoint_policy import checkpoint_report
 from seqtrain_operator.controller.clock import parse, seconds_between
 from seqtrain_operator.controller.failure_policy import IMAGE_PULL_REASONS, kubelet_rejected
 from seqtrain_operator.controller.types import ReplicaObservation
@@ -220,6 +221,8 @@ class Reported(NamedTuple):
     progress: Progress | None = None
     checkpoint: CheckpointRef | None = None
     skipped: tuple[tuple[int, str], ...] = ()
+    policy: CheckpointPolicy | None = None  # `checkpointPolicy`: the interval in force and its inputs
+    at_risk: WorkAtRisk | None = None  # `workAtRisk`: what a failure now would lose
 
 
 def progress_from_json(data: Any) -> Reported:
@@ -228,8 +231,8 @@ def progress_from_json(data: Any) -> Reported:
         return Reported()
     ck = data.get("lastCheckpoint")
     try:
-        progress = Progress.model_validate({k: v for k, v in data.items()
-                                            if k not in ("lastCheckpoint", "skippedCheckpoints")})
+        progress = Progress.model_validate({k: v for k, v in data.items() if k not in (
+            "lastCheckpoint", "skippedCheckpoints", "checkpointPolicy", "workAtRisk")})
     except ValueError:
         return Reported()
     ref = None
@@ -241,7 +244,8 @@ def progress_from_json(data: Any) -> Reported:
     skipped = tuple((int(s["step"]), str(s.get("reason") or "unusable"))
                     for s in data.get("skippedCheckpoints") or []
                     if isinstance(s, dict) and isinstance(s.get("step"), int))
-    return Reported(progress, ref, skipped)
+    policy, at_risk = checkpoint_report(data)
+    return Reported(progress, ref, skipped, policy, at_risk)
 
 
 def final_progress(pods: Iterable[Mapping[str, Any]], attempt: int) -> Reported:

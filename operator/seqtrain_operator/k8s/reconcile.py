@@ -30,6 +30,7 @@ from kubernetes.client.rest import ApiException
 
 from seqtrain.spec import JobStatus, SeqTrainJob, SpecError, parse_job
 from seqtrain.spec.policy import job_policy_problems
+from seqtrain.spec.runtime import FailureHistory
 from seqtrain.spec.status import TERMINAL_PHASES
 from seqtrain_operator.controller import (
     CreateGang,
@@ -44,6 +45,7 @@ from seqtrain_operator.controller import (
     utcnow,
 )
 from seqtrain_operator.controller import conditions as cond
+from seqtrain_operator.controller.checkpoint_policy import failure_history
 from seqtrain_operator.controller.types import Decision
 from seqtrain_operator.k8s import calls
 from seqtrain_operator.k8s import manifests as m
@@ -236,7 +238,8 @@ async def reconcile(kube: Kube, cfg: Config, namespace: str, name: str, emit: Ev
         reported = final_progress(pods, status.attempt)
     observed = Observed(replicas=replicas, latest_checkpoint=reported.checkpoint, progress=reported.progress,
                         progress_unreachable=unreachable, generation=body["metadata"].get("generation"),
-                        skipped_checkpoints=reported.skipped, created=body["metadata"].get("creationTimestamp"))
+                        skipped_checkpoints=reported.skipped, created=body["metadata"].get("creationTimestamp"),
+                        checkpoint_policy=reported.policy, work_at_risk=reported.at_risk)
     admitting = not replicas and status.phase not in TERMINAL_PHASES and not job.spec.suspend
     # An elastic gang running below its size: can it grow back? (the same capacity read, without creating)
     growing = (job.spec.elastic and status.phase == "Running" and not job.spec.suspend
@@ -305,7 +308,7 @@ async def _write_and_act(kube: Kube, cfg: Config, body: dict[str, Any], job: Seq
                 exist = await _existing(kube, cfg, owner, action.attempt, int(old_status.get("attempt") or 0))
                 await create_gang(kube, _sized(job, action), owner, action.attempt, cfg.settings, action.plan,
                                   exist, functools.partial(_remember, cfg.expected, (namespace, name), action.attempt),
-                                  action.in_place_delays)
+                                  action.in_place_delays, failure_history(decision.status, cfg.settings.rank_mtbf_hours))
                 cfg.busy.created(reserved)
                 reserved.clear()  # they exist: the index or their DELETED event ends them, not an error in a later step
             except GangRefused as refused:
@@ -453,12 +456,12 @@ class GangRefused(Exception):
 async def create_gang(kube: Kube, job: SeqTrainJob, owner: m.Owner, attempt: int, settings: m.Settings,
                       plan: Plan | None, exist: Collection[str] = (),
                       on_created: Callable[[str], None] | None = None,
-                      in_place_delays: tuple[float, ...] = ()) -> list[dict]:
+                      in_place_delays: tuple[float, ...] = (), history: FailureHistory | None = None) -> list[dict]:
     """Create what is absent of this attempt's objects; existing ones (a repeat after a crash) are kept; returns the
     gang's pods. `exist`: names of pods known to exist (not POSTed again; when all do, nothing is); `on_created`
     is told each pod that exists once its creation returned. Raises GangRefused when the API server refuses one:
     the caller tears the partial gang down."""
-    gang = m.build_gang(job, owner, attempt, settings, plan, in_place_delays)
+    gang = m.build_gang(job, owner, attempt, settings, plan, in_place_delays, history)
     absent = [p for p in gang.pods if p["metadata"]["name"] not in exist]
     if not absent:
         return gang.pods

@@ -11,7 +11,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from seqtrain.checkpoint import discovery
-from seqtrain.spec.status import CheckpointRef, JobStatus, Progress
+from seqtrain.spec.status import CheckpointPolicy, CheckpointRef, JobStatus, Progress, WorkAtRisk
+from seqtrain_operator.controller.checkpoint_policy import checkpoint_report
 from seqtrain_operator.controller.clock import iso
 
 
@@ -125,6 +126,15 @@ def with_trainer_progress(progress: Progress | None, path: str) -> Progress | No
     for name in _TRAINER_PROGRESS_FIELDS:
         setattr(out, name, getattr(extra, name))
     return out
+
+
+def trainer_checkpoint_report(path: str) -> tuple[CheckpointPolicy | None, WorkAtRisk | None]:
+    """`checkpointPolicy` and `workAtRisk` from `<workdir>/progress.json` (None when absent or unreadable)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return checkpoint_report(json.load(f))
+    except (OSError, ValueError):
+        return None, None
 
 
 def read_metrics(path: str) -> list[dict[str, Any]]:

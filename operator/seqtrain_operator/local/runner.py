@@ -31,6 +31,7 @@ from seqtrain.spec import SeqTrainJob, SpecError, load_job_file, resolve
 from seqtrain.spec.runtime import RuntimeConfig, write_trainer_config
 from seqtrain.spec.status import TERMINAL_PHASES, JobStatus, Layout
 from seqtrain_operator.controller import CreateGang, DeleteGang, Event, Observed, decide, utcnow
+from seqtrain_operator.controller.checkpoint_policy import failure_history
 from seqtrain_operator.controller.conditions import enter_phase
 from seqtrain_operator.controller.types import ReplicaObservation
 from seqtrain_operator.local.display import ProgressView, plot_loss
@@ -39,6 +40,7 @@ from seqtrain_operator.local.files import (
     atomic_write_text,
     latest_checkpoint,
     read_status,
+    trainer_checkpoint_report,
     with_trainer_progress,
     write_status,
 )
@@ -47,6 +49,7 @@ from seqtrain_operator.planner import local_plan
 
 EXIT_OK, EXIT_FAILED, EXIT_INVALID, EXIT_INTERRUPTED = 0, 1, 2, 130
 POLL_SECONDS = 0.2
+RANK_MTBF_ENV = "SEQTRAIN_RANK_MTBF_HOURS"  # local runs' counterpart of the chart's operator.rankMtbfHours
 FAILURE_TEARDOWN_GRACE = 10.0  # after a rank died the others cannot save anyway (their collectives fail)
 
 
@@ -64,8 +67,17 @@ def run_file(path: str, workdir: str | None = None, overrides: Sequence[str] = (
     if problem is not None:
         print(f"{path}: {problem}", file=sys.stderr)
         return EXIT_INVALID
+    prior = os.environ.get(RANK_MTBF_ENV, "").strip()
+    try:
+        rank_mtbf_hours = float(prior) if prior else None
+        if rank_mtbf_hours is not None and not 0 < rank_mtbf_hours < float("inf"):
+            raise ValueError
+    except ValueError:
+        print(f"{RANK_MTBF_ENV}={prior!r}: must be a positive number of hours (the MTBF of one rank, the prior of "
+              "checkpoint.intervalSteps: auto), or unset", file=sys.stderr)
+        return EXIT_INVALID
     workdir = os.path.abspath(workdir or os.path.join("runs", job.name))
-    return LocalRun(job, workdir, quiet).run()
+    return LocalRun(job, workdir, quiet, rank_mtbf_hours).run()
 
 
 def _local_problem(job: SeqTrainJob) -> str | None:
@@ -89,8 +101,9 @@ def visible_gpus() -> int:
 
 
 class LocalRun:
-    def __init__(self, job: SeqTrainJob, workdir: str, quiet: bool):
+    def __init__(self, job: SeqTrainJob, workdir: str, quiet: bool, rank_mtbf_hours: float | None = None):
         self.job = job
+        self.rank_mtbf_hours = rank_mtbf_hours  # the chart's operator.rankMtbfHours for local runs (None: default)
         self.workdir = workdir
         self.quiet = quiet
         self.ckpt_dir = os.path.abspath(job.spec.checkpoint.path or os.path.join(workdir, "checkpoints"))
@@ -157,8 +170,10 @@ class LocalRun:
                 if r.phase == "Failed":
                     self.last_failed = r
             progress = with_trainer_progress(self.tail.progress(), os.path.join(self.workdir, "progress.json"))
+            policy, at_risk = trainer_checkpoint_report(os.path.join(self.workdir, "progress.json"))
             observed = Observed(replicas=replicas, latest_checkpoint=latest_checkpoint(self.ckpt_dir),
-                                progress=progress, skipped_checkpoints=tuple(quarantined(self.ckpt_dir)))
+                                progress=progress, skipped_checkpoints=tuple(quarantined(self.ckpt_dir)),
+                                checkpoint_policy=policy, work_at_risk=at_risk)
             now = utcnow()
             d = decide(self.job, status, observed, now)
             if d.status != status:
@@ -166,7 +181,7 @@ class LocalRun:
             status = d.status
             for action in d.actions:
                 if isinstance(action, CreateGang):
-                    self._start_gang(action)
+                    self._start_gang(action, status)
                 elif isinstance(action, DeleteGang) and self.gang is not None and self.gang.attempt == action.attempt:
                     self._stop_gang(TERM_GRACE_SECONDS if action.reason == "Suspended" else FAILURE_TEARDOWN_GRACE)
             for ev in d.of(Event):
@@ -178,7 +193,7 @@ class LocalRun:
                 return status
             time.sleep(POLL_SECONDS)
 
-    def _start_gang(self, action: CreateGang) -> None:
+    def _start_gang(self, action: CreateGang, status: JobStatus) -> None:
         job = resolve(self.job)
         if action.replicas is not None:
             job = job.with_replicas(action.replicas)
@@ -187,7 +202,8 @@ class LocalRun:
         cfg = os.path.join(adir, "config.json")
         # Ports 0: every rank serves /metrics (rank 0 also progress) on a free port, noted in <workdir>/endpoints/.
         write_trainer_config(cfg, job, RuntimeConfig(workdir=self.workdir, checkpoint_dir=self.ckpt_dir,
-                                                     attempt=action.attempt, metrics_port=0, progress_port=0))
+                                                     attempt=action.attempt, metrics_port=0, progress_port=0,
+                                                     failure_history=failure_history(status, self.rank_mtbf_hours)))
         res = job.spec.resources
         self.gang = LocalGang.start(action.attempt, job.spec.replicas, res.procs, res.gpus, cfg, adir,
                                     in_place_delays=action.in_place_delays)

@@ -95,17 +95,18 @@ class ProgressPublisher(BaseCallback):
                              attempt=trainer.runtime.attempt, restart_round=int(rnd) if rnd.isdigit() else 0,
                              training_started_at=_iso_ms(), checkpoint_seconds=0.0, step_seconds=None,
                              **self._checkpoint(trainer, trainer.step) if trainer.resumed_from else {},
-                             **{"skippedCheckpoints": skipped} if skipped else {})
+                             **{"skippedCheckpoints": skipped} if skipped else {}, **trainer.checkpoint_report())
 
     def on_step_end(self, trainer: Trainer, step: int, metrics: dict[str, Any]) -> None:
         saved = self._checkpoint(trainer, self._saving) if self._saving is not None else {}
         self._saving = step if trainer.checkpoint_due() else None
         if isinstance(metrics.get("step_time_s"), (int, float)):
             self._step_times.append(float(metrics["step_time_s"]))
+        # checkpointPolicy, workAtRisk (as of this step: its own save, if due, comes after the callbacks)
         self.reporter.update(flush=bool(saved), step=step, loss=metrics.get("loss"),
                              tokens_per_second=metrics.get("tokens_per_s"), mfu=metrics.get("mfu"),
                              checkpoint_seconds=round(trainer.checkpoint_seconds, 3),
-                             step_seconds=self._mean_step_seconds(), **saved)
+                             step_seconds=self._mean_step_seconds(), **saved, **trainer.checkpoint_report())
 
     def _mean_step_seconds(self) -> float | None:
         """The mean step time of this attempt, leaving out the first step (warm-up) once there are others."""
@@ -130,6 +131,6 @@ class ProgressPublisher(BaseCallback):
     def on_train_end(self, trainer: Trainer, reason: str) -> None:
         # the loop's last save (end, stop, SIGTERM) happened after the last on_step_end
         self.reporter.update(flush=True, checkpoint_seconds=round(trainer.checkpoint_seconds, 3),
-                             **self._checkpoint(trainer, trainer.step))
+                             **self._checkpoint(trainer, trainer.step), **trainer.checkpoint_report())
         self.reporter.finish()
         self.reporter.close()

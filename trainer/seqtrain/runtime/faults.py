@@ -10,6 +10,11 @@ cluster they go in the trainer container's env (spec.podTemplate): the one SEQTR
 - SEQTRAIN_FAULT_HOLD_AT_STEP=N[:SECONDS]: after step N is recorded (metrics.jsonl), every rank waits until SIGTERM
   arrives (at most SECONDS, default 300): a test can act "during training" at a known step however fast the
   machine is, instead of racing the job to its end.
+- SEQTRAIN_FAULT_SAVE_DELAY=SECONDS: every checkpoint save, in every attempt, takes this much longer (rank 0
+  sleeps where SEQTRAIN_FAULT_IN_SAVE acts): storage slower than this machine's, for the checkpoint-interval benchmark.
+- SEQTRAIN_FAULT_MTBF_SECONDS=MEAN[:SEED]: rank 0 SIGKILLs itself after an exponentially distributed training time
+  of mean MEAN seconds (drawn anew per attempt from SEED and SEQTRAIN_ATTEMPT), checked after every step: failures
+  at a known rate, in every attempt.
 - SEQTRAIN_FAULT_SETUP_ERROR=TEXT: every rank raises RuntimeError(TEXT) while setting up, before its first step
   (a start-up failure that repeats identically on every attempt).
 - SEQTRAIN_FAULT_ATTEMPT=A: inject only in gang incarnation A (the controller sets SEQTRAIN_ATTEMPT for every
@@ -20,6 +25,7 @@ cluster they go in the trainer container's env (spec.podTemplate): the one SEQTR
 from __future__ import annotations
 
 import os
+import random
 import signal
 import time
 from collections.abc import Callable
@@ -53,6 +59,9 @@ def maybe_kill_after_step(step: int, rank: int) -> None:
 
 
 def in_save(step: int, rank: int) -> None:
+    delay = os.environ.get("SEQTRAIN_FAULT_SAVE_DELAY", "").strip()
+    if delay and rank == 0:
+        time.sleep(float(delay))
     what = os.environ.get("SEQTRAIN_FAULT_IN_SAVE", "").strip()
     only = _int("SEQTRAIN_FAULT_SAVE_STEP")
     if not what or rank != 0 or (only is not None and only != step) or not _armed():
@@ -62,6 +71,23 @@ def in_save(step: int, rank: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     elif what.startswith("sleep:"):
         time.sleep(float(what.split(":", 1)[1]))
+
+
+_fail_at: float | None = None  # SEQTRAIN_FAULT_MTBF_SECONDS: when this process fails (monotonic)
+
+
+def maybe_fail_at_rate(rank: int) -> None:
+    global _fail_at
+    raw = os.environ.get("SEQTRAIN_FAULT_MTBF_SECONDS", "").strip()
+    if not raw or rank != 0:
+        return
+    if _fail_at is None:  # from the first step on: start-up is not training time
+        mean, _, seed = raw.partition(":")
+        draw = random.Random(f"{seed or 0}:{os.environ.get('SEQTRAIN_ATTEMPT', '1')}").expovariate(1.0 / float(mean))
+        _fail_at = time.monotonic() + draw
+    if time.monotonic() >= _fail_at:
+        print(f"seqtrain: fault injection: rank {rank} fails (SEQTRAIN_FAULT_MTBF_SECONDS={raw})", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def hold_after_step(step: int, terminated: Callable[[], bool]) -> bool:

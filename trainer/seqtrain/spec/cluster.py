@@ -6,7 +6,7 @@ import re
 from decimal import Decimal
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from seqtrain.spec.base import DAY, SpecModel
 
@@ -95,8 +95,24 @@ class ResourcesSpec(SpecModel):
         return self.gpus if self.gpus > 0 else 1
 
 
+DEFAULT_INTERVAL_STEPS = 50
+
+
 class CheckpointSpec(SpecModel):
-    interval_steps: int = Field(50, ge=1, le=10**9, description="Save a checkpoint every N optimizer steps (and at the end).")
+    interval_steps: int | Literal["auto"] | None = Field(
+        None, json_schema_extra=_INT_OR_STRING,
+        description=f"Save a checkpoint every N optimizer steps (and at the end); `auto`: the interval follows "
+        f"Young/Daly from the measured save cost, step time and the gang's MTBF, within minIntervalSteps.."
+        f"maxIntervalSteps (status.checkpointPolicy shows the inputs). Default {DEFAULT_INTERVAL_STEPS}, unless "
+        "intervalSeconds is set.")
+    interval_seconds: float | None = Field(
+        None, gt=0, le=30 * DAY, description="Save a checkpoint every this many seconds of training instead of every "
+        "N steps (rank 0's clock decides, every rank saves the same step); excludes intervalSteps.")
+    min_interval_steps: int = Field(1, ge=1, le=10**9, description="intervalSteps: auto never saves more often than "
+                                    "every N steps.")
+    max_interval_steps: int | None = Field(
+        None, ge=1, le=10**9, description="intervalSteps: auto never saves less often than every N steps "
+        "(default: no bound but the end of training).")
     keep: int = Field(3, ge=1, le=10_000, description="How many of the latest checkpoints to keep.")
     path: str | None = Field(
         None, description="Checkpoint folder on storage every rank shares (a local path, not a URI); "
@@ -104,6 +120,33 @@ class CheckpointSpec(SpecModel):
     )
     pvc: str | None = Field(None, description="Kubernetes: PersistentVolumeClaim mounted at /checkpoints.")
     save_on_sigterm: bool = Field(True, description="Save a checkpoint when the trainer receives SIGTERM.")
+
+    @field_validator("interval_steps", mode="before")
+    @classmethod
+    def _steps_or_auto(cls, value: Any) -> Any:
+        # an int, or the one word `auto`; bounds by hand: `ge` does not apply to a union with a string
+        if isinstance(value, str) and value.strip() != "auto":
+            raise ValueError(f"{value!r} is neither a number of steps nor 'auto'; write e.g. 50 or auto")
+        if isinstance(value, int) and not isinstance(value, bool) and not 1 <= value <= 10**9:
+            raise ValueError(f"{value} must be between 1 and 1000000000 steps (or auto)")
+        return value.strip() if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _one_interval(self) -> CheckpointSpec:
+        if self.interval_seconds is not None and self.interval_steps is not None:
+            raise ValueError(f"intervalSteps ({self.interval_steps}) and intervalSeconds ({self.interval_seconds:g}) "
+                             "both set: keep one of them")
+        if self.max_interval_steps is not None and self.max_interval_steps < self.min_interval_steps:
+            raise ValueError(f"maxIntervalSteps ({self.max_interval_steps}) is below minIntervalSteps "
+                             f"({self.min_interval_steps}): raise maxIntervalSteps or lower minIntervalSteps")
+        return self
+
+    @property
+    def fixed_steps(self) -> int | None:
+        """The user's fixed interval in steps; None for auto or intervalSeconds."""
+        if self.interval_steps is None:
+            return None if self.interval_seconds is not None else DEFAULT_INTERVAL_STEPS
+        return None if self.interval_steps == "auto" else int(self.interval_steps)
 
     @field_validator("path")
     @classmethod

@@ -91,6 +91,16 @@ CROSS_FIELD_RULES: dict[str, list[dict[str, str]]] = {
         "message": "must be at most training.steps",
         "fieldPath": ".schedule.warmupSteps",
     }],
+    "checkpoint": [{
+        "rule": "!has(self.intervalSteps) || (type(self.intervalSteps) == int ? self.intervalSteps >= 1 "
+                ": self.intervalSteps == 'auto')",
+        "message": "must be a number of steps (at least 1) or auto",
+        "fieldPath": ".intervalSteps",
+    }, {
+        "rule": "!has(self.intervalSteps) || !has(self.intervalSeconds)",
+        "message": "intervalSteps and intervalSeconds both set: keep one of them",
+        "fieldPath": ".intervalSeconds",
+    }],
     "scheduling.topology": [{
         "rule": "self.policy == 'none' || !has(self.keys) || size(self.keys) > 0",
         "message": "a topology policy other than none needs at least one label key",
@@ -118,7 +128,7 @@ def _structural(node: Any, defs: dict[str, Any]) -> Any:
             if len(options) == 1:
                 inner = _structural(options[0], defs)
                 node = {**inner, **{k: v for k, v in node.items() if k not in inner or k == "description"}}
-            else:
+            elif not node.get("x-kubernetes-int-or-string"):  # int | "auto": int-or-string says all there is
                 node["x-kubernetes-preserve-unknown-fields"] = True
     if "const" in node:
         node["enum"] = [node.pop("const")]

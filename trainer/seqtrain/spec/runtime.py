@@ -15,6 +15,18 @@ from seqtrain.spec.base import SpecModel
 from seqtrain.spec.job import SeqTrainJob
 
 
+class FailureHistory(SpecModel):
+    """What the controller knows about the job's failures when it starts an attempt: the MTBF input of
+    `checkpoint.intervalSteps: auto` (seqtrain.train.interval)."""
+
+    failures: int = Field(0, ge=0, description="Gang restarts so far (status.restarts + status.infraRestarts).")
+    running_seconds: float = Field(0.0, ge=0, description="Time the gang ran in earlier attempts "
+                                   "(status.runningSeconds).")
+    rank_mtbf_hours: float | None = Field(
+        None, gt=0, description="Cluster prior: mean time between failures of one rank (GPU) in hours, from the "
+        "operator's settings (chart: checkpointPolicy.rankMtbfHours); None: the trainer's default.")
+
+
 class RuntimeConfig(SpecModel):
     workdir: str = Field(description="Run folder: metrics.jsonl, status-related files, logs.")
     checkpoint_dir: str = Field(description="Where checkpoints/step-N folders live.")
@@ -27,6 +39,8 @@ class RuntimeConfig(SpecModel):
         None, ge=0, description="Each rank serves Prometheus /metrics on this port + local rank (None: off; 0: any "
         "free port, noted in <workdir>/endpoints/rank-<R>.json)."
     )
+    failure_history: FailureHistory = Field(default_factory=FailureHistory,
+                                            description="The job's failures so far (checkpoint.intervalSteps: auto).")
 
 
 class TrainerConfig(SpecModel):

@@ -95,6 +95,31 @@ class TimeLedger(_StatusModel):
                                            "checkpointSeconds were charged.")
 
 
+class CheckpointPolicy(_StatusModel):
+    """The checkpoint interval in force and its inputs, as rank 0 last computed them (seqtrain.train.interval)."""
+
+    interval_steps: int | None = Field(None, description="Steps between checkpoints now.")
+    interval_seconds: float | None = Field(None, description="checkpoint.intervalSeconds, when the user set it.")
+    save_seconds: float | None = Field(None, description="What one save blocks training for.")
+    mtbf_seconds: float | None = Field(None, description="Mean time between failures of the whole gang.")
+    step_seconds: float | None = Field(None, description="Recent time of one optimizer step.")
+    failures: int = Field(0, description="Gang restarts seen (failures and infrastructure) before this attempt.")
+    exposure_seconds: float = Field(0.0, description="Training time the failures were seen in (all attempts).")
+    sources: dict[str, str] = Field(
+        default_factory=dict, description="Where each figure came from: intervalSteps: user | youngDaly | "
+        "firstSave | minIntervalSteps | maxIntervalSteps; saveSeconds: measured | checkpoint (the previous attempt's "
+        "save); mtbfSeconds: measured (the job's failures) | prior (the cluster's MTBF per rank, no failure yet).")
+
+
+class WorkAtRisk(_StatusModel):
+    """What a failure now would lose: the training since the latest complete checkpoint."""
+
+    checkpoint_step: int = Field(0, description="Step of the latest complete checkpoint (0: none).")
+    steps: int = Field(0, description="Steps trained since it.")
+    seconds: float = Field(0.0, description="Training seconds since it (this attempt's share).")
+    checkpoint_age_seconds: float | None = Field(None, description="Wall seconds since it was saved.")
+
+
 class JobStatus(_StatusModel):
     phase: Phase = "Pending"
     conditions: list[Condition] = Field(default_factory=list)
@@ -133,6 +158,10 @@ class JobStatus(_StatusModel):
     skipped_checkpoints: dict[str, str] = Field(
         default_factory=dict, description="Checkpoint step -> why the trainer set it aside and resumed from an "
         "earlier one (a file refused as unsafe, truncated or unreadable).")
+    checkpoint_policy: CheckpointPolicy | None = Field(
+        None, description="The checkpoint interval in force and where its inputs came from.")
+    work_at_risk: WorkAtRisk | None = Field(None, description="Work a failure now would lose (since the latest "
+                                            "checkpoint): what a preemption should prefer to spare.")
     attempt_start_time: str | None = Field(None, description="When the current attempt's gang was created.")
     startup_failure: str | None = Field(
         None, description="Signature (exit code and error) of the last attempt when it failed before its first "

@@ -36,6 +36,7 @@ from seqtrain.runtime.launch import GRACE_ENV
 from seqtrain.runtime.precision import enable_tf32
 from seqtrain.spec.job import SeqTrainJob
 from seqtrain.spec.runtime import RuntimeConfig
+from seqtrain.train.interval import DEFAULT_RANK_MTBF_HOURS, IntervalPolicy
 from seqtrain.train.metrics import MetricsWriter, peak_memory_mb
 
 TRAINER_STATE = "trainer.pt"
@@ -44,6 +45,16 @@ SAVE_MARGIN = 1.25  # a SIGTERM save starts only when the grace left exceeds the
 
 def rng_file(rank: int) -> str:
     return f"rng-rank{rank}.pt"
+
+
+def _epoch(iso: str | None) -> float | None:
+    """A checkpoint's meta time (UTC, "%Y-%m-%dT%H:%M:%SZ") as seconds since the epoch; None when unreadable."""
+    from datetime import datetime, timezone
+
+    try:
+        return datetime.strptime(iso or "", "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc).timestamp()
+    except ValueError:
+        return None
 
 
 def seed_all(seed: int) -> None:
@@ -100,6 +111,21 @@ class Trainer:
         self.stop_reason = ""
         self.last_metrics: dict[str, Any] = {}
         self.checkpoint_seconds = 0.0  # time this process's loop was blocked on saves (status.lostSeconds)
+        # checkpoint.intervalSteps / intervalSeconds / auto: rank 0 decides when a save is due (seqtrain.train.interval)
+        # and the end-of-step all-reduce tells every rank
+        ck, history = self.spec.checkpoint, runtime.failure_history
+        self.interval = IntervalPolicy(
+            fixed_steps=ck.fixed_steps, fixed_seconds=ck.interval_seconds, min_steps=ck.min_interval_steps,
+            max_steps=ck.max_interval_steps, ranks=ctx.world_size, failures=history.failures,
+            earlier_running_s=history.running_seconds,
+            rank_mtbf_hours=history.rank_mtbf_hours or DEFAULT_RANK_MTBF_HOURS)
+        self.save_due = False  # agreed by every rank at the end of the step
+        self.started_at = time.monotonic()
+        self.saved_at = self.started_at  # the latest complete checkpoint (monotonic; this attempt's start else)
+        self.saved_step = 0
+        self.saved_wall: float | None = None  # time.time() of the latest complete checkpoint
+        self.ckpt_block_s: float | None = None  # what the last save blocked this rank's training for
+        self._logged_interval: int | None = None
         self.model: torch.nn.Module
         self.engine: Engine
         self.data: SequenceBatches
@@ -169,6 +195,11 @@ class Trainer:
         if self.ctx.is_main:
             os.makedirs(self.runtime.workdir, exist_ok=True)
             self.metrics_writer.truncate_after(self.step)
+        if self.resumed_from is not None:
+            self.saved_step, self.saved_wall = self.resumed_from.step, _epoch(self.resumed_from.time)
+            seconds = self.resumed_from.meta.get("save_seconds")
+            if isinstance(seconds, int | float):  # the previous attempt's measurement until this one saves
+                self.interval.observe_save(float(seconds), "checkpoint")
         self.ctx.barrier()
 
     # ---- checkpoints -------------------------------------------------------------------------------------
@@ -203,13 +234,44 @@ class Trainer:
             "save_seconds": self.checkpoints.last_save_seconds,
         }
         # storage, not peers: the save has its own deadline (SEQTRAIN_CHECKPOINT_TIMEOUT_SECONDS), not the watchdog's
-        started = time.perf_counter()
+        started = time.monotonic()
         try:
             with waiting(f"checkpoint step-{self.step}: shard writes and the publishing barriers",
                          deadline_s=self.io_timeout_s + 60):
-                return self.checkpoints.save(self.step, self._write_checkpoint, meta)
+                info = self.checkpoints.save(self.step, self._write_checkpoint, meta)
         finally:  # what training waited for, however the save is done (published as progress.checkpointSeconds)
-            self.checkpoint_seconds += time.perf_counter() - started
+            self.checkpoint_seconds += time.monotonic() - started
+        if info is not None:
+            # the time training stood still for this save, whatever the checkpoint layer does in the background:
+            # the save cost of the Young/Daly interval
+            self.ckpt_block_s = time.monotonic() - started
+            self.interval.observe_save(self.ckpt_block_s)
+            self.saved_at, self.saved_step, self.saved_wall = time.monotonic(), self.step, time.time()
+            self._recompute_interval(log=True)
+        return info
+
+    def _recompute_interval(self, log: bool = False) -> None:
+        """Rank 0, every step (the MTBF grows with failure-free time, the step time drifts); said on the console
+        after a save when it moved by more than a quarter."""
+        if not self.ctx.is_main:
+            return
+        now = self.interval.recompute(time.monotonic() - self.started_at)
+        last = self._logged_interval
+        if log and now is not None and self.interval.auto and (last is None or abs(now - last) > 0.25 * last):
+            self._logged_interval = now
+            r = self.interval.report()
+            self.log(f"seqtrain: checkpoint interval {now} steps ({r['sources']['intervalSteps']}): save "
+                     f"{r.get('saveSeconds', 0):.3g}s, step {r.get('stepSeconds', 0):.3g}s, gang MTBF "
+                     f"{r['mtbfSeconds']:.4g}s ({r['sources']['mtbfSeconds']}, {self.interval.failures} failure(s))")
+
+    def checkpoint_report(self) -> dict[str, Any]:
+        """`checkpointPolicy` and `workAtRisk` for the progress document (rank 0; wire form)."""
+        now = time.monotonic()
+        at_risk: dict[str, Any] = {"checkpointStep": self.saved_step, "steps": self.step - self.saved_step,
+                                   "seconds": round(now - self.saved_at, 3)}
+        if self.saved_wall is not None:
+            at_risk["checkpointAgeSeconds"] = round(max(0.0, time.time() - self.saved_wall), 3)
+        return {"checkpointPolicy": self.interval.report(), "workAtRisk": at_risk}
 
     def save_seconds_estimate(self) -> float | None:
         """How long a save takes: this attempt's last one, else the one recorded in the checkpoint resumed from."""
@@ -240,6 +302,13 @@ class Trainer:
                                f"took {need:.1f}s but only {max(0.0, left):.1f}s of the grace period ({GRACE_ENV}="
                                f"{raw}) are left; the next attempt resumes from step {newest or last} (raise the "
                                "pod's terminationGracePeriodSeconds to save on termination)")
+                else:
+                    verdict = (True, f"seqtrain: SIGTERM at step {self.step}: saving a checkpoint: the last save "
+                               f"took {need:.1f}s, {left:.1f}s of the grace period ({GRACE_ENV}={raw}) are left")
+            else:  # nothing to judge by: save, as the trainer always did
+                verdict = (True, f"seqtrain: SIGTERM at step {self.step}: saving a checkpoint ("
+                           + ("no save measured yet" if need is None else f"no grace period given in {GRACE_ENV}")
+                           + ")")
         return self.ctx.broadcast_object(verdict)
 
     def _unusable(self, info: CheckpointInfo) -> str | None:
@@ -288,7 +357,14 @@ class Trainer:
         self.resumed_from = info
 
     def checkpoint_due(self) -> bool:
-        return self.step % self.spec.checkpoint.interval_steps == 0 or self.step >= self.total_steps
+        return self.save_due or self.step >= self.total_steps
+
+    def _save_due_here(self) -> bool:
+        """Rank 0's answer for the step just trained (the others' is ignored: the all-reduce takes rank 0's)."""
+        if not self.ctx.is_main:
+            return False
+        self._recompute_interval()
+        return self.interval.due(self.step, self.step - self.saved_step, time.monotonic() - self.saved_at)
 
     # ---- one step ----------------------------------------------------------------------------------------
     def train_step(self) -> dict[str, Any]:
@@ -301,7 +377,9 @@ class Trainer:
         self.step += 1
         self.tokens_seen += stats.target_tokens
         restart.mark_stepped()  # tells the launcher this incarnation got past start-up (in-place restarts)
+        self.interval.observe_step(time.perf_counter() - t0)
         faults.maybe_kill_after_step(self.step, self.ctx.rank)
+        faults.maybe_fail_at_rate(self.ctx.rank)
         if faults.term_requested_at(self.step):
             self.terminate_signal = True
         if self.terminate_signal and self.terminate_time is None:
@@ -316,12 +394,14 @@ class Trainer:
         # them on the collective's device, and reading the result is the step's second host sync (all ranks
         # must agree on stopping before the next step starts).
         flags = torch.tensor(
-            [peak_memory_mb(self.ctx.device), float(self.terminate_signal), float(self.stop_training)],
+            [peak_memory_mb(self.ctx.device), float(self.terminate_signal), float(self.stop_training),
+             float(self._save_due_here())],
             dtype=torch.float64, device=self.ctx.device if self.ctx.distributed else "cpu",
         )
         self.ctx.all_reduce(flags, op="max")
         self.terminate_requested = bool(flags[1] > 0)
         self.stop_training = bool(flags[2] > 0)
+        self.save_due = bool(flags[3] > 0)  # rank 0's clock decides for time- and measurement-based intervals
         return float(flags[0])
 
     def step_metrics(self, stats: StepStats, lr: float, seconds: float, mem_mb: float) -> dict[str, Any]:
@@ -364,10 +444,11 @@ class Trainer:
                     self.save_checkpoint()
                 elif self.spec.checkpoint.save_on_sigterm:
                     allowed, why = self.sigterm_save_allowed()
-                    if allowed:
-                        self.save_checkpoint()
-                    else:
-                        self.log(why)
+                    self.log(why)
+                    if allowed and self.save_checkpoint() is not None:
+                        since = time.monotonic() - (self.terminate_time or time.monotonic())
+                        self.log(f"seqtrain: SIGTERM save of step {self.step} done in {self.ckpt_block_s or 0:.1f}s, "
+                                 f"{since:.1f}s after the signal")
                 break
             if self.checkpoint_due():
                 self.save_checkpoint()

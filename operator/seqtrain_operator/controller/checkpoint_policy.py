@@ -1,0 +1,52 @@
+"""The controller's share of `checkpoint.intervalSteps: auto` and of checkpoint-aware preemption (pure).
+
+Out to the trainer: the job's failure history (`FailureHistory` in the trainer config of every attempt), from which
+rank 0 estimates the gang's MTBF (seqtrain.train.interval). Back from the trainer: its progress document's
+`checkpointPolicy` (the interval in force and where its inputs came from) and `workAtRisk` (what a failure now would
+lose), which land in `status.checkpointPolicy` and `status.workAtRisk`, the checkpoint's age refreshed at every
+decision (it keeps growing while no trainer reports, e.g. during a restart).
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from seqtrain.spec.runtime import FailureHistory
+from seqtrain.spec.status import CheckpointPolicy, JobStatus, WorkAtRisk
+from seqtrain_operator.controller.clock import parse, seconds_between
+
+
+def failure_history(status: JobStatus, rank_mtbf_hours: float | None = None) -> FailureHistory:
+    """What an attempt about to start is told: every gang restart so far (training and infrastructure failures
+    alike: both lose the work since the last checkpoint) over the time the gang ran."""
+    return FailureHistory(failures=status.restarts + status.infra_restarts, running_seconds=status.running_seconds,
+                          rank_mtbf_hours=rank_mtbf_hours)
+
+
+def checkpoint_report(data: Any) -> tuple[CheckpointPolicy | None, WorkAtRisk | None]:
+    """`checkpointPolicy` and `workAtRisk` of a progress document; None for what is absent or malformed (the pod
+    is the user's: a bad document loses these figures, never the reconcile)."""
+    if not isinstance(data, dict):
+        return None, None
+    out: list[Any] = []
+    for key, model in (("checkpointPolicy", CheckpointPolicy), ("workAtRisk", WorkAtRisk)):
+        try:
+            out.append(model.model_validate(data[key]) if isinstance(data.get(key), dict) else None)
+        except ValueError:
+            out.append(None)
+    return out[0], out[1]
+
+
+def record(st: JobStatus, policy: CheckpointPolicy | None, at_risk: WorkAtRisk | None, now: datetime) -> None:
+    """Copy what the trainer reported into `st` (in place) and age its latest checkpoint to `now`."""
+    if policy is not None:
+        st.checkpoint_policy = policy.model_copy()
+    if at_risk is not None:
+        st.work_at_risk = at_risk.model_copy()
+    risk, ck = st.work_at_risk, st.last_checkpoint
+    if risk is None or ck is None or ck.step != risk.checkpoint_step:
+        return
+    saved = parse(ck.time)
+    if saved is not None:
+        risk.checkpoint_age_seconds = round(max(0.0, seconds_between(saved, now)), 3)
