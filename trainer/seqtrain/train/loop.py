@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from seqtrain.checkpoint import CheckpointInfo, CheckpointManager
+from seqtrain.checkpoint.dcp_format import FORMAT
 from seqtrain.checkpoint.manager import io_timeout_seconds
 from seqtrain.checkpoint.safe_load import CheckpointUnavailable, UnusableCheckpoint, load_plain
 from seqtrain.data import SequenceBatches, build_train_data
@@ -99,6 +100,7 @@ class Trainer:
         self.stop_training = False  # set by callbacks (early stopping)
         self.stop_reason = ""
         self.last_metrics: dict[str, Any] = {}
+        self._saved: CheckpointInfo | None = None  # the last save of this attempt
         self.model: torch.nn.Module
         self.engine: Engine
         self.data: SequenceBatches
@@ -191,6 +193,8 @@ class Trainer:
         return files
 
     def save_checkpoint(self) -> CheckpointInfo | None:
+        if self._saved is not None and self._saved.step == self.step:
+            return self._saved  # this step is saved already (an evaluation's best checkpoint, then the interval's)
         meta = {
             "engine": self.engine.name,
             "layout": {"dp": self.ctx.dp_size, "tp": self.ctx.tp_size, "pp": self.ctx.pp_size},
@@ -201,10 +205,17 @@ class Trainer:
             # how long the previous save took: a restarted gang's SIGTERM check starts from it
             "save_seconds": self.checkpoints.last_save_seconds,
         }
+        # layout-independent engines hand over one DCP tree (any engine / dp size resumes it), written in the
+        # background when checkpoint.asyncSave; the others write their own files inside the save
+        state = self.engine.checkpoint_state if self.engine.layout_independent else None
+        if state is not None:
+            meta["format"] = FORMAT
         # storage, not peers: the save has its own deadline (SEQTRAIN_CHECKPOINT_TIMEOUT_SECONDS), not the watchdog's
         with waiting(f"checkpoint step-{self.step}: shard writes and the publishing barriers",
                      deadline_s=self.io_timeout_s + 60):
-            return self.checkpoints.save(self.step, self._write_checkpoint, meta)
+            self._saved = self.checkpoints.save(self.step, self._write_checkpoint, meta, state=state,
+                                                background=self.spec.checkpoint.async_save)
+        return self._saved
 
     def save_seconds_estimate(self) -> float | None:
         """How long a save takes: this attempt's last one, else the one recorded in the checkpoint resumed from."""
@@ -347,6 +358,10 @@ class Trainer:
             metrics = self.train_step()
             self.last_metrics = metrics
             self.callbacks.on_step_end(self, self.step, metrics)
+            if self.checkpoint_due() and not (self.terminate_requested or self.stop_training):
+                # saved before the step's line is written, so the line carries what the save held training up
+                if self.save_checkpoint() is not None and self.checkpoints.last_block_seconds is not None:
+                    metrics["ckpt_block_s"] = round(self.checkpoints.last_block_seconds, 4)
             if self.ctx.is_main:
                 self.metrics_writer.append(metrics)
                 self.log_step(metrics)
@@ -363,8 +378,7 @@ class Trainer:
                     else:
                         self.log(why)
                 break
-            if self.checkpoint_due():
-                self.save_checkpoint()
+        self.checkpoints.wait()  # the last background write is published before the run reports its end
         self.prefetcher.close()
         self.callbacks.on_train_end(self, reason)
         self.log_end(reason)
