@@ -190,6 +190,27 @@ class DeepSpeedEngine(Engine):
         inner = getattr(self.ds.optimizer, "optimizer", self.ds.optimizer)
         return [st for st in inner.state.values() if "step" in st]
 
+    @torch.no_grad()
+    def _link_states(self) -> None:
+        """ZeRO 1/2 create Adam's states at the first step and link them to the parameters' fragments after the
+        first group's step (later groups stay unlinked: their state did not exist yet). Create them if missing (a
+        zero-gradient step at lr 0 changes no weight; its step count is overwritten by a load) and link them all,
+        so `safe_get/set_full_optimizer_state` see every parameter's."""
+        zero = self.ds.optimizer
+        flats = getattr(zero, "single_partition_of_fp32_groups", None)
+        if flats is None or not hasattr(zero, "_lazy_init_hp_params_optimizer_state"):
+            return  # ZeRO-3 creates and reads its states itself
+        inner = zero.optimizer
+        if any(not inner.state.get(f) for f in flats):
+            saved = [(g["lr"], f.grad) for g, f in zip(inner.param_groups, flats, strict=True)]
+            for g, f in zip(inner.param_groups, flats, strict=True):
+                g["lr"], f.grad = 0.0, torch.zeros_like(f)
+            inner.step()
+            for g, f, (lr, grad) in zip(inner.param_groups, flats, saved, strict=True):
+                g["lr"], f.grad = lr, grad
+        zero._hp_optimizer_states_linked = False
+        zero._lazy_init_hp_params_optimizer_state()
+
     def _full(self, t: torch.Tensor) -> torch.Tensor:
         """A frozen weight or buffer as one full tensor (ZeRO-3 keeps even frozen weights partitioned)."""
         if hasattr(t, "ds_id"):
@@ -204,6 +225,7 @@ class DeepSpeedEngine(Engine):
 
         model: dict[str, torch.Tensor] = {}
         optim: dict[str, Any] = {}
+        self._link_states()
         steps = self._base_states()
         step = steps[0]["step"] if steps else torch.tensor(0.0)
         hyper = self.optimizer.param_groups
@@ -245,7 +267,8 @@ class DeepSpeedEngine(Engine):
         step = next((v for k, v in optim.items() if k.startswith("state.") and k.endswith(".step")), None)
         if step is not None:
             for st in self._base_states():
-                st["step"] = torch.as_tensor(step, dtype=st["step"].dtype).to(st["step"].device) \
+                # a tensor of its own per partition: AdamW increments it in place
+                st["step"] = torch.tensor(float(step), dtype=st["step"].dtype, device=st["step"].device) \
                     if isinstance(st["step"], torch.Tensor) else float(step)
         self.scheduler.load_state_dict(target["scheduler"])
         self._reapply_schedule()
