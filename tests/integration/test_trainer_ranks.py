@@ -102,7 +102,7 @@ def test_uninterrupted_run_writes_metrics_and_checkpoints(reference: Path) -> No
     assert [c.step for c in list_checkpoints(str(reference / "checkpoints"))] == [6, 8]
     meta = latest_checkpoint(str(reference / "checkpoints")).meta
     assert meta["world"] == 2 and meta["layout"] == {"dp": 2, "tp": 1, "pp": 1}
-    assert {"engine.pt", "trainer.pt", "rng-rank0.pt", "rng-rank1.pt"} <= set(meta["files"])
+    assert {"state", "trainer.pt", "rng-rank0.pt", "rng-rank1.pt"} <= set(meta["files"])
     assert not [n for n in os.listdir(reference / "checkpoints") if n.startswith(".")]
 
 
