@@ -18,6 +18,7 @@ BENCHMARKS = {
     "kernels": "seqtrain.benchmarks.kernels",
     "memory": "seqtrain.benchmarks.memory",
     "layouts": "seqtrain.benchmarks.layouts",
+    "checkpoint": "seqtrain.benchmarks.checkpoint",
     "operator": "seqtrain_operator.benchmark",
     "gpu": "seqtrain.benchmarks.gpu",
 }
