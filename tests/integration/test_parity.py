@@ -173,11 +173,11 @@ def test_a_checkpoint_resumes_on_another_engine_and_data_parallel_size(src: str,
 
 def test_a_tensor_parallel_job_refuses_a_dcp_checkpoint_naming_the_fix(root: Path) -> None:
     """Tensor/pipeline-parallel engines keep their own shard files: a DCP checkpoint is refused with the fix, not
-    half-loaded (exit 2, the checkpoint kept)."""
+    half-loaded (exit 3, invalid config: the checkpoint is kept)."""
     wd = root / "dp2-as-tp2"
     _resume_from_step2(run("dp2", *LAYOUTS["dp2"], root), wd)
     sets, world = LAYOUTS["tp2"]
-    assert run_ranks(job_for({**CKPT, **sets}), wd, world) == [2] * world
+    assert run_ranks(job_for({**CKPT, **sets}), wd, world) == [3] * world
     assert "optimization.tensorParallel and pipelineParallel 1" in logs(wd)
     assert (wd / "checkpoints" / "step-2" / "meta.json").is_file()
 

@@ -238,5 +238,12 @@ class Engine(ABC):
 
     def load_legacy(self, directory: str) -> None:
         """A checkpoint from before the DCP format: the replicated `engine.pt`."""
+        if not os.path.exists(os.path.join(directory, self.checkpoint_file)):  # published without it: another layout
+            from seqtrain.runtime.exitcodes import InvalidConfig
+
+            raise InvalidConfig(f"{directory}: neither state/ nor {self.checkpoint_file}: written by another layout "
+                                "(its meta.json names the engine and layout; tensor/pipeline-parallel shard files "
+                                "resume only with the same tensorParallel x pipelineParallel): resume with that "
+                                "layout, or use a new checkpoint folder")
         state = load_plain(os.path.join(directory, self.checkpoint_file))  # CPU first: load_state_dict copies over
         self.load_state_dict(state)
