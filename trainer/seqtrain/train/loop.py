@@ -219,6 +219,7 @@ class Trainer:
 
     def save_seconds_estimate(self) -> float | None:
         """How long a save takes: this attempt's last one, else the one recorded in the checkpoint resumed from."""
+        self.checkpoints.wait()  # an async save in flight is published first, and its whole duration measured
         if self.checkpoints.last_save_seconds is not None:
             return self.checkpoints.last_save_seconds
         seconds = (self.resumed_from.meta.get("save_seconds") if self.resumed_from else None)
