@@ -86,7 +86,9 @@ class ProgressPublisher(BaseCallback):
 
     def on_step_end(self, trainer: Trainer, step: int, metrics: dict[str, Any]) -> None:
         saved = self._checkpoint(trainer, self._saving) if self._saving is not None else {}
-        self._saving = step if trainer.checkpoint_due() else None
+        if trainer.checkpoint_due() or saved:
+            self._saving = step if trainer.checkpoint_due() else None
+        # else: an async save still being written stays pending, reported at the first step end after it is published
         self.reporter.update(flush=bool(saved), step=step, loss=metrics.get("loss"),
                              tokens_per_second=metrics.get("tokens_per_s"), mfu=metrics.get("mfu"), **saved)
 
