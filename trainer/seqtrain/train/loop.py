@@ -359,10 +359,10 @@ class Trainer:
             metrics = self.train_step()
             self.last_metrics = metrics
             self.callbacks.on_step_end(self, self.step, metrics)
-            if self.checkpoint_due() and not (self.terminate_requested or self.stop_training):
-                # saved before the step's line is written, so the line carries what the save held training up
-                if self.save_checkpoint() is not None and self.checkpoints.last_block_seconds is not None:
-                    metrics["ckpt_block_s"] = round(self.checkpoints.last_block_seconds, 4)
+            # saved before the step's line is written, so the line carries what the save held training up
+            if (self.checkpoint_due() and not (self.terminate_requested or self.stop_training)
+                    and self.save_checkpoint() is not None and self.checkpoints.last_block_seconds is not None):
+                metrics["ckpt_block_s"] = round(self.checkpoints.last_block_seconds, 4)
             if self.ctx.is_main:
                 self.metrics_writer.append(metrics)
                 self.log_step(metrics)
