@@ -19,6 +19,7 @@ BENCHMARKS = {
     "kernels": "seqtrain.benchmarks.kernels",
     "memory": "seqtrain.benchmarks.memory",
     "layouts": "seqtrain.benchmarks.layouts",
+    "checkpoint": "seqtrain.benchmarks.checkpoint",
     "operator": "seqtrain_operator.benchmark",
     "recovery": "seqtrain_operator.bench_recovery",
     "gpu": "seqtrain.benchmarks.gpu",

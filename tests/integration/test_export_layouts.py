@@ -1,4 +1,4 @@
-"""`seqtrain export` from real checkpoints: one process (engine.pt) and tensor-parallel shards
+"""`seqtrain export` from real checkpoints: one process (the DCP `state/`) and tensor-parallel shards
 (engine-pp0-tp{0,1}.pt, consolidated first); transformers gives the trained model's logits."""
 
 from __future__ import annotations

@@ -326,9 +326,9 @@ def test_unusable_checkpoint_is_skipped_for_the_previous_one(damage: str, job_fi
         _plant(step20, "trainer.pt", marker)
         want = "trainer.pt: refused"
     else:
-        engine = step20 / "engine.pt"
+        engine = step20 / "state" / "__0_0.distcp"  # the DCP format's data file
         engine.write_bytes(engine.read_bytes()[: engine.stat().st_size // 2])
-        want = "engine.pt: "
+        want = "__0_0.distcp: "
     rc, out = run(job_file, tmp_path)
     assert not marker.exists(), "the planted payload ran"
     assert rc == 0, out

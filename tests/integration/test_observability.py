@@ -126,8 +126,9 @@ def test_eval_runs_on_schedule_on_held_out_data(early_stopped_run: dict[str, Any
     # Recompute step 5's validation loss from its (best, kept) checkpoint on the validation split alone.
     job = resolve(load_job(JOB))
     model = build_model(job.spec.model)
-    state = torch.load(workdir / "checkpoints" / "step-5" / "engine.pt", weights_only=True)
-    model.load_state_dict(state["model"])
+    from seqtrain.parallel.consolidate import consolidate
+
+    model.load_state_dict(consolidate(str(workdir / "checkpoints" / "step-5")))
     loss_fn = CausalLMLoss(model).eval()
     val = load_corpus(job, "validation")
     total, count = 0.0, 0

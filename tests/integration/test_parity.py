@@ -150,19 +150,52 @@ def test_fsdp2_resumes_into_a_different_data_parallel_degree(root: Path) -> None
     assert_parity(losses(wd), losses(run("single", {}, 1, root)))
 
 
+# (written by, resumed as): every layout-independent engine reads every other's DCP checkpoint at another dp size
+RESHARDS = [("dp2", "zero2-dp1"), ("zero2-dp2", "single"), ("zero3-dp2", "fsdp2-dp2"), ("fsdp2-dp2", "zero2-dp2"),
+            ("zero2-dp2", "zero2-dp1")]
+RESUMED_AS = {"single": ({}, 1), "zero2-dp1": ({"optimization.zero.stage": 2}, 1)}
+
+
+@pytest.mark.parametrize(("src", "dst"), RESHARDS, ids=[f"{a}-to-{b}" for a, b in RESHARDS])
+def test_a_checkpoint_resumes_on_another_engine_and_data_parallel_size(src: str, dst: str, root: Path) -> None:
+    """The one DCP format: a checkpoint of step 2 written by `src` resumes as `dst` (another engine and/or another
+    data-parallel size) and continues the single process's losses within the parity tolerance."""
+    _build_deepspeed_ops_once()
+    full = run(src, *LAYOUTS[src], root)
+    sets, world = RESUMED_AS.get(dst) or LAYOUTS[dst]
+    wd = root / f"{src}-as-{dst}"
+    _resume_from_step2(full, wd)
+    codes = run_ranks(job_for({**CKPT, **sets}), wd, world)
+    assert codes == [0] * world, logs(wd)
+    assert "resumed from step 2" in logs(wd)
+    assert_parity(losses(wd), losses(run("single", {}, 1, root)))
+
+
+def test_a_tensor_parallel_job_refuses_a_dcp_checkpoint_naming_the_fix(root: Path) -> None:
+    """Tensor/pipeline-parallel engines keep their own shard files: a DCP checkpoint is refused with the fix, not
+    half-loaded (exit 3, invalid config: the checkpoint is kept)."""
+    wd = root / "dp2-as-tp2"
+    _resume_from_step2(run("dp2", *LAYOUTS["dp2"], root), wd)
+    sets, world = LAYOUTS["tp2"]
+    assert run_ranks(job_for({**CKPT, **sets}), wd, world) == [3] * world
+    assert "optimization.tensorParallel and pipelineParallel 1" in logs(wd)
+    assert (wd / "checkpoints" / "step-2" / "meta.json").is_file()
+
+
 @pytest.mark.parametrize("name", ["zero3-dp2", "fsdp2-dp2", "dp2xtp2", "dp2xpp2"])
 def test_consolidated_checkpoint_equals_the_single_process_weights(name: str, root: Path, tmp_path: Path) -> None:
     """`python -m seqtrain.parallel.consolidate` turns each engine's shards into the single-process state dict."""
     import torch
 
     from seqtrain.models import build_model
+    from seqtrain.parallel.consolidate import consolidate
     from seqtrain.parallel.consolidate import main as consolidate_main
 
     sets, world = LAYOUTS[name]
     out = tmp_path / "full.pt"
     assert consolidate_main([str(run(name, sets, world, root) / "checkpoints" / "step-4"), str(out)]) == 0
     got = torch.load(out, weights_only=True)
-    ref = torch.load(run("single", {}, 1, root) / "checkpoints" / "step-4" / "engine.pt", weights_only=True)["model"]
+    ref = consolidate(str(run("single", {}, 1, root) / "checkpoints" / "step-4"))  # the single process's DCP state
     model = build_model(job_for({}).spec.model)
     model.load_state_dict(got, strict=True)  # every name and shape of the full model
     # Absolute tolerance on weights: Adam divides by sqrt(v), so an element whose gradient is near zero turns a

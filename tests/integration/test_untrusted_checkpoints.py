@@ -1,7 +1,7 @@
 """No code runs from a file a checkpoint folder holds, whichever engine wrote it and whichever command reads it.
 
-Real checkpoints of every engine's file kinds (native `engine.pt`, DeepSpeed `zero/*.pt`, FSDP2 DCP `.metadata` and
-`.distcp`) get a planted pickle whose `__reduce__` would create a marker file; meta.json's sizes and hashes are
+Real checkpoints of every engine (native, DeepSpeed, FSDP2: all write the one DCP format, `state/.metadata` a raw
+pickle DCP itself would unpickle, `state/*.distcp` with byte items) get a planted pickle whose `__reduce__` would create a marker file; meta.json's sizes and hashes are
 fixed as an attacker who can write the storage would. `seqtrain export` and `seqtrain generate` exit 2 naming the
 file, `model.init` fails with the config error naming it, and resume sets the checkpoint aside and falls back to
 the previous one: the marker never appears.
@@ -18,7 +18,6 @@ import uuid
 from pathlib import Path
 
 import pytest
-import torch
 from parity_util import job_for, logs, run_ranks
 
 from seqtrain.runtime.exitcodes import InvalidConfig
@@ -72,11 +71,6 @@ def _fix_meta(step: Path, name: str) -> None:
     (step / "meta.json").write_text(json.dumps(meta))
 
 
-def _plant_torch_file(step: Path, name: str, marker: Path) -> None:
-    torch.save({"model": {}, "module": {}, "evil": Payload(marker)}, step / name, pickle_module=pickle)
-    _fix_meta(step, name)
-
-
 def _plant_dcp_metadata(step: Path, name: str, marker: Path) -> None:
     with open(step / name, "wb") as f:
         pickle.dump(Payload(marker), f)
@@ -94,7 +88,7 @@ def _plant_dcp_data(step: Path, name: str, marker: Path) -> None:
     state: dict = {}
     _load_state_dict(state, storage_reader=dcp.FileSystemReader(str(folder)), planner=_EmptyStateDictLoadPlanner(),
                      no_dist=True)
-    state["optim"]["param_groups"][0]["lr"] = Payload(marker)
+    state["scheduler"]["last_epoch"] = Payload(marker)
     shutil.rmtree(folder)
     dcp.save(state, checkpoint_id=str(folder), no_dist=True)
     meta = json.loads((step / "meta.json").read_text())
@@ -106,12 +100,13 @@ def _plant_dcp_data(step: Path, name: str, marker: Path) -> None:
         _fix_meta(step, prefix + f)
 
 
+# every engine writes the one DCP format (state/): its pickled .metadata and its byte items are the planted files
 PLANTS = [
-    ("native", "engine.pt", _plant_torch_file),
-    ("deepspeed", "zero/mp_rank_00_model_states.pt", _plant_torch_file),
-    ("deepspeed", "zero/zero_pp_rank_0_mp_rank_00_optim_states.pt", _plant_torch_file),
-    ("fsdp2", "fsdp/.metadata", _plant_dcp_metadata),
-    ("fsdp2", "fsdp/__0_0.distcp", _plant_dcp_data),
+    ("native", "state/.metadata", _plant_dcp_metadata),
+    ("deepspeed", "state/.metadata", _plant_dcp_metadata),
+    ("deepspeed", "state/__0_0.distcp", _plant_dcp_data),
+    ("fsdp2", "state/.metadata", _plant_dcp_metadata),
+    ("fsdp2", "state/__0_0.distcp", _plant_dcp_data),
 ]
 
 
@@ -144,8 +139,7 @@ def test_export_generate_and_model_init_refuse_a_planted_pickle(runs: dict[str, 
     assert not marker.exists(), "the planted payload ran"
 
 
-@pytest.mark.parametrize(("engine", "name", "plant"), [PLANTS[2], PLANTS[3], PLANTS[4]],
-                         ids=["deepspeed-optim", "fsdp2-metadata", "fsdp2-distcp"])
+@pytest.mark.parametrize(("engine", "name", "plant"), PLANTS, ids=[f"{e}-{n}" for e, n, _ in PLANTS])
 def test_resume_sets_a_planted_checkpoint_aside_and_runs_no_code(runs: dict[str, Path], engine: str, name: str,
                                                                  plant, tmp_path: Path) -> None:  # noqa: ANN001
     step, marker = _planted_copy(runs, engine, name, plant, tmp_path)

@@ -36,6 +36,7 @@ LAYERS: dict[str, int] = {
     "seqtrain_operator.cli": 3,
     "seqtrain_operator.benchmark": 3,
     "seqtrain_operator.bench_recovery": 3,
+    "seqtrain_operator.interval_bench": 3,
 }
 # The operator image has no torch: from the trainer it may import only these torch-free packages/modules.
 OPERATOR_MAY_IMPORT = ("seqtrain.spec", "seqtrain.layout", "seqtrain.runtime.exitcodes", "seqtrain.runtime.launch",

@@ -54,7 +54,7 @@ def test_a_load_that_fails_for_the_moment_keeps_every_checkpoint(run: Path, faul
         raise fault
 
     monkeypatch.setattr(torch, "load", failing_load)
-    with pytest.raises(CheckpointUnavailable, match=r"step-6/engine\.pt: could not be loaded now"):
+    with pytest.raises(CheckpointUnavailable, match=r"step-6/state/__0_0\.distcp: could not be loaded now"):
         make_trainer(run)
     monkeypatch.undo()
     assert quarantined(str(run / "ckpt")) == [] and latest_step(str(run / "ckpt")) == 6  # nothing set aside
@@ -76,14 +76,14 @@ def test_could_not_load_now_is_an_infrastructure_failure_for_the_controller() ->
 
 
 def test_a_same_size_bit_flip_is_caught_by_its_hash_and_the_previous_checkpoint_used(run: Path) -> None:
-    engine = run / "ckpt" / "step-6" / "engine.pt"
+    engine = run / "ckpt" / "step-6" / "state" / "__0_0.distcp"  # the DCP format's data file
     data = bytearray(engine.read_bytes())
-    data[len(data) // 2] ^= 0x40  # inside the tensor data: the zip and the size stay valid
+    data[len(data) // 2] ^= 0x40  # inside the tensor data: the size stays valid
     engine.write_bytes(bytes(data))
     t = make_trainer(run, steps=8)
     assert t.resumed_from.step == 4
     (step, reason), = quarantined(str(run / "ckpt"))
-    assert step == 6 and "engine.pt: sha256" in reason, reason
+    assert step == 6 and "__0_0.distcp: sha256" in reason, reason
 
 
 def test_nothing_in_a_checkpoint_is_followed_through_a_link(run: Path, tmp_path: Path) -> None:

@@ -5,6 +5,14 @@ rank 0 writes `meta.json` (step, time, world, layout, files), renames the folder
 on one filesystem) and prunes to `keep`; barrier. A crash at any point leaves either the previous complete
 checkpoints only, or a `.tmp-*` folder that discovery ignores and the next save removes.
 
+Layout-independent state (`state`, see `seqtrain.checkpoint.dcp_format`) is one DCP folder `state/` in the step
+folder. With `background=True` (`checkpoint.asyncSave`) the save blocks training only to write the small files and
+stage the state in host memory; a thread per rank then writes the DCP folder (collectives on a gloo group of its
+own, never used by the training thread) and rank 0, once DCP's metadata is written (which waits for every rank's
+chunks), publishes exactly as above. The next save (and the end of training, `wait`) waits for it first; a crash
+before the rename leaves `.tmp-step-N/` and the previous checkpoint stays the latest. `last_block_seconds` is what
+training waited, `last_save_seconds` the whole save.
+
 The barriers of a save wait on storage, not on peers, so they run on a gloo group of their own whose timeout is
 SEQTRAIN_CHECKPOINT_TIMEOUT_SECONDS (default: the larger of 1800 s and the collective timeout): a save slower than
 `optimization.commTimeoutSeconds` does not end the gang. meta.json records every file's size and sha256.
@@ -15,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -92,6 +101,11 @@ class CheckpointManager:
         self.io_timeout_s = io_timeout_s if io_timeout_s is not None else DEFAULT_TIMEOUT_SECONDS
         self._io_group = ctx.slow_barrier_group(self.io_timeout_s)  # collective: every rank builds a manager
         self.last_save_seconds: float | None = None  # measured; SIGTERM saves only when the grace period allows
+        self.last_block_seconds: float | None = None  # how long the last save held training up (sync: all of it)
+        # background writes: a group of their own, so their collectives never interleave with the training thread's
+        self._write_group = ctx.slow_barrier_group(self.io_timeout_s)
+        self._writer: threading.Thread | None = None
+        self._write_error: BaseException | None = None
         # Steps never pruned, whatever `keep` says (the best checkpoint by validation loss, see seqtrain.obs).
         self.protected: set[int] = set()
         # Whether every rank sees the folder rank 0 creates: found out by the first save (None: not yet).
@@ -172,13 +186,25 @@ class CheckpointManager:
 
             dist.barrier(group=self._io_group)
 
-    def save(self, step: int, write: Callable[[str], list[str]],
-             meta: dict[str, Any] | None = None) -> CheckpointInfo | None:
-        """Publish checkpoint `step`. `write(tmp_dir)` runs on every rank and returns the file names it wrote.
-        None (nothing saved) when the folder is not shared by every rank (see `_every_rank_sees`)."""
+    def wait(self) -> None:
+        """Block until the background write of the previous save (if any) is published; re-raise its failure."""
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None
+        if self._write_error is not None:
+            exc, self._write_error = self._write_error, None
+            raise exc
+
+    def save(self, step: int, write: Callable[[str], list[str]], meta: dict[str, Any] | None = None,
+             state: Callable[[], dict[str, Any]] | None = None, background: bool = False) -> CheckpointInfo | None:
+        """Publish checkpoint `step`. `write(tmp_dir)` runs on every rank and returns the file names it wrote;
+        `state()` (collective on every rank) the layout-independent tree written as DCP into `state/`, in the
+        background when `background`. None (nothing saved) when the folder is not shared by every rank (see
+        `_every_rank_sees`). A background save returns the CheckpointInfo it will publish."""
+        started = time.monotonic()
+        self.wait()  # one save at a time: the previous one's files are published before this one starts
         if self.shared is False:
             return None
-        started = time.monotonic()
         tmp = os.path.join(self.directory, f"{TMP_PREFIX}{step}")
         if self.ctx.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -190,31 +216,66 @@ class CheckpointManager:
                 return None
         for name in write(tmp):
             _fsync_path(os.path.join(tmp, name))
+        tree = state() if state is not None else None
+        if tree is not None and background:
+            from seqtrain.checkpoint import dcp_format
+
+            tree = dcp_format.stage(tree)  # host copy: the next steps may update the originals
+        elif tree is not None:
+            from seqtrain.checkpoint import dcp_format
+
+            dcp_format.write(tree, os.path.join(tmp, dcp_format.STATE_DIR), self._io_group)
         self._io_barrier()  # waits for the slowest rank's storage: the I/O deadline, not the collective one
-        faults.in_save(step, self.ctx.rank)
         final = step_dir(self.directory, step)
+        if tree is not None and background:
+            self._writer = threading.Thread(target=self._write_behind, args=(step, tmp, tree, meta, started),
+                                            name=f"seqtrain-checkpoint-{step}", daemon=True)
+            self._writer.start()
+            self.last_block_seconds = time.monotonic() - started
+            return CheckpointInfo(step=step, path=final, meta=dict(meta or {}))
+        faults.in_save(step, self.ctx.rank)
         if self.ctx.is_main:
-            files = sorted(os.listdir(tmp))
-            record = {"step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                      "world": self.ctx.world_size, "files": files, **(meta or {}),
-                      "sizes": file_sizes(tmp),  # checked before every resume: a truncated file is caught
-                      "sha256": file_hashes(tmp)}  # checked by rank 0 before a resume loads it: a bit flip
-            with open(os.path.join(tmp, META_FILE), "w", encoding="utf-8") as f:
-                json.dump(record, f, indent=2)
-                f.flush()
-                os.fsync(f.fileno())
-            _fsync_path(tmp)
-            if os.path.exists(final):  # a step redone after a restart: the new copy replaces the old one
-                self._remove(final)
-            os.rename(tmp, final)
-            _fsync_path(self.directory)
-            self.prune()
+            self._publish(step, tmp, meta)
         self._io_barrier()
-        self.last_save_seconds = time.monotonic() - started
+        self.last_save_seconds = self.last_block_seconds = time.monotonic() - started
         info = read_complete(final)
         if info is None:
             raise RuntimeError(f"checkpoint {final} is not readable right after publishing it")
         return info
+
+    def _write_behind(self, step: int, tmp: str, tree: dict[str, Any], meta: dict[str, Any] | None,
+                      started: float) -> None:
+        """The background half of a save: write the staged state, then rank 0 publishes (DCP's save returns on
+        rank 0 only after every rank's chunks and the metadata are written)."""
+        from seqtrain.checkpoint import dcp_format
+
+        try:
+            dcp_format.write(tree, os.path.join(tmp, dcp_format.STATE_DIR), self._write_group)
+            faults.in_save(step, self.ctx.rank)
+            if self.ctx.is_main:
+                self._publish(step, tmp, meta)
+            self.last_save_seconds = time.monotonic() - started
+        except BaseException as exc:  # re-raised on the training thread by the next wait()
+            self._write_error = exc
+
+    def _publish(self, step: int, tmp: str, meta: dict[str, Any] | None) -> None:
+        """Rank 0: meta.json (sizes and sha256 of every file), then the atomic rename and pruning."""
+        final = step_dir(self.directory, step)
+        files = sorted(os.listdir(tmp))
+        record = {"step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                  "world": self.ctx.world_size, "files": files, **(meta or {}),
+                  "sizes": file_sizes(tmp),  # checked before every resume: a truncated file is caught
+                  "sha256": file_hashes(tmp)}  # checked by rank 0 before a resume loads it: a bit flip
+        with open(os.path.join(tmp, META_FILE), "w", encoding="utf-8") as f:
+            json.dump(record, f, indent=2)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_path(tmp)
+        if os.path.exists(final):  # a step redone after a restart: the new copy replaces the old one
+            self._remove(final)
+        os.rename(tmp, final)
+        _fsync_path(self.directory)
+        self.prune()
 
     def _every_rank_sees(self, tmp: str) -> bool:
         """Collective: does every rank see the folder rank 0 just created? Not when each replica has its own

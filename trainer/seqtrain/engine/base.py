@@ -2,8 +2,10 @@
 
 `step(micro_batches)` runs forward/backward over this rank's micro-batches with the global-batch loss
 normalisation (see `seqtrain.models.loss`), clips, steps the optimizer and the schedule, and returns global
-`StepStats`. Checkpoints go through `save(dir)` / `load(dir)`: every rank calls both; the default writes one
-file from rank 0 (replicated data parallel). Sharded engines (FSDP, ZeRO) override them to write per-rank files.
+`StepStats`. Checkpoints: engines with `layout_independent` hand the checkpoint manager `checkpoint_state()`, the
+tree of `seqtrain.checkpoint.dcp_format` (single-process names, full shapes: any engine and data-parallel size
+resumes it, `load_state`); the others (tensor / pipeline parallel) write their own files with `save(dir)`. `load(dir)`
+reads either, and the files of checkpoints written before the DCP format (`engine.pt`, ZeRO's `zero/`, `fsdp/`).
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ class StepStats:
 
 class Engine(ABC):
     name = "base"
-    checkpoint_file = "engine.pt"
+    checkpoint_file = "engine.pt"  # the replicated engines' file before the DCP format (still read)
+    layout_independent = True  # saves the DCP tree (False: its own per-shard files, resumed on its own layout)
 
     def __init__(self, model: nn.Module, job: SeqTrainJob, ctx: DistContext) -> None:
         self.job = job
@@ -170,13 +173,77 @@ class Engine(ABC):
             group["lr"] = base * fn(self.scheduler.last_epoch)
         self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
 
+    # ---- checkpoints ---------------------------------------------------------------------------------------
+    def _dcp_group(self) -> Any:
+        """The process group DCP loads on: every rank (None: one process)."""
+        import torch.distributed as dist
+
+        return dist.group.WORLD if self.ctx.distributed else None
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """The layout-independent tree (`seqtrain.checkpoint.dcp_format`): DCP-ready, by single-process names.
+        Collective on sharded engines. The tensors are the live ones: the manager copies them for async saves."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        opts = StateDictOptions(flatten_optimizer_state_dict=True)
+        return {"model": get_model_state_dict(self.model, options=opts),
+                "optim": get_optimizer_state_dict(self.model, self.optimizer, options=opts),
+                "scheduler": self.scheduler.state_dict(), "precision": self.precision.state_dict()}
+
+    def load_state(self, folder: str) -> None:
+        """Resume from a DCP folder any layout-independent engine wrote, at any data-parallel size."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        from seqtrain.checkpoint import dcp_format
+
+        opts = StateDictOptions(flatten_optimizer_state_dict=True)
+        target = self.checkpoint_state()
+        dcp_format.read(folder, target, self._dcp_group())
+        set_model_state_dict(self.model, target["model"], options=opts)
+        set_optimizer_state_dict(self.model, self.optimizer, target["optim"], options=opts)
+        self.scheduler.load_state_dict(target["scheduler"])
+        self._reapply_schedule()
+        if target.get("precision"):
+            self.precision.load_state_dict(target["precision"])
+
     def save(self, directory: str) -> list[str]:
-        """Write this rank's share of the engine state into `directory`; return the file names written."""
-        if not self.ctx.is_main:
+        """Engines that are not layout-independent: write this rank's files into `directory`, return their names."""
+        if self.layout_independent or not self.ctx.is_main:
             return []
         torch.save(self.state_dict(), os.path.join(directory, self.checkpoint_file))
         return [self.checkpoint_file]
 
     def load(self, directory: str) -> None:
+        from seqtrain.checkpoint import dcp_format
+
+        if dcp_format.has_state(directory):
+            if not self.layout_independent:
+                from seqtrain.runtime.exitcodes import InvalidConfig
+
+                raise InvalidConfig(f"{directory}: written in the layout-independent DCP format, which the {self.name} "
+                                    "engine (tensor/pipeline parallel) does not read yet: resume with "
+                                    "optimization.tensorParallel and pipelineParallel 1 (any engine, any data-parallel "
+                                    "size), or use a new checkpoint folder")
+            self.load_state(os.path.join(directory, dcp_format.STATE_DIR))
+            return
+        self.load_legacy(directory)
+
+    def load_legacy(self, directory: str) -> None:
+        """A checkpoint from before the DCP format: the replicated `engine.pt`."""
+        if not os.path.exists(os.path.join(directory, self.checkpoint_file)):  # published without it: another layout
+            from seqtrain.runtime.exitcodes import InvalidConfig
+
+            raise InvalidConfig(f"{directory}: neither state/ nor {self.checkpoint_file}: written by another layout "
+                                "(its meta.json names the engine and layout; tensor/pipeline-parallel shard files "
+                                "resume only with the same tensorParallel x pipelineParallel): resume with that "
+                                "layout, or use a new checkpoint folder")
         state = load_plain(os.path.join(directory, self.checkpoint_file))  # CPU first: load_state_dict copies over
         self.load_state_dict(state)

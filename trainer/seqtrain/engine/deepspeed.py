@@ -8,8 +8,11 @@ scaling) and the bucket size. DeepSpeed averages gradients over data-parallel ra
 accumulation count; the loss passed to `backward` is pre-multiplied by both, so the update is the
 global-batch gradient of the token-normalised loss, as in every other engine.
 
-Checkpoints: `save_checkpoint` into `<step dir>/zero/` (per-rank ZeRO shards, resumed on the same dp degree);
-`python -m seqtrain.parallel.consolidate STEP_DIR OUT.pt` turns one into a plain fp32 state dict.
+Checkpoints: the layout-independent tree of `seqtrain.checkpoint.dcp_format`, built with DeepSpeed's
+tensor-fragment API (`safe_get_full_fp32_param` / `safe_get_full_optimizer_state`: the fp32 master weights and Adam
+moments of each parameter, gathered from the ZeRO partitions), so a native, FSDP2 or DeepSpeed job at any
+data-parallel size resumes it, and this engine resumes theirs. Checkpoints from before that format (DeepSpeed's own
+`<step dir>/zero/`, resumed on the same dp degree only) are still read.
 """
 
 from __future__ import annotations
@@ -168,14 +171,122 @@ class DeepSpeedEngine(Engine):
             count += int(b.num_targets())
         return float(total), count
 
-    def save(self, directory: str) -> list[str]:
-        self.ds.save_checkpoint(directory, tag=TAG, save_latest=False)
-        root = os.path.join(directory, TAG)
-        return [os.path.join(TAG, f) for f in sorted(os.listdir(root))] if self.ctx.is_main else []
+    # ---- checkpoints: the common DCP tree ------------------------------------------------------------------
+    def _trainable(self) -> list[tuple[str, nn.Parameter, int]]:
+        """(single-process name, parameter, optimizer group index) of every trained parameter."""
+        group_of = {id(p): i for i, g in enumerate(param_groups(self.model, self.job.spec.training.optimizer))
+                    for p in g["params"]}
+        return [(n, p, group_of[id(p)]) for n, p in self.model.named_parameters() if id(p) in group_of]
 
-    def load(self, directory: str) -> None:
-        # only a checkpoint that this engine published with this data-parallel degree gets that far; DeepSpeed's own
-        # torch.load(weights_only=False) is held to tensors, plain values and its few data classes
+    def _frozen(self) -> list[tuple[str, torch.Tensor]]:
+        """Weights that are not trained (LoRA's base) and persistent buffers: saved, never in the optimizer."""
+        trained = {n for n, _, _ in self._trainable()}
+        keys = set(self.model.state_dict().keys())
+        named = [*self.model.named_parameters(), *self.model.named_buffers()]
+        return [(n, t) for n, t in named if n in keys and n not in trained]
+
+    def _base_states(self) -> list[dict[str, Any]]:
+        """The wrapped torch optimizer's per-partition states (where the Adam step count lives)."""
+        inner = getattr(self.ds.optimizer, "optimizer", self.ds.optimizer)
+        return [st for st in inner.state.values() if "step" in st]
+
+    @torch.no_grad()
+    def _link_states(self) -> None:
+        """ZeRO 1/2 create Adam's states at the first step and link them to the parameters' fragments after the
+        first group's step (later groups stay unlinked: their state did not exist yet). Create them if missing (a
+        zero-gradient step at lr 0 changes no weight; its step count is overwritten by a load) and link them all,
+        so `safe_get/set_full_optimizer_state` see every parameter's."""
+        zero = self.ds.optimizer
+        flats = getattr(zero, "single_partition_of_fp32_groups", None)
+        if flats is None or not hasattr(zero, "_lazy_init_hp_params_optimizer_state"):
+            return  # ZeRO-3 creates and reads its states itself
+        inner = zero.optimizer
+        if any(not inner.state.get(f) for f in flats):
+            saved = [(g["lr"], f.grad) for g, f in zip(inner.param_groups, flats, strict=True)]
+            for g, f in zip(inner.param_groups, flats, strict=True):
+                g["lr"], f.grad = 0.0, torch.zeros_like(f)
+            inner.step()
+            for g, f, (lr, grad) in zip(inner.param_groups, flats, saved, strict=True):
+                g["lr"], f.grad = lr, grad
+        zero._hp_optimizer_states_linked = False
+        zero._lazy_init_hp_params_optimizer_state()
+
+    def _full(self, t: torch.Tensor) -> torch.Tensor:
+        """A frozen weight or buffer as one full tensor (ZeRO-3 keeps even frozen weights partitioned)."""
+        if hasattr(t, "ds_id"):
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters([t]):
+                return t.detach().clone().cpu()
+        return t.detach().cpu()
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+        model: dict[str, torch.Tensor] = {}
+        optim: dict[str, Any] = {}
+        self._link_states()
+        steps = self._base_states()
+        step = steps[0]["step"] if steps else torch.tensor(0.0)
+        hyper = self.optimizer.param_groups
+        for name, p, gi in self._trainable():  # collective on every rank, in the same order
+            model[name] = safe_get_full_fp32_param(p).detach().cpu()
+            for key in ("exp_avg", "exp_avg_sq"):
+                value = safe_get_full_optimizer_state(p, key)
+                if value is not None:
+                    optim[f"state.{name}.{key}"] = value.detach().cpu()
+            optim[f"state.{name}.step"] = torch.as_tensor(step, dtype=torch.float32).detach().clone().cpu()
+            for key, value in hyper[gi].items():
+                if key != "params":
+                    optim[f"param_groups.{name}.{key}"] = value
+        for name, t in self._frozen():
+            model[name] = self._full(t)
+        state: dict[str, Any] = {"model": model, "optim": optim, "scheduler": self.scheduler.state_dict()}
+        if self.job.spec.optimization.precision == "fp16":
+            state["ds_loss_scale"] = float(getattr(self.ds.optimizer, "cur_scale", 0.0))
+        return state
+
+    def load_state(self, folder: str) -> None:
+        import deepspeed
+        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+        from seqtrain.checkpoint import dcp_format
+
+        target = self.checkpoint_state()  # full tensors of this job's shapes, filled in place from the folder
+        dcp_format.read(folder, target, self._dcp_group())
+        model, optim = target["model"], target["optim"]
+        for name, p, _ in self._trainable():
+            full = model[name]
+            safe_set_full_fp32_param(p, full)  # the fp32 master partition
+            for key in ("exp_avg", "exp_avg_sq"):
+                if f"state.{name}.{key}" in optim:
+                    safe_set_full_optimizer_state(p, optim[f"state.{name}.{key}"], key)
+            self._set_weight(p, full, deepspeed)  # the compute copy the next forward reads
+        for name, t in self._frozen():
+            self._set_weight(t, model[name], deepspeed)
+        step = next((v for k, v in optim.items() if k.startswith("state.") and k.endswith(".step")), None)
+        if step is not None:
+            for st in self._base_states():
+                # a tensor of its own per partition: AdamW increments it in place
+                st["step"] = torch.tensor(float(step), dtype=st["step"].dtype, device=st["step"].device) \
+                    if isinstance(st["step"], torch.Tensor) else float(step)
+        self.scheduler.load_state_dict(target["scheduler"])
+        self._reapply_schedule()
+        if "ds_loss_scale" in target and target["ds_loss_scale"] and hasattr(self.ds.optimizer, "cur_scale"):
+            self.ds.optimizer.cur_scale = target["ds_loss_scale"]
+
+    @staticmethod
+    @torch.no_grad()
+    def _set_weight(t: torch.Tensor, full: torch.Tensor, deepspeed: Any) -> None:
+        if hasattr(t, "ds_id"):  # ZeRO-3: gather, overwrite, re-partition (every rank holds the same value)
+            with deepspeed.zero.GatheredParameters([t], modifier_rank=0):
+                t.data.copy_(full.to(t.device))
+        else:
+            t.data.copy_(full.to(t.device))
+
+    def load_legacy(self, directory: str) -> None:
+        # DeepSpeed's own `zero/` folder (before the DCP format): only at the data-parallel degree that wrote it;
+        # DeepSpeed's own torch.load(weights_only=False) is held to tensors, plain values and its few data classes
         require_layout(directory, self.name, dp=self.ctx.dp_size)
         with restricted_loads(os.path.join(directory, TAG)):
             path, _ = self.ds.load_checkpoint(directory, tag=TAG, load_optimizer_states=True,

@@ -10,8 +10,10 @@ update exact. Gradients are reduce-scattered after every micro-batch (FSDP2's de
 unsharded across accumulation steps would cost a full fp32 gradient per rank, which is what ZeRO-3 removes.
 `seqtrain plan` counts the same (`seqtrain_operator.planner.memory`).
 
-Checkpoints use torch.distributed.checkpoint (DCP): every rank writes its shards plus global metadata, so a
-checkpoint can be loaded into a different data-parallel degree (elastic resume; tested dp2 -> dp1 -> dp2).
+Checkpoints use torch.distributed.checkpoint (DCP): without tensor parallel, the layout-independent tree of
+`seqtrain.checkpoint.dcp_format` (the Engine default: DTensor shards by single-process names), which any engine and
+data-parallel size resumes; with tensor parallel, one DCP folder per tensor-parallel rank (`fsdp-tp<i>/`, resumed at
+any dp degree with the same tp), as every checkpoint was before the common format (`fsdp/`, still read).
 """
 
 from __future__ import annotations
@@ -81,6 +83,7 @@ class FSDPEngine(Engine):
         # rank never holds its whole gradient shard (seqtrain.engine.in_backward says when that is exact)
         why_not = blocker(job, ctx.device, ctx.tp_size) if self.sharding else "one data-parallel rank"
         self.in_backward = StepInBackward(model, units, self.optimizer, ctx) if why_not is None else None
+        self.layout_independent = ctx.tp_size == 1  # TP slices are plain tensors: no global shape for DCP yet
 
     def step(self, micro_batches: list[Batch]) -> StepStats:
         # every micro-batch reduce-scatters into the sharded fp32 gradient (no set_requires_gradient_sync(False):
@@ -107,6 +110,8 @@ class FSDPEngine(Engine):
         return self.ctx.dp_group if self.ctx.distributed else None
 
     def save(self, directory: str) -> list[str]:
+        if self.layout_independent:
+            return []
         opts = StateDictOptions()
         state = {"model": get_model_state_dict(self.model, options=opts),
                  "optim": get_optimizer_state_dict(self.model, self.optimizer, options=opts)}
@@ -120,7 +125,7 @@ class FSDPEngine(Engine):
             files += [os.path.join(os.path.basename(path), f) for f in sorted(os.listdir(path))]
         return files if self.ctx.is_main or self.ctx.dp_rank == 0 else []
 
-    def load(self, directory: str) -> None:
+    def load_legacy(self, directory: str) -> None:
         opts = StateDictOptions()
         state = {"model": get_model_state_dict(self.model, options=opts),
                  "optim": get_optimizer_state_dict(self.model, self.optimizer, options=opts)}

@@ -38,6 +38,7 @@ from seqtrain.spec.job import SeqTrainJob
 
 class PipelineEngine(Engine):
     name = "native-pp"
+    layout_independent = False  # per-(pp, tp) shard files, resumed at any dp size on the same tp x pp
 
     def __init__(self, model: nn.Module, job: SeqTrainJob, ctx: DistContext) -> None:
         from torch.distributed.pipelining import PipelineStage
@@ -168,7 +169,7 @@ class PipelineEngine(Engine):
     def save(self, directory: str) -> list[str]:
         return save_shard(self.ctx, self.state_dict(), directory)
 
-    def load(self, directory: str) -> None:
+    def load_legacy(self, directory: str) -> None:
         self.load_state_dict(load_shard(self.ctx, directory))
 
 

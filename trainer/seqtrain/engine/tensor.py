@@ -18,6 +18,7 @@ from seqtrain.spec.job import SeqTrainJob
 
 class TensorParallelEngine(NativeEngine):
     name = "native-tp"
+    layout_independent = False  # per-(pp, tp) shard files, resumed at any dp size on the same tp x pp
 
     def __init__(self, model: nn.Module, job: SeqTrainJob, ctx: DistContext) -> None:
         super().__init__(model, job, ctx)
@@ -31,5 +32,5 @@ class TensorParallelEngine(NativeEngine):
     def save(self, directory: str) -> list[str]:
         return save_shard(self.ctx, self.state_dict(), directory)
 
-    def load(self, directory: str) -> None:
+    def load_legacy(self, directory: str) -> None:
         self.load_state_dict(load_shard(self.ctx, directory))

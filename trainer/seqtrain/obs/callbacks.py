@@ -99,7 +99,9 @@ class ProgressPublisher(BaseCallback):
 
     def on_step_end(self, trainer: Trainer, step: int, metrics: dict[str, Any]) -> None:
         saved = self._checkpoint(trainer, self._saving) if self._saving is not None else {}
-        self._saving = step if trainer.checkpoint_due() else None
+        if trainer.checkpoint_due() or saved:
+            self._saving = step if trainer.checkpoint_due() else None
+        # else: an async save still being written stays pending, reported at the first step end after it is published
         if isinstance(metrics.get("step_time_s"), (int, float)):
             self._step_times.append(float(metrics["step_time_s"]))
         # checkpointPolicy, workAtRisk (as of this step: its own save, if due, comes after the callbacks)

@@ -2,7 +2,8 @@
 
     python -m seqtrain.parallel.consolidate CHECKPOINTS/step-N OUT.pt
 
-Handles every engine's layout: DeepSpeed ZeRO 1-3 shards (`zero/`, through DeepSpeed's zero_to_fp32),
+Handles every engine's layout: the layout-independent DCP folder `state/` (seqtrain.checkpoint.dcp_format, what
+native, FSDP2 and DeepSpeed write today), and those of checkpoints written before it: DeepSpeed ZeRO 1-3 shards (`zero/`, through DeepSpeed's zero_to_fp32),
 FSDP2 DCP folders (`fsdp/`, `fsdp-tp<i>/`), tensor/pipeline shard files (`engine-pp<p>-tp<t>.pt`) and the
 replicated `engine.pt`. Tensor-parallel slices are concatenated back (column-parallel rows, row-parallel
 columns, vocabulary rows), pipeline stages are merged and the last stage's tied-embedding copy dropped.
@@ -113,6 +114,10 @@ def consolidate(step_dir: str) -> dict[str, torch.Tensor]:
     why = problem(step_dir, require_step_name=False)
     if why is not None:
         raise UnusableCheckpoint(why)
+    from seqtrain.checkpoint import dcp_format
+
+    if dcp_format.has_state(step_dir):  # any engine: single-process names and full shapes already
+        return _from_dcp(os.path.join(step_dir, dcp_format.STATE_DIR))
     engine = _meta(step_dir).get("engine")
     if engine == "deepspeed":
         if not os.path.isdir(os.path.join(step_dir, "zero")):

@@ -120,6 +120,11 @@ class CheckpointSpec(SpecModel):
     )
     pvc: str | None = Field(None, description="Kubernetes: PersistentVolumeClaim mounted at /checkpoints.")
     save_on_sigterm: bool = Field(True, description="Save a checkpoint when the trainer receives SIGTERM.")
+    async_save: bool = Field(
+        True, description="Stage each save in host memory and write it in the background while training goes on "
+        "(published atomically once every rank's write is complete; the next save waits for it). Engines that keep "
+        "their own files (tensor/pipeline parallel) always save synchronously."
+    )
 
     @field_validator("interval_steps", mode="before")
     @classmethod

@@ -1,20 +1,20 @@
 """Elastic gangs (spec.minReplicas): the gang sizes a job may run at, and why a setting cannot work.
 
 An attempt of an elastic job runs `with_replicas(n)` of the job for one n of `sizes(job)`: the same global batch over
-fewer data-parallel ranks (more accumulation), resumed from a checkpoint written at another size. The engines whose
-checkpoints reshard over a data-parallel change (DDP's replicated state, per-(pp, tp) shards written by dp rank 0,
-FSDP2's DCP) allow it; DeepSpeed's ZeRO files load only at the size that wrote them.
+fewer data-parallel ranks (more accumulation), resumed from a checkpoint written at another size. Every engine's
+checkpoint reshards over a data-parallel change: native DDP, FSDP2 and DeepSpeed ZeRO write the layout-independent
+DCP format (seqtrain.checkpoint.dcp_format), tensor/pipeline parallel one file per (pp, tp) shard written by dp
+rank 0. (A DeepSpeed checkpoint from before the DCP format loads only at the size that wrote them: the trainer
+says so when an elastic attempt meets one.)
 """
 
 from __future__ import annotations
 
-from seqtrain.layout.rules import engine_of, parallel_problems
+from seqtrain.layout.rules import parallel_problems
 from seqtrain.spec.job import SeqTrainJob
 from seqtrain.spec.model import ModelSpec
 from seqtrain.spec.problems import Problem
 from seqtrain.spec.resolve import resolved_model
-
-RESHARDING_ENGINES = "native DDP, tensor parallel, pipeline parallel and FSDP2 (zero.stage 3 on engine native)"
 
 
 def divisors_hint(n: int, limit: int = 6) -> str:
@@ -71,11 +71,6 @@ def elastic_problems(job: SeqTrainJob, m: ModelSpec) -> list[Problem]:
     if not s.elastic:
         return []
     out = []
-    if engine_of(job) == "deepspeed":
-        out.append(Problem("spec.minReplicas", "an elastic gang resumes its checkpoint at another data-parallel size, "
-                           "which the deepspeed engine cannot (ZeRO's partitioned files load only at the size that "
-                           f"wrote them); the engines that reshard are {RESHARDING_ENGINES}: change "
-                           "optimization.engine/zero.stage or remove minReplicas"))
     if s.scheduling.gang != "native":
         out.append(Problem("spec.minReplicas", f"an elastic gang is sized by seqtrain's own placement "
                            f"(scheduling.gang: native); {s.scheduling.gang} admits a gang of a fixed size: use gang "

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from seqtrain.checkpoint import CheckpointInfo, CheckpointManager
+from seqtrain.checkpoint.dcp_format import FORMAT
 from seqtrain.checkpoint.manager import io_timeout_seconds
 from seqtrain.checkpoint.safe_load import CheckpointUnavailable, UnusableCheckpoint, load_plain
 from seqtrain.data import SequenceBatches, build_train_data
@@ -126,6 +127,7 @@ class Trainer:
         self.saved_wall: float | None = None  # time.time() of the latest complete checkpoint
         self.ckpt_block_s: float | None = None  # what the last save blocked this rank's training for
         self._logged_interval: int | None = None
+        self._saved: CheckpointInfo | None = None  # the last save of this attempt
         self.model: torch.nn.Module
         self.engine: Engine
         self.data: SequenceBatches
@@ -223,6 +225,8 @@ class Trainer:
         return files
 
     def save_checkpoint(self) -> CheckpointInfo | None:
+        if self._saved is not None and self._saved.step == self.step:
+            return self._saved  # this step is saved already (an evaluation's best checkpoint, then the interval's)
         meta = {
             "engine": self.engine.name,
             "layout": {"dp": self.ctx.dp_size, "tp": self.ctx.tp_size, "pp": self.ctx.pp_size},
@@ -233,12 +237,18 @@ class Trainer:
             # how long the previous save took: a restarted gang's SIGTERM check starts from it
             "save_seconds": self.checkpoints.last_save_seconds,
         }
+        # layout-independent engines hand over one DCP tree (any engine / dp size resumes it), written in the
+        # background when checkpoint.asyncSave; the others write their own files inside the save
+        state = self.engine.checkpoint_state if self.engine.layout_independent else None
+        if state is not None:
+            meta["format"] = FORMAT
         # storage, not peers: the save has its own deadline (SEQTRAIN_CHECKPOINT_TIMEOUT_SECONDS), not the watchdog's
         started = time.monotonic()
         try:
             with waiting(f"checkpoint step-{self.step}: shard writes and the publishing barriers",
                          deadline_s=self.io_timeout_s + 60):
-                info = self.checkpoints.save(self.step, self._write_checkpoint, meta)
+                info = self._saved = self.checkpoints.save(self.step, self._write_checkpoint, meta, state=state,
+                                                           background=self.spec.checkpoint.async_save)
         finally:  # what training waited for, however the save is done (published as progress.checkpointSeconds)
             self.checkpoint_seconds += time.monotonic() - started
         if info is not None:
@@ -275,6 +285,7 @@ class Trainer:
 
     def save_seconds_estimate(self) -> float | None:
         """How long a save takes: this attempt's last one, else the one recorded in the checkpoint resumed from."""
+        self.checkpoints.wait()  # an async save in flight is published first, and its whole duration measured
         if self.checkpoints.last_save_seconds is not None:
             return self.checkpoints.last_save_seconds
         seconds = (self.resumed_from.meta.get("save_seconds") if self.resumed_from else None)
@@ -433,6 +444,10 @@ class Trainer:
             metrics = self.train_step()
             self.last_metrics = metrics
             self.callbacks.on_step_end(self, self.step, metrics)
+            # saved before the step's line is written, so the line carries what the save held training up
+            if (self.checkpoint_due() and not (self.terminate_requested or self.stop_training)
+                    and self.save_checkpoint() is not None and self.checkpoints.last_block_seconds is not None):
+                metrics["ckpt_block_s"] = round(self.checkpoints.last_block_seconds, 4)
             if self.ctx.is_main:
                 self.metrics_writer.append(metrics)
                 self.log_step(metrics)
@@ -450,8 +465,7 @@ class Trainer:
                         self.log(f"seqtrain: SIGTERM save of step {self.step} done in {self.ckpt_block_s or 0:.1f}s, "
                                  f"{since:.1f}s after the signal")
                 break
-            if self.checkpoint_due():
-                self.save_checkpoint()
+        self.checkpoints.wait()  # the last background write is published before the run reports its end
         self.prefetcher.close()
         self.callbacks.on_train_end(self, reason)
         self.log_end(reason)

@@ -1,0 +1,130 @@
+"""Async saves and the layout-independent DCP format, on one process: what the manager publishes, when, and what a
+crash or a tampered file leaves behind. (Real rank processes: tests/integration/test_async_checkpoints.py.)"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import threading
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+from seqtrain.checkpoint import CheckpointManager, dcp_format, latest_step
+from seqtrain.checkpoint.safe_load import UnusableCheckpoint
+from seqtrain.runtime.dist import DistContext
+
+
+def trainer_files(directory: str) -> list[str]:
+    Path(directory, "trainer.pt").write_bytes(b"t")
+    return ["trainer.pt"]
+
+
+def tree(value: float) -> dict:
+    return {"model": {"w": torch.full((4, 3), value)}, "optim": {"state.w.step": torch.tensor(value)},
+            "scheduler": {"last_epoch": int(value)}}
+
+
+def test_a_background_save_writes_what_was_staged_not_what_training_did_next(tmp_path: Path) -> None:
+    mgr = CheckpointManager(str(tmp_path), keep=3, ctx=DistContext())
+    live = tree(1.0)
+    info = mgr.save(1, trainer_files, {"loss": 2.0}, state=lambda: live, background=True)
+    live["model"]["w"].add_(100.0)  # the next optimizer step, while the write may still run
+    mgr.wait()
+    assert info is not None and info.path == str(tmp_path / "step-1") and latest_step(str(tmp_path)) == 1
+    assert mgr.last_block_seconds is not None and mgr.last_save_seconds is not None
+    got = tree(0.0)
+    dcp_format.read(str(tmp_path / "step-1" / dcp_format.STATE_DIR), got, None)
+    assert torch.equal(got["model"]["w"], torch.full((4, 3), 1.0)) and got["scheduler"]["last_epoch"] == 1
+
+
+def test_until_the_background_write_is_done_the_previous_checkpoint_stays_the_latest(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    mgr = CheckpointManager(str(tmp_path), keep=3, ctx=DistContext())
+    mgr.save(1, trainer_files, state=lambda: tree(1.0), background=True)
+    mgr.wait()
+    release = threading.Event()
+    real_write = dcp_format.write
+
+    def slow_write(state: dict, folder: str, group: object) -> None:
+        assert release.wait(60)
+        real_write(state, folder, group)
+
+    monkeypatch.setattr(dcp_format, "write", slow_write)
+    mgr.save(2, trainer_files, state=lambda: tree(2.0), background=True)
+    # training goes on; a crash now would find step-1 as the newest complete checkpoint and a .tmp folder
+    assert latest_step(str(tmp_path)) == 1 and (tmp_path / ".tmp-step-2").is_dir()
+    release.set()
+    mgr.save(3, trainer_files, state=lambda: tree(3.0), background=True)  # waits for step 2 first
+    mgr.wait()
+    assert sorted(n for n in os.listdir(tmp_path)) == ["step-1", "step-2", "step-3"]
+
+
+def test_a_failed_background_write_publishes_nothing_and_the_next_save_says_why(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    mgr = CheckpointManager(str(tmp_path), keep=3, ctx=DistContext())
+    mgr.save(1, trainer_files, state=lambda: tree(1.0))  # synchronous
+    monkeypatch.setattr(dcp_format, "write", lambda *a: (_ for _ in ()).throw(OSError(28, "No space left")))
+    mgr.save(2, trainer_files, state=lambda: tree(2.0), background=True)
+    with pytest.raises(OSError, match="No space left"):
+        mgr.wait()
+    assert latest_step(str(tmp_path)) == 1
+
+
+class Payload:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):  # noqa: ANN204
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_tampered_dcp_metadata_is_refused_without_running_it(tmp_path: Path) -> None:
+    """DCP's own reader unpickles `.metadata` in full; seqtrain's never builds anything but DCP's metadata classes."""
+    mgr = CheckpointManager(str(tmp_path), keep=3, ctx=DistContext())
+    mgr.save(1, trainer_files, state=lambda: tree(1.0))
+    folder = tmp_path / "step-1" / dcp_format.STATE_DIR
+    marker = Path(f"/tmp/PWNED-{uuid.uuid4().hex}")
+    with open(folder / ".metadata", "wb") as f:
+        pickle.dump(Payload(marker), f)
+    with pytest.raises(UnusableCheckpoint, match=r"\.metadata: refused.*os\.system|\.metadata: refused.*posix\.system"):
+        dcp_format.read(str(folder), tree(0.0), None)
+    assert not marker.exists()
+    # and the manager's resume check catches the changed file before anything reads it
+    assert mgr.latest() is None and (tmp_path / ".bad-step-1").is_dir()
+
+
+def test_a_checkpoint_of_another_model_is_refused_naming_the_tensor(tmp_path: Path) -> None:
+    from seqtrain.runtime.exitcodes import InvalidConfig
+
+    mgr = CheckpointManager(str(tmp_path), keep=3, ctx=DistContext())
+    mgr.save(1, trainer_files, state=lambda: tree(1.0))
+    other = {"model": {"w": torch.zeros(5, 3)}, "optim": {"state.w.step": torch.tensor(0.0)}}
+    with pytest.raises(InvalidConfig, match=r"model\.w has shape \[4, 3\] in the checkpoint but \[5, 3\]"):
+        dcp_format.read(str(tmp_path / "step-1" / dcp_format.STATE_DIR), other, None)
+    with pytest.raises(InvalidConfig, match=r"has no model\.v"):
+        dcp_format.read(str(tmp_path / "step-1" / dcp_format.STATE_DIR), {"model": {"v": torch.zeros(1)}}, None)
+
+
+def test_a_checkpoint_from_before_the_dcp_format_still_resumes_bit_exactly(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """`engine.pt` as every native checkpoint was written before the DCP format: the trainer resumes it."""
+    from test_checkpoint import losses, make_trainer
+
+    from seqtrain.engine.native import NativeEngine
+
+    ref = make_trainer(tmp_path / "ref")
+    assert ref.run() == "completed"
+    with monkeypatch.context() as m:
+        m.setattr(NativeEngine, "layout_independent", False)  # the engine's save before the DCP format
+        m.setenv("SEQTRAIN_FAULT_TERM_AT_STEP", "3")
+        assert make_trainer(tmp_path / "run").run() == "terminated"
+    old = tmp_path / "run" / "ckpt" / "step-3"
+    assert (old / "engine.pt").is_file() and not (old / dcp_format.STATE_DIR).exists()
+    resumed = make_trainer(tmp_path / "run")
+    assert resumed.resumed_from is not None and resumed.resumed_from.step == 3
+    assert resumed.run() == "completed"
+    assert losses(tmp_path / "run") == losses(tmp_path / "ref")
+    assert dcp_format.has_state(str(tmp_path / "run" / "ckpt" / "step-6"))  # new saves use the DCP format

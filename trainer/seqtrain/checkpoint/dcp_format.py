@@ -1,0 +1,110 @@
+"""The layout-independent checkpoint: one torch.distributed.checkpoint (DCP) folder, `<step dir>/state/`.
+
+Every engine that can (native DDP, FSDP2 without tensor parallel, DeepSpeed ZeRO 0-3) hands the manager the same
+tree, keyed by the single-process model's parameter names and holding full-shape tensors (plain, or DTensors whose
+global shape DCP records):
+
+    model.<fqn>                      weights
+    optim.state.<fqn>.<key>          optimizer state per parameter (AdamW: exp_avg, exp_avg_sq, step)
+    optim.param_groups.<fqn>.<key>   the hyper-parameters of that parameter's group
+    scheduler.*                      the LambdaLR's plain state
+    precision.*                      the loss scaler (native engines) / ds_loss_scale (DeepSpeed)
+
+DCP records each tensor's global shape and every rank's chunk of it, so any data-parallel size and any of those
+engines reads any other's folder (DCP reshards on load). Trainer state, data position and RNG stay seqtrain's own
+small files beside it.
+
+Async saves (`stage`): the tree is copied into host memory on the training thread (the only part the step waits
+for), then written by a background thread; see `CheckpointManager.save`.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from typing import Any
+
+import torch
+
+STATE_DIR = "state"  # the DCP folder inside a step folder
+FORMAT = "dcp-1"  # meta.json "format" of checkpoints with a STATE_DIR
+REQUIRED_PREFIXES = ("model.", "optim.state.")  # a checkpoint lacking one of the job's keys here cannot resume it
+
+
+def has_state(step_dir: str) -> bool:
+    return os.path.isdir(os.path.join(step_dir, STATE_DIR))
+
+
+def _stage_value(value: Any) -> Any:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        local = value.to_local().detach().to("cpu", copy=True)
+        return DTensor.from_local(local, value.device_mesh, value.placements, run_check=False, shape=value.shape,
+                                  stride=value.stride())
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)  # a copy even on the CPU: the next step updates the original
+    if isinstance(value, dict):
+        return {k: _stage_value(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_stage_value(v) for v in value)
+    return copy.deepcopy(value)
+
+
+def stage(state: dict[str, Any]) -> dict[str, Any]:
+    """A host-memory copy of `state` that training may not touch: what the background writer saves."""
+    return _stage_value(state)
+
+
+def write(state: dict[str, Any], folder: str, group: Any) -> None:
+    """Collective over `group` (None: this process alone): every rank writes its chunks, rank 0 the metadata;
+    files are fsynced before it returns."""
+    import torch.distributed.checkpoint as dcp
+
+    writer = dcp.FileSystemWriter(folder, sync_files=True)
+    dcp.save(state, storage_writer=writer, process_group=group, no_dist=group is None)
+
+
+def read(folder: str, target: dict[str, Any], group: Any) -> None:
+    """Fill `target` (this rank's tensors, any layout) in place from the DCP folder, through seqtrain's restricted
+    readers. Keys of the job the checkpoint lacks: a missing weight or optimizer state is refused naming it;
+    hyper-parameters and scheduler fields this job has and the checkpoint has not keep this job's values."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    from seqtrain.checkpoint.safe_load import dcp_load, read_dcp_metadata
+    from seqtrain.runtime.exitcodes import InvalidConfig
+
+    saved = read_dcp_metadata(os.path.join(folder, ".metadata")).state_dict_metadata
+    wanted = _flat_keys(target)
+    missing = [k for k in wanted if k.startswith(REQUIRED_PREFIXES) and k not in saved]
+    if missing:
+        raise InvalidConfig(f"{folder}: this checkpoint has no {missing[0]} ({len(missing)} of this job's weights "
+                            "and optimizer states missing): it was written for another model; resume with the model "
+                            "in its meta.json, or use a new checkpoint folder")
+    for key, value in wanted.items():
+        size = getattr(saved.get(key), "size", None)  # tensors only (byte items have none)
+        if isinstance(value, torch.Tensor) and size is not None and tuple(size) != tuple(value.shape):
+            raise InvalidConfig(f"{folder}: {key} has shape {list(size)} in the checkpoint but {list(value.shape)} "
+                                "in this job: it was written for another model; resume with the model in its "
+                                "meta.json, or use a new checkpoint folder")
+    planner = DefaultLoadPlanner(allow_partial_load=True)
+    if group is None:
+        dcp_load(folder, lambda reader: _load_state_dict(target, storage_reader=reader, planner=planner,
+                                                         no_dist=True))
+    else:
+        dcp_load(folder, lambda reader: dcp.load(target, storage_reader=reader, planner=planner,
+                                                 process_group=group))
+
+
+def _flat_keys(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """DCP's flattened names for `tree` (nested dicts joined with '.'), leaves as values."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            out.update(_flat_keys(value, name + "."))
+        else:
+            out[name] = value
+    return out
