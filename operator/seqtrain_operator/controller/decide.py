@@ -564,6 +564,9 @@ def _count_in_place(ctx: _Ctx, step_before: int) -> None:
     st.in_place_restarts += new
     st.restarts = min(ft.max_restarts, st.restarts + new)
     ck = _resume_step(ctx)
+    if p is not None and p.attempt == st.attempt and p.step_reached_before is not None:
+        # the ranks' own record: the old round's last steps may have come and gone between two observations
+        step_before = max(step_before, p.step_reached_before)
     st.steps_lost.append(max(0, step_before - (ck or 0)))
     msg = (f"attempt {st.attempt}: ranks restarted in place (round {rnd}, mode: in-place, same pods) "
            f"from checkpoint step {ck if ck is not None else 'none'}; restart {st.restarts}/{ft.max_restarts}")

@@ -137,7 +137,7 @@ def account(before: JobStatus, after: JobStatus, created: datetime | None, now: 
         else:
             books.add("training", seconds_between(train_from, now))
         if len(after.steps_lost) > len(before.steps_lost) and prev == "training":
-            books.move("recomputed", after.steps_lost[-1] * _step_seconds(before, p))
+            led.recompute_pending_steps += after.steps_lost[-1]
 
     if p is not None and p.attempt is not None and p.attempt >= led.attempt:
         # One trainer process: its attempt and when it began training. A new one in the same attempt (its ranks
@@ -153,13 +153,20 @@ def account(before: JobStatus, after: JobStatus, created: datetime | None, now: 
             if len(after.steps_lost) == len(before.steps_lost) and bp is not None:
                 # the steps since the checkpoint it resumed from (the latest the old process had published)
                 ck = before.last_checkpoint.step if before.last_checkpoint is not None else 0
-                books.move("recomputed", max(0, bp.step - ck) * _step_seconds(before, p))
+                led.recompute_pending_steps += max(0, bp.step - ck)
         seen = led.checkpoint_seconds if same else 0.0
         if p.checkpoint_seconds is not None:
             books.move("checkpoint_stall", p.checkpoint_seconds - seen)
         led.attempt, led.checkpoint_seconds = p.attempt, max(seen, p.checkpoint_seconds or 0.0)
         led.trainer_started_at = p.training_started_at
 
+    if led.recompute_pending_steps:
+        # priced at the failed trainer's step time, else the new one's once it has one: a pass may see the failure
+        # before either trainer reported a step time
+        step_s = _step_seconds(before, p)
+        if step_s > 0:
+            books.move("recomputed", led.recompute_pending_steps * step_s)
+            led.recompute_pending_steps = 0
     led.at, led.state = iso(max(now, since)), state
     after.time_ledger = led
     after.productive_seconds = round(books.productive, 3)

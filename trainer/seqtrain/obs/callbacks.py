@@ -94,6 +94,7 @@ class ProgressPublisher(BaseCallback):
         self.reporter.update(flush=True, step=trainer.step, loss=last.get("loss"), stop_reason=None, stop_message=None,
                              attempt=trainer.runtime.attempt, restart_round=int(rnd) if rnd.isdigit() else 0,
                              training_started_at=_iso_ms(), checkpoint_seconds=0.0, step_seconds=None,
+                             step_reached_before=trainer.metrics_writer.last_step,
                              **self._checkpoint(trainer, trainer.step) if trainer.resumed_from else {},
                              **{"skippedCheckpoints": skipped} if skipped else {}, **trainer.checkpoint_report())
 

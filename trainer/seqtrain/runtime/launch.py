@@ -52,6 +52,7 @@ DEFAULT_TERM_GRACE_SECONDS = 30.0  # SIGTERM -> SIGKILL when the pod is stopped 
 FAILURE_GRACE_SECONDS = 10.0
 POLL_SECONDS = 0.05
 _FORWARDED = (signal.SIGTERM, signal.SIGINT)
+_STARTED_AT = time.time()  # this launcher process is the incarnation: its rounds' ranks count time from here
 
 
 class LaunchError(Exception):
@@ -317,7 +318,8 @@ class _Round:
 
 def _round_env(rnd: _Round, marks: str | None) -> dict[str, str]:
     """What a rank of round `rnd` gets on top of its identity (see seqtrain.runtime.restart)."""
-    env = {restart.ROUND_ENV: str(rnd.number), restart.LAUNCHER_PID_ENV: str(os.getpid())}
+    env = {restart.ROUND_ENV: str(rnd.number), restart.LAUNCHER_PID_ENV: str(os.getpid()),
+           restart.STARTED_AT_ENV: f"{_STARTED_AT:.3f}"}
     if marks is not None:
         rnd.stepped_file = os.path.join(marks, f"stepped-{rnd.number}")
         env[restart.STEPPED_ENV] = rnd.stepped_file

@@ -43,6 +43,7 @@ DELAYS_ENV = "SEQTRAIN_INPLACE_DELAYS"
 PORT_ENV = "SEQTRAIN_RESTART_PORT"
 BARRIER_ENV = "SEQTRAIN_RESTART_BARRIER_SECONDS"
 ROUND_ENV = "SEQTRAIN_RESTART_ROUND"
+STARTED_AT_ENV = "SEQTRAIN_INCARNATION_STARTED_AT"  # epoch seconds the launcher (this incarnation) started
 NOT_BEFORE_ENV = "SEQTRAIN_START_NOT_BEFORE"  # wall-clock epoch seconds; ranks start training no earlier
 LAUNCHER_PID_ENV = "SEQTRAIN_LAUNCHER_PID"  # the rank's parent (PID 1 in a container: no other test works)
 STANDBY_ENV = "SEQTRAIN_STANDBY_FD"  # a spare rank reads its start order (JSON env) from this descriptor
@@ -123,6 +124,21 @@ def rounds_in(text: str | None) -> int:
             with contextlib.suppress(ValueError):
                 found = int(line[at + len(ROUNDS_MARKER):].split()[0])
     return found
+
+
+def in_place_history(environ: Mapping[str, str], now: float) -> tuple[int, float]:
+    """(failures, seconds) this incarnation spent before this round: the in-place restarts the launchers made, and
+    the wall time since the launcher started. The controller's failure history (the trainer config) is written when
+    the pods are created, so a rank restarted in place adds these itself (checkpoint.intervalSteps: auto's MTBF)."""
+    raw = environ.get(ROUND_ENV, "")
+    rounds = int(raw) if raw.isdigit() else 0
+    if rounds == 0:
+        return 0, 0.0
+    try:
+        started = float(environ.get(STARTED_AT_ENV, ""))
+    except ValueError:
+        return rounds, 0.0
+    return rounds, max(0.0, now - started)
 
 
 def restartable(code: int) -> bool:

@@ -60,6 +60,9 @@ class Progress(_StatusModel):
                                              "checkpoint saves so far.")
     step_seconds: float | None = Field(None, description="Mean wall time of one optimizer step in this attempt "
                                        "(prices the steps redone after a restart).")
+    step_reached_before: int | None = Field(None, description="The highest step trained before this trainer "
+                                            "resumed (its metrics.jsonl): the steps it redoes are those past its "
+                                            "checkpoint up to here.")
     restart_round: int | None = Field(None, description="In-place restarts of that incarnation so far (0: its first "
                                       "start).")
 
@@ -93,6 +96,8 @@ class TimeLedger(_StatusModel):
     checkpoint_seconds: float = Field(0.0, description="checkpointSeconds of `attempt` already charged.")
     trainer_started_at: str | None = Field(None, description="trainingStartedAt of the trainer process whose "
                                            "checkpointSeconds were charged.")
+    recompute_pending_steps: int = Field(0, description="Steps redone after a restart not yet charged to "
+                                         "`recomputed` (no step time known yet).")
 
 
 class CheckpointPolicy(_StatusModel):

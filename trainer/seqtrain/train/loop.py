@@ -115,10 +115,11 @@ class Trainer:
         # checkpoint.intervalSteps / intervalSeconds / auto: rank 0 decides when a save is due (seqtrain.train.interval)
         # and the end-of-step all-reduce tells every rank
         ck, history = self.spec.checkpoint, runtime.failure_history
+        in_place_failures, in_place_s = restart.in_place_history(os.environ, time.time())  # rounds of this attempt
         self.interval = IntervalPolicy(
             fixed_steps=ck.fixed_steps, fixed_seconds=ck.interval_seconds, min_steps=ck.min_interval_steps,
-            max_steps=ck.max_interval_steps, ranks=ctx.world_size, failures=history.failures,
-            earlier_running_s=history.running_seconds,
+            max_steps=ck.max_interval_steps, ranks=ctx.world_size, failures=history.failures + in_place_failures,
+            earlier_running_s=history.running_seconds + in_place_s,
             rank_mtbf_hours=history.rank_mtbf_hours or DEFAULT_RANK_MTBF_HOURS)
         self.save_due = False  # agreed by every rank at the end of the step
         self.started_at = time.monotonic()

@@ -26,6 +26,7 @@ class MetricsWriter:
 
     def __init__(self, path: str) -> None:
         self.path = path
+        self.last_step: int | None = None  # the highest step the file held before truncate_after (a resume)
 
     def truncate_after(self, step: int) -> int:
         """Keep only lines with step <= `step` (and unparsable tail lines are dropped). Returns lines kept."""
@@ -38,7 +39,10 @@ class MetricsWriter:
                     rec = json.loads(line)
                 except json.JSONDecodeError:
                     continue  # a line cut by a crash mid-write
-                if isinstance(rec, dict) and int(rec.get("step", 0)) <= step:
+                if not isinstance(rec, dict):
+                    continue
+                self.last_step = max(self.last_step or 0, int(rec.get("step", 0)))
+                if int(rec.get("step", 0)) <= step:
                     kept.append(json.dumps(rec) + "\n")
         tmp = self.path + ".tmp"
         with open(tmp, "w", encoding="utf-8") as f:
