@@ -156,6 +156,7 @@ def test_a_lost_pod_falls_back_to_re_creating_the_gang(testbed: Testbed, seqtrai
         assert dead != before[0]["spec"]["nodeName"]  # topology: spread
         node_back.append(dead)
         testbed.node_down(dead)  # replica 1's pod is lost with its node: replica 0's launcher cannot restart alone
+        testbed.fence(dead)  # an admin confirms it is down (out-of-service): its pod may be force-deleted
 
         st = wait("a re-created gang", lambda: (s := status(testbed, ns, name)).get("attempt", 0) >= 2 and s,
                   RUN_TIMEOUT, interval=1)
