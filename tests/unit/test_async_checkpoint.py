@@ -3,6 +3,7 @@ crash or a tampered file leaves behind. (Real rank processes: tests/integration/
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 import threading
@@ -94,6 +95,31 @@ def test_a_tampered_dcp_metadata_is_refused_without_running_it(tmp_path: Path) -
     assert not marker.exists()
     # and the manager's resume check catches the changed file before anything reads it
     assert mgr.latest() is None and (tmp_path / ".bad-step-1").is_dir()
+
+
+class _ByName:
+    """Pickles as Python >= 3.12 pickles an Enum member (the trainer image's Python): getattr(cls, name)."""
+
+    def __init__(self, cls: object, name: str) -> None:
+        self.cls, self.name = cls, name
+
+    def __reduce__(self) -> tuple:
+        return getattr, (self.cls, self.name)
+
+
+def test_dcp_metadata_from_python_3_12_enum_members_by_name_loads_and_nothing_else_does() -> None:
+    # A checkpoint written in the image (Python 3.13) refused to resume: "it names builtins.getattr".
+    from torch.distributed.checkpoint.planner import WriteItemType
+
+    from seqtrain.checkpoint.safe_load import _MetadataUnpickler
+
+    def load(obj: object) -> object:
+        return _MetadataUnpickler(io.BytesIO(pickle.dumps(obj))).load()
+
+    assert load([_ByName(WriteItemType, "TENSOR")]) == [WriteItemType.TENSOR]
+    for bad in (_ByName(WriteItemType, "__class__"), _ByName(WriteItemType, "mro"), _ByName(torch.Size, "count")):
+        with pytest.raises(pickle.UnpicklingError, match="not allowed in DCP metadata"):
+            load(bad)
 
 
 def test_a_checkpoint_of_another_model_is_refused_naming_the_tensor(tmp_path: Path) -> None:

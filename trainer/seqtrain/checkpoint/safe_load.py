@@ -20,6 +20,7 @@ kept and the rank exits CHECKPOINT_UNAVAILABLE, which the controller retries as 
 from __future__ import annotations
 
 import contextlib
+import enum
 import errno
 import os
 import pickle
@@ -157,8 +158,20 @@ _PLAIN = {("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "fro
           ("torch.distributed.checkpoint.planner", "WriteItemType")}
 
 
+def _enum_member(cls: Any, name: Any) -> Any:
+    """What `builtins.getattr` may do here: Python >= 3.12 pickles an Enum member as getattr(EnumClass, "NAME")
+    (the trainer image's and the GPU machines' Python; 3.11 pickles it by value). Only a member of an Enum class the
+    Unpickler itself let through, by its member name: no other attribute of anything."""
+    if isinstance(cls, type) and issubclass(cls, enum.Enum) and isinstance(name, str) and name in cls.__members__:
+        return cls[name]
+    raise pickle.UnpicklingError(f"getattr({getattr(cls, '__name__', type(cls).__name__)}, {name!r}) is not "
+                                 "allowed in DCP metadata (only members of its Enum classes)")
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("builtins", "getattr"):
+            return _enum_member
         if (module, name) in _PLAIN or (module in _DCP_MODULES and not name.startswith("__")):
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype | torch.layout |
