@@ -174,6 +174,9 @@ def test_rank_killed_from_outside_restarts_once_with_identical_losses(job_file: 
     sets = [] if in_place else ["--set", "faultTolerance.inPlaceRestarts=0"]
     proc = seqtrain("run", str(job_file), "--workdir", str(tmp_path), "-q", *sets, env=hold)
     wait_for("step 12", lambda: last_step(tmp_path) >= 12, proc)
+    # step 10's save is written in the background (checkpoint.asyncSave): killed before it is published, the ranks
+    # would resume from scratch, a race with machine speed
+    wait_for("checkpoint step 10 published", lambda: 10 in complete_steps(tmp_path), proc)
     pids = rank_pids(tmp_path)
     assert pids is not None
     os.kill(pids[1], signal.SIGKILL)
