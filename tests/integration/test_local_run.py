@@ -53,8 +53,11 @@ def job_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def seqtrain(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     full = dict(os.environ)
     full.update(env or {})
+    # SIGINT as at a terminal: a suite started in the background by a shell without job control (`make test &` in
+    # a script) inherits SIGINT ignored, and Python then installs no Ctrl-C handler in the child
     return subprocess.Popen([sys.executable, "-m", "seqtrain_operator.cli", *args], env=full, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def finish(proc: subprocess.Popen) -> tuple[int, str]:
