@@ -222,18 +222,24 @@ class Kube:
         """Every selected pod, `PAGE` at a time (one response never holds the whole cluster, in the apiserver's
         memory or in ours: `project` trims each page as it arrives), and the list's resourceVersion (where a
         watch continues from). A continue token that expired (410) starts the LIST over."""
+        if namespace:
+            return await self._paged(project, self.core.list_namespaced_pod, namespace,
+                                     label_selector=label_selector, field_selector=field_selector)
+        return await self._paged(project, self.core.list_pod_for_all_namespaces,
+                                 label_selector=label_selector, field_selector=field_selector)
+
+    async def _paged(self, project: Callable[[dict], dict] | None, call: Callable[..., Any], *args: Any,
+                     **selectors: str) -> tuple[list[dict], str]:
+        """One LIST `PAGE` at a time, each page trimmed by `project` as it arrives; a continue token that expired
+        (410) starts the LIST over. Returns the items and the list's resourceVersion."""
         items: list[dict] = []
         token: str | None = None
         while True:
-            kw: dict[str, Any] = {"label_selector": label_selector, "field_selector": field_selector,
-                                  "limit": PAGE}
+            kw: dict[str, Any] = {**selectors, "limit": PAGE}
             if token:
                 kw["_continue"] = token
             try:
-                if namespace:
-                    data = await self._call(self.core.list_namespaced_pod, namespace, **kw)
-                else:
-                    data = await self._call(self.core.list_pod_for_all_namespaces, **kw)
+                data = await self._call(call, *args, **kw)
             except ApiException as exc:
                 if exc.status == 410 and token:
                     items, token = [], None
@@ -252,25 +258,7 @@ class Kube:
     async def list_nodes_paged(self, label_selector: str = "", project: Callable[[dict], dict] | None = None
                                ) -> tuple[list[dict], str]:
         """Every selected node, `PAGE` at a time, and the list's resourceVersion (see list_pods_paged)."""
-        items: list[dict] = []
-        token: str | None = None
-        while True:
-            kw: dict[str, Any] = {"label_selector": label_selector, "limit": PAGE}
-            if token:
-                kw["_continue"] = token
-            try:
-                data = await self._call(self.core.list_node, **kw)
-            except ApiException as exc:
-                if exc.status == 410 and token:
-                    items, token = [], None
-                    continue
-                raise
-            page = data.get("items") or []
-            items.extend(map(project, page) if project is not None else page)
-            meta = data.get("metadata") or {}
-            token = meta.get("continue")
-            if not token:
-                return items, str(meta.get("resourceVersion") or "")
+        return await self._paged(project, self.core.list_node, label_selector=label_selector)
 
     async def crd_exists(self, name: str) -> bool:
         return await self.get_crd(name) is not None
