@@ -18,6 +18,7 @@ import base64
 import contextlib
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -212,6 +213,34 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def bindable(port: int) -> bool:
+    """Nothing listens on (or holds, as a connection's local end) 127.0.0.1:port; TIME_WAIT does not count, as for
+    the TCPStore's listener (libuv sets SO_REUSEADDR)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def rendezvous_port() -> int:
+    """A free port P with P+1 free too (the in-place restart coordinator's), below the kernel's ephemeral range.
+    Every pod here shares the host's network and the session's operator gives every job the same P: a port from
+    the ephemeral range (free_port) can be taken, minutes later, as the local end of any outgoing connection, and
+    the next job's rank 0 then fails with EADDRINUSE (seen in CI)."""
+    low = 32768
+    with contextlib.suppress(OSError, ValueError):
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(max(1024, low - 12000), low - 2)
+        if bindable(port) and bindable(port + 1):
+            return port
+    raise RuntimeError(f"no free port pair below {low} for the testbed's rendezvous")
+
+
 @dataclass
 class Operator:
     """The chart's release and the operator running locally as its ServiceAccount."""
@@ -220,6 +249,7 @@ class Operator:
     webhook_port: int
     proc: subprocess.Popen[bytes] | None = None
     metrics_port: int = field(default_factory=free_port)  # the chart's metrics.enabled passes --metrics-port too
+    master_port: int = field(default_factory=rendezvous_port)
     kubeconfig: Path = TB / "operator.kubeconfig"
     log: Path = TB / "logs" / "operator.log"
 
@@ -256,7 +286,7 @@ class Operator:
         # here shares the host's network: free ports for rendezvous and progress keep two testbeds on one machine
         # (two clones) apart.
         argv = [str(ROOT / ".venv" / "bin" / "seqtrain"), "operator", "--all-namespaces", "--peering=seqtrain",
-                f"--progress-port={free_port()}", f"--master-port={free_port()}", "--termination-grace=30",
+                f"--progress-port={free_port()}", f"--master-port={self.master_port}", "--termination-grace=30",
                 "--rank-mtbf-hours=50000",
                 "--node-lost-grace=40", f"--metrics-port={self.metrics_port}",
                 f"--webhook-port={self.webhook_port}", f"--webhook-cert-dir={certs}", "--verbose"]
@@ -283,6 +313,17 @@ class Operator:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(timeout=30)
 
+    def wait_rendezvous_free(self, timeout: float = 120) -> bool:
+        """Until no rank of an earlier job listens on the rendezvous ports: deleting a SeqTrainJob returns before its
+        pods' processes end (a SIGTERM save runs first), and the next job's rank 0 binds the same port here (one
+        network for every pod; on a cluster each pod has its own address). False after the timeout."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if bindable(self.master_port) and bindable(self.master_port + 1):
+                return True
+            time.sleep(0.5)
+        return False
+
     def logs(self, lines: int = 80) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:]) if self.log.exists() else ""
 
@@ -297,6 +338,15 @@ def seqtrain_operator(testbed: Testbed) -> Iterator[Operator]:
         yield op
     finally:
         op.stop()
+
+
+@pytest.fixture(autouse=True)
+def rendezvous_released(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After a test on the operator, its deleted jobs' ranks have let go of the rendezvous ports before the next
+    test's job starts (see Operator.wait_rendezvous_free); a test that left a job running is not waited for long."""
+    yield
+    if "seqtrain_operator" in request.fixturenames:
+        request.getfixturevalue("seqtrain_operator").wait_rendezvous_free()
 
 
 @pytest.fixture
