@@ -253,9 +253,9 @@ def _absent(read: Callable[[], Any]) -> bool:
 
 
 def add_node(cp: ControlPlane, name: str, *, pool: str, cpu: str = "8", memory: str = "32Gi", gpus: int = 0,
-             labels: dict[str, str] | None = None) -> None:
+             labels: dict[str, str] | None = None, extended: dict[str, str] | None = None) -> None:
     """A kwok node (kwok keeps it Ready and runs the pods bound to it) in `pool`."""
-    capacity = {"cpu": cpu, "memory": memory, "pods": "110", "ephemeral-storage": "100Gi"}
+    capacity = {"cpu": cpu, "memory": memory, "pods": "110", "ephemeral-storage": "100Gi", **(extended or {})}
     if gpus:
         capacity["nvidia.com/gpu"] = str(gpus)
     node = {"apiVersion": "v1", "kind": "Node",

@@ -120,6 +120,71 @@ def test_no_capacity_no_pods_and_a_condition_then_capacity_starts_gang(env):
     wait_for(lambda: "Unschedulable" in reasons(cp, ns), what="Unschedulable event")
 
 
+def test_placement_honours_the_pod_templates_resources_sidecars_and_node_affinity(env):
+    """What the template adds to a pod, kube-scheduler checks: rdma/ib, a sidecar's CPU, a required node affinity.
+    Placed by spec.resources alone, both replicas were pinned to the big node without rdma/ib and stayed Pending
+    (Insufficient rdma/ib) until PendingTimeout, then were pinned there again."""
+    b, _ = env
+    cp = b.cp
+    ns = _ns(env, "op-template")
+    add_node(cp, f"{ns}-a", pool=ns, cpu="32", memory="64Gi")  # sorts first, fits both by spec.resources
+    for n in ("b", "c"):  # rdma/ib for two replicas, CPU for one with its sidecar (1 + 3 of 6)
+        add_node(cp, f"{ns}-{n}", pool=ns, cpu="6", memory="16Gi", labels={"fabric": "ib"},
+                 extended={"rdma/ib": "2"})
+    add_node(cp, f"{ns}-d", pool=ns, cpu="32", memory="64Gi", labels={"fabric": "eth"}, extended={"rdma/ib": "8"})
+    template = {"spec": {
+        "containers": [{"name": "trainer", "resources": {"limits": {"rdma/ib": "1"}}},
+                       {"name": "shipper", "image": "fluent/fluent-bit:3.1",
+                        "resources": {"requests": {"cpu": "3", "memory": "256Mi"}}}],
+        "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+            {"matchExpressions": [{"key": "fabric", "operator": "In", "values": ["ib"]}]}]}}}}}
+    submit(cp, job_doc("ib", ns, podTemplate=template))
+    running = wait_running(cp, ns, "ib", 1, 2)  # kube-scheduler agrees with every pin
+    assert sorted(p["spec"]["nodeName"] for p in running) == [f"{ns}-b", f"{ns}-c"]
+    assert all(p["spec"]["containers"][0]["resources"]["limits"]["rdma/ib"] == "1" for p in running)
+    # A gang the template's needs cannot fit says so, naming them, and creates no pod.
+    submit(cp, job_doc("ib2", ns, podTemplate=template))
+    st = wait_for(lambda: condition(s := status(cp, ns, "ib2"), "Scheduled").get("reason") == "Unschedulable"
+                  and s, what="unschedulable")
+    msg = condition(st, "Scheduled")["message"]
+    assert "1 rdma/ib" in msg and "4000m CPU" in msg and "podTemplate node affinity not matched" in msg, msg
+    assert pods_of(cp, ns, "ib2") == []
+
+
+def test_a_gang_that_does_not_fit_shows_its_demand_to_the_autoscaler_and_runs_on_its_node(env):
+    """scheduling.autoscale: the gang's pods exist, unpinned and Unschedulable, so an autoscaler sees all of them;
+    the test plays the autoscaler and adds a node. Without autoscale no pod is created (the test above), and a
+    scale-from-zero pool would never grow. Nothing added within autoscaleTimeoutSeconds: the gang is torn down."""
+    b, _ = env
+    cp = b.cp
+    ns = _ns(env, "op-autoscale")
+    add_node(cp, f"{ns}-0", pool=ns, cpu="4", memory="8Gi")  # room for one replica of two
+    big = {"gpus": 0, "cpu": "3", "memory": "1Gi"}
+    submit(cp, job_doc("grow", ns, resources=big, scheduling={"autoscale": True}))
+    pods = wait_pods(cp, ns, "grow", 1, 2)
+    assert not any((p["spec"].get("affinity") or {}).get("nodeAffinity") for p in pods), pods  # not pinned
+    st = wait_for(lambda: condition(s := status(cp, ns, "grow"), "Scheduled").get("reason") == "ScaleUpRequested"
+                  and s, what="scale-up requested")
+    assert "need 2 replicas x (3000m CPU" in condition(st, "Scheduled")["message"]
+
+    def unschedulable() -> bool:  # what Cluster Autoscaler and Karpenter watch for
+        return any(c.get("reason") == "Unschedulable" for p in pods_of(cp, ns, "grow")
+                   for c in p["status"].get("conditions") or [] if c["type"] == "PodScheduled")
+    wait_for(unschedulable, what="a pod kube-scheduler marked Unschedulable")
+    add_node(cp, f"{ns}-1", pool=ns, cpu="4", memory="8Gi")  # the autoscaler's new node
+    running = wait_running(cp, ns, "grow", 1, 2)
+    assert sorted(p["spec"]["nodeName"] for p in running) == [f"{ns}-0", f"{ns}-1"]
+    assert wait_phase(cp, ns, "grow", "Running")["restarts"] == 0
+
+    # No node comes (each replica is larger than a node): past autoscaleTimeoutSeconds the gang is torn down.
+    submit(cp, job_doc("stuck", ns, resources={**big, "cpu": "5"},
+                       scheduling={"autoscale": True, "autoscaleTimeoutSeconds": 30}))
+    wait_pods(cp, ns, "stuck", 1, 2)
+    wait_for(lambda: "PendingTimeout" in reasons(cp, ns), 180, what="the gang torn down after 30 s")
+    st = status(cp, ns, "stuck")
+    assert st.get("restarts", 0) == 0 and st.get("infraRestarts", 0) == 0, st  # waiting is not a failure
+
+
 def test_pod_failure_restarts_whole_gang_then_max_restarts_fails(env):
     b, _ = env
     cp = b.cp

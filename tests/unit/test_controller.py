@@ -895,3 +895,37 @@ def test_a_re_created_gang_says_so_and_starts_a_new_round_count() -> None:
     assert create.attempt == 2 and create.in_place_delays == (4.0,) and d.status.restart_round == 0
     (ev,) = [e for e in d.of(Event) if e.reason == "Restarted"]
     assert "mode: re-created" in ev.message
+
+
+def test_a_gang_that_does_not_fit_is_created_unpinned_for_the_autoscaler_with_its_own_deadline() -> None:
+    job = gpu_job(replicas=3)
+    job.spec.scheduling.autoscale_timeout_seconds = 900
+    short = Observed(capacity=(free_node("a", gpus=8),), autoscaler=True)
+    d = decide(job, JobStatus(), short, T0)
+    (create,) = d.of(CreateGang)
+    assert create.plan is None and d.status.attempt == 1 and d.status.placement == []
+    sched = next(c for c in d.status.conditions if c.type == "Scheduled")
+    assert sched.reason == "ScaleUpRequested" and "need 3 replicas" in sched.message and "900s" in sched.message
+    assert "ScaleUpRequested" in [e.reason for e in d.of(Event)]
+    # not observed yet (a lagging cache): created again, still unpinned
+    again = decide(job, d.status, Observed(capacity=(), autoscaler=True), T0 + timedelta(seconds=1))
+    assert [c.plan for c in again.of(CreateGang)] == [None]
+    # the autoscaler's nodes take minutes: past pendingGraceSeconds (300) it waits, past 900 s it tears down
+    waiting = Observed(replicas=gang(1, "Running", "Pending", "Pending"), autoscaler=True)
+    assert not decide(job, d.status, waiting, T0 + timedelta(seconds=600)).of(DeleteGang)
+    late = decide(job, d.status, waiting, T0 + timedelta(seconds=901))
+    assert late.of(DeleteGang) == [DeleteGang(1, "PendingTimeout")]
+    assert "autoscaler added no room" in next(c for c in late.status.conditions if c.type == "Scheduled").message
+
+
+@pytest.mark.parametrize("operator_default, job_says, unpinned", [
+    (False, None, False), (True, None, True), (True, False, False), (False, True, True)])
+def test_the_jobs_autoscale_overrides_the_operators_default(operator_default: bool, job_says: bool | None,
+                                                            unpinned: bool) -> None:
+    job = gpu_job(replicas=3)
+    job.spec.scheduling.autoscale = job_says
+    d = decide(job, JobStatus(), Observed(capacity=(free_node("a", gpus=8),), autoscaler=operator_default), T0)
+    assert bool(d.of(CreateGang)) is unpinned
+    # a reason that is not capacity (an external scheduler missing, predecessors going) never autoscales
+    other = Observed(capacity=(free_node("a", gpus=8),), autoscaler=operator_default, unschedulable="busy")
+    assert not decide(job, JobStatus(), other, T0).of(CreateGang)

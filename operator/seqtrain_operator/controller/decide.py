@@ -49,6 +49,8 @@ from seqtrain_operator.planner.types import Unschedulable
 # How often to look again while waiting for capacity or for a dying gang to disappear.
 POLL_SECONDS = 5.0
 MAX_CAPACITY_POLL_SECONDS = 60.0
+# Scheduled condition reason of a native gang created unpinned for the node autoscaler (gang_policy.autoscales).
+SCALE_UP = "ScaleUpRequested"
 # When a node dies its pods' peers often fail first (a reset connection) while the dead node still looks Ready (the
 # node controller marks it NotReady only after its monitor grace period). Charging that echo to the user would use up
 # the wrong budget and avoid the wrong node: a user-class failure is acted on only after this long, or at once when
@@ -270,7 +272,9 @@ def _live_gang(ctx: _Ctx, current: tuple[ReplicaObservation, ...], status_step: 
         cond.set_condition(st, "Scheduled", "False", "Admitted", f"attempt {st.attempt}: admitted, starting", ctx.now)
         c.last_transition_time = iso(ctx.now)
     created = parse((c := cond.get(st, "Scheduled")) and c.last_transition_time)
-    grace = job.spec.scheduling.pending_grace_seconds
+    scaling = c is not None and c.reason == SCALE_UP
+    # Unpinned for the autoscaler: the wait for new nodes has its own, longer deadline.
+    grace = job.spec.scheduling.autoscale_timeout_seconds if scaling else job.spec.scheduling.pending_grace_seconds
     waited = seconds_between(created, ctx.now) if created else 0.0
     pulling = [r for r in current if r.phase == "Pending" and r.reason in IMAGE_PULL_REASONS]
     if pulling:
@@ -296,7 +300,8 @@ def _live_gang(ctx: _Ctx, current: tuple[ReplicaObservation, ...], status_step: 
     if (waited > grace and stuck) or (waited > start_limit and starting):
         # A partly started gang holds resources others need: tear it down and re-plan from scratch.
         why, limit = ("PendingTimeout", grace) if waited > grace and stuck else ("StartTimeout", start_limit)
-        what = "still unschedulable" if why == "PendingTimeout" else "placed but not started"
+        what = ("still unschedulable" + (" (the autoscaler added no room for them)" if scaling else "")
+                if why == "PendingTimeout" else "placed but not started")
         ctx.delete(st.attempt, why)
         cond.set_condition(st, "Scheduled", "False", why, f"replicas {what} after {limit}s; re-planning", ctx.now)
         ctx.event("Warning", why, f"attempt {st.attempt}: replicas {what} for {waited:.0f}s")
@@ -408,7 +413,8 @@ def _no_gang(ctx: _Ctx) -> None:
         if due is not None and due > ctx.now:
             ctx.actions.append(RequeueAfter(seconds_between(ctx.now, due)))
             return
-    if st.phase == "Scheduling" and scheduled is not None and scheduled.reason == "GangCreated" and st.attempt > 0:
+    if (st.phase == "Scheduling" and scheduled is not None and scheduled.reason in ("GangCreated", SCALE_UP)
+            and st.attempt > 0):
         # Created but not observed yet (a lagging cache, or the create failed half-way): create what is absent,
         # on the nodes the status says it was planned on.
         plan = gang_policy.plan_of(ctx.gang_job, st.placement) if obs.capacity is not None else None
@@ -440,14 +446,24 @@ def _no_gang(ctx: _Ctx) -> None:
     st.placement = gang_policy.placement_of(admitted.plan) if admitted.plan is not None else []
     size = f"{admitted.replicas} of {job.spec.replicas}" if admitted.replicas < job.spec.replicas else \
         f"{admitted.replicas}"
-    cond.set_condition(st, "Scheduled", "False", "GangCreated", f"attempt {st.attempt} created ({size} replicas)",
-                       ctx.now)
+    if admitted.scale_up:
+        limit = job.spec.scheduling.autoscale_timeout_seconds
+        cond.set_condition(st, "Scheduled", "False", SCALE_UP,
+                           f"attempt {st.attempt}: the gang does not fit today's nodes ({admitted.short}); its {size} "
+                           f"pods are created unpinned for the node autoscaler and must all be placed within "
+                           f"{limit}s (scheduling.autoscaleTimeoutSeconds)"[:1000], ctx.now)
+    else:
+        cond.set_condition(st, "Scheduled", "False", "GangCreated",
+                           f"attempt {st.attempt} created ({size} replicas)", ctx.now)
     # pendingGraceSeconds counts from here: the condition may have been False for long already (waiting for
     # capacity, a torn-down attempt), and that wait must not tear the new gang down before its pods could start.
     cond.get(st, "Scheduled").last_transition_time = iso(ctx.now)  # type: ignore[union-attr]
     where = f"from checkpoint step {resume}" if resume is not None else "from scratch"
     cond.enter_phase(st, "Scheduling", "GangCreated", f"attempt {st.attempt}: starting {size} replica(s) {where}",
                      ctx.now)
+    if admitted.scale_up:
+        ctx.event("Normal", SCALE_UP, f"attempt {st.attempt}: {size} replica(s) created unpinned for the node "
+                  f"autoscaler: {admitted.short}"[:1000])
     if restarting:
         ctx.event("Normal", "Restarted", f"attempt {st.attempt}: gang of {size} replica(s) re-created {where} "
                   "(mode: re-created, new pods)")

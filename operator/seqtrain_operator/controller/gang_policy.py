@@ -42,11 +42,21 @@ def may_create(observed: Observed) -> bool:
 @dataclass(frozen=True)
 class Admitted:
     """A gang admitted: `replicas` of them (fewer than spec.replicas only for an elastic job), placed by `plan`
-    (None: the backend's scheduler places it). short: why the full gang did not fit, when it runs smaller."""
+    (None: the backend's scheduler places it). short: why the full gang did not fit, when it runs smaller.
+    scale_up: no size fits today's nodes and the gang is created unpinned for the node autoscaler (`short` says
+    what is missing)."""
 
     replicas: int
     plan: Plan | None = None
     short: str | None = None
+    scale_up: bool = False
+
+
+def autoscales(job: SeqTrainJob, observed: Observed) -> bool:
+    """A native gang that does not fit is created unpinned for the node autoscaler: the job says so, or the
+    operator's default does (the cluster has one) and the job does not say no."""
+    own = job.spec.scheduling.autoscale
+    return job.spec.scheduling.gang == "native" and (own if own is not None else observed.autoscaler)
 
 
 def admit(job: SeqTrainJob, observed: Observed, avoid: tuple[str, ...]) -> Admitted | Unschedulable:
@@ -64,6 +74,8 @@ def admit(job: SeqTrainJob, observed: Observed, avoid: tuple[str, ...]) -> Admit
             return Admitted(n, got, full.reason if full else None)
         full = full or got
     assert full is not None
+    if autoscales(job, observed):
+        return Admitted(job.spec.replicas, None, full.reason, scale_up=True)
     return full
 
 

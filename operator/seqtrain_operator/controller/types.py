@@ -83,6 +83,8 @@ class Observed:
     created: when the job was created (the custom resource's creationTimestamp); None: the first pass is its
     creation (a local run). Lost-time accounting starts there.
     checkpoint_policy / work_at_risk: the trainer's `checkpointPolicy` and `workAtRisk` (None: not reported now).
+    autoscaler: the cluster has a node autoscaler (the operator's --autoscale): a native gang that does not fit is
+    created unpinned unless its spec.scheduling.autoscale is false.
     """
 
     replicas: tuple[ReplicaObservation, ...] = ()
@@ -96,6 +98,7 @@ class Observed:
     created: str | None = None
     checkpoint_policy: CheckpointPolicy | None = None
     work_at_risk: WorkAtRisk | None = None
+    autoscaler: bool = False
 
 
 # ---- actions: executed by the backend in the order given ----------------------------------------------------------

@@ -40,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a trainer pod has to checkpoint after SIGTERM")
     p.add_argument("--rank-mtbf-hours", type=float, default=None,
                    help="prior mean time between failures of one rank (GPU), hours, for checkpoint.intervalSteps: auto")
+    p.add_argument("--autoscale", action="store_true",
+                   help="the cluster has a node autoscaler: a native gang that does not fit is created unpinned so "
+                        "the autoscaler sees its demand (a job's spec.scheduling.autoscale overrides)")
     p.add_argument("--node-lost-grace", type=float, default=40.0,
                    help="seconds a node may be NotReady before its pods count as lost")
     p.add_argument("--scheduler-name", action="append", default=[], metavar="GANG=NAME",
@@ -111,7 +114,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings = Settings(master_port=args.master_port, progress_port=args.progress_port or None,
                         metrics_port=args.trainer_metrics_port or None,
                         termination_grace_seconds=args.termination_grace, scheduler_names=schedulers,
-                        rank_mtbf_hours=args.rank_mtbf_hours,
+                        rank_mtbf_hours=args.rank_mtbf_hours, autoscale=args.autoscale,
                         pod_policy=PodPolicy.of(args.pod_policy, args.allow_service_account,
                                                 args.allow_priority_class, args.allow_capability),
                         network_policy=args.network_policy, operator_namespace=args.operator_namespace,

@@ -66,6 +66,7 @@ class Settings:
     operator_namespace: str | None = None  # where the operator's pods run, and their labels: the progress poller
     operator_labels: dict[str, str] = field(default_factory=dict)
     rank_mtbf_hours: float | None = None  # cluster prior of checkpoint.intervalSteps: auto (None: the trainer's)
+    autoscale: bool = False  # the cluster has a node autoscaler (controller.gang_policy.autoscales)
 
     def scheduler_for(self, gang: str) -> str | None:
         return self.scheduler_names.get(gang) or EXTERNAL.get(gang, {}).get("scheduler")

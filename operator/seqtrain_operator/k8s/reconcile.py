@@ -239,7 +239,8 @@ async def reconcile(kube: Kube, cfg: Config, namespace: str, name: str, emit: Ev
     observed = Observed(replicas=replicas, latest_checkpoint=reported.checkpoint, progress=reported.progress,
                         progress_unreachable=unreachable, generation=body["metadata"].get("generation"),
                         skipped_checkpoints=reported.skipped, created=body["metadata"].get("creationTimestamp"),
-                        checkpoint_policy=reported.policy, work_at_risk=reported.at_risk)
+                        checkpoint_policy=reported.policy, work_at_risk=reported.at_risk,
+                        autoscaler=cfg.settings.autoscale)
     admitting = not replicas and status.phase not in TERMINAL_PHASES and not job.spec.suspend
     # An elastic gang running below its size: can it grow back? (the same capacity read, without creating)
     growing = (job.spec.elastic and status.phase == "Running" and not job.spec.suspend

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 from seqtrain.spec import SeqTrainJob
 from seqtrain.spec.cluster import Toleration
-from seqtrain_operator.planner.inventory import GPU_PRODUCT_LABEL, GPU_RESOURCE, cpu_millis, memory_bytes
+from seqtrain_operator.planner.affinity import Terms, matches, required_terms
+from seqtrain_operator.planner.inventory import GPU_PRODUCT_LABEL, GPU_RESOURCE, Requests, pod_requests
 from seqtrain_operator.planner.local import layout_of
 from seqtrain_operator.planner.types import Node, Plan, ReplicaAssignment, Unschedulable
 
@@ -45,23 +46,51 @@ class Demand:
     node_selector: tuple[tuple[str, str], ...] = ()
     tolerations: tuple[Toleration, ...] = ()
     other: tuple[tuple[str, int], ...] = ()  # ephemeral-storage bytes, other extended resources
+    node_terms: Terms = ()  # the pod template's required node affinity (nodeSelectorTerms), ANDed with the pin
 
     @classmethod
     def of(cls, job: SeqTrainJob) -> Demand:
         s = job.spec
+        r = replica_requests(job)
         return cls(
-            replicas=s.replicas, gpus=s.resources.gpus, cpu_millis=cpu_millis(s.resources.cpu),
-            memory_bytes=memory_bytes(s.resources.memory), gpu_product=s.resources.gpu_product,
+            replicas=s.replicas, gpus=r.gpus, cpu_millis=r.cpu_millis, memory_bytes=r.memory_bytes,
+            gpu_product=s.resources.gpu_product,
             node_selector=tuple(sorted(s.scheduling.node_selector.items())),
             tolerations=pod_tolerations(job),
-            other=((("ephemeral-storage", memory_bytes(s.resources.ephemeral_storage)),)
-                   if s.resources.ephemeral_storage else ()),
+            other=tuple((k, v) for k, v in r.other if v),
+            node_terms=required_terms(s.pod_template.spec.affinity),
         )
 
     def describe(self) -> str:
         parts = [f"{self.gpus} GPU"] if self.gpus else []
         parts += [f"{self.cpu_millis}m CPU", f"{self.memory_bytes / 2**30:.3g}Gi memory"]
+        parts += [f"{v} {k}" for k, v in self.other if k != "ephemeral-storage"]
         return ", ".join(parts)
+
+
+def replica_requests(job: SeqTrainJob) -> Requests:
+    """What one replica's pod requests, as kube-scheduler adds it up: the trainer container (spec.resources plus
+    the extended resources of the podTemplate's `trainer` entry, as k8s/template.py merges them), the template's
+    sidecars (native sidecars: summed) and init containers (the largest, beside the sidecars started before it).
+    Placing by spec.resources alone pinned pods to nodes without the template's rdma/ib, or over-committed CPU
+    with a sidecar's requests, and such pods stay Pending for ever."""
+    s = job.spec
+    res = s.resources
+    requests: dict[str, str] = {"cpu": res.cpu, "memory": res.memory}
+    if res.ephemeral_storage:
+        requests["ephemeral-storage"] = res.ephemeral_storage
+    if res.gpus:
+        requests[GPU_RESOURCE] = str(res.gpus)
+    override = s.pod_template.trainer().get("resources") or {}
+    for name, qty in {**(override.get("limits") or {}), **(override.get("requests") or {})}.items():
+        if "/" in name and name not in requests:
+            requests[name] = str(qty)
+    t = s.pod_template.spec
+    pod = {"spec": {"containers": [{"name": "trainer", "resources": {"requests": requests}}],
+                    "initContainers": [*t.init_containers,
+                                       *({**c, "restartPolicy": "Always"} for c in s.pod_template.sidecars())]}}
+    r = pod_requests(pod)
+    return Requests(r.gpus, r.cpu_millis, r.memory_bytes, 0, r.other)
 
 
 def pod_tolerations(job: SeqTrainJob) -> tuple[Toleration, ...]:
@@ -105,6 +134,8 @@ def exclusion(node: Node, demand: Demand) -> str | None:
             return f"nodeSelector {key}={value} not matched"
     if demand.gpu_product and node.labels.get(GPU_PRODUCT_LABEL) != demand.gpu_product:
         return f"{GPU_PRODUCT_LABEL} is not {demand.gpu_product}"
+    if not matches(demand.node_terms, node.name, node.labels):
+        return "podTemplate node affinity not matched"
     return None
 
 

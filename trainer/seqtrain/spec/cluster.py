@@ -231,6 +231,18 @@ class SchedulingSpec(SpecModel):
         "a 10-20 GB image pull, a volume attach) before the gang is torn down and re-planned; counted from the "
         "gang's creation. The reason shows in the Starting condition meanwhile."
     )
+    autoscale: bool | None = Field(
+        None, description="A native gang that does not fit today's nodes creates its pods anyway, not pinned to "
+        "nodes, so a cluster autoscaler (Cluster Autoscaler, Karpenter, GKE node auto-provisioning) sees the whole "
+        "gang's demand at once and adds nodes; kube-scheduler places the pods. All or nothing still holds: replicas "
+        "not placed within autoscaleTimeoutSeconds tear the gang down and the job waits again. Unset: the "
+        "operator's default (the chart's operator.autoscale, on where the cluster has an autoscaler); false: a gang "
+        "that does not fit creates no pod (without an autoscaler, placed pods would hold capacity while the rest "
+        "cannot run).")
+    autoscale_timeout_seconds: int = Field(
+        900, ge=30, le=DAY, description="With autoscale: how long the gang's unpinned pods may wait for the "
+        "autoscaler's nodes (counted from the gang's creation) before the gang is torn down and re-planned. New GPU "
+        "nodes take minutes: set it above your node pool's scale-up time.")
     node_selector: dict[str, str] = Field(default_factory=dict, description="Node labels every trainer pod requires.")
     tolerations: list[Toleration] = Field(default_factory=list, description="Tolerations of the trainer pods.")
     do_not_disrupt: bool = Field(
