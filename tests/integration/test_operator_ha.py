@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -21,10 +22,12 @@ from typing import Any
 
 import pytest
 from operator_harness import (
+    POOL_LABEL,
     Bed,
     FaultProxy,
     add_node,
     bed,
+    condition,
     finish_pods,
     job_doc,
     namespace,
@@ -53,15 +56,17 @@ def peers(b: Bed) -> dict[str, Any]:
 class Replica:
     """One `seqtrain operator` process behind its own fault proxy; its log goes to a file the test reads."""
 
-    def __init__(self, b: Bed, tmp: Path, ident: str, webhook: bool):
+    def __init__(self, b: Bed, tmp: Path, ident: str, webhook: bool, scope: tuple[str, ...] = ()):
         self.ident = ident
         self.log = tmp / f"{ident}.log"
         self.proxy = FaultProxy(upstream=b.cp.server, ca_file=b.cp.ca_file).start()
         env = {**os.environ, "KUBECONFIG": self.proxy.kubeconfig(str(tmp / f"{ident}.kubeconfig"), token=b.token),
                "POD_ID": ident, "OMP_NUM_THREADS": "1", "SEQTRAIN_CHECK_PATHS": "0",
                "PYTHONPATH": os.pathsep.join([str(ROOT / "trainer"), str(ROOT / "operator")])}
-        args = [sys.executable, "-m", "seqtrain_operator.cli", "operator", "--all-namespaces", "--peering=seqtrain",
-                f"--peering-lifetime={LIFETIME}", "--progress-port=0"]
+        # scope: a separate install watching these namespaces (its own operator, no peering with the others)
+        args = [sys.executable, "-m", "seqtrain_operator.cli", "operator", "--progress-port=0",
+                *([f"--namespace={n}" for n in scope] + ["--standalone"] if scope else
+                  ["--all-namespaces", "--peering=seqtrain", f"--peering-lifetime={LIFETIME}"])]
         if webhook:  # one port: one replica serves the chart's webhook (the test creates its job while it lives)
             args += [f"--webhook-port={b.webhook_port}", f"--webhook-cert-dir={b.webhook_certs}"]
         with open(self.log, "wb") as out:
@@ -184,6 +189,42 @@ def test_two_replicas_one_acts_and_the_other_takes_over(ha_bed, tmp_path):
         # test, releases the job's finalizer.
         teardown(cp, [ns], wait=False)
     print(f"hand-over took {took:.1f}s with --peering-lifetime={LIFETIME}")
+
+
+@pytest.mark.slow
+def test_two_installs_watching_their_own_namespaces_never_double_book_a_node(ha_bed, tmp_path):
+    """Two teams, two installs (`watchNamespaces: [team-a]` and `[team-b]`), one GPU node: each operator counts the
+    other's pods (its pod watch is cluster-wide, by the job label), so the second gang waits instead of being
+    pinned onto GPUs that are taken, where it would stay Pending."""
+    b = ha_bed
+    cp = b.cp
+    team_a, team_b = namespace(cp, "team-a"), namespace(cp, "team-b")
+    add_node(cp, f"{team_a}-gpu", pool=team_a, cpu="16", memory="64Gi", gpus=8)
+    installs = [Replica(b, tmp_path, "install-a", webhook=True, scope=(team_a,)),
+                Replica(b, tmp_path, "install-b", webhook=False, scope=(team_b,))]
+    whole_node = {"replicas": 1, "resources": {"gpus": 8, "cpu": "1", "memory": "1Gi"},
+                  "training": {"globalBatchSize": 8}, "scheduling": {"nodeSelector": {POOL_LABEL: team_a}}}
+    try:
+        def serving() -> bool:
+            with socket.socket() as sock:
+                return sock.connect_ex(("127.0.0.1", b.webhook_port)) == 0
+        wait_for(serving, 120, what="install a's webhook listening")
+        submit(cp, job_doc("a", team_a, **whole_node))
+        wait_running(cp, team_a, "a", 1, 1)
+        submit(cp, job_doc("b", team_b, **whole_node))
+        st = wait_for(lambda: condition(s := status(cp, team_b, "b"), "Scheduled").get("reason") == "Unschedulable"
+                      and s, what="team b's gang waiting for the GPUs team a holds")
+        assert "need 1 replicas x (8 GPU" in condition(st, "Scheduled")["message"], st
+        assert pods_of(cp, team_b, "b") == []
+        assert installs[0].writes(team_b) == [] and installs[1].writes(team_a) == []  # each acts in its own only
+        finish_pods(cp, team_a, "seqtrain.dev/job=a")  # team a's job ends: its GPUs are free
+        wait_phase(cp, team_a, "a", "Succeeded")
+        running = wait_running(cp, team_b, "b", 1, 1, timeout=180)
+        assert running[0]["spec"]["nodeName"] == f"{team_a}-gpu"
+    finally:
+        for r in installs:
+            r.stop()
+        teardown(cp, [team_a, team_b], wait=False)
 
 
 def test_peering_lifetime_too_short_is_refused(capsys):
