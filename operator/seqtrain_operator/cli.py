@@ -112,9 +112,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
         from seqtrain.runtime.launch import main as launch_main
 
         return launch_main(args.config, args.nproc_per_node)
+    from seqtrain.train.entry import leave
     from seqtrain.train.entry import main as train_main
 
-    return train_main(args.config)
+    leave(train_main(args.config))  # the rank process ends here (why: `leave`)
 
 
 def _positive_int(text: str) -> int:
