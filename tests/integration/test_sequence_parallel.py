@@ -92,6 +92,7 @@ def _worker(rank: int, port: int, results: Any) -> None:
         for sp in (False, True):
             out[f"saved sp={sp}"] = saved_bytes(_spec(), tokens, TP, sp, rank, dist.group.WORLD)
         results.put((rank, out))
+        dist.barrier()  # neither rank tears its pairs down while the other still uses them (SIGABRT)
     finally:
         dist.destroy_process_group()
 

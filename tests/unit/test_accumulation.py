@@ -95,6 +95,7 @@ def _dp_worker(rank: int, port: int, out: str) -> None:
     e.step(mine)
     if rank == 0:
         torch.save([p.detach() for p in e.model.parameters()], out)
+    torch.distributed.barrier()  # neither rank tears its pairs down while the other still uses them (SIGABRT)
     torch.distributed.destroy_process_group()
 
 

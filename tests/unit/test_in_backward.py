@@ -86,6 +86,7 @@ def _worker(rank: int, port: int, poisoned: str, out: str) -> None:
     if rank == 0:
         torch.save({"skipped": stats.skipped, "changed": changed, "finite": finite,
                     "warnings": [str(w.message) for w in caught if "in backward" in str(w.message)]}, out)
+    torch.distributed.barrier()  # neither rank tears its pairs down while the other still uses them (SIGABRT)
     torch.distributed.destroy_process_group()
 
 

@@ -86,6 +86,7 @@ def _rank(rank: int, tp: int, port: int, spec: ModelSpec, cases: list[dict[str, 
             rows.append({**case, **m})
         if rank == 0:
             out.put(rows)
+        dist.barrier()  # neither rank tears its pairs down while the other still uses them (SIGABRT)
     finally:
         dist.destroy_process_group()
 

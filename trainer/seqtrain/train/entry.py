@@ -126,6 +126,13 @@ def main(config_path: str) -> int:
         for cb in build_callbacks(trainer):
             trainer.callbacks.append(cb)
         reason = trainer.run()
+        # Every rank past its last collective before any tears its gloo pairs down: a rank still using a pair the
+        # other end closed dies of std::terminate (SIGABRT, exit 134, "terminate called without an active
+        # exception"), which failed a finished elastic gang in CI. Not after a failure or SIGTERM (a peer may be
+        # gone, or killed at the end of its grace); a peer lost right here is its own exit code's to report.
+        if reason != "terminated":
+            with contextlib.suppress(Exception):
+                ctx.barrier()
         return exitcodes.TERMINATED if reason == "terminated" else exitcodes.OK
     except InvalidConfig as exc:
         print(f"seqtrain train: invalid config:\n{exc}", file=sys.stderr, flush=True)
@@ -167,9 +174,9 @@ def main(config_path: str) -> int:
 
 def leave(code: int) -> NoReturn:
     """End a rank process with `code`, without the interpreter's and C++'s static destructors: `main` has written,
-    published and closed everything (checkpoints waited for, process group destroyed). A c10d/gloo thread still
-    joinable when the static destructors run aborts the process ("terminate called without an active exception",
-    exit 134) after a successful last step: seen once in CI, where it turned a finished elastic gang Failed."""
+    published and closed everything (checkpoints waited for, process group destroyed), and a c10d/gloo thread
+    still joinable when the static destructors run aborts the process ("terminate called without an active
+    exception", exit 134) instead of ending it with `code`."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
