@@ -280,8 +280,14 @@ def with_retry_absent(cp: ControlPlane, name: str) -> None:
 
 
 def _node_ready(cp: ControlPlane, name: str) -> bool:
+    """Ready, and the node lifecycle controller has lifted the taints it puts on a new node until it sees it Ready
+    (`node.kubernetes.io/not-ready:NoSchedule`): until then kube-scheduler, and the operator's planner, leave the
+    node out, and a test that placed a gang right after a node's Ready condition found it missing (spread put both
+    replicas on the other node)."""
     node = cp.core.read_node(name)
-    return any(c.type == "Ready" and c.status == "True" for c in (node.status.conditions or []))
+    ready = any(c.type == "Ready" and c.status == "True" for c in (node.status.conditions or []))
+    condition_taints = {"node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable"}
+    return ready and not any(t.key in condition_taints for t in (node.spec.taints or []))
 
 
 def delete_nodes(cp: ControlPlane, pool: str) -> None:
