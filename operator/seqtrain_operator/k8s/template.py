@@ -76,18 +76,16 @@ def _merge_affinity(ours: dict[str, Any] | None, theirs: dict[str, Any]) -> dict
     return out
 
 
-def _merge_trainer(container: dict[str, Any], override: dict[str, Any]) -> None:
+def _merge_trainer(container: dict[str, Any], override: dict[str, Any], extended: dict[str, str]) -> None:
     container["env"] = _merge_env(container.get("env") or [], override.get("env") or [])
     if override.get("envFrom"):
         container["envFrom"] = [*(container.get("envFrom") or []), *copy.deepcopy(override["envFrom"])]
     if override.get("volumeMounts"):
         container["volumeMounts"] = [*container["volumeMounts"], *copy.deepcopy(override["volumeMounts"])]
-    res = override.get("resources") or {}
-    extended = {**(res.get("limits") or {}), **(res.get("requests") or {})}
     for name, qty in extended.items():
-        if "/" in name and name not in container["resources"]["requests"]:
-            container["resources"]["requests"][name] = str(qty)
-            container["resources"]["limits"][name] = str(qty)
+        if name not in container["resources"]["requests"]:
+            container["resources"]["requests"][name] = qty
+            container["resources"]["limits"][name] = qty
     add = ((override.get("securityContext") or {}).get("capabilities") or {}).get("add") or []
     if add:
         caps = container["securityContext"].setdefault("capabilities", {})
@@ -108,7 +106,7 @@ def apply_pod_template(pod: dict[str, Any], template: PodTemplate, trainer_name:
     if t.automount_service_account_token is not None:
         spec["automountServiceAccountToken"] = t.automount_service_account_token
     trainer = next(c for c in spec["containers"] if c["name"] == trainer_name)
-    _merge_trainer(trainer, template.trainer())
+    _merge_trainer(trainer, template.trainer(), template.extended_resources())
     sidecars = [{**copy.deepcopy(c), "restartPolicy": "Always"} for c in template.sidecars()]
     if t.init_containers or sidecars:
         spec["initContainers"] = [*(spec.get("initContainers") or []), *copy.deepcopy(t.init_containers), *sidecars]

@@ -70,7 +70,7 @@ class Demand:
 
 def replica_requests(job: SeqTrainJob) -> Requests:
     """What one replica's pod requests, as kube-scheduler adds it up: the trainer container (spec.resources plus
-    the extended resources of the podTemplate's `trainer` entry, as k8s/template.py merges them), the template's
+    the extended resources of the podTemplate's `trainer` entry), the template's
     sidecars (native sidecars: summed) and init containers (the largest, beside the sidecars started before it).
     Placing by spec.resources alone pinned pods to nodes without the template's rdma/ib, or over-committed CPU
     with a sidecar's requests, and such pods stay Pending for ever."""
@@ -81,10 +81,7 @@ def replica_requests(job: SeqTrainJob) -> Requests:
         requests["ephemeral-storage"] = res.ephemeral_storage
     if res.gpus:
         requests[GPU_RESOURCE] = str(res.gpus)
-    override = s.pod_template.trainer().get("resources") or {}
-    for name, qty in {**(override.get("limits") or {}), **(override.get("requests") or {})}.items():
-        if "/" in name and name not in requests:
-            requests[name] = str(qty)
+    requests = {**s.pod_template.extended_resources(), **requests}  # as k8s/template.py merges them
     t = s.pod_template.spec
     pod = {"spec": {"containers": [{"name": "trainer", "resources": {"requests": requests}}],
                     "initContainers": [*t.init_containers,

@@ -7,6 +7,7 @@ group is created; the collective helpers below are then no-ops, so callers never
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 from dataclasses import dataclass, field
@@ -125,6 +126,14 @@ def init_distributed(use_gpu: bool, timeout_seconds: int = 600, expected_world: 
     return ctx
 
 
-def shutdown(ctx: DistContext) -> None:
+def shutdown(ctx: DistContext, settle: bool = False) -> None:
+    """Destroy the process group. `settle` (a rank that finished cleanly): first a barrier, so no rank tears its
+    gloo pairs down while a peer still uses them; that peer dies of std::terminate (SIGABRT, exit 134, "terminate
+    called without an active exception"), which failed a finished elastic gang in CI. Not after a failure or
+    SIGTERM: a peer may be gone, and the barrier would wait out the collective timeout. A barrier that fails
+    (a peer lost right there) is that peer's exit code's to report."""
     if ctx.distributed and dist.is_initialized():
+        if settle:
+            with contextlib.suppress(Exception):
+                dist.barrier()
         dist.destroy_process_group()

@@ -91,6 +91,13 @@ class PodTemplate(SpecModel):
         """The override of the trainer container ({} when none)."""
         return next((c for c in self.spec.containers if c.get("name") == TRAINER_CONTAINER), {})
 
+    def extended_resources(self) -> dict[str, str]:
+        """The extended resources (`rdma/ib`, `vpc.amazonaws.com/efa`: names with a `/`) the `trainer` entry adds to
+        the trainer container, requests over limits (requested and limited at that quantity)."""
+        res = self.trainer().get("resources") or {}
+        return {name: str(qty) for name, qty in {**(res.get("limits") or {}), **(res.get("requests") or {})}.items()
+                if "/" in name}
+
     def sidecars(self) -> list[dict[str, Any]]:
         return [c for c in self.spec.containers if c.get("name") != TRAINER_CONTAINER]
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
 import signal
@@ -71,9 +72,13 @@ def leave_error_line(exc: BaseException) -> None:
 
     path = termination_log()
     with contextlib.suppress(OSError):
-        if os.path.isfile(path) and os.path.getsize(path) == 0:
+        if os.path.isfile(path):
             with open(path, "a", encoding="utf-8") as f:
-                f.write(f"{exitcodes.ERROR_MARKER}{exitcodes.error_line(exc)}\n")
+                # Under a lock: two ranks failing together both saw the file empty and both wrote (a unit test
+                # flaked on it).
+                fcntl.flock(f, fcntl.LOCK_EX)
+                if os.fstat(f.fileno()).st_size == 0:
+                    f.write(f"{exitcodes.ERROR_MARKER}{exitcodes.error_line(exc)}\n")
 
 
 class _TerminateFlag:
@@ -105,6 +110,7 @@ def main(config_path: str) -> int:
     flag = _TerminateFlag()
     signal.signal(signal.SIGTERM, flag)
     ctx = None
+    settle = False
     try:
         cfg, job = _load(config_path)
         # Heavy imports only after the config is known to be good.
@@ -126,13 +132,7 @@ def main(config_path: str) -> int:
         for cb in build_callbacks(trainer):
             trainer.callbacks.append(cb)
         reason = trainer.run()
-        # Every rank past its last collective before any tears its gloo pairs down: a rank still using a pair the
-        # other end closed dies of std::terminate (SIGABRT, exit 134, "terminate called without an active
-        # exception"), which failed a finished elastic gang in CI. Not after a failure or SIGTERM (a peer may be
-        # gone, or killed at the end of its grace); a peer lost right here is its own exit code's to report.
-        if reason != "terminated":
-            with contextlib.suppress(Exception):
-                ctx.barrier()
+        settle = reason != "terminated"  # finished cleanly: the peers are there to settle with (runtime.dist)
         return exitcodes.TERMINATED if reason == "terminated" else exitcodes.OK
     except InvalidConfig as exc:
         print(f"seqtrain train: invalid config:\n{exc}", file=sys.stderr, flush=True)
@@ -169,7 +169,7 @@ def main(config_path: str) -> int:
             from seqtrain.runtime.dist import shutdown
 
             with contextlib.suppress(Exception):  # never mask the real exit code
-                shutdown(ctx)
+                shutdown(ctx, settle=settle)
 
 
 def leave(code: int) -> NoReturn:
