@@ -330,6 +330,7 @@ def test_grafana_dashboard_configmap_queries_only_exported_metrics():
         if variable["type"] == "query":
             selector = re.fullmatch(r"label_values\((.+),\s*\w+\)", variable["definition"])  # (series, label)
             assert selector and promql_metric_names(selector.group(1)) <= exported, variable["definition"]
-    # goodput, lost time by reason, progress and restarts per job
+    # goodput, lost time by reason, progress, restarts and work at risk per job
     assert {"seqtrain_job_goodput_ratio", "seqtrain_job_lost_seconds", "seqtrain_job_step",
-            "seqtrain_job_tokens_per_second", "seqtrain_job_restarts"} <= used
+            "seqtrain_job_tokens_per_second", "seqtrain_job_restarts", "seqtrain_job_work_at_risk_seconds",
+            "seqtrain_job_checkpoint_age_seconds"} <= used

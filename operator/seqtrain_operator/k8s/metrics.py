@@ -43,7 +43,17 @@ class OperatorMetrics:
                                        "(all ranks).", job, registry=r)
         self.job_restarts = Gauge("seqtrain_job_restarts", "Gang restarts of the job by failure class "
                                   "(status.restarts, status.infraRestarts).", [*job, "kind"], registry=r)
-        self._per_job = (self.goodput, self.productive, self.step, self.total_steps, self.tokens_per_second)
+        # What a failure now would lose (status.workAtRisk): what a person (or a script choosing a victim to
+        # preempt) reads to prefer the job that loses least; absent until the trainer reports it.
+        self.at_risk_seconds = Gauge("seqtrain_job_work_at_risk_seconds", "Training seconds since the latest "
+                                     "complete checkpoint (status.workAtRisk.seconds).", job, registry=r)
+        self.at_risk_steps = Gauge("seqtrain_job_work_at_risk_steps", "Steps trained since the latest complete "
+                                   "checkpoint (status.workAtRisk.steps).", job, registry=r)
+        self.checkpoint_age = Gauge("seqtrain_job_checkpoint_age_seconds", "Wall seconds since the latest complete "
+                                    "checkpoint was saved (status.workAtRisk.checkpointAgeSeconds).", job,
+                                    registry=r)
+        self._per_job = (self.goodput, self.productive, self.step, self.total_steps, self.tokens_per_second,
+                         self.at_risk_seconds, self.at_risk_steps, self.checkpoint_age)
 
     def job_phase(self, namespace: str, name: str, phase: str | None) -> None:
         key = (namespace, name)
@@ -78,6 +88,12 @@ class OperatorMetrics:
             self.total_steps.labels(**lv).set(st.progress.total_steps)
             if st.progress.tokens_per_second is not None:
                 self.tokens_per_second.labels(**lv).set(st.progress.tokens_per_second)
+        risk = st.work_at_risk
+        if risk is not None:
+            self.at_risk_seconds.labels(**lv).set(risk.seconds)
+            self.at_risk_steps.labels(**lv).set(risk.steps)
+            if risk.checkpoint_age_seconds is not None:
+                self.checkpoint_age.labels(**lv).set(risk.checkpoint_age_seconds)
         self.job_restarts.labels(**lv, kind="user").set(st.restarts)
         self.job_restarts.labels(**lv, kind="infrastructure").set(st.infra_restarts)
 
