@@ -1,5 +1,6 @@
-"""`seqtrain export` from real checkpoints: one process (the DCP `state/`) and tensor-parallel shards
-(engine-pp0-tp{0,1}.pt, consolidated first); transformers gives the trained model's logits."""
+"""`seqtrain export` from real checkpoints: one process and two tensor-parallel ranks (both the DCP `state/`; the
+tensor-parallel slices are recorded there as parts of the full tensors); transformers gives the trained model's
+logits."""
 
 from __future__ import annotations
 

@@ -4,8 +4,9 @@
 normalisation (see `seqtrain.models.loss`), clips, steps the optimizer and the schedule, and returns global
 `StepStats`. Checkpoints: engines with `layout_independent` hand the checkpoint manager `checkpoint_state()`, the
 tree of `seqtrain.checkpoint.dcp_format` (single-process names, full shapes: any engine and data-parallel size
-resumes it, `load_state`); the others (tensor / pipeline parallel) write their own files with `save(dir)`. `load(dir)`
-reads either, and the files of checkpoints written before the DCP format (`engine.pt`, ZeRO's `zero/`, `fsdp/`).
+resumes it, `load_state`); the others (pipeline parallel, FSDP2 with tensor parallel) write their own files with
+`save(dir)`. `load(dir)` reads either, and the files of checkpoints written before the DCP format (`engine.pt`,
+ZeRO's `zero/`, `fsdp/`, tensor parallel's `engine-pp0-tp*.pt`).
 """
 
 from __future__ import annotations
@@ -207,12 +208,18 @@ class Engine(ABC):
         opts = StateDictOptions(flatten_optimizer_state_dict=True)
         target = self.checkpoint_state()
         dcp_format.read(folder, target, self._dcp_group())
+        target = self._local_state(target)
         set_model_state_dict(self.model, target["model"], options=opts)
         set_optimizer_state_dict(self.model, self.optimizer, target["optim"], options=opts)
         self.scheduler.load_state_dict(target["scheduler"])
         self._reapply_schedule()
         if target.get("precision"):
             self.precision.load_state_dict(target["precision"])
+
+    def _local_state(self, tree: dict[str, Any]) -> dict[str, Any]:
+        """The tree `checkpoint_state` returned, filled by a load, as this rank's own tensors (engines whose
+        checkpoint tree wraps plain parameters in DTensors unwrap them here)."""
+        return tree
 
     def save(self, directory: str) -> list[str]:
         """Engines that are not layout-independent: write this rank's files into `directory`, return their names."""
@@ -229,9 +236,10 @@ class Engine(ABC):
                 from seqtrain.runtime.exitcodes import InvalidConfig
 
                 raise InvalidConfig(f"{directory}: written in the layout-independent DCP format, which the {self.name} "
-                                    "engine (tensor/pipeline parallel) does not read yet: resume with "
-                                    "optimization.tensorParallel and pipelineParallel 1 (any engine, any data-parallel "
-                                    "size), or use a new checkpoint folder")
+                                    "engine (pipeline parallel, or FSDP2 with tensor parallel) does not read yet: "
+                                    "resume with optimization.pipelineParallel 1 and, under FSDP2 (zero.stage 3), "
+                                    "tensorParallel 1 (any other engine, tensor-parallel or data-parallel size), or "
+                                    "use a new checkpoint folder")
             self.load_state(os.path.join(directory, dcp_format.STATE_DIR))
             return
         self.load_legacy(directory)

@@ -199,6 +199,17 @@ def tp_param_names(model: nn.Module) -> set[str]:
     return out
 
 
+def tp_shard_dims(model: nn.Module) -> dict[str, tuple[int, int]]:
+    """Sharded parameter name -> (the dim it is split on, that dim's full size), from the modules' `tp_slice`:
+    what a checkpoint needs to record each slice's place in the full tensor (`seqtrain.engine.tensor`)."""
+    out = {}
+    for name, mod in model.named_modules():
+        sl = getattr(mod, "tp_slice", None)
+        if sl is not None and isinstance(getattr(mod, "weight", None), torch.Tensor):
+            out[f"{name}.weight" if name else "weight"] = (int(sl[0]), int(sl[2]))
+    return out
+
+
 def apply_tensor_parallel(model: nn.Module, rank: int, size: int, group: Any) -> nn.Module:
     """Shard a GPT in place: heads and MLP hidden units per rank, vocabulary rows per rank. Returns the model,
     which now also has `lm_loss(hidden, targets)` (vocabulary-parallel cross-entropy sum)."""
