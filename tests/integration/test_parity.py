@@ -43,6 +43,8 @@ LAYOUTS: dict[str, tuple[dict, int]] = {
     "pp2-1f1b": ({"replicas": 2, "optimization.pipelineParallel": 2, "optimization.pipelineSchedule": "1f1b"}, 2),
     "dp2xtp2": ({"replicas": 2, "resources.processesPerReplica": 2, "optimization.tensorParallel": 2}, 4),
     "dp2xpp2": ({"replicas": 4, "optimization.pipelineParallel": 2}, 4),
+    "pp2xtp2": ({"replicas": 2, "resources.processesPerReplica": 2, "optimization.pipelineParallel": 2,
+                 "optimization.tensorParallel": 2}, 4),
     "tp2-sp": ({"resources.processesPerReplica": 2, "optimization.tensorParallel": 2,
                 "optimization.sequenceParallel": True}, 2),
     "dp2xtp2-sp": ({"replicas": 2, "resources.processesPerReplica": 2, "optimization.tensorParallel": 2,
@@ -153,8 +155,11 @@ def test_fsdp2_resumes_into_a_different_data_parallel_degree(root: Path) -> None
 # (written by, resumed as): every layout-independent engine reads every other's DCP checkpoint at another dp size
 RESHARDS = [("dp2", "zero2-dp1"), ("zero2-dp2", "single"), ("zero3-dp2", "fsdp2-dp2"), ("fsdp2-dp2", "zero2-dp2"),
             ("zero2-dp2", "zero2-dp1"),
-            # tensor parallel: its slices are saved with their place in the full tensor, so the degree may change
-            ("tp2", "single"), ("dp2", "tp2"), ("dp2xtp2", "zero2-dp2"), ("zero3-dp2", "dp2xtp2")]
+            # tensor parallel: its slices are saved with their place in the full tensor, so the degree may change;
+            ("tp2", "single"), ("dp2", "tp2"), ("dp2xtp2", "zero2-dp2"), ("zero3-dp2", "dp2xtp2"),
+            # pipeline stages: their parameters under the single-process names (the tied copy is the embedding)
+            ("pp2-1f1b", "single"), ("dp2", "pp2-gpipe"), ("dp2xpp2", "tp2"), ("tp2", "dp2xpp2"), ("pp2xtp2", "dp2"),
+            ("dp2xtp2", "pp2xtp2")]
 RESUMED_AS = {"single": ({}, 1), "zero2-dp1": ({"optimization.zero.stage": 2}, 1)}
 
 
@@ -173,14 +178,14 @@ def test_a_checkpoint_resumes_on_another_engine_and_data_parallel_size(src: str,
     assert_parity(losses(wd), losses(run("single", {}, 1, root)))
 
 
-def test_a_pipeline_parallel_job_refuses_a_dcp_checkpoint_naming_the_fix(root: Path) -> None:
-    """The pipeline engine keeps its own shard files: a DCP checkpoint is refused with the fix, not half-loaded
-    (exit 3, invalid config: the checkpoint is kept)."""
-    wd = root / "dp2-as-pp2"
+def test_fsdp2_with_tensor_parallel_refuses_a_dcp_checkpoint_naming_the_fix(root: Path) -> None:
+    """FSDP2 with tensor parallel keeps its own shard files: a DCP checkpoint is refused with the fix, not
+    half-loaded (exit 3, invalid config: the checkpoint is kept)."""
+    wd = root / "dp2-as-fsdp2-dp2xtp2"
     _resume_from_step2(run("dp2", *LAYOUTS["dp2"], root), wd)
-    sets, world = LAYOUTS["pp2-1f1b"]
+    sets, world = LAYOUTS["fsdp2-dp2xtp2"]
     assert run_ranks(job_for({**CKPT, **sets}), wd, world) == [3] * world
-    assert "resume with optimization.pipelineParallel 1" in logs(wd)
+    assert "resume with optimization.tensorParallel 1 or another zero.stage than 3" in logs(wd)
     assert (wd / "checkpoints" / "step-2" / "meta.json").is_file()
 
 

@@ -4,9 +4,8 @@
 normalisation (see `seqtrain.models.loss`), clips, steps the optimizer and the schedule, and returns global
 `StepStats`. Checkpoints: engines with `layout_independent` hand the checkpoint manager `checkpoint_state()`, the
 tree of `seqtrain.checkpoint.dcp_format` (single-process names, full shapes: any engine and data-parallel size
-resumes it, `load_state`); the others (pipeline parallel, FSDP2 with tensor parallel) write their own files with
-`save(dir)`. `load(dir)` reads either, and the files of checkpoints written before the DCP format (`engine.pt`,
-ZeRO's `zero/`, `fsdp/`, tensor parallel's `engine-pp0-tp*.pt`).
+resumes it, `load_state`); FSDP2 with tensor parallel writes its own files with `save(dir)`. `load(dir)` reads either, and the files of checkpoints written before the DCP format (`engine.pt`,
+ZeRO's `zero/`, `fsdp/`, tensor and pipeline parallel's `engine-pp*-tp*.pt`).
 """
 
 from __future__ import annotations
@@ -236,10 +235,9 @@ class Engine(ABC):
                 from seqtrain.runtime.exitcodes import InvalidConfig
 
                 raise InvalidConfig(f"{directory}: written in the layout-independent DCP format, which the {self.name} "
-                                    "engine (pipeline parallel, or FSDP2 with tensor parallel) does not read yet: "
-                                    "resume with optimization.pipelineParallel 1 and, under FSDP2 (zero.stage 3), "
-                                    "tensorParallel 1 (any other engine, tensor-parallel or data-parallel size), or "
-                                    "use a new checkpoint folder")
+                                    "engine (FSDP2 with tensor parallel) does not read yet: resume with "
+                                    "optimization.tensorParallel 1 or another zero.stage than 3 (any other engine "
+                                    "and layout reads it), or use a new checkpoint folder")
             self.load_state(os.path.join(directory, dcp_format.STATE_DIR))
             return
         self.load_legacy(directory)

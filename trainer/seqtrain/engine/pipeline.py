@@ -19,7 +19,8 @@ from torch import nn
 
 from seqtrain.data import Batch
 from seqtrain.engine.base import Engine, StepStats
-from seqtrain.engine.sharded import load_shard, save_shard
+from seqtrain.engine.global_state import GlobalState
+from seqtrain.engine.sharded import load_shard
 from seqtrain.layout.rules import pipeline_micro_batches
 from seqtrain.layout.topology import INTERLEAVED_CHUNKS
 from seqtrain.parallel.grads import all_reduce_grads, clip_grad_norm
@@ -31,14 +32,13 @@ from seqtrain.parallel.pipeline import (
     layout,
     schedule_class,
 )
-from seqtrain.parallel.tensor import tp_param_names
+from seqtrain.parallel.tensor import tp_param_names, tp_shard_dims
 from seqtrain.runtime.dist import DistContext
 from seqtrain.spec.job import SeqTrainJob
 
 
 class PipelineEngine(Engine):
     name = "native-pp"
-    layout_independent = False  # per-(pp, tp) shard files, resumed at any dp size on the same tp x pp
 
     def __init__(self, model: nn.Module, job: SeqTrainJob, ctx: DistContext) -> None:
         from torch.distributed.pipelining import PipelineStage
@@ -71,6 +71,10 @@ class PipelineEngine(Engine):
         self.tied = pp > 1 and getattr(model, "lm_head", None) is None
         # the last stage's copy has the same gradient as the first stage's: count it once in the norm
         self.skip_names = {f"stage{self.stage_ids[-1]}.{TIED_COPY}"} if self.tied and self.last_stage else set()
+        # checkpoints: the stages' parameters under the single-process names (the tied copy is the embedding),
+        # tensor-parallel slices as parts of the full tensors (seqtrain.engine.global_state)
+        mesh = ctx.mesh["tp"] if ctx.mesh is not None and ctx.tp_size > 1 else None
+        self.global_state = GlobalState(container, _single_process_name, tp_shard_dims(model), mesh)
 
     # ---- the schedule ------------------------------------------------------------------------------------
     def _loss_fn(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -166,11 +170,22 @@ class PipelineEngine(Engine):
         count = torch.stack([b.num_targets() for b in batches]).sum()
         return float(total), int(count)
 
-    def save(self, directory: str) -> list[str]:
-        return save_shard(self.ctx, self.state_dict(), directory)
+    def checkpoint_state(self) -> dict[str, Any]:
+        return self.global_state.to_global(super().checkpoint_state())
+
+    def _local_state(self, tree: dict[str, Any]) -> dict[str, Any]:
+        return self.global_state.to_local(tree)
 
     def load_legacy(self, directory: str) -> None:
+        """A checkpoint from before the DCP format: this rank's `engine-pp<p>-tp<t>.pt` (same layout only)."""
         self.load_state_dict(load_shard(self.ctx, directory))
+
+
+def _single_process_name(name: str) -> str:
+    """`stage3.blocks.5.attn.q.weight` -> `blocks.5.attn.q.weight` (a Stage keeps the full model's module names);
+    the last stage's copy of a tied embedding is the embedding."""
+    rest = name.split(".", 1)[1]
+    return "embed.weight" if rest == TIED_COPY else rest
 
 
 def _stage_tp_names(model: nn.Module, bounds: tuple[int, int]) -> set[str]:

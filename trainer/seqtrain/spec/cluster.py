@@ -123,7 +123,7 @@ class CheckpointSpec(SpecModel):
     async_save: bool = Field(
         True, description="Stage each save in host memory and write it in the background while training goes on "
         "(published atomically once every rank's write is complete; the next save waits for it). Engines that keep "
-        "their own files (pipeline parallel, FSDP2 with tensor parallel) always save synchronously."
+        "their own files (FSDP2 with tensor parallel) always save synchronously."
     )
 
     @field_validator("interval_steps", mode="before")

@@ -2,9 +2,9 @@
 
 An attempt of an elastic job runs `with_replicas(n)` of the job for one n of `sizes(job)`: the same global batch over
 fewer data-parallel ranks (more accumulation), resumed from a checkpoint written at another size. Every engine's
-checkpoint reshards over a data-parallel change: native DDP, tensor parallel, FSDP2 and DeepSpeed ZeRO write the
-layout-independent DCP format (seqtrain.checkpoint.dcp_format), pipeline parallel one file per (pp, tp) shard
-written by dp rank 0. (A DeepSpeed checkpoint from before the DCP format loads only at the size that wrote them: the trainer
+checkpoint reshards over a data-parallel change: native DDP, tensor and pipeline parallel, FSDP2 and DeepSpeed ZeRO
+write the layout-independent DCP format (seqtrain.checkpoint.dcp_format), FSDP2 with tensor parallel one folder per
+tp shard. (A DeepSpeed checkpoint from before the DCP format loads only at the size that wrote them: the trainer
 says so when an elastic attempt meets one.)
 """
 
