@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import signal
 
 import pytest
 from kubernetes.client.rest import ApiException
@@ -16,6 +18,7 @@ from operator_harness import (
     add_node,
     condition,
     delete_job,
+    events,
     fast_config,
     finish_pods,
     job,
@@ -35,6 +38,8 @@ from operator_harness import (
 )
 
 from seqtrain_operator.k8s import handlers
+from testbed.fixtures import TB, rendezvous_port
+from testbed.node_agent import AGENT_LABEL, IGNORE_DELETION
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -346,4 +351,93 @@ def test_an_eviction_is_a_disruption_and_a_budget_makes_it_wait(env):
         assert status(cp, ns, "k")["attempt"] == 1
     finally:
         _release(cp, ns, ["j-1-1"], [])
+        op.stop()
+
+
+def test_a_429_retry_after_is_waited_out_and_the_job_still_runs(env):
+    """The fault proxy answers the operator's first pod creations and a status write 429 Too Many Requests with
+    Retry-After: 2 (an apiserver over its max-in-flight limit, or API Priority and Fairness). The operator's client
+    (k8s/client.py, Kube._call) sends the same request again no sooner than that (its own backoff would retry in
+    0.2 s), and the job still gets its pods and completes. The wait is read from the proxy's request log: the
+    retry's arrival minus the refused request's arrival is a lower bound of what the client waited, so the check
+    does not race the machine's speed. (kopf's own requests go through kopf's client, which honours Retry-After
+    itself since kopf 1.43: handlers.KOPF_FLOOR.)"""
+    b, _ = env
+    cp, proxy = b.cp, b.proxy
+    ns = _ns(env, "res-429")
+    wait_s = 2.0
+    pods_path, status_path = rf"/namespaces/{ns}/pods$", rf"/namespaces/{ns}/seqtrainjobs/j/status$"
+    pods_429 = proxy.add_rule("POST", pods_path, status=429, times=2, retry_after=wait_s)
+    status_429 = proxy.add_rule("PATCH", status_path, status=429, times=1, retry_after=wait_s)
+    op = OperatorThread(fast_config(), b.webhook()).start()
+    try:
+        submit(cp, job_doc("j", ns))
+        wait_running(cp, ns, "j", 1, 2)
+        wait_phase(cp, ns, "j", "Running")
+        finish_pods(cp, ns, "seqtrain.dev/attempt=1")
+        st = wait_phase(cp, ns, "j", "Succeeded")
+    finally:
+        op.stop()
+    assert (pods_429.hits, status_429.hits) == (2, 1)
+    assert (st["restarts"], st["attempt"]) == (0, 1)
+    posts = proxy.requests("POST", pods_path)
+    refused = [r for r in posts if r.status == 429]
+    assert len(refused) == 2
+    for r in refused:
+        name = r.body["metadata"]["name"]
+        retry = next(x for x in posts if x.at > r.at and x.body["metadata"]["name"] == name)
+        assert retry.at - r.at >= wait_s, (name, retry.at - r.at)
+    assert proxy.count("POST", pods_path, status=201) == 2  # each pod created once, none doubled
+    patches = proxy.requests("PATCH", status_path)
+    (r,) = [x for x in patches if x.status == 429]
+    retry = next(x for x in patches if x.at > r.at)
+    assert retry.at - r.at >= wait_s, retry.at - r.at
+
+
+def test_a_replica_stuck_terminating_on_a_ready_node_is_force_deleted_saying_so(env, testbed):
+    """A wedged kubelet: replica 1 dies, the gang restarts, and the deletion of replica 0 (still running, on a Ready
+    node) is never acted on nor confirmed (the node agent ignores it: testbed.seqtrain.dev/ignore-deletion). Once the
+    pod is past its grace period by the operator's `termination_overdue`, the operator force-deletes it, with the
+    Terminating condition and a ForceDeleted event, and the restarted gang runs to the end. Real trainer processes
+    on the node agent's nodes; a 1 s grace and a 2 s overdue limit keep it short (production: 120 s and 60 s).
+    (A pod that has ended is deleted at once by the apiserver whatever its kubelet does: only a running one can be
+    stuck, hence the peer of the replica that died.)"""
+    b, _ = env
+    cp = b.cp
+    ns = _ns(env, "res-stuck")
+    cfg = fast_config(termination_grace_seconds=1, master_port=rendezvous_port())
+    cfg.termination_overdue = 2.0
+    # every rank of attempt 1 holds after step 1 (until SIGTERM, idle: no collective notices a peer's death)
+    hold = [{"name": "SEQTRAIN_FAULT_HOLD_AT_STEP", "value": "1:600"}, {"name": "SEQTRAIN_FAULT_ATTEMPT", "value": "1"}]
+    doc = job_doc("j", ns, resources={"cpu": "500m"}, model={"arch": "gpt", "preset": "tiny"},
+                  data={"source": "builtin", "seqLen": 32}, training={"steps": 4, "globalBatchSize": 2},
+                  scheduling={"nodeSelector": {AGENT_LABEL: "true"}}, faultTolerance={"inPlaceRestarts": 0},
+                  podTemplate={"spec": {"containers": [{"name": "trainer", "env": hold}]}})
+    op = OperatorThread(cfg, b.webhook()).start()
+    try:
+        submit(cp, doc)
+        stuck, dying = wait_running(cp, ns, "j", 1, 2)
+        cp.core.patch_namespaced_pod(stuck["metadata"]["name"], ns,
+                                     {"metadata": {"annotations": {IGNORE_DELETION: "true"}}})
+
+        def holding(pod: dict) -> bool:
+            log = TB / "agent" / "pods" / pod["metadata"]["uid"] / "container.log"
+            return log.exists() and "holding after step 1" in log.read_text(errors="replace")
+
+        wait_for(lambda: holding(stuck) and holding(dying), 180, what="both ranks holding after step 1")
+        os.killpg(testbed.pod_pid(dying["metadata"]["uid"]), signal.SIGKILL)  # the gang restarts
+
+        def force_deleted() -> list[str]:
+            return [msg for reason, msg in events(cp, ns) if reason == "ForceDeleted"]
+
+        (told,) = wait_for(force_deleted, 120, what="the ForceDeleted event")
+        assert "replica(s) 0 still terminating" in told and stuck["spec"]["nodeName"] in told, told
+        wait_for(lambda: not pods_of(cp, ns, "j", 1), 60, what="j-1-0 force-deleted")
+        wait_running(cp, ns, "j", 2, 2)
+        st = wait_phase(cp, ns, "j", "Succeeded", timeout=300)
+        assert st["attempt"] == 2, st
+        # said True (TerminationOverdue, with the event's message) while it was stuck; False once it was gone
+        c = condition(st, "Terminating")
+        assert (c["status"], c["reason"]) == ("False", "Gone"), c
+    finally:
         op.stop()

@@ -6,7 +6,8 @@ authorizes the real caller) and recorded; responses, watch streams included, are
 Rules, checked in the order they were added, make chosen requests (method, path regex, watch or not) fail:
 
 - `status=409|500|503|429|...`: answered by the proxy with a Kubernetes `Status` body, never forwarded (the
-  apiserver saw nothing, as when a write loses a race or the apiserver is overloaded);
+  apiserver saw nothing, as when a write loses a race or the apiserver is overloaded); a 429 says
+  `Retry-After: <retry_after>` (1 s unless the rule says);
 - `delay=S`: held S seconds before forwarding (longer than the client's timeout: a timeout; the client gives up);
 - `drop_after=N` (watches): N watch events are forwarded, then the connection is cut without the chunked
   terminator, as when an apiserver or a load balancer in between goes away;
@@ -65,6 +66,7 @@ class Rule:
     times: int | None = 1
     after: int = 0
     query: re.Pattern[str] | None = None  # searched in the query string (None: any)
+    retry_after: float = 1.0  # a 429's Retry-After header, seconds
     seen: int = 0  # matching requests so far (the first `after` are let through)
     hits: int = 0  # requests this rule acted on
 
@@ -133,14 +135,14 @@ class FaultProxy:
 
     def add_rule(self, method: str, path: str, *, watch: bool | None = None, status: int | None = None,
                  message: str = "", delay: float = 0.0, drop_after: int | None = None, gone: bool = False,
-                 times: int | None = 1, after: int = 0, query: str | None = None) -> Rule:
+                 times: int | None = 1, after: int = 0, query: str | None = None, retry_after: float = 1.0) -> Rule:
         if sum(x is not None and x is not False for x in (status, drop_after, gone or None)) > 1:
             raise ValueError("a rule does one of status=, drop_after=, gone=")
         if (drop_after is not None or gone) and watch is False:
             raise ValueError("drop_after= and gone= act on watch streams; leave watch= unset or True")
         rule = Rule(method.upper(), re.compile(path), watch=True if (drop_after is not None or gone) else watch,
                     status=status, message=message, delay=delay, drop_after=drop_after, gone=gone, times=times,
-                    after=after, query=re.compile(query) if query is not None else None)
+                    after=after, query=re.compile(query) if query is not None else None, retry_after=retry_after)
         with self._lock:
             self.rules.append(rule)
         return rule
@@ -269,7 +271,7 @@ class FaultProxy:
             await asyncio.sleep(rule.delay)  # the client may give up meanwhile: this handler is then cancelled
         if rule is not None and rule.status is not None:
             rec.status, rec.injected = rule.status, True
-            headers = {"Retry-After": "1"} if rule.status == 429 else None
+            headers = {"Retry-After": f"{rule.retry_after:g}"} if rule.status == 429 else None
             return web.json_response(status_body(rule.status, rule.message), status=rule.status, headers=headers)
         if rule is not None and rule.gone:
             rec.status, rec.injected = 200, True

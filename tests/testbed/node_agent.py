@@ -21,7 +21,8 @@ to one of its nodes it does what the kubelet documentation says a kubelet does, 
   with FallbackToLogsOnError and a failure, the log's last 80 lines / 2048 bytes;
 - honours deletion: SIGTERM to the process group, SIGKILL after the pod's grace period
   (metadata.deletionGracePeriodSeconds), and only when the processes are gone confirms with a delete of grace 0
-  (with the pod's uid as precondition), as the kubelet does.
+  (with the pod's uid as precondition), as the kubelet does; a pod annotated
+  testbed.seqtrain.dev/ignore-deletion=true is left Terminating (a wedged kubelet) until it is force-deleted.
 
 Containers beside the first (a sidecar, an injected proxy) run as processes of their own, as the kubelet runs them:
 native sidecars (init containers with `restartPolicy: Always`) start first, are listed in initContainerStatuses
@@ -196,6 +197,9 @@ def terminated_state(exit_code: int, oom: bool, message: str, started: str, fini
 
 # Test-only: a pod with this annotation stays ContainerCreating for that many seconds before it starts.
 START_DELAY = "testbed.seqtrain.dev/start-delay-seconds"
+# Test-only: a deleted pod with this annotation ("true") stays Terminating: the agent neither signals its processes
+# nor confirms the deletion, as a wedged kubelet or container runtime does. Only a force delete (grace 0) ends it.
+IGNORE_DELETION = "testbed.seqtrain.dev/ignore-deletion"
 
 
 def pod_conditions(ready: bool, initialized: bool = True) -> list[dict[str, Any]]:
@@ -305,6 +309,7 @@ class Agent:
         self.capacity = dict(capacity)
         self.procs: dict[str, Proc] = {}
         self.creating: dict[str, float] = {}  # pod uid -> when it entered ContainerCreating (START_DELAY)
+        self.ignored: set[str] = set()  # uids of deleted pods left Terminating (IGNORE_DELETION), logged once
         self.down: set[str] = set()
         self.stop = threading.Event()
         (state / "down").mkdir(parents=True, exist_ok=True)
@@ -708,6 +713,11 @@ class Agent:
         if proc is not None and proc.popen.poll() is not None and proc.finished_at is None:
             proc.finished_at = now()
         if meta.get("deletionTimestamp"):
+            if (meta.get("annotations") or {}).get(IGNORE_DELETION) == "true":
+                if uid not in self.ignored:
+                    self.ignored.add(uid)
+                    LOG.info("pod %s/%s: deletion ignored (%s)", meta["namespace"], meta["name"], IGNORE_DELETION)
+                return
             if proc is not None and any(p.popen.poll() is None for p in [proc, *proc.extra.get("companions", [])]):
                 if proc.term_sent is None:
                     grace = meta.get("deletionGracePeriodSeconds")
@@ -769,6 +779,7 @@ class Agent:
 
     def forget(self, uid: str) -> None:
         self.creating.pop(uid, None)
+        self.ignored.discard(uid)
         proc = self.procs.pop(uid, None)
         if self.runtime is not None:
             self.runtime.remove(uid, proc)

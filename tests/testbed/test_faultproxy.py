@@ -130,6 +130,15 @@ def test_status_rules_answer_a_kubernetes_status_without_forwarding_then_stop(en
     assert sum(1 for m, p, _ in up.seen if m == "PATCH") == 2 and sum(1 for m, _, _ in up.seen if m == "GET") == 2
 
 
+def test_a_429_says_retry_after_as_the_rule_asks(env):
+    _, proxy = env
+    proxy.add_rule("POST", r"/pods$", status=429, times=1)
+    proxy.add_rule("POST", r"/pods$", status=429, times=1, retry_after=2.5)
+    r = [requests.post(proxy.url + "/api/v1/namespaces/a/pods", json={}, headers=AUTH, timeout=10) for _ in range(3)]
+    assert [x.status_code for x in r] == [429, 429, 201]
+    assert [x.headers.get("Retry-After") for x in r[:2]] == ["1", "2.5"] and r[0].json()["reason"] == "TooManyRequests"
+
+
 def test_a_rule_with_a_query_acts_only_on_requests_whose_query_matches(env):
     _, proxy = env
     listing = proxy.add_rule("GET", r"^/api/v1/pods$", query=r"fieldSelector=", status=500)

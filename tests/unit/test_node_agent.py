@@ -266,6 +266,24 @@ def test_a_dead_node_kills_its_processes_and_reports_nothing_more(agent: Any) ->
     assert (term["exitCode"], term["reason"]) == (137, "Error")
 
 
+def test_a_pod_annotated_ignore_deletion_stays_terminating_until_force_deleted(agent: Any) -> None:
+    """A wedged kubelet: the deletion is neither acted on (no SIGTERM) nor confirmed; once the pod object is gone
+    (a force delete, grace 0), its processes are killed and its folders go."""
+    a, core = agent
+    core.pods["w"] = make_pod("w", "import time; print('ready', flush=True); time.sleep(600)")
+    run_until(a, lambda: core.pods["w"]["status"]["phase"] == "Running")
+    proc = a.procs["uid-w"]
+    core.pods["w"]["metadata"] |= {"deletionTimestamp": "now", "deletionGracePeriodSeconds": 0,
+                                   "annotations": {na.IGNORE_DELETION: "true"}}
+    for _ in range(5):
+        a.sync()
+    assert proc.term_sent is None and proc.popen.poll() is None and core.confirmed == [] and "w" in core.pods
+    del core.pods["w"]  # force-deleted
+    a.sync()
+    assert proc.popen.poll() == -9 and "uid-w" not in a.procs and not (a.state / "pods" / "uid-w").exists()
+    assert core.confirmed == []
+
+
 SLEEPER = {"name": "log-shipper", "image": "unused", "command": ["sleep", "3600"]}
 
 

@@ -56,3 +56,23 @@ def test_a_checkpoint_claim_one_node_can_mount_is_refused_for_a_multi_node_gang(
     assert claim_problem(two, claim("ReadWriteOnce", bound=("ReadWriteOnce", "ReadWriteMany"))) is None
     assert claim_problem(one, claim("ReadWriteOnce")) is None
     assert claim_problem(two, None) is None  # not created yet: its pods wait for it
+
+
+def test_the_kopf_floor_in_pyproject_is_the_one_the_code_documents() -> None:
+    """pyproject.toml requires the kopf that handlers.KOPF_FLOOR explains: kopf's client honours Retry-After (its
+    `enforce_retry_after` setting, new in 1.43.0), and enable_webhook's kopf.on.validate(operations=...) exists."""
+    import inspect
+    import re
+    from pathlib import Path
+
+    import tomllib
+
+    from seqtrain_operator.k8s import handlers
+
+    root = Path(__file__).resolve().parents[2]
+    deps = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]["operator"]
+    (kopf_req,) = [d for d in deps if re.match(r"kopf\b", d)]
+    assert kopf_req == f"kopf>={handlers.KOPF_FLOOR}"
+    assert hasattr(kopf.OperatorSettings().networking, "enforce_retry_after")
+    assert "operations" in inspect.signature(kopf.on.validate).parameters
+    assert "operations=" in inspect.getsource(handlers.enable_webhook)

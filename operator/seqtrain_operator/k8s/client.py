@@ -117,15 +117,16 @@ class Budget:
     A burst of thousands of pod creations then reaches the apiserver at a rate it serves instead of all at once
     (which its max-in-flight limit would answer with 429s)."""
 
-    def __init__(self, qps: float, burst: int):
-        self.qps, self.burst = qps, burst
-        self._tokens, self._at = float(burst), time.monotonic()
+    def __init__(self, qps: float, burst: int, clock: Callable[[], float] = time.monotonic):
+        self.qps, self.burst, self._clock = qps, burst, clock
+        self._tokens, self._at = float(burst), clock()
 
     def delay(self) -> float:
-        """Take a token; the seconds to wait before using it (0: now)."""
+        """Take a token; the seconds to wait before using it (0: now). A caller told to wait holds its token
+        meanwhile: the next caller waits behind it (the bucket goes negative), so the average stays at `qps`."""
         if self.qps <= 0:
             return 0.0
-        now = time.monotonic()
+        now = self._clock()
         self._tokens = min(float(self.burst), self._tokens + (now - self._at) * self.qps)
         self._at = now
         self._tokens -= 1.0

@@ -46,6 +46,13 @@ from seqtrain_operator.k8s.release import FINALIZER
 
 VERSION = "v1alpha1"
 WEBHOOK_ID = "validate-seqtrainjob"
+# The oldest kopf this operator supports (pyproject.toml's floor; a unit test keeps the two equal). kopf sends the
+# job watch, its finalizer and annotation patches, kopf.event and peering through its own client, not `Kube`: only
+# from 1.43.0 does that client wait what a 429's Retry-After asks (settings.networking.enforce_retry_after), and
+# without it kopf retries an overloaded apiserver on its own fixed backoffs. The newest API called here is older:
+# kopf.on.validate(operations=[...]) (enable_webhook), 1.37.0. The pod and node watches are ours (k8s/mirror.py),
+# so kopf's label-selector setting (1.45.0) is not needed.
+KOPF_FLOOR = "1.43"
 log = logging.getLogger("seqtrain.operator")
 
 

@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "the autoscaler sees its demand (a job's spec.scheduling.autoscale overrides)")
     p.add_argument("--node-lost-grace", type=float, default=40.0,
                    help="seconds a node may be NotReady before its pods count as lost")
+    p.add_argument("--termination-overdue", type=float, default=60.0,
+                   help="seconds a pod may stay Terminating past its grace period on a Ready node (a wedged kubelet) "
+                        "before it is force-deleted")
     p.add_argument("--scheduler-name", action="append", default=[], metavar="GANG=NAME",
                    help=f"schedulerName for an external gang scheduler ({', '.join(EXTERNAL)}), repeatable")
     p.add_argument("--pod-policy", choices=("restricted", "baseline", "privileged"), default="baseline",
@@ -120,6 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         network_policy=args.network_policy, operator_namespace=args.operator_namespace,
                         operator_labels=dict(item.partition("=")[::2] for item in args.operator_pod_label))
     handlers.STATE.config = Config(settings=settings, node_lost_grace=args.node_lost_grace,
+                                   termination_overdue=args.termination_overdue,
                                    poll_progress=bool(args.progress_port))
     handlers.STATE.metrics_port = args.metrics_port
     handlers.STATE.api_qps, handlers.STATE.api_burst = args.api_qps, args.api_burst

@@ -104,8 +104,10 @@ def out_of_service(node: Mapping[str, Any]) -> bool:
 
 
 def replica_of(pod: Mapping[str, Any], nodes: Mapping[str, Mapping[str, Any]], now: datetime,
-               node_lost_grace: float = 40.0) -> ReplicaObservation | None:
-    """One pod -> its replica observation (None for a pod without our labels)."""
+               node_lost_grace: float = 40.0,
+               termination_overdue: float = TERMINATION_OVERDUE_SECONDS) -> ReplicaObservation | None:
+    """One pod -> its replica observation (None for a pod without our labels). `termination_overdue`: seconds
+    past its grace period a pod may stay Terminating on a Ready node before it counts as overdue."""
     meta = pod.get("metadata") or {}
     labels = meta.get("labels") or {}
     try:
@@ -162,7 +164,7 @@ def replica_of(pod: Mapping[str, Any], nodes: Mapping[str, Mapping[str, Any]], n
         reason = _disruption(pod)
     due = parse(meta.get("deletionTimestamp"))  # the API sets it to when the grace period ends
     overdue = (terminating and bool(node) and not node_unready and not meta.get("finalizers") and due is not None
-               and seconds_between(due, now) > TERMINATION_OVERDUE_SECONDS)
+               and seconds_between(due, now) > termination_overdue)
     return ReplicaObservation(replica=replica, attempt=attempt, phase=phase,  # type: ignore[arg-type]
                               exit_code=code, reason=reason, node=node, message=message, terminating=terminating,
                               node_lost=node_lost, node_unready=node_unready, overdue=overdue,
@@ -196,9 +198,10 @@ def _looks_like_json(text: str | None) -> bool:
 
 
 def observe_replicas(pods: Iterable[Mapping[str, Any]], nodes: Iterable[Mapping[str, Any]], now: datetime,
-                     node_lost_grace: float = 40.0) -> tuple[ReplicaObservation, ...]:
+                     node_lost_grace: float = 40.0, termination_overdue: float = TERMINATION_OVERDUE_SECONDS
+                     ) -> tuple[ReplicaObservation, ...]:
     by_name = {n["metadata"]["name"]: n for n in nodes}
-    out = [r for p in pods if (r := replica_of(p, by_name, now, node_lost_grace)) is not None]
+    out = [r for p in pods if (r := replica_of(p, by_name, now, node_lost_grace, termination_overdue)) is not None]
     return tuple(sorted(out, key=lambda r: (r.attempt, r.replica)))
 
 

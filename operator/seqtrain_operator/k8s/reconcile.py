@@ -54,6 +54,7 @@ from seqtrain_operator.k8s.client import Conflict, Kube, NameTaken, api_message
 from seqtrain_operator.k8s.expect import Expectations
 from seqtrain_operator.k8s.gangs import ADAPTERS, GangScheduler, adapter_for
 from seqtrain_operator.k8s.observe import (
+    TERMINATION_OVERDUE_SECONDS,
     Reported,
     awaiting_scheduler,
     final_progress,
@@ -74,6 +75,8 @@ EventSink = Callable[[dict[str, Any], str, str, str], None]
 class Config:
     settings: m.Settings = field(default_factory=m.Settings)
     node_lost_grace: float = 40.0  # a node NotReady this long counts as lost for its pods
+    # a pod Terminating this long past its grace period on a Ready node is force-deleted (observe.replica_of)
+    termination_overdue: float = TERMINATION_OVERDUE_SECONDS
     running_poll: float = 10.0  # look again this often while a gang runs (progress, hangs)
     idle_poll: float = 60.0  # and this often otherwise (events wake the loop sooner)
     progress_timeout: float = 2.0
@@ -520,7 +523,7 @@ def _observe(adapter: GangScheduler | None, pods: list[dict], nodes: list[dict],
     queued = {(p["metadata"].get("labels") or {}).get(m.LABEL_ATTEMPT, "") + "/" +
               (p["metadata"].get("labels") or {}).get(m.LABEL_REPLICA, "") for p in live if waiting(p)}
     return tuple(replace(r, queued=True) if r.phase == "Pending" and f"{r.attempt}/{r.replica}" in queued else r
-                 for r in observe_replicas(live, nodes, now, cfg.node_lost_grace))
+                 for r in observe_replicas(live, nodes, now, cfg.node_lost_grace, cfg.termination_overdue))
 
 
 async def cleanup(kube: Kube, namespace: str, name: str) -> bool:

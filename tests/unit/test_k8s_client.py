@@ -1,0 +1,85 @@
+"""The operator's API client (k8s/client.py) without a cluster: the token bucket on a fake clock, Retry-After read
+from an ApiException, and `Kube._call` waiting what a 429 asks (the fault proxy's 429s on the real control plane:
+tests/integration/test_operator_resilience.py::test_429_retry_after_is_honoured_and_the_job_still_runs)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from kubernetes import client
+from kubernetes.client.rest import ApiException
+
+from seqtrain_operator.k8s import client as kc
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_bucket_lets_a_burst_through_then_spaces_requests_at_qps() -> None:
+    clock = Clock()
+    b = kc.Budget(qps=10.0, burst=3, clock=clock)
+    assert [b.delay() for _ in range(3)] == [0.0, 0.0, 0.0]  # the burst, at once
+    # then each caller waits one token's worth longer than the one before it (tokens taken while waiting count)
+    assert [round(b.delay(), 6) for _ in range(3)] == [0.1, 0.2, 0.3]
+    clock.now += 0.3  # those three have gone out; the bucket is empty again, not in credit
+    assert round(b.delay(), 6) == 0.1
+
+
+def test_the_bucket_refills_at_qps_up_to_burst_only() -> None:
+    clock = Clock()
+    b = kc.Budget(qps=2.0, burst=4, clock=clock)
+    for _ in range(4):
+        b.delay()
+    clock.now += 1.0  # two tokens back
+    assert [b.delay() for _ in range(2)] == [0.0, 0.0]
+    assert b.delay() == pytest.approx(0.5)
+    clock.now += 3600  # idle for an hour: still only `burst` at once
+    assert [b.delay() for _ in range(4)] == [0.0] * 4
+    assert b.delay() == pytest.approx(0.5)
+
+
+def test_qps_zero_is_no_limit() -> None:
+    b = kc.Budget(qps=0.0, burst=0, clock=Clock())
+    assert all(b.delay() == 0.0 for _ in range(10_000))
+
+
+def _exc(status: int, retry_after: str | None) -> ApiException:
+    exc = ApiException(status=status, reason="TooManyRequests")
+    exc.headers = {"Retry-After": retry_after} if retry_after is not None else {}
+    return exc
+
+
+@pytest.mark.parametrize(("value", "seconds"), [("3", 3.0), ("0.5", 0.5), (None, None), ("soon", None)])
+def test_retry_after_is_read_from_the_answer(value: str | None, seconds: float | None) -> None:
+    assert kc._retry_after(_exc(429, value)) == seconds
+
+
+def test_a_429_waits_its_retry_after_instead_of_the_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
+    slept: list[float] = []
+
+    async def sleep(seconds: float) -> None:
+        slept.append(seconds)
+
+    monkeypatch.setattr(kc.asyncio, "sleep", sleep)
+    kube = kc.Kube(client.ApiClient(), backoff=0.2, qps=0)
+    answers: list[Any] = [_exc(429, "2"), _exc(500, None), _exc(429, "120"), b'{"ok": true}']
+
+    def call(**_: Any) -> Any:
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    try:
+        assert asyncio.run(kube._call(call)) == {"ok": True}
+    finally:
+        kube._pool.shutdown()
+    # Retry-After over the backoff (0.2, then 0.4 for the 500), capped at 30 s for a server asking too much
+    assert slept == [2.0, 0.4, 30.0] and kube.requests == 4
