@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import threading
 import time
 from datetime import timedelta
@@ -172,7 +173,7 @@ def test_the_pusher_is_configured_from_the_pod_env(monkeypatch):
 def test_a_trainers_push_reaches_the_operators_endpoint_and_a_forged_one_does_not():
     store, loop, ready = PushedProgress(), asyncio.new_event_loop(), threading.Event()
     runner: list = []
-    with __import__("socket").socket() as s:
+    with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
 
@@ -255,6 +256,9 @@ def test_without_a_fresh_push_a_pass_polls_and_says_when_neither_works(monkeypat
     reported, unreachable, source = asyncio.run(reconcile._progress(cfg, "ml", "gpt", "u1", _running_rank0(), 2))
     assert reported.progress is None and source is None
     assert "did not answer" in unreachable and "pushed nothing in the last 30s" in unreachable
+    cfg.poll_progress = False  # push only: a quiet channel pauses hang detection, as an unanswered poll does
+    reported, unreachable, source = asyncio.run(reconcile._progress(cfg, "ml", "gpt", "u1", _running_rank0(), 2))
+    assert reported.progress is None and unreachable == "rank 0 pushed no progress in the last 30s"
 
 
 def test_a_hang_is_detected_from_pushed_progress_and_the_condition_names_the_source():

@@ -291,6 +291,8 @@ async def _progress(cfg: Config, namespace: str, name: str, uid: str, pods: list
                 unreachable += f" and rank 0 pushed nothing in the last {cfg.push_fresh:g}s"
         else:
             source = "polled"
+    elif pushing and ip:  # push only: a channel that went quiet is no proof of a hang either
+        unreachable = f"rank 0 pushed no progress in the last {cfg.push_fresh:g}s"
     if reported.progress is None:
         reported = final_progress(pods, attempt)
     return reported, unreachable, source
