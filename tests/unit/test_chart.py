@@ -157,7 +157,7 @@ def test_operator_pod_is_hardened_and_wired():
     assert "--webhook-cert-dir=/certs" in c["args"] and "--metrics-port=9090" in c["args"]
     assert by_kind(docs, "ClusterKopfPeering")[0]["metadata"]["name"] == "seqtrain"
     # webhook: the served certificate is signed by the CA given to the API server
-    secret = by_kind(docs, "Secret")[0]
+    secret = next(d for d in by_kind(docs, "Secret") if d["metadata"]["name"].endswith("-webhook-tls"))
     hook = by_kind(docs, "ValidatingWebhookConfiguration")[0]["webhooks"][0]
     assert hook["clientConfig"]["caBundle"] == secret["data"]["ca.crt"]
     assert hook["clientConfig"]["service"]["path"] == "/validate-seqtrainjob"
@@ -226,6 +226,28 @@ def test_pod_policy_and_network_policy_values_reach_the_operator():
     bad = subprocess.run([helm(), "template", "rel", str(CHART), "--set", "podPolicy.level=root"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and "level" in bad.stderr
+
+
+def test_progress_push_is_served_behind_a_service_with_a_kept_key():
+    """progressPush: the operator serves the push port (a Service in front), tells pods the Service's URL, and
+    signs the jobs' tokens with a key from a Secret the chart generates once and looks up on upgrade."""
+    docs = render()
+    c = by_kind(docs, "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]
+    assert {"--progress-push-port=8472",
+            "--progress-push-url=http://rel-seqtrain-progress.seqtrain-system.svc:8472"} <= set(c["args"])
+    assert {"name": "progress-push", "containerPort": 8472, "protocol": "TCP"} in c["ports"]
+    key_ref = next(e for e in c["env"] if e["name"] == "SEQTRAIN_PROGRESS_PUSH_KEY")["valueFrom"]["secretKeyRef"]
+    secret = next(d for d in by_kind(docs, "Secret") if d["metadata"]["name"] == key_ref["name"])
+    assert len(secret["data"][key_ref["key"]]) >= 48
+    svc = next(s for s in by_kind(docs, "Service") if s["metadata"]["name"] == "rel-seqtrain-progress")
+    assert svc["spec"]["ports"][0] == {"name": "progress-push", "port": 8472, "targetPort": "progress-push",
+                                       "protocol": "TCP"}
+    assert 'lookup "v1" "Secret" .Release.Namespace $name' in (CHART / "templates" / "progress-push.yaml").read_text()
+    from seqtrain_operator.k8s.main import build_parser
+
+    build_parser().parse_args(c["args"])
+    off = by_kind(render("progressPush.enabled=false"), "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]
+    assert not any(a.startswith("--progress-push") for a in off["args"]) and "env" not in off
 
 
 def _mebibytes(quantity: str) -> int:

@@ -34,6 +34,10 @@ app.kubernetes.io/component: operator
 {{- end -}}
 {{- end -}}
 
+{{- define "seqtrain.progressPushUrl" -}}
+{{- .Values.progressPush.url | default (printf "http://%s-progress.%s.svc:%v" (include "seqtrain.fullname" .) .Release.Namespace .Values.progressPush.port) -}}
+{{- end -}}
+
 {{- define "seqtrain.webhookService" -}}
 {{- printf "%s-webhook" (include "seqtrain.fullname" .) -}}
 {{- end -}}

@@ -395,7 +395,10 @@ def _hang(ctx: _Ctx) -> Failure | None:
     if idle > limit:
         return hang_failure(idle, limit)
     if ctx.observed.progress is not None:
-        cond.set_condition(ctx.st, "Progressing", "True", "StepsCompleting", "", ctx.now)
+        source = ctx.observed.progress_source
+        cond.set_condition(ctx.st, "Progressing", "True", "StepsCompleting",
+                           f"progress {source} {'by' if source == 'pushed' else 'from'} rank 0" if source else "",
+                           ctx.now)
     return None
 
 

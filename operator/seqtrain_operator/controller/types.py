@@ -83,6 +83,8 @@ class Observed:
     created: when the job was created (the custom resource's creationTimestamp); None: the first pass is its
     creation (a local run). Lost-time accounting starts there.
     checkpoint_policy / work_at_risk: the trainer's `checkpointPolicy` and `workAtRisk` (None: not reported now).
+    progress_source: where `progress` came from ("pushed" by rank 0, "polled" from it; None: neither, or the
+    termination message), named in the Progressing condition.
     autoscaler: the cluster has a node autoscaler (the operator's --autoscale): a native gang that does not fit is
     created unpinned unless its spec.scheduling.autoscale is false.
     """
@@ -99,6 +101,7 @@ class Observed:
     checkpoint_policy: CheckpointPolicy | None = None
     work_at_risk: WorkAtRisk | None = None
     autoscaler: bool = False
+    progress_source: str | None = None
 
 
 # ---- actions: executed by the backend in the order given ----------------------------------------------------------

@@ -41,6 +41,7 @@ from seqtrain_operator.k8s.ledger import Ledger
 from seqtrain_operator.k8s.metrics import OperatorMetrics
 from seqtrain_operator.k8s.mirror import Mirror
 from seqtrain_operator.k8s.progress import authority
+from seqtrain_operator.k8s.push import serve as serve_pushes
 from seqtrain_operator.k8s.reconcile import Config, cleanup, reconcile
 from seqtrain_operator.k8s.release import FINALIZER
 
@@ -82,6 +83,7 @@ class OperatorState:
     pods: Mirror | None = None  # the operator's pods (k8s/mirror.py)
     nodes: Mirror | None = None
     by_job: dict[tuple[str, str], dict[tuple[str, str], dict]] = field(default_factory=dict)  # (ns, job) -> pods
+    push_server: Any = None  # aiohttp's runner of the progress push endpoint (k8s/push.py)
 
     def mirrors(self) -> list[Mirror]:
         return [x for x in (self.pods, self.nodes, self.foreign) if x is not None]
@@ -128,12 +130,18 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
         mirror.start()
     if STATE.metrics_port:
         STATE.metrics.serve(STATE.metrics_port)
+    cfg = STATE.config
+    if cfg.push_port and cfg.settings.push_key:
+        STATE.push_server = await serve_pushes(cfg.pushed, cfg.settings.push_key, cfg.push_port)
 
 
 @kopf.on.cleanup()
 async def stop_watching(**_: Any) -> None:
     for mirror in STATE.mirrors():
         await mirror.stop()
+    if STATE.push_server is not None:
+        await STATE.push_server.cleanup()
+        STATE.push_server = None
 
 
 async def warn_if_crd_is_old(kube: Kube) -> list[str]:
@@ -330,6 +338,7 @@ async def job_deleted(name: str, namespace: str, **_: Any) -> None:
     STATE.config.known.pop((namespace, name), None)
     STATE.config.expected.forget((namespace, name))
     STATE.config.written_at.pop((namespace, name), None)
+    STATE.config.pushed.forget(namespace, name)
 
 
 def enable_webhook(config: WebhookConfig) -> None:

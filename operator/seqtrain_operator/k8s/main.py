@@ -11,10 +11,12 @@ import argparse
 import logging
 import os
 import random
+import secrets
 import sys
 from collections.abc import Sequence
 
 from seqtrain_operator.k8s.manifests import EXTERNAL
+from seqtrain_operator.k8s.pushauth import KEY_ENV
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,6 +35,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
     p.add_argument("--progress-port", type=int, default=8471,
                    help="port the trainer serves progress on (0: do not poll progress)")
+    p.add_argument("--progress-push-port", type=int, default=0,
+                   help="serve the progress push endpoint on this port: rank 0 POSTs its progress here, for clusters "
+                        "where the operator cannot reach the pods (0: off)")
+    p.add_argument("--progress-push-url", metavar="URL",
+                   help="the push endpoint as trainer pods reach it, e.g. http://seqtrain-progress.seqtrain-system"
+                        ".svc:8472 (the chart's Service); the key of the jobs' tokens comes from $"
+                        f"{KEY_ENV} (none: a random one, and pods of an earlier operator process cannot push)")
     p.add_argument("--trainer-metrics-port", type=int, default=0,
                    help="trainer ranks serve Prometheus /metrics on this port + local rank (0: off)")
     p.add_argument("--master-port", type=int, default=29500, help="rendezvous port of rank 0")
@@ -114,6 +123,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.rank_mtbf_hours is not None and args.rank_mtbf_hours <= 0:
         build_parser().error(f"--rank-mtbf-hours {args.rank_mtbf_hours:g}: must be a positive number of hours")
+    if args.progress_push_url and not args.progress_push_port:
+        build_parser().error("--progress-push-url needs --progress-push-port (the port this operator serves it on)")
+    push_key = b""
+    if args.progress_push_port:
+        push_key = os.environ.get(KEY_ENV, "").strip().encode() or secrets.token_bytes(32)
+        if not os.environ.get(KEY_ENV, "").strip():
+            print(f"seqtrain operator: no ${KEY_ENV}: progress push tokens use a random key (pods created by "
+                  "another operator process cannot push)", file=sys.stderr)
     settings = Settings(master_port=args.master_port, progress_port=args.progress_port or None,
                         metrics_port=args.trainer_metrics_port or None,
                         termination_grace_seconds=args.termination_grace, scheduler_names=schedulers,
@@ -121,10 +138,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                         pod_policy=PodPolicy.of(args.pod_policy, args.allow_service_account,
                                                 args.allow_priority_class, args.allow_capability),
                         network_policy=args.network_policy, operator_namespace=args.operator_namespace,
-                        operator_labels=dict(item.partition("=")[::2] for item in args.operator_pod_label))
+                        operator_labels=dict(item.partition("=")[::2] for item in args.operator_pod_label),
+                        progress_push_url=args.progress_push_url if args.progress_push_port else None,
+                        push_key=push_key)
     handlers.STATE.config = Config(settings=settings, node_lost_grace=args.node_lost_grace,
                                    termination_overdue=args.termination_overdue,
-                                   poll_progress=bool(args.progress_port))
+                                   poll_progress=bool(args.progress_port), push_port=args.progress_push_port or None)
     handlers.STATE.metrics_port = args.metrics_port
     handlers.STATE.api_qps, handlers.STATE.api_burst = args.api_qps, args.api_burst
     if args.webhook_cert_dir:

@@ -23,6 +23,7 @@ from seqtrain.spec.policy import PodPolicy
 from seqtrain.spec.runtime import FailureHistory
 from seqtrain_operator.k8s.gangs import ADAPTERS, adapter_for
 from seqtrain_operator.k8s.owner import LABEL_UID
+from seqtrain_operator.k8s.pushauth import TOKEN_ENV, URL_ENV, job_token, push_url
 from seqtrain_operator.k8s.template import apply_pod_template
 from seqtrain_operator.planner.inventory import GPU_PRODUCT_LABEL, GPU_RESOURCE
 from seqtrain_operator.planner.placement import pod_tolerations
@@ -67,6 +68,10 @@ class Settings:
     operator_labels: dict[str, str] = field(default_factory=dict)
     rank_mtbf_hours: float | None = None  # cluster prior of checkpoint.intervalSteps: auto (None: the trainer's)
     autoscale: bool = False  # the cluster has a node autoscaler (controller.gang_policy.autoscales)
+    # The operator's progress push endpoint as pods reach it (e.g. http://<its Service>.<namespace>.svc:8472) and
+    # the key of the jobs' push tokens (k8s/push.py); either unset: pods do not push.
+    progress_push_url: str | None = None
+    push_key: bytes = field(default=b"", repr=False)
 
     def scheduler_for(self, gang: str) -> str | None:
         return self.scheduler_names.get(gang) or EXTERNAL.get(gang, {}).get("scheduler")
@@ -234,6 +239,9 @@ def _env(job: SeqTrainJob, owner: Owner, attempt: int, replica: int, settings: S
     # SIGTERM only when its last save fits in what is left of this
     grace = max(1, settings.termination_grace_seconds - TERM_GRACE_MARGIN_SECONDS)
     env.append({"name": "SEQTRAIN_TERM_GRACE_SECONDS", "value": str(grace)})
+    if settings.progress_push_url and settings.push_key:  # rank 0 pushes its progress (k8s/push.py)
+        env += [{"name": URL_ENV, "value": push_url(settings.progress_push_url, owner.namespace, owner.name, owner.uid)},
+                {"name": TOKEN_ENV, "value": job_token(settings.push_key, owner.namespace, owner.name, owner.uid)}]
     if in_place_delays:
         env += [{"name": "SEQTRAIN_INPLACE_DELAYS", "value": ",".join(f"{d:g}" for d in in_place_delays)},
                 {"name": "SEQTRAIN_RESTART_PORT", "value": str(restart_port(settings))}]

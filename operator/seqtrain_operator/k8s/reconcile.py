@@ -63,6 +63,7 @@ from seqtrain_operator.k8s.observe import (
 )
 from seqtrain_operator.k8s.owner import owned_by
 from seqtrain_operator.k8s.progress import poll_progress, progress_url
+from seqtrain_operator.k8s.push import PushedProgress
 from seqtrain_operator.planner.inventory import inventory
 from seqtrain_operator.planner.types import Node, Plan
 
@@ -93,6 +94,11 @@ class Config:
     written_at: dict[tuple[str, str], float] = field(default_factory=dict)
     # the pods this operator created per job and attempt, until its cache shows them (state: see k8s/expect.py)
     expected: Expectations = field(default_factory=Expectations)
+    # Progress pushed by rank 0 (k8s/push.py): served on this port (None: not served), used while it is at most
+    # `push_fresh` seconds old (rank 0 repeats it every few seconds), else the pass polls.
+    push_port: int | None = None
+    push_fresh: float = 30.0
+    pushed: PushedProgress = field(default_factory=PushedProgress)  # (state, not a knob)
 
 
 @dataclass
@@ -231,19 +237,13 @@ async def reconcile(kube: Kube, cfg: Config, namespace: str, name: str, emit: Ev
     pods, predecessors = _split_by_owner(pods, body["metadata"]["uid"])
     adapter = adapter_for(job.spec.scheduling.gang)
     replicas = _observe(adapter, pods, nodes, now, cfg)
-    reported, unreachable = Reported(), None
-    ip = rank0_ip(pods, status.attempt)
-    if cfg.poll_progress and cfg.settings.progress_port and ip:
-        reported = await poll_progress(ip, cfg.settings.progress_port, cfg.progress_timeout)
-        if reported.progress is None:
-            unreachable = f"GET {progress_url(ip, cfg.settings.progress_port)} did not answer"
-    if reported.progress is None:
-        reported = final_progress(pods, status.attempt)
+    reported, unreachable, source = await _progress(cfg, namespace, name, body["metadata"]["uid"], pods,
+                                                    status.attempt)
     observed = Observed(replicas=replicas, latest_checkpoint=reported.checkpoint, progress=reported.progress,
                         progress_unreachable=unreachable, generation=body["metadata"].get("generation"),
                         skipped_checkpoints=reported.skipped, created=body["metadata"].get("creationTimestamp"),
                         checkpoint_policy=reported.policy, work_at_risk=reported.at_risk,
-                        autoscaler=cfg.settings.autoscale)
+                        autoscaler=cfg.settings.autoscale, progress_source=source)
     admitting = not replicas and status.phase not in TERMINAL_PHASES and not job.spec.suspend
     # An elastic gang running below its size: can it grow back? (the same capacity read, without creating)
     growing = (job.spec.elastic and status.phase == "Running" and not job.spec.suspend
@@ -275,6 +275,30 @@ async def reconcile(kube: Kube, cfg: Config, namespace: str, name: str, emit: Ev
     except BaseException:
         cfg.busy.release(reserved)  # still listed only if not created (or not all of it): it takes no capacity
         raise
+
+
+async def _progress(cfg: Config, namespace: str, name: str, uid: str, pods: list[dict],
+                    attempt: int) -> tuple[Reported, str | None, str | None]:
+    """(what rank 0 reports, why it could not be read, where it came from: "pushed" or "polled"). Pushed progress
+    while it is fresh (no request at all), else a poll of rank 0, else its termination message once it exited."""
+    pushing = bool(cfg.push_port and cfg.settings.progress_push_url and cfg.settings.push_key)
+    if pushing and (pushed := cfg.pushed.fresh(namespace, name, uid, cfg.push_fresh, attempt)) is not None:
+        return pushed, None, "pushed"
+    reported, unreachable, source = Reported(), None, None
+    ip = rank0_ip(pods, attempt)
+    if cfg.poll_progress and cfg.settings.progress_port and ip:
+        reported = await poll_progress(ip, cfg.settings.progress_port, cfg.progress_timeout)
+        if reported.progress is None:
+            unreachable = f"GET {progress_url(ip, cfg.settings.progress_port)} did not answer"
+            if pushing:
+                unreachable += f" and rank 0 pushed nothing in the last {cfg.push_fresh:g}s"
+        else:
+            source = "polled"
+    elif pushing and ip:  # push only: a channel that went quiet is no proof of a hang either
+        unreachable = f"rank 0 pushed no progress in the last {cfg.push_fresh:g}s"
+    if reported.progress is None:
+        reported = final_progress(pods, attempt)
+    return reported, unreachable, source
 
 
 def _sized(job: SeqTrainJob, action: CreateGang) -> SeqTrainJob:

@@ -1,6 +1,7 @@
 """Rank 0's progress: a JSON object shaped like `status.progress`, served over HTTP and mirrored to a file.
 
-The Kubernetes operator polls `GET /progress` on `runtime.progressPort` (the local backend can too). The same
+The Kubernetes operator polls `GET /progress` on `runtime.progressPort` (the local backend can too), and where
+its pod manifest says so rank 0 also pushes it to the operator (`seqtrain.obs.push`). The same
 object is written atomically to `<workdir>/progress.json` after every update, because the HTTP server dies with
 the process: the final word (e.g. `stopReason: EarlyStopped`) must outlive it. In a pod it is also written to
 the container's termination-message file so the operator reads it from the pod status after exit.
@@ -16,6 +17,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from seqtrain.obs.httpserve import BoundedServer, serve
+from seqtrain.obs.push import ProgressPusher
 from seqtrain.spec.status import Progress
 
 PROGRESS_FILE = "progress.json"
@@ -58,6 +60,12 @@ class ProgressReporter:
         self._server: BoundedServer | None = None
         if port is not None:
             self._server = self._start(port, addr)
+        # pushed to the operator too where its pod manifest says so (seqtrain.obs.push)
+        self.pusher = ProgressPusher.from_env(self.document)
+
+    def document(self) -> bytes:
+        """The progress as served, pushed and written: JSON of `status.progress`'s shape."""
+        return json.dumps(self.progress.model_dump(by_alias=True, mode="json", exclude_none=True)).encode()
 
     @property
     def port(self) -> int | None:
@@ -81,6 +89,8 @@ class ProgressReporter:
                 wire = self._progress.model_dump(by_alias=True, mode="json", exclude_none=True)
         if due:
             write_json_atomic(self.path, wire)
+        if self.pusher is not None:
+            self.pusher.poke()  # sent by its thread, at most every few seconds
 
     def finish(self) -> None:
         """Leave the final progress where the operator can read it after the process is gone."""
@@ -96,6 +106,9 @@ class ProgressReporter:
                 pass  # best effort: progress.json in the workdir still has it
 
     def close(self) -> None:
+        if self.pusher is not None:
+            self.pusher.close()  # one last push of the final document, bounded by the push timeout
+            self.pusher = None
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
@@ -103,8 +116,7 @@ class ProgressReporter:
 
     def _start(self, port: int, addr: str) -> BoundedServer | None:
         def progress() -> tuple[int, str, bytes]:
-            body = json.dumps(self.progress.model_dump(by_alias=True, mode="json", exclude_none=True))
-            return 200, "application/json", body.encode()
+            return 200, "application/json", self.document()
 
         def healthz() -> tuple[int, str, bytes]:
             return 200, "application/json", b'{"ok": true}'
