@@ -131,12 +131,12 @@ Read-only cluster-wide rules:
 {{- end -}}
 
 {{- /* The operator's resources for scale.pods trainer pods, from `seqtrain bench operator` (docs/benchmarks.md,
-"Sizing the operator"): memory request = 200 MiB + 15 MiB per 1000 pods (the measured peak RSS and its
-growth), limit = 1.5 x the request; cpu request = 250m + 100m per 1000 pods, no CPU limit (a throttled operator
-answers the webhook late). */ -}}
+"Sizing the operator"): memory request = 100 MiB + 80 MiB per 1000 pods (covers the peak RSS measured at 2400
+and 8000 pods, 254 and 701 MiB), limit = 1.5 x the request; cpu request = 250m + 100m per 1000 pods, no CPU limit
+(a throttled operator answers the webhook late). */ -}}
 {{- define "seqtrain.operatorResources" -}}
 {{- $pods := int .Values.scale.pods -}}
-{{- $memory := add 200 (div (mul $pods 15) 1000) -}}
+{{- $memory := add 100 (div (mul $pods 80) 1000) -}}
 requests:
   cpu: {{ add 250 (div (mul $pods 100) 1000) }}m
   memory: {{ $memory }}Mi
