@@ -176,3 +176,36 @@ def test_stopping_a_multi_rank_replica_reaches_every_rank(tmp_path: Path) -> Non
     gang.stop(grace=20)
     assert gang.observe()[0].exit_code == 143  # SIGTERM forwarded by the launcher, its ranks' code is the replica's
     assert not any(_alive(p) for p in pids.values())
+
+
+def test_an_echo_seen_first_is_not_reported_as_the_cause_of_the_gangs_death(tmp_path: Path) -> None:
+    # Found as a flake of test_max_restarts_exhausted_fails_with_exit_1: replica 0 exits 4 (its peer died, the
+    # collective broke) before the runner sees replica 1's SIGKILL. The core must wait for replica 1 and name it.
+    from seqtrain.spec import SeqTrainJob
+    from seqtrain_operator.controller import Observed, decide, root_cause, utcnow
+    from seqtrain_operator.controller.types import ReplicaObservation
+
+    code = ("import os, signal, sys, time\nr = int(os.environ['RANK'])\n"
+            "if r == 0: sys.exit(4)\ntime.sleep(1.0); os.kill(os.getpid(), signal.SIGKILL)")
+    job = SeqTrainJob.model_validate({
+        "apiVersion": "seqtrain.dev/v1alpha1", "kind": "SeqTrainJob", "metadata": {"name": "t"},
+        "spec": {"replicas": 2, "training": {"steps": 100, "globalBatchSize": 16},
+                 "faultTolerance": {"maxRestarts": 0, "inPlaceRestarts": 0}}})
+    st = decide(job, JobStatus(), Observed(), utcnow()).status
+    st = decide(job, st, Observed(replicas=(ReplicaObservation(0, 1, "Running"), ReplicaObservation(1, 1, "Running"))),
+                utcnow()).status
+    gang = LocalGang.start(1, replicas=2, procs_per_replica=1, gpus_per_replica=0, config_path="unused",
+                           log_dir=str(tmp_path), command=fake(code))
+    try:
+        wait_until(lambda: gang.observe()[0].phase == "Failed")
+        seen = gang.observe()
+        assert seen[0].finished_at is not None and seen[1].phase == "Running"  # the echo first
+        d = decide(job, st, Observed(replicas=seen), utcnow())
+        assert d.status.phase == "Running", d.status.message  # waiting for the rest of the gang, charging nothing
+        wait_until(lambda: all(r.phase == "Failed" for r in gang.observe()))
+        final = gang.observe()
+        assert root_cause(final).replica == 1  # type: ignore[union-attr]
+        d = decide(job, st, Observed(replicas=final), utcnow())
+        assert d.status.phase == "Failed" and "rank-1.log" in d.status.message, d.status.message
+    finally:
+        gang.stop(grace=0)

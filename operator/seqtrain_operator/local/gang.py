@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from seqtrain.runtime.exitcodes import last_error
 from seqtrain.runtime.launch import GRACE_ENV, LOG_DIR_ENV, free_port, normalize, replica_command
 from seqtrain.runtime.restart import rounds_in
+from seqtrain_operator.controller.clock import iso, utcnow
 from seqtrain_operator.controller.types import ReplicaObservation
 
 NODE = "localhost"
@@ -53,6 +54,9 @@ class Replica:
     log_dir: str
     log_path: str  # the replica process's own output (the rank's log when it is one rank)
     supervised: bool = False  # its ranks run under the launcher (several ranks, or in-place restarts)
+    # When we first saw it exit (a pod's finishedAt): the core waits for the rest of the gang (up to its settle time)
+    # before charging a failure, so an echo (a peer died, the collective broke) seen first is not reported as the cause.
+    finished_at: str | None = None
 
     def rank_pids(self) -> dict[int, int]:
         """rank -> pid: the process itself for one rank; else what the launcher recorded once it started them."""
@@ -151,6 +155,7 @@ class LocalGang:
                 out.append(ReplicaObservation(m.replica, self.attempt, "Succeeded", exit_code=0, node=NODE))
             else:
                 # The replica's code is already the one rule's answer (seqtrain.runtime.launch.replica_exit_code).
+                m.finished_at = m.finished_at or iso(utcnow())
                 code = exit_code(rc)
                 logs = [os.path.join(m.log_dir, f"rank-{r}.log") for r in m.ranks]
                 error = next((e for e in (last_error(_tail(p)) for p in logs) if e), None)
@@ -160,7 +165,7 @@ class LocalGang:
                 rounds = rounds_in(_tail(m.log_path)) if m.supervised else 0
                 out.append(ReplicaObservation(m.replica, self.attempt, "Failed", exit_code=code, node=NODE,
                                               message=f"{who} {_describe(rc)}{said}; log {where}", error=error,
-                                              restart_round=rounds))
+                                              restart_round=rounds, finished_at=m.finished_at))
         return tuple(out)
 
     def alive(self) -> bool:
