@@ -4,8 +4,10 @@
 normalisation (see `seqtrain.models.loss`), clips, steps the optimizer and the schedule, and returns global
 `StepStats`. Checkpoints: engines with `layout_independent` hand the checkpoint manager `checkpoint_state()`, the
 tree of `seqtrain.checkpoint.dcp_format` (single-process names, full shapes: any engine and data-parallel size
-resumes it, `load_state`); FSDP2 with tensor parallel writes its own files with `save(dir)`. `load(dir)` reads either, and the files of checkpoints written before the DCP format (`engine.pt`,
-ZeRO's `zero/`, `fsdp/`, tensor and pipeline parallel's `engine-pp*-tp*.pt`).
+resumes it, `load_state`; engines whose ranks hold parts of the model as plain tensors set `global_state`, which
+names and places those parts in the full model); FSDP2 with tensor parallel writes its own files with `save(dir)`.
+`load(dir)` reads either, and the files of checkpoints written before the DCP format (`engine.pt`, ZeRO's `zero/`,
+`fsdp/`, tensor and pipeline parallel's `engine-pp*-tp*.pt`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from torch import nn
 
 from seqtrain.checkpoint.safe_load import load_plain
 from seqtrain.data import Batch
+from seqtrain.engine.global_state import GlobalState
 from seqtrain.models.loss import CausalLMLoss
 from seqtrain.optim.build import build_optimizer, build_scheduler
 from seqtrain.runtime.dist import DistContext
@@ -49,6 +52,9 @@ class Engine(ABC):
     name = "base"
     checkpoint_file = "engine.pt"  # the replicated engines' file before the DCP format (still read)
     layout_independent = True  # saves the DCP tree (False: its own per-shard files, resumed on its own layout)
+    # tensor/pipeline parallel: maps the tree between this rank's names and plain slices and the single-process
+    # names and full tensors (seqtrain.engine.global_state); None: the tree is already in single-process terms
+    global_state: GlobalState | None = None
 
     def __init__(self, model: nn.Module, job: SeqTrainJob, ctx: DistContext) -> None:
         self.job = job
@@ -190,9 +196,10 @@ class Engine(ABC):
         )
 
         opts = StateDictOptions(flatten_optimizer_state_dict=True)
-        return {"model": get_model_state_dict(self.model, options=opts),
+        tree = {"model": get_model_state_dict(self.model, options=opts),
                 "optim": get_optimizer_state_dict(self.model, self.optimizer, options=opts),
                 "scheduler": self.scheduler.state_dict(), "precision": self.precision.state_dict()}
+        return self.global_state.to_global(tree) if self.global_state is not None else tree
 
     def load_state(self, folder: str) -> None:
         """Resume from a DCP folder any layout-independent engine wrote, at any data-parallel size."""
@@ -207,18 +214,14 @@ class Engine(ABC):
         opts = StateDictOptions(flatten_optimizer_state_dict=True)
         target = self.checkpoint_state()
         dcp_format.read(folder, target, self._dcp_group())
-        target = self._local_state(target)
+        if self.global_state is not None:
+            target = self.global_state.to_local(target)
         set_model_state_dict(self.model, target["model"], options=opts)
         set_optimizer_state_dict(self.model, self.optimizer, target["optim"], options=opts)
         self.scheduler.load_state_dict(target["scheduler"])
         self._reapply_schedule()
         if target.get("precision"):
             self.precision.load_state_dict(target["precision"])
-
-    def _local_state(self, tree: dict[str, Any]) -> dict[str, Any]:
-        """The tree `checkpoint_state` returned, filled by a load, as this rank's own tensors (engines whose
-        checkpoint tree wraps plain parameters in DTensors unwrap them here)."""
-        return tree
 
     def save(self, directory: str) -> list[str]:
         """Engines that are not layout-independent: write this rank's files into `directory`, return their names."""

@@ -170,12 +170,6 @@ class PipelineEngine(Engine):
         count = torch.stack([b.num_targets() for b in batches]).sum()
         return float(total), int(count)
 
-    def checkpoint_state(self) -> dict[str, Any]:
-        return self.global_state.to_global(super().checkpoint_state())
-
-    def _local_state(self, tree: dict[str, Any]) -> dict[str, Any]:
-        return self.global_state.to_local(tree)
-
     def load_legacy(self, directory: str) -> None:
         """A checkpoint from before the DCP format: this rank's `engine-pp<p>-tp<t>.pt` (same layout only)."""
         self.load_state_dict(load_shard(self.ctx, directory))

@@ -5,7 +5,6 @@ norm, checkpointed in the layout-independent DCP format: each slice is recorded 
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 from torch import nn
@@ -32,12 +31,6 @@ class TensorParallelEngine(NativeEngine):
     def _clip(self) -> torch.Tensor:
         return clip_grad_norm(self.model, self.grad_clip if self.grad_clip is not None else math.inf, self.ctx,
                               self.tp_names)
-
-    def checkpoint_state(self) -> dict[str, Any]:
-        return self.global_state.to_global(super().checkpoint_state())
-
-    def _local_state(self, tree: dict[str, Any]) -> dict[str, Any]:
-        return self.global_state.to_local(tree)
 
     def load_legacy(self, directory: str) -> None:
         """A checkpoint from before the DCP format: this rank's `engine-pp0-tp<r>.pt` (same tp degree only)."""
