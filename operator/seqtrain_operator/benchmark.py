@@ -164,6 +164,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--no-baseline", action="store_true", help="skip the bare baseline (pods created directly)")
     p.add_argument("--operator-source", metavar="DIR", help="run the operator of this checkout (default: this one)")
     p.add_argument("--out", help="write the JSON here (default: stdout)")
+    p.add_argument("--requests-log", metavar="FILE",
+                   help="also write every API request of the run (verb, path, status, body) as JSON lines")
     args = p.parse_args(list(argv) if argv is not None else None)
     for name in ("jobs", "replicas", "nodes"):
         if getattr(args, name) < 1:
@@ -281,6 +283,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             cpu, rss = _proc_cpu_rss(op.pid)
             result["operator"] = {"cpu_seconds": round(cpu, 1), "peak_rss_mib": round(rss, 1),
                                   "requests_total": proxy.count()}
+            if args.requests_log:  # what each request was for (which PATCH, which GET): the figures' explanation
+                with open(args.requests_log, "w", encoding="utf-8") as f:
+                    for r in proxy.requests(since=run_since):
+                        f.write(json.dumps({"at": round(r.at - run_since, 3), "method": r.method, "path": r.path,
+                                            "query": r.query, "status": r.status, "agent": r.user_agent,
+                                            "body": r.body}) + "\n")
             if args.out:  # now, not after the clean-up: deleting 8000 pods can take longer than the run
                 Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
         if not args.keep and not started:  # a testbed this run started goes down with everything in it

@@ -102,6 +102,11 @@ def test_a_reservation_counts_until_the_ledger_shows_its_pod() -> None:
     keys = busy.reserve([planned])
     busy.created(keys)
     assert ledger.free(nodes, busy.outstanding(ledger.seen, ("ml", "b")), ("ml", "b"))[0].cpu_millis == 1000
+    # the same, from the requests parsed once per reservation (what the operator reads)
+    for _ in range(2):
+        use = busy.outstanding_use(ledger.seen, ("ml", "b"))
+        assert ledger.free(nodes, exclude_job=("ml", "b"), reserved_use=use)[0].cpu_millis == 1000
     ledger.update(project.pod(planned))  # the watch shows it: counted once, by the ledger
     assert busy.outstanding(ledger.seen, ("ml", "b")) == []
+    assert busy.outstanding_use(ledger.seen, ("ml", "b")) == []
     assert ledger.free(nodes, [], ("ml", "b"))[0].cpu_millis == 1000

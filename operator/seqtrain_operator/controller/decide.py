@@ -56,6 +56,10 @@ SCALE_UP = "ScaleUpRequested"
 # the wrong budget and avoid the wrong node: a user-class failure is acted on only after this long, or at once when
 # nothing of the gang runs any more; a replica on a NotReady node is waited for until it is lost or back.
 FAILURE_SETTLE_SECONDS = 15.0
+# Placed replicas still starting this long (a large image pull, a volume attach) get the Starting condition. A
+# quicker start is not worth a status write: 8000 pods would cost thousands of writes whose message changed
+# every pass.
+SLOW_START_SECONDS = 10.0
 # An elastic gang running below its size grows back only after running this long at the smaller one.
 ELASTIC_GROW_AFTER_SECONDS = 30.0
 
@@ -307,16 +311,25 @@ def _live_gang(ctx: _Ctx, current: tuple[ReplicaObservation, ...], status_step: 
         ctx.event("Warning", why, f"attempt {st.attempt}: replicas {what} for {waited:.0f}s")
         st.phase = "Scheduling"
         return
-    if starting:
-        r = starting[0]
-        cond.set_condition(st, "Starting", "True", "ContainerCreating",
-                           f"attempt {st.attempt}: {len(starting)} replica(s) placed and starting (replica {r.replica} "
-                           f"on {r.node}: pulling the image or attaching volumes) for {waited:.0f}s; "
-                           f"scheduling.startTimeoutSeconds = {start_limit}", ctx.now)
-    elif (c := cond.get(st, "Starting")) is not None and c.status == "True":
+    # Starting for how long: since the earliest placement (unknown: since the gang was created).
+    placed = [seconds_between(t, ctx.now) if (t := parse(r.placed_at)) else waited for r in starting]
+    slow = max(placed, default=0.0) >= SLOW_START_SECONDS
+    prev = cond.get(st, "Starting")
+    if starting and slow:
+        r = starting[placed.index(max(placed))]
+        if prev is None or prev.status != "True" or not prev.message.startswith(f"attempt {st.attempt}:"):
+            # Said once per attempt: how long it has been is the condition's lastTransitionTime, not a message that
+            # changes (a status write) every pass.
+            cond.set_condition(st, "Starting", "True", "ContainerCreating",
+                               f"attempt {st.attempt}: replica(s) placed and starting for over "
+                               f"{SLOW_START_SECONDS:.0f}s (replica {r.replica} on {r.node}: pulling the image or "
+                               f"attaching volumes); scheduling.startTimeoutSeconds = {start_limit}", ctx.now)
+            cond.get(st, "Starting").last_transition_time = iso(ctx.now)  # type: ignore[union-attr]  # this attempt's
+    elif not starting and prev is not None and prev.status == "True":
         cond.set_condition(st, "Starting", "False", "Started", f"attempt {st.attempt}: every placed replica started",
                            ctx.now)
-    deadlines = ([grace - waited] if stuck else []) + ([start_limit - waited] if starting else [])
+    deadlines = (([grace - waited] if stuck else []) + ([start_limit - waited] if starting else [])
+                 + ([SLOW_START_SECONDS - max(placed)] if starting and not slow else []))
     ctx.actions.append(RequeueAfter(max(1.0, min(deadlines + [POLL_SECONDS * 6]))))
 
 

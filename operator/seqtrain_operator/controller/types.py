@@ -39,6 +39,7 @@ class ReplicaObservation:
     not stuck, so scheduling.pendingGraceSeconds does not tear the gang down.
     restart_round: the in-place restarts its launcher reported making when it exited (seqtrain.runtime.restart);
     0 while it runs (rank 0's progress reports the round then).
+    placed_at: when it was placed on its node (ISO-8601; None when the backend cannot tell).
     """
 
     replica: int
@@ -56,6 +57,7 @@ class ReplicaObservation:
     error: str | None = None
     queued: bool = False
     restart_round: int = 0
+    placed_at: str | None = None
 
 
 @dataclass(frozen=True)

@@ -225,7 +225,8 @@ class IndexViews:
     async def free(self, job: tuple[str, str], busy: BusyPods) -> list[Any]:
         """Free capacity per node from the ledger (no LIST): allocatable less every pod's requests and the
         reservations it does not show yet."""
-        return STATE.ledger.free(self.nodes(), busy.outstanding(STATE.ledger.seen, job), job)
+        return STATE.ledger.free(self.nodes(), exclude_job=job,
+                                 reserved_use=busy.outstanding_use(STATE.ledger.seen, job))
 
 
 async def _synced(stopped: kopf.DaemonStopped) -> bool:
@@ -336,6 +337,7 @@ async def job_deleted(name: str, namespace: str, **_: Any) -> None:
     STATE.metrics.job_status(namespace, name, None)
     _last_counts.pop((namespace, name), None)
     STATE.config.known.pop((namespace, name), None)
+    STATE.config.written.pop((namespace, name), None)
     STATE.config.expected.forget((namespace, name))
     STATE.config.written_at.pop((namespace, name), None)
     STATE.config.pushed.forget(namespace, name)

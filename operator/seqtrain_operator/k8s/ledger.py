@@ -77,9 +77,10 @@ class Ledger:
         return key in self.pods
 
     def free(self, nodes: Iterable[Mapping[str, Any]], reserved: Iterable[Mapping[str, Any]] = (),
-             exclude_job: Key | None = None) -> list[Node]:
-        """Every node with its free capacity, less the pods in `reserved` (decided, not seen yet). The pods of
-        `exclude_job` do not count: a job being admitted has no live pods, so any still shown are going."""
+             exclude_job: Key | None = None, reserved_use: Iterable[tuple[str, Requests]] = ()) -> list[Node]:
+        """Every node with its free capacity, less the pods in `reserved` (decided, not seen yet; or already as
+        (node, requests) in `reserved_use`). The pods of `exclude_job` do not count: a job being admitted has no
+        live pods, so any still shown are going."""
         used = dict(self.used)
         for key in self.by_job.get(exclude_job, ()) if exclude_job is not None else ():
             held = self.pods[key]
@@ -88,5 +89,7 @@ class Ledger:
         for pod in reserved:
             if (node := node_of(pod)) is not None:
                 used[node] = used.get(node, Requests()) + pod_requests(pod)
+        for node, requests in reserved_use:
+            used[node] = used.get(node, Requests()) + requests
         out = [node_from_k8s(n, used.get(n["metadata"]["name"], Requests())) for n in nodes]
         return sorted(out, key=lambda n: n.name)

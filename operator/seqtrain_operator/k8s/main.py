@@ -151,6 +151,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             port=args.webhook_port, certfile=os.path.join(args.webhook_cert_dir, "tls.crt"),
             keyfile=os.path.join(args.webhook_cert_dir, "tls.key")))
 
+    from seqtrain_operator.k8s import memprofile
+
+    traced = memprofile.install()
     kopf.configure(verbose=args.verbose, debug=args.debug)
     logging.getLogger("seqtrain.operator").setLevel(logging.DEBUG if args.debug else logging.INFO)
     standalone = args.standalone or not args.peering
@@ -166,4 +169,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         clusterwide=not args.namespace,
         liveness_endpoint=args.liveness,
     )
+    if traced:
+        memprofile.dump(traced)
     return 0

@@ -169,7 +169,15 @@ def replica_of(pod: Mapping[str, Any], nodes: Mapping[str, Mapping[str, Any]], n
                               exit_code=code, reason=reason, node=node, message=message, terminating=terminating,
                               node_lost=node_lost, node_unready=node_unready, overdue=overdue,
                               finished_at=term.get("finishedAt"), error=error,
-                              restart_round=rounds_in(term.get("message")))
+                              restart_round=rounds_in(term.get("message")), placed_at=_placed_at(pod))
+
+
+def _placed_at(pod: Mapping[str, Any]) -> str | None:
+    """When kube-scheduler bound the pod (its PodScheduled condition turned True)."""
+    for c in (pod.get("status") or {}).get("conditions") or []:
+        if c.get("type") == "PodScheduled" and c.get("status") == "True":
+            return c.get("lastTransitionTime")
+    return None
 
 
 def failure_message(text: str | None) -> str:

@@ -8,7 +8,8 @@ operator RSS. A projection keeps a few hundred bytes.
 Kept of a pod: name, namespace, uid, resourceVersion (the inventory memoizes by it), labels, annotations,
 finalizers, deletionTimestamp, the ownerReferences' kind, uid and controller flag (whose pod it is); nodeName,
 schedulingGates, the node affinity (a pod pinned to a node), the containers' names and resources, overhead; phase,
-reason, message, podIP, nominatedNodeName, the conditions' type, status and reason, the containers' names and
+reason, message, podIP, nominatedNodeName, the conditions' type, status and reason (and when PodScheduled changed:
+when it was placed), the containers' names and
 current states (a terminated state's message is rank 0's final progress).
 Of a node: name, uid, resourceVersion, labels; unschedulable, taints; allocatable, capacity, and the Ready
 condition (status and since when).
@@ -47,7 +48,9 @@ def pod(body: Mapping[str, Any]) -> dict[str, Any]:
         s["initContainers"] = _containers(spec["initContainers"])
     st = _pick(status, ("phase", "reason", "message", "podIP", "nominatedNodeName"))
     if status.get("conditions"):
-        st["conditions"] = [_pick(c, ("type", "status", "reason")) for c in status["conditions"]]
+        st["conditions"] = [_pick(c, ("type", "status", "reason") + (("lastTransitionTime",) if c.get("type") ==
+                                                                      "PodScheduled" else ()))
+                            for c in status["conditions"]]
     if status.get("containerStatuses"):
         st["containerStatuses"] = [_pick(c, ("name", "state")) for c in status["containerStatuses"]]
     return {"metadata": m, "spec": s, "status": st}

@@ -1,0 +1,50 @@
+"""Where a reconcile pass reads its job from (k8s/reconcile._read_job): the watch's body, our own last write, or a
+GET. Found by the operator benchmark: 4.6 GETs per job in the 300-job run, one after nearly every status write."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from typing import Any
+
+from seqtrain_operator.k8s.reconcile import STALE, Config, _read_job
+
+
+class Kube:
+    def __init__(self, body: dict[str, Any]) -> None:
+        self.body, self.gets = body, 0
+
+    async def get_job(self, namespace: str, name: str) -> dict[str, Any]:
+        self.gets += 1
+        return copy.deepcopy(self.body)
+
+
+def job(rv: str, phase: str, generation: int = 1, finalizers: tuple[str, ...] = ()) -> dict[str, Any]:
+    return {"metadata": {"name": "j", "namespace": "ml", "resourceVersion": rv, "generation": generation,
+                         "finalizers": list(finalizers)}, "status": {"phase": phase}}
+
+
+def read(kube: Kube, cfg: Config, live: dict[str, Any]) -> dict[str, Any] | None:
+    return asyncio.run(_read_job(kube, cfg, "ml", "j", live))  # type: ignore[arg-type]
+
+
+def test_the_watch_body_our_own_write_or_a_get() -> None:
+    cfg, key = Config(), ("ml", "j")
+    kube = Kube(job("5", "Pending"))
+    assert read(kube, cfg, job("4", "Pending")) == job("4", "Pending") and kube.gets == 0  # first sight
+    assert read(kube, cfg, job("4b", "Pending")) == job("4b", "Pending") and kube.gets == 0  # still: nothing known
+    cfg.known[key] = STALE  # our write based on it conflicted: read it
+    assert read(kube, cfg, job("4", "Pending"))["metadata"]["resourceVersion"] == "5"  # type: ignore[index]
+    assert kube.gets == 1 and cfg.known[key] == "5"
+    assert read(kube, cfg, job("5", "Pending")) == job("5", "Pending") and kube.gets == 1  # the watch caught up
+    # our status write at 5 returned 6; the watch still shows 5: what the write returned is the newest
+    cfg.known[key], cfg.written[key] = "6", ("5", job("6", "Scheduling"))
+    assert read(kube, cfg, job("5", "Pending")) == job("6", "Scheduling") and kube.gets == 1
+    # kopf patched its annotations after our write (7): the watch's body carries our status, so it is newer
+    assert read(kube, cfg, job("7", "Scheduling", finalizers=("f",))) == job("7", "Scheduling", finalizers=("f",))
+    assert kube.gets == 1 and cfg.known[key] == "7" and key not in cfg.written
+    # someone else changed the job (a spec edit: a new generation): read it
+    kube.body = job("9", "Scheduling", generation=2)
+    cfg.known[key], cfg.written[key] = "8", ("7", job("8", "Running"))
+    assert read(kube, cfg, job("9", "Scheduling", generation=2)) == job("9", "Scheduling", generation=2)
+    assert kube.gets == 2
