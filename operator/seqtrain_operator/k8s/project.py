@@ -8,8 +8,8 @@ operator RSS. A projection keeps a few hundred bytes.
 Kept of a pod: name, namespace, uid, resourceVersion (the inventory memoizes by it), labels, annotations,
 finalizers, deletionTimestamp, the ownerReferences' kind, uid and controller flag (whose pod it is); nodeName,
 schedulingGates, the node affinity (a pod pinned to a node), the containers' names and resources, overhead; phase,
-reason, message, podIP, nominatedNodeName, the conditions' type, status and reason (and when PodScheduled changed:
-when it was placed), the containers' names and
+reason, message, podIP, nominatedNodeName, the PodScheduled and DisruptionTarget conditions' type, status and reason
+(and when PodScheduled changed: when it was placed), the containers' names and
 current states (a terminated state's message is rank 0's final progress).
 Of a node: name, uid, resourceVersion, labels; unschedulable, taints; allocatable, capacity, and the Ready
 condition (status and since when).
@@ -17,10 +17,26 @@ condition (status and since when).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from typing import Any
 
 _META = ("name", "namespace", "uid", "resourceVersion", "labels", "finalizers", "deletionTimestamp")
+# The pod conditions anything reads: placement (observe.awaiting_scheduler, the Starting condition) and disruptions.
+_POD_CONDITIONS = ("PodScheduled", "DisruptionTarget")
+_SHARED_MAX = 64  # longer strings (a terminated container's message) are rarely repeated
+
+
+def compact(obj: Any) -> Any:
+    """A copy whose keys and short strings are shared with every other pod's (sys.intern): each decoded watch event
+    has its own copies of "metadata", label keys and values, quantities; the operator keeps 8000 pods."""
+    if isinstance(obj, dict):
+        return {sys.intern(k): compact(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [compact(v) for v in obj]
+    if isinstance(obj, str) and len(obj) <= _SHARED_MAX:
+        return sys.intern(obj)
+    return obj
 _LAST_APPLIED = "kubectl.kubernetes.io/last-applied-configuration"
 
 
@@ -47,13 +63,13 @@ def pod(body: Mapping[str, Any]) -> dict[str, Any]:
     if spec.get("initContainers"):
         s["initContainers"] = _containers(spec["initContainers"])
     st = _pick(status, ("phase", "reason", "message", "podIP", "nominatedNodeName"))
-    if status.get("conditions"):
+    if conditions := [c for c in status.get("conditions") or [] if c.get("type") in _POD_CONDITIONS]:
         st["conditions"] = [_pick(c, ("type", "status", "reason") + (("lastTransitionTime",) if c.get("type") ==
                                                                       "PodScheduled" else ()))
-                            for c in status["conditions"]]
+                            for c in conditions]
     if status.get("containerStatuses"):
         st["containerStatuses"] = [_pick(c, ("name", "state")) for c in status["containerStatuses"]]
-    return {"metadata": m, "spec": s, "status": st}
+    return compact({"metadata": m, "spec": s, "status": st})
 
 
 def node(body: Mapping[str, Any]) -> dict[str, Any]:
@@ -61,5 +77,5 @@ def node(body: Mapping[str, Any]) -> dict[str, Any]:
     st = _pick(status, ("allocatable", "capacity"))
     st["conditions"] = [_pick(c, ("type", "status", "lastTransitionTime"))
                         for c in status.get("conditions") or [] if c.get("type") == "Ready"]
-    return {"metadata": _pick(meta, ("name", "uid", "resourceVersion", "labels")),
-            "spec": _pick(spec, ("unschedulable", "taints")), "status": st}
+    return compact({"metadata": _pick(meta, ("name", "uid", "resourceVersion", "labels")),
+                    "spec": _pick(spec, ("unschedulable", "taints")), "status": st})
