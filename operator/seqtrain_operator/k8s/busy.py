@@ -81,27 +81,39 @@ class BusyPods:
         """The pod's DELETED watch event: whether or not an admission saw it, it takes nothing now."""
         self.reserved.pop(key, None)
 
-    def outstanding_use(self, seen: Callable[[Key], bool], exclude_job: Key) -> list[tuple[str, Requests]]:
+    def outstanding_use_of(self, job: Key) -> list[tuple[str, Requests]]:
+        """What the reservations of `job`'s own pods take (a gang admitted again while its last one's pods have not
+        shown: counted free for that job alone, as `outstanding` leaves them out for it)."""
+        ns, name = job
+        return [use for k, (_, pod) in self.reserved.items()
+                if k[0] == ns and (pod["metadata"].get("labels") or {}).get(m.LABEL_JOB) == name
+                and (use := self._use_of(k, pod)) is not None]
+
+    def _use_of(self, key: Key, pod: dict) -> tuple[str, Requests] | None:
+        use = self._use.get(key)
+        if use is None and key not in self._use:
+            node = node_of(pod)
+            use = self._use[key] = (node, pod_requests(pod)) if node is not None else None
+        return use
+
+    def outstanding_use(self, seen: Callable[[Key], bool], exclude_job: Key | None) -> list[tuple[str, Requests]]:
         """`outstanding` as (node, requests): computed once per reserved pod (a reservation has no resourceVersion
         for the inventory's memo; the 300-job profile spent 9 % of the operator's CPU re-parsing them)."""
         out = []
         for pod in self.outstanding(seen, exclude_job):
-            key = _key(pod)
-            use = self._use.get(key)
-            if use is None:
-                node = node_of(pod)
-                use = self._use[key] = (node, pod_requests(pod)) if node is not None else None
-            if use is not None:
+            if (use := self._use_of(_key(pod), pod)) is not None:
                 out.append(use)
         if len(self._use) > 2 * len(self.reserved) + 1000:  # forget the ended reservations now and then
             self._use = {k: v for k, v in self._use.items() if k in self.reserved}
         return out
 
-    def outstanding(self, seen: Callable[[Key], bool], exclude_job: Key) -> list[dict]:
+    def outstanding(self, seen: Callable[[Key], bool], exclude_job: Key | None) -> list[dict]:
         """The reserved pods a capacity ledger (k8s/ledger.py) has not shown yet, less those of `exclude_job`. A
         reservation the ledger shows ends (its pod counts there now), so does one older than BACKSTOP_SECONDS."""
         now = time.monotonic()
         self.reserved = {k: v for k, v in self.reserved.items() if not seen(k) and now - v[0] < BACKSTOP_SECONDS}
+        if exclude_job is None:
+            return [pod for _, pod in self.reserved.values()]
         ns, name = exclude_job
         return [pod for _, pod in self.reserved.values()
                 if not (pod["metadata"].get("namespace") == ns

@@ -190,6 +190,16 @@ class Kube:
                 delay = min(delay * 2, 3.0)
         raise AssertionError("unreachable")
 
+    async def priority_value(self, name: str) -> int | None:
+        """The value of PriorityClass `name` (None: no such class, or not readable)."""
+        try:
+            pc = await self._call(client.SchedulingV1Api(self.api).read_priority_class, name)
+        except ApiException as exc:
+            if exc.status in (403, 404):
+                return None
+            raise
+        return int((pc or {}).get("value") or 0)
+
     # ---- the job ---------------------------------------------------------------------------------------------
 
     async def get_job(self, namespace: str, name: str) -> dict[str, Any] | None:

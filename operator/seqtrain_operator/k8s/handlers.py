@@ -33,6 +33,7 @@ from seqtrain.spec.crd import drift_message, missing_fields
 from seqtrain.spec.policy import job_policy_problems
 from seqtrain_operator.k8s import manifests as m
 from seqtrain_operator.k8s import project
+from seqtrain_operator.k8s.admission import Admissions
 from seqtrain_operator.k8s.busy import BusyPods
 from seqtrain_operator.k8s.claims import claim_problem
 from seqtrain_operator.k8s.client import Kube, load_config
@@ -126,6 +127,11 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
                         on_delete=pod_deleted, name="the operator's pods")
     STATE.nodes = Mirror(STATE.kube, "nodes", project=project.node, on_upsert=lambda n, _old: node_changed(n),
                          on_delete=lambda n: node_changed(n, deleted=True))
+    views, busy = IndexViews(), STATE.config.busy
+    STATE.config.admissions = Admissions(
+        free=lambda: STATE.ledger.free(views.nodes(), reserved_use=busy.outstanding_use(STATE.ledger.seen, None)),
+        reserve=busy.reserve, own=lambda job: [*STATE.ledger.used_by(job), *busy.outstanding_use_of(job)],
+        on_wait=STATE.metrics.admission_wait_seconds.observe, on_cycle=STATE.metrics.admission_cycle_seconds.observe)
     for mirror in STATE.mirrors():
         mirror.start()
     if STATE.metrics_port:
@@ -137,6 +143,8 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
 
 @kopf.on.cleanup()
 async def stop_watching(**_: Any) -> None:
+    if STATE.config.admissions is not None:
+        await STATE.config.admissions.stop()
     for mirror in STATE.mirrors():
         await mirror.stop()
     if STATE.push_server is not None:
@@ -250,11 +258,13 @@ async def reconcile_loop(name: str, namespace: str, stopped: kopf.DaemonStopped,
         while not stopped:
             wake.clear()
             started = time.perf_counter()
+            queued: list[float] = []  # seconds the pass waited for its admission cycle (admission.py)
             try:
                 assert STATE.kube is not None
                 views = IndexViews() if STATE.pods is not None and STATE.nodes is not None else None
                 # body: kopf's live view of the job, replaced on every watch event (a GET only when it may be stale)
-                outcome = await reconcile(STATE.kube, STATE.config, namespace, name, _emit, views=views, live=body)
+                outcome = await reconcile(STATE.kube, STATE.config, namespace, name, _emit, views=views, live=body,
+                                          admission_wait=queued)
                 failures = 0
                 delay = outcome.requeue
                 if outcome.status is not None:
@@ -266,7 +276,7 @@ async def reconcile_loop(name: str, namespace: str, stopped: kopf.DaemonStopped,
                 log.warning("reconcile %s/%s failed (%s: %s); again in %.1fs", namespace, name,
                             type(exc).__name__, exc, delay)
             finally:
-                STATE.metrics.reconcile_seconds.observe(time.perf_counter() - started)
+                STATE.metrics.reconcile_seconds.observe(time.perf_counter() - started - sum(queued))
             # None: nothing to poll for (a finished job, an invalid spec, a job being deleted): only a change of
             # its pods or nodes, or of the job itself (kopf restarts nothing; the job's own watch event pokes it),
             # wakes the loop.
@@ -338,6 +348,8 @@ async def job_deleted(name: str, namespace: str, **_: Any) -> None:
     _last_counts.pop((namespace, name), None)
     STATE.config.known.pop((namespace, name), None)
     STATE.config.written.pop((namespace, name), None)
+    if STATE.config.admissions is not None:
+        STATE.config.admissions.done((namespace, name))
     STATE.config.expected.forget((namespace, name))
     STATE.config.written_at.pop((namespace, name), None)
     STATE.config.pushed.forget(namespace, name)

@@ -73,6 +73,11 @@ class Ledger:
         for pod in fresh.values():
             self.update(pod)
 
+    def used_by(self, job: Key) -> list[tuple[str, Requests]]:
+        """What the pods of `job` (namespace, job) take, per node."""
+        return [(held.node, held.requests) for key in self.by_job.get(job, ())
+                if (held := self.pods[key]).node is not None]
+
     def seen(self, key: Key) -> bool:
         return key in self.pods
 

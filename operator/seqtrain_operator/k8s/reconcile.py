@@ -50,6 +50,7 @@ from seqtrain_operator.controller.checkpoint_policy import failure_history
 from seqtrain_operator.controller.types import Decision
 from seqtrain_operator.k8s import calls
 from seqtrain_operator.k8s import manifests as m
+from seqtrain_operator.k8s.admission import PRIORITY_TTL_SECONDS, Admissions
 from seqtrain_operator.k8s.busy import BusyPods
 from seqtrain_operator.k8s.client import Conflict, Kube, NameTaken, api_message
 from seqtrain_operator.k8s.expect import Expectations
@@ -104,6 +105,11 @@ class Config:
     push_port: int | None = None
     push_fresh: float = 30.0
     pushed: PushedProgress = field(default_factory=PushedProgress)  # (state, not a knob)
+    # Native admission in cycles for every waiting gang (k8s/admission.py; None: one gang at a time under a lock,
+    # for a pass without the operator's caches). State, not a knob.
+    admissions: Admissions | None = None
+    # PriorityClass name -> (value, time.monotonic() read): the admission order (state, not a knob)
+    priorities: dict[str, tuple[int, float]] = field(default_factory=dict)
 
 
 @dataclass
@@ -235,8 +241,10 @@ async def _read_job(kube: Kube, cfg: Config, namespace: str, name: str,
 
 async def reconcile(kube: Kube, cfg: Config, namespace: str, name: str, emit: EventSink,
                     now: datetime | None = None, views: Views | None = None,
-                    live: Mapping[str, Any] | None = None) -> Outcome:
-    """One pass. `live`: the job's body as the watch last delivered it (None: GET it)."""
+                    live: Mapping[str, Any] | None = None, admission_wait: list[float] | None = None) -> Outcome:
+    """One pass. `live`: the job's body as the watch last delivered it (None: GET it). `admission_wait`: told the
+    seconds the pass waited for its admission cycle (queueing, not the pass's own work)."""
+    admission_wait = admission_wait if admission_wait is not None else []
     now = now or utcnow()
     body = await _read_job(kube, cfg, namespace, name, live)
     if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
@@ -287,6 +295,25 @@ async def reconcile(kube: Kube, cfg: Config, namespace: str, name: str, emit: Ev
         observed = replace(observed, capacity=await _free(kube, cfg, views, nodes, (namespace, name)))
     owner = m.Owner(name=name, namespace=namespace, uid=body["metadata"]["uid"])
     reserved: list[tuple[str, str]] = []
+    if admitting and job.spec.scheduling.gang == "native" and cfg.admissions is not None and not predecessors:
+        def plan(capacity: tuple[Node, ...] | None, blocked: str | None) -> tuple[Decision, list[dict]]:
+            seen = replace(observed, capacity=capacity) if blocked is None else replace(observed, unschedulable=blocked)
+            d = decide(job, status, seen, now)
+            return d, [p for a in d.of(CreateGang) for p in m.build_gang(_sized(job, a), owner, a.attempt,
+                                                                          cfg.settings, a.plan).pods]
+
+        priority = await _priority(kube, cfg, job.spec.scheduling.priority_class_name)
+        waited_from = time.perf_counter()
+        decision, reserved = await cfg.admissions.admit((namespace, name), priority,
+                                                        body["metadata"].get("creationTimestamp") or "", plan)
+        admission_wait.append(time.perf_counter() - waited_from)
+        try:
+            return await _write_and_act(kube, cfg, body, job, decision, owner, emit, now, pods, reserved)
+        except BaseException:
+            cfg.busy.release(reserved)
+            raise
+    if cfg.admissions is not None and not admitting:
+        cfg.admissions.done((namespace, name))
     async with _ADMISSION if admitting else contextlib.nullcontext():
         if admitting:
             if job.spec.scheduling.gang == "native":
@@ -330,6 +357,22 @@ async def _progress(cfg: Config, namespace: str, name: str, uid: str, pods: list
     if reported.progress is None:
         reported = final_progress(pods, attempt)
     return reported, unreachable, source
+
+
+async def _priority(kube: Kube, cfg: Config, name: str | None) -> int:
+    """The admission order's priority: the PriorityClass's value (0 without one, or when it cannot be read)."""
+    if not name:
+        return 0
+    hit = cfg.priorities.get(name)
+    if hit is not None and time.monotonic() - hit[1] < PRIORITY_TTL_SECONDS:
+        return hit[0]
+    try:
+        value = await kube.priority_value(name) or 0
+    except Exception as exc:  # noqa: BLE001 - an order, never a reason not to admit
+        log.info("PriorityClass %s not readable (%s); admitting at priority 0", name, exc)
+        value = 0
+    cfg.priorities[name] = (value, time.monotonic())
+    return value
 
 
 def _sized(job: SeqTrainJob, action: CreateGang) -> SeqTrainJob:
