@@ -120,6 +120,33 @@ def test_no_capacity_no_pods_and_a_condition_then_capacity_starts_gang(env):
     wait_for(lambda: "Unschedulable" in reasons(cp, ns), what="Unschedulable event")
 
 
+def test_a_higher_priority_gang_is_admitted_first_when_room_appears(env):
+    """Two gangs wait for the same room: the one whose PriorityClass is higher goes first, though it came later
+    (one admission cycle orders every waiting gang: priority, then arrival)."""
+    b, _ = env
+    cp = b.cp
+    ns = _ns(env, "op-priority")
+    sched = client.SchedulingV1Api(cp.api)
+    pc = f"{ns}-high"
+    sched.create_priority_class({"apiVersion": "scheduling.k8s.io/v1", "kind": "PriorityClass",
+                                 "metadata": {"name": pc}, "value": 1000})
+    try:
+        big = {"gpus": 4, "cpu": "1", "memory": "1Gi"}
+        submit(cp, job_doc("early", ns, resources=big, training={"globalBatchSize": 8}))
+        wait_for(lambda: condition(status(cp, ns, "early"), "Scheduled").get("reason") == "Unschedulable",
+                 what="the early gang waiting")
+        submit(cp, job_doc("urgent", ns, resources=big, training={"globalBatchSize": 8},
+                           scheduling={"priorityClassName": pc}))
+        wait_for(lambda: condition(status(cp, ns, "urgent"), "Scheduled").get("reason") == "Unschedulable",
+                 what="the urgent gang waiting")
+        add_node(cp, f"{ns}-gpu", pool=ns, cpu="16", memory="64Gi", gpus=8)  # room for one of the two
+        wait_running(cp, ns, "urgent", 1, 2)
+        assert pods_of(cp, ns, "early") == []
+        assert condition(status(cp, ns, "early"), "Scheduled").get("reason") == "Unschedulable"
+    finally:
+        sched.delete_priority_class(pc)
+
+
 def test_placement_honours_the_pod_templates_resources_sidecars_and_node_affinity(env):
     """What the template adds to a pod, kube-scheduler checks: rdma/ib, a sidecar's CPU, a required node affinity.
     Placed by spec.resources alone, both replicas were pinned to the big node without rdma/ib and stayed Pending

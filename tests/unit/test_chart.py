@@ -113,6 +113,7 @@ OPERATOR_CLUSTER = {
     ("", "namespaces", "list"), ("", "namespaces", "watch"),
     *(("apiextensions.k8s.io", "customresourcedefinitions", v) for v in ("get", "list", "watch")),
     *(("kopf.dev", "clusterkopfpeerings", v) for v in ("get", "list", "watch", "patch")),
+    ("scheduling.k8s.io", "priorityclasses", "get"),  # the admission order (k8s/admission.py)
 }
 
 

@@ -128,6 +128,9 @@ Read-only cluster-wide rules:
 - apiGroups: ["kopf.dev"]
   resources: ["clusterkopfpeerings"]
   verbs: ["get", "list", "watch", "patch"]
+- apiGroups: ["scheduling.k8s.io"]
+  resources: ["priorityclasses"]
+  verbs: ["get"]
 {{- end -}}
 
 {{- /* The operator's resources for scale.pods trainer pods, from `seqtrain bench operator` (docs/benchmarks.md,
