@@ -770,8 +770,8 @@ def test_only_unschedulable_replicas_count_toward_the_pending_grace() -> None:
 def test_the_starting_condition_ends_when_the_gang_runs() -> None:
     job = make_job()
     st = decide(job, JobStatus(), Observed(), T0).status
-    st = decide(job, st, Observed(replicas=gang(1, "Running", "Starting")), T0 + timedelta(seconds=15)).status
-    st = decide(job, st, Observed(replicas=gang(1, "Running", "Running")), T0 + timedelta(seconds=19)).status
+    st = decide(job, st, Observed(replicas=gang(1, "Running", "Starting")), T0 + timedelta(seconds=35)).status
+    st = decide(job, st, Observed(replicas=gang(1, "Running", "Running")), T0 + timedelta(seconds=39)).status
     c = cond.get(st, "Starting")
     assert st.phase == "Running" and c is not None and (c.status, c.reason) == ("False", "Started")
 
@@ -784,11 +784,11 @@ def test_a_quick_start_costs_no_starting_condition_and_a_slow_one_says_it_once()
     placed = T0 + timedelta(seconds=60)  # after a minute in kube-scheduler's queue
     starting = tuple(replace(r, placed_at=iso(placed)) for r in gang(1, "Running", "Starting"))
     d = decide(job, st, Observed(replicas=starting), placed + timedelta(seconds=3))
-    assert cond.get(d.status, "Starting") is None and d.of(RequeueAfter)[0].seconds == 7.0
+    assert cond.get(d.status, "Starting") is None and d.of(RequeueAfter)[0].seconds == 27.0
     quick = decide(job, d.status, Observed(replicas=gang(1, "Running", "Running")), placed + timedelta(seconds=4))
     assert cond.get(quick.status, "Starting") is None and quick.status.phase == "Running"
-    first = decide(job, d.status, Observed(replicas=starting), placed + timedelta(seconds=11)).status
-    later = decide(job, first, Observed(replicas=starting), placed + timedelta(seconds=25)).status
+    first = decide(job, d.status, Observed(replicas=starting), placed + timedelta(seconds=31)).status
+    later = decide(job, first, Observed(replicas=starting), placed + timedelta(seconds=45)).status
     c = cond.get(later, "Starting")
     assert c is not None and (c.status, c.reason) == ("True", "ContainerCreating") and "node-1" in c.message
     assert later.conditions == first.conditions  # the same words: nothing new to write

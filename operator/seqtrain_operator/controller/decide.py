@@ -57,9 +57,9 @@ SCALE_UP = "ScaleUpRequested"
 # nothing of the gang runs any more; a replica on a NotReady node is waited for until it is lost or back.
 FAILURE_SETTLE_SECONDS = 15.0
 # Placed replicas still starting this long (a large image pull, a volume attach) get the Starting condition. A
-# quicker start is not worth a status write: 8000 pods would cost thousands of writes whose message changed
-# every pass.
-SLOW_START_SECONDS = 10.0
+# quicker start is not worth a status write: a burst of 8000 pods takes the kubelets (kwok on two cores) more than
+# 10 s, and every gang of the 1000-job run then cost one more write.
+SLOW_START_SECONDS = 30.0
 # An elastic gang running below its size grows back only after running this long at the smaller one.
 ELASTIC_GROW_AFTER_SECONDS = 30.0
 
