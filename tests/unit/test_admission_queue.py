@@ -109,3 +109,38 @@ def test_the_shell_plans_every_waiting_pass_in_one_cycle_and_reserves_between_th
     out = asyncio.run(main())
     assert out == [("placed", [("ml", "a-0")]), ("no room", []), ("no room", [])]
     assert len(free_reads) == 1 and len(reserved) == 3 and reserved[0] and not reserved[1]
+
+
+def test_a_cycle_waits_for_the_pass_of_a_waiting_gang_that_goes_before_its_own() -> None:
+    # Found on the real control plane: a node added for two waiting gangs went to whichever pass reached the cycle
+    # first (the lower priority: its pass had no PriorityClass to read), not to the higher priority.
+    poked: list[tuple[str, str]] = []
+
+    def plan(name: str):  # noqa: ANN202
+        def p(capacity: tuple[Node, ...] | None, blocked: str | None) -> tuple[str, list[dict]]:
+            if capacity is None or capacity[0].gpus < 1:
+                return "no room", []
+            return "placed", [{"metadata": {"name": f"{name}-0", "namespace": "ml"},
+                               "spec": {"nodeName": "n0", "containers": [{"name": "t", "resources": {
+                                   "requests": {"nvidia.com/gpu": "1"}}}]}}]
+        return p
+
+    room = [0]
+
+    async def main() -> dict[str, str]:
+        adm = Admissions(free=lambda: nodes(room[0]), reserve=lambda pods: [], poke=poked.append)
+        try:
+            # both wait: no room yet
+            first = await asyncio.gather(adm.admit(("ml", "low"), 0, "2026-11-26T10:00:00Z", plan("low")),
+                                         adm.admit(("ml", "high"), 100, "2026-11-26T10:00:05Z", plan("high")))
+            assert [d for d, _ in first] == ["no room", "no room"] and set(adm.waiting) == {("ml", "low"), ("ml", "high")}
+            room[0] = 1  # a node appears; the low one's pass comes first, the high one's a moment later
+            low = asyncio.ensure_future(adm.admit(("ml", "low"), 0, "2026-11-26T10:00:00Z", plan("low")))
+            await asyncio.sleep(0.05)
+            assert poked == [("ml", "high")] and not low.done()  # the cycle asked the high one to join
+            high = await adm.admit(("ml", "high"), 100, "2026-11-26T10:00:05Z", plan("high"))
+            return {"low": (await low)[0], "high": high[0]}
+        finally:
+            await adm.stop()
+
+    assert asyncio.run(main()) == {"low": "no room", "high": "placed"}

@@ -27,6 +27,7 @@ from seqtrain_operator.planner.types import Node
 log = logging.getLogger("seqtrain.operator")
 Key = tuple[str, str]
 PRIORITY_TTL_SECONDS = 60.0  # a PriorityClass's value is read again after this long
+JOIN_SECONDS = 2.0  # how long a cycle waits for the passes of gangs ahead of its own (see `Admissions._gather`)
 
 
 @dataclass
@@ -40,8 +41,13 @@ class Admissions:
     own: Callable[[Key], list[tuple[str, Requests]]] = lambda key: []
     on_wait: Callable[[float], None] = lambda seconds: None
     on_cycle: Callable[[float], None] = lambda seconds: None
+    # Wake a job's pass (handlers.STATE.poke): a cycle asks the gangs ahead of its own to join it.
+    poke: Callable[[Key], None] = lambda key: None
     pending: list[tuple[Waiting[Any], asyncio.Future[None]]] = field(default_factory=list)
     first_seen: dict[Key, float] = field(default_factory=dict)  # time.monotonic() it first waited (head of line)
+    # Every gang still waiting for capacity, as (priority, arrival): one whose pass is not in a cycle is asked to
+    # join it before a gang behind it is planned (see `_gather`).
+    waiting: dict[Key, tuple[int, str]] = field(default_factory=dict)
     cycles: int = 0
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
     _task: asyncio.Task[None] | None = None
@@ -70,6 +76,7 @@ class Admissions:
             return decision, [(node, pod_requests(p)) for p in pods if (node := node_of(p)) is not None]
 
         future: asyncio.Future[None] = loop.create_future()
+        self.waiting[key] = (priority, arrival)
         self.pending.append((Waiting(key, priority, arrival, waited, planned, tuple(self.own(key))), future))
         self._wake.set()
         await future
@@ -81,6 +88,29 @@ class Admissions:
     def done(self, key: Key) -> None:
         """The job no longer waits (admitted, deleted, suspended): its head-of-line clock ends."""
         self.first_seen.pop(key, None)
+        self.waiting.pop(key, None)
+
+    async def _gather(self, batch: list[tuple[Waiting[Any], asyncio.Future[None]]]
+                      ) -> list[tuple[Waiting[Any], asyncio.Future[None]]]:
+        """The batch, joined by the waiting gangs that go before one of its gangs (higher priority, or the same and
+        earlier) but whose passes have not handed in yet: they are woken and awaited up to JOIN_SECONDS. Without
+        this the order held only among passes that happened to arrive together: a node added for two waiting gangs
+        went to whichever pass was quicker, not to the higher priority (found by the priority test)."""
+        deadline = time.monotonic() + JOIN_SECONDS
+        while True:
+            there = {w.key for w, _ in batch}
+            last = max(((-w.priority, w.arrival) for w, _ in batch), default=None)
+            missing = [k for k, (p, a) in self.waiting.items() if k not in there and last is not None
+                       and (-p, a) < last]
+            left = deadline - time.monotonic()
+            if not missing or left <= 0:
+                return batch
+            for k in missing:
+                self.poke(k)
+            self._wake.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout=left)
+            batch, self.pending = batch + self.pending, []
 
     async def _run(self) -> None:
         while True:
@@ -89,6 +119,7 @@ class Admissions:
             batch, self.pending = self.pending, []
             if not batch:
                 continue
+            batch = await self._gather(batch)
             started = time.monotonic()
             futures = {id(w): fut for w, fut in batch}
             try:

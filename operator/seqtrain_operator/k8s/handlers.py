@@ -131,6 +131,7 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     STATE.config.admissions = Admissions(
         free=lambda: STATE.ledger.free(views.nodes(), reserved_use=busy.outstanding_use(STATE.ledger.seen, None)),
         reserve=busy.reserve, own=lambda job: [*STATE.ledger.used_by(job), *busy.outstanding_use_of(job)],
+        poke=lambda job: STATE.poke(*job),
         on_wait=STATE.metrics.admission_wait_seconds.observe, on_cycle=STATE.metrics.admission_cycle_seconds.observe)
     for mirror in STATE.mirrors():
         mirror.start()

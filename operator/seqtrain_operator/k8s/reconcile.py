@@ -320,7 +320,7 @@ async def reconcile(kube: Kube, cfg: Config, namespace: str, name: str, emit: Ev
         except BaseException:
             cfg.busy.release(reserved)
             raise
-    if cfg.admissions is not None and not admitting:
+    if cfg.admissions is not None:  # not waiting in the admission cycles (any more)
         cfg.admissions.done((namespace, name))
     async with _ADMISSION if admitting else contextlib.nullcontext():
         if admitting:
