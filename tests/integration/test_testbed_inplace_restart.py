@@ -108,7 +108,7 @@ def delete(tb: Testbed, ns: str, name: str) -> None:
 
 
 @pytest.mark.timeout(2 * RUN_TIMEOUT + 300)
-def test_a_killed_rank_restarts_in_place_in_the_same_pods_and_faster_than_re_creation(
+def test_a_killed_rank_restarts_in_place_in_the_same_pods_and_re_creation_is_the_opt_out(
         testbed: Testbed, seqtrain_operator: Operator, ns: str) -> None:
     seconds: dict[str, float] = {}
     try:
