@@ -307,40 +307,39 @@ async def reconcile(kube: Kube, cfg: Config, namespace: str, name: str, emit: Ev
         def plan(capacity: tuple[Node, ...] | None, blocked: str | None) -> tuple[Decision, list[dict]]:
             seen = replace(observed, capacity=capacity) if blocked is None else replace(observed, unschedulable=blocked)
             d = decide(job, status, seen, now)
-            return d, [p for a in d.of(CreateGang) for p in m.build_gang(_sized(job, a), owner, a.attempt,
-                                                                          cfg.settings, a.plan).pods]
+            return d, _placed_pods(job, d, owner, cfg)
 
         priority = await _priority(kube, cfg, job.spec.scheduling.priority_class_name)
         waited_from = time.perf_counter()
         decision, reserved = await cfg.admissions.admit((namespace, name), priority,
                                                         body["metadata"].get("creationTimestamp") or "", plan)
         admission_wait.append(time.perf_counter() - waited_from)
-        try:
-            return await _write_and_act(kube, cfg, body, job, decision, owner, emit, now, pods, reserved)
-        except BaseException:
-            cfg.busy.release(reserved)
-            raise
-    if cfg.admissions is not None:  # not waiting in the admission cycles (any more)
-        cfg.admissions.done((namespace, name))
-    async with _ADMISSION if admitting else contextlib.nullcontext():
-        if admitting:
-            if job.spec.scheduling.gang == "native":
-                # read here, under the lock, not before waiting for it: see `_free`
-                observed = replace(observed, capacity=await _free(kube, cfg, views, nodes, (namespace, name)))
-            else:
-                observed = replace(observed, unschedulable=await admission(kube, job))
-            if predecessors:  # their names are this job's first attempt's: wait until they are gone
-                observed = replace(observed, unschedulable=await _predecessors_going(kube, predecessors))
-        decision = decide(job, status, observed, now)
-        if admitting and job.spec.scheduling.gang == "native":  # pods the core placed (others: no node yet)
-            reserved = cfg.busy.reserve(p for a in decision.of(CreateGang)
-                                        for p in m.build_gang(_sized(job, a), owner, a.attempt, cfg.settings,
-                                                              a.plan).pods)
+    else:
+        if cfg.admissions is not None:  # not waiting in the admission cycles (any more)
+            cfg.admissions.done((namespace, name))
+        async with _ADMISSION if admitting else contextlib.nullcontext():
+            if admitting:
+                if job.spec.scheduling.gang == "native":
+                    # read here, under the lock, not before waiting for it: see `_free`
+                    observed = replace(observed, capacity=await _free(kube, cfg, views, nodes, (namespace, name)))
+                else:
+                    observed = replace(observed, unschedulable=await admission(kube, job))
+                if predecessors:  # their names are this job's first attempt's: wait until they are gone
+                    observed = replace(observed, unschedulable=await _predecessors_going(kube, predecessors))
+            decision = decide(job, status, observed, now)
+            if admitting and job.spec.scheduling.gang == "native":  # pods the core placed (others: no node yet)
+                reserved = cfg.busy.reserve(_placed_pods(job, decision, owner, cfg))
     try:
         return await _write_and_act(kube, cfg, body, job, decision, owner, emit, now, pods, reserved)
     except BaseException:
         cfg.busy.release(reserved)  # still listed only if not created (or not all of it): it takes no capacity
         raise
+
+
+def _placed_pods(job: SeqTrainJob, decision: Decision, owner: m.Owner, cfg: Config) -> list[dict]:
+    """The pods of the gangs `decision` creates, as they will be created (placed: pinned to their nodes)."""
+    return [p for a in decision.of(CreateGang)
+            for p in m.build_gang(_sized(job, a), owner, a.attempt, cfg.settings, a.plan).pods]
 
 
 async def _progress(cfg: Config, namespace: str, name: str, uid: str, pods: list[dict],
