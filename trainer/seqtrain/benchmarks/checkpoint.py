@@ -42,7 +42,8 @@ def _folder_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(r, n)) for r, _, names in os.walk(path) for n in names)
 
 
-def run_mode(preset: str, async_save: bool, steps: int, seq_len: int, root: str) -> dict[str, Any]:
+def run_mode(preset: str, async_save: bool, steps: int, seq_len: int, root: str, device: str = "cpu",
+             precision: str = "fp32") -> dict[str, Any]:
     from seqtrain.checkpoint import latest_checkpoint
     from seqtrain.models import count_parameters
     from seqtrain.runtime.dist import DistContext
@@ -53,10 +54,13 @@ def run_mode(preset: str, async_save: bool, steps: int, seq_len: int, root: str)
     doc["spec"]["training"]["steps"] = steps
     doc["spec"]["data"]["seqLen"] = seq_len
     doc["spec"]["checkpoint"]["asyncSave"] = async_save
+    doc["spec"]["optimization"] = {"precision": precision}
     workdir = os.path.join(root, "async" if async_save else "sync")
     shutil.rmtree(workdir, ignore_errors=True)
     runtime = RuntimeConfig(workdir=workdir, checkpoint_dir=os.path.join(workdir, "checkpoints"))
-    trainer = Trainer(resolve(parse_job(doc)), runtime, DistContext())
+    # On a GPU the state to stage lives in device memory: the copy to the host is what an async save still blocks on.
+    ctx = DistContext(device=torch.device(device))
+    trainer = Trainer(resolve(parse_job(doc, check_features=False)), runtime, ctx)
     trainer.setup()
     started = time.monotonic()
     trainer.run()
@@ -85,12 +89,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--workdir", default=None, help="where the two runs write (default: a temporary folder)")
     p.add_argument("--out", default=None, help="write the JSON here (default: stdout only)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="where the model trains (auto: cuda when this process sees one)")
+    p.add_argument("--precision", default=None, choices=["fp32", "bf16", "fp16"],
+                   help="default: bf16 on cuda, fp32 on cpu")
     args = p.parse_args(argv)
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    precision = args.precision or ("bf16" if device == "cuda" else "fp32")
     root = args.workdir or tempfile.mkdtemp(prefix="seqtrain-bench-ckpt-")
     result: dict[str, Any] = {
         "benchmark": "checkpoint",
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "device": platform.processor() or "cpu",
+        "device": torch.cuda.get_device_name() if device == "cuda" else (platform.processor() or "cpu"),
+        "precision": precision,
         "cpus": os.cpu_count(),
         "torch": torch.__version__,
         "command": "seqtrain bench checkpoint " + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -100,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for async_save in (False, True):
             result["modes"]["async" if async_save else "sync"] = run_mode(args.preset, async_save, args.steps,
-                                                                          args.seq_len, root)
+                                                                          args.seq_len, root, device, precision)
     finally:
         if args.workdir is None:
             shutil.rmtree(root, ignore_errors=True)
