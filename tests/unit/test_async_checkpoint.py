@@ -154,3 +154,26 @@ def test_a_checkpoint_from_before_the_dcp_format_still_resumes_bit_exactly(tmp_p
     assert resumed.run() == "completed"
     assert losses(tmp_path / "run") == losses(tmp_path / "ref")
     assert dcp_format.has_state(str(tmp_path / "run" / "ckpt" / "step-6"))  # new saves use the DCP format
+
+
+def test_async_saves_stage_into_the_same_host_buffers_each_time_and_each_save_keeps_its_own_values(
+        tmp_path: Path) -> None:
+    """Staging reuses its buffers (no new allocation per save: what an async save blocks on), yet every
+    published checkpoint holds the values of its own step, and a tensor that changed shape gets a new buffer."""
+    manager = CheckpointManager(str(tmp_path), keep=3, ctx=DistContext())
+    state = tree(1.0)
+    manager.save(1, trainer_files, state=lambda: state, background=True)
+    buffers = {k: v.data_ptr() for k, v in manager._stager._buffers.items()}
+    state["model"]["w"].fill_(2.0)
+    manager.save(2, trainer_files, state=lambda: state, background=True)
+    assert {k: v.data_ptr() for k, v in manager._stager._buffers.items()} == buffers
+    state["model"]["w"] = torch.full((5, 3), 3.0)  # a resized tensor: its old buffer cannot hold it
+    manager.save(3, trainer_files, state=lambda: state, background=True)
+    manager.wait()
+    assert manager._stager._buffers["/model/w"].shape == (5, 3)
+    for step, value, shape in ((1, 1.0, (4, 3)), (2, 2.0, (4, 3)), (3, 3.0, (5, 3))):
+        target = {"model": {"w": torch.zeros(shape)}, "optim": {"state.w.step": torch.tensor(0.0)},
+                  "scheduler": {"last_epoch": 0}}
+        dcp_format.read(str(tmp_path / f"step-{step}" / dcp_format.STATE_DIR), target, None)
+        assert torch.equal(target["model"]["w"], torch.full(shape, value)), step
+    assert manager.last_wait_seconds is not None

@@ -129,3 +129,34 @@ def test_missing_packages_are_named_with_the_fix(monkeypatch: pytest.MonkeyPatch
     assert gpu.main(["--out", "/tmp/unused", "--parts", "tests"]) == 2
     err = capsys.readouterr().err
     assert "no-such-wheel" in err and "pip install" in err and "--no-index" in err
+
+
+def test_the_gpu_tests_progress_names_the_test_that_was_running_when_the_part_was_killed(tmp_path: Path) -> None:
+    """The tests part is killed at its deadline; its JSON must still say which test ran and what had passed
+    (the first H100 lease's tests part was killed and told nothing)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    (tmp_path / "test_sample.py").write_text(
+        "import time\n\ndef test_fast():\n    pass\n\ndef test_hangs():\n    time.sleep(600)\n")
+    progress = tmp_path / "tests.json"
+    env = {**os.environ, "SEQTRAIN_PYTEST_PROGRESS": str(progress),
+           "PYTHONPATH": os.pathsep.join([str(gpu.REPO / "trainer"), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
+                             "seqtrain.benchmarks.pytest_progress", "test_sample.py"], cwd=tmp_path, env=env,
+                            stdout=subprocess.DEVNULL, start_new_session=True)
+    try:
+        for _ in range(1200):  # until the progress file shows the hanging test running (not a speed check)
+            if progress.exists() and json.loads(progress.read_text())["running"] == "test_sample.py::test_hangs":
+                break
+            time.sleep(0.1)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    state = json.loads(progress.read_text())
+    assert state["status"] == "running: test_sample.py::test_hangs"
+    assert state["passed"] == ["test_sample.py::test_fast"] and state["failed"] == []
+    assert "test_sample.py::test_fast" in state["seconds"]

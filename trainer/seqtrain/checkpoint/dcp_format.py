@@ -35,25 +35,58 @@ def has_state(step_dir: str) -> bool:
     return os.path.isdir(os.path.join(step_dir, STATE_DIR))
 
 
-def _stage_value(value: Any) -> Any:
-    from torch.distributed.tensor import DTensor
+class Stager:
+    """Host-memory copies of a state tree for the background writer, in buffers reused from one save to the next.
 
-    if isinstance(value, DTensor):
-        local = value.to_local().detach().to("cpu", copy=True)
-        return DTensor.from_local(local, value.device_mesh, value.placements, run_check=False, shape=value.shape,
-                                  stride=value.stride())
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)  # a copy even on the CPU: the next step updates the original
-    if isinstance(value, dict):
-        return {k: _stage_value(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return type(value)(_stage_value(v) for v in value)
-    return copy.deepcopy(value)
+    Allocating (and, on a GPU, pinning) a fresh copy of every tensor at each save is most of what an async save
+    still blocks on: the first H100 lease measured 2.2 s to stage a 3.7 GB state into new pageable memory. A
+    buffer kept per tensor is faulted in (pinned) once; later saves only copy into it (from a GPU asynchronously,
+    one synchronize at the end). Reuse is safe because a save waits for the previous background write before it
+    stages again (`CheckpointManager.save`). The price: one host copy of the state stays allocated between saves,
+    as torchtitan's pinned staging keeps it."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._from_gpu = False
+
+    def stage(self, state: dict[str, Any]) -> dict[str, Any]:
+        """A host-memory copy of `state` that training may not touch: what the background writer saves."""
+        self._from_gpu = False
+        tree = self._value(state, "")
+        if self._from_gpu:
+            torch.cuda.synchronize()  # the non-blocking device-to-host copies are done before training goes on
+        return tree
+
+    def _host(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
+        tensor = tensor.detach()
+        buf = self._buffers.get(key)
+        if buf is None or buf.shape != tensor.shape or buf.dtype != tensor.dtype:
+            pin = tensor.device.type == "cuda" and torch.cuda.is_available()
+            buf = self._buffers[key] = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pin)
+        from_gpu = tensor.device.type == "cuda"
+        self._from_gpu |= from_gpu
+        buf.copy_(tensor, non_blocking=from_gpu and buf.is_pinned())
+        return buf
+
+    def _value(self, value: Any, key: str) -> Any:
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(value, DTensor):
+            local = self._host(key, value.to_local())
+            return DTensor.from_local(local, value.device_mesh, value.placements, run_check=False,
+                                      shape=value.shape, stride=value.stride())
+        if isinstance(value, torch.Tensor):
+            return self._host(key, value)  # a copy even on the CPU: the next step updates the original
+        if isinstance(value, dict):
+            return {k: self._value(v, f"{key}/{k}") for k, v in value.items()}
+        if isinstance(value, list | tuple):
+            return type(value)(self._value(v, f"{key}/{i}") for i, v in enumerate(value))
+        return copy.deepcopy(value)
 
 
 def stage(state: dict[str, Any]) -> dict[str, Any]:
-    """A host-memory copy of `state` that training may not touch: what the background writer saves."""
-    return _stage_value(state)
+    """A one-off host copy of `state` (fresh buffers); `Stager` reuses them across saves."""
+    return Stager().stage(state)
 
 
 def write(state: dict[str, Any], folder: str, group: Any) -> None:

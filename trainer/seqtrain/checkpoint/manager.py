@@ -11,7 +11,8 @@ stage the state in host memory; a thread per rank then writes the DCP folder (co
 own, never used by the training thread) and rank 0, once DCP's metadata is written (which waits for every rank's
 chunks), publishes exactly as above. The next save (and the end of training, `wait`) waits for it first; a crash
 before the rename leaves `.tmp-step-N/` and the previous checkpoint stays the latest. `last_block_seconds` is what
-training waited, `last_save_seconds` the whole save.
+training waited (`last_wait_seconds` of it for the previous background write), `last_save_seconds` the whole save.
+Async saves stage into host buffers kept from one save to the next (`dcp_format.Stager`, pinned on a GPU).
 
 The barriers of a save wait on storage, not on peers, so they run on a gloo group of their own whose timeout is
 SEQTRAIN_CHECKPOINT_TIMEOUT_SECONDS (default: the larger of 1800 s and the collective timeout): a save slower than
@@ -102,6 +103,8 @@ class CheckpointManager:
         self._io_group = ctx.slow_barrier_group(self.io_timeout_s)  # collective: every rank builds a manager
         self.last_save_seconds: float | None = None  # measured; SIGTERM saves only when the grace period allows
         self.last_block_seconds: float | None = None  # how long the last save held training up (sync: all of it)
+        self.last_wait_seconds: float | None = None  # of which waiting for the previous background write
+        self._stager: Any = None  # dcp_format.Stager of async saves: host buffers kept from one save to the next
         # background writes: a group of their own, so their collectives never interleave with the training thread's
         self._write_group = ctx.slow_barrier_group(self.io_timeout_s)
         self._writer: threading.Thread | None = None
@@ -203,6 +206,7 @@ class CheckpointManager:
         `_every_rank_sees`). A background save returns the CheckpointInfo it will publish."""
         started = time.monotonic()
         self.wait()  # one save at a time: the previous one's files are published before this one starts
+        self.last_wait_seconds = time.monotonic() - started
         if self.shared is False:
             return None
         tmp = os.path.join(self.directory, f"{TMP_PREFIX}{step}")
@@ -220,7 +224,9 @@ class CheckpointManager:
         if tree is not None and background:
             from seqtrain.checkpoint import dcp_format
 
-            tree = dcp_format.stage(tree)  # host copy: the next steps may update the originals
+            if self._stager is None:
+                self._stager = dcp_format.Stager()
+            tree = self._stager.stage(tree)  # host copy: the next steps may update the originals
         elif tree is not None:
             from seqtrain.checkpoint import dcp_format
 

@@ -449,6 +449,8 @@ class Trainer:
             if (self.checkpoint_due() and not (self.terminate_requested or self.stop_training)
                     and self.save_checkpoint() is not None and self.checkpoints.last_block_seconds is not None):
                 metrics["ckpt_block_s"] = round(self.checkpoints.last_block_seconds, 4)
+                if self.checkpoints.last_wait_seconds:  # of it, waiting for the previous async save's write
+                    metrics["ckpt_wait_s"] = round(self.checkpoints.last_wait_seconds, 4)
             if self.ctx.is_main:
                 self.metrics_writer.append(metrics)
                 self.log_step(metrics)
