@@ -9,6 +9,9 @@ operator as its own process (`seqtrain operator`, authenticated as the chart's S
   selector, no owner) created directly, no operator, and the seconds until kube-scheduler has them all Running
   (`baseline.all_pods_running_s`): what this machine's scheduler and kwok allow at best; they are deleted before
   the operator starts;
+- with `--kueue`, the same gangs admitted by Kueue (its controller manager, built by scripts/gang-schedulers.sh), on
+  the same nodes, before the operator starts: each gang a plain pod group in a LocalQueue whose quota is the
+  nodes' capacity; seconds until every Workload is admitted and every pod Running (`kueue.all_pods_running_s`);
 - seconds from the first apply to all pods created, to all pods Running, and to every job's status Running (when
   that does not happen within `--timeout`, the result says `complete: false` and what ran by then);
 - the operator process's CPU seconds and peak RSS (from /proc), over the whole run;
@@ -162,6 +165,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=7200.0, help="give up waiting for pods after this many seconds")
     p.add_argument("--keep", action="store_true", help="leave the jobs and nodes in the cluster")
     p.add_argument("--no-baseline", action="store_true", help="skip the bare baseline (pods created directly)")
+    p.add_argument("--kueue", action="store_true",
+                   help="also time the same gangs admitted by Kueue (pod groups; needs scripts/gang-schedulers.sh)")
     p.add_argument("--operator-source", metavar="DIR", help="run the operator of this checkout (default: this one)")
     p.add_argument("--out", help="write the JSON here (default: stdout)")
     p.add_argument("--requests-log", metavar="FILE",
@@ -207,6 +212,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             if not args.no_baseline:
                 result["baseline"] = _baseline(api, pool, args.jobs, args.replicas, args.timeout)
+            if args.kueue:
+                result["kueue"] = _kueue(api, pool, kubeconfig, args.jobs, args.replicas, args.nodes, args.timeout)
 
             cp_cfg = yaml.safe_load(Path(kubeconfig).read_text())
             server = cp_cfg["clusters"][0]["cluster"]["server"]
@@ -319,29 +326,40 @@ def _kind(r: Any) -> str:
     return f"{r.method}{' watch' if r.watch else ''} {_resource(r.path)}"
 
 
+def _bare_pods(jobs: int, replicas: int, ns: str, prefix: str) -> list[list[dict[str, Any]]]:
+    """The operator's gangs' pods (its own manifests: same requests, node selector, everything), without an owner,
+    one list per gang, named `<prefix><job>-<replica>`."""
+    from seqtrain.spec import parse_job
+    from seqtrain_operator.k8s import manifests as m
+
+    spec = parse_job({**_job("b", replicas), "metadata": {"name": "b", "namespace": ns}})
+    template = m.build_gang(spec, m.Owner("b", ns, "00000000-0000-0000-0000-000000000000"), 1, m.Settings(),
+                            None).pods
+    gangs = []
+    for j in range(jobs):
+        gang = []
+        for r, tpl in enumerate(template):
+            pod = json.loads(json.dumps(tpl))
+            meta = pod["metadata"]
+            meta.pop("ownerReferences", None)
+            meta["name"] = f"{prefix}{j:05d}-{r}"
+            meta["labels"] = {}
+            gang.append(pod)
+        gangs.append(gang)
+    return gangs
+
+
 def _baseline(api: Any, pool: ThreadPoolExecutor, jobs: int, replicas: int, timeout: float) -> dict[str, Any]:
     """The same pods as the operator's gangs, created directly (no operator, no owner), in their own namespace:
     seconds until kube-scheduler has them all Running; then they are deleted and gone before the operator runs."""
     from kubernetes import client
 
-    from seqtrain.spec import parse_job
-    from seqtrain_operator.k8s import manifests as m
-
     core = client.CoreV1Api(api)
     ns = NAMESPACE + "-baseline"
     _namespace(core, ns)
-    spec = parse_job({**_job("b", replicas), "metadata": {"name": "b", "namespace": ns}})
-    template = m.build_gang(spec, m.Owner("b", ns, "00000000-0000-0000-0000-000000000000"), 1, m.Settings(),
-                            None).pods
-    pods = []
-    for j in range(jobs):
-        for r, tpl in enumerate(template):
-            pod = json.loads(json.dumps(tpl))
-            meta = pod["metadata"]
-            meta.pop("ownerReferences", None)
-            meta["name"] = f"b{j:05d}-{r}"
-            meta["labels"] = {"seqtrain.bench/baseline": "true"}
-            pods.append(pod)
+    pods = [pod for gang in _bare_pods(jobs, replicas, ns, "b") for pod in gang]
+    for pod in pods:
+        pod["metadata"]["labels"] = {"seqtrain.bench/baseline": "true"}
     want = len(pods)
     _log(f"baseline: creating {want} pods directly (no operator)")
     t0 = time.monotonic()
@@ -358,6 +376,88 @@ def _baseline(api: Any, pool: ThreadPoolExecutor, jobs: int, replicas: int, time
     out = {"pods": want, "all_pods_created_s": round(created, 1), "all_pods_running_s": round(time.monotonic() - t0, 1)}
     core.delete_collection_namespaced_pod(ns, grace_period_seconds=0, _preload_content=False, _request_timeout=300)
     _wait(lambda: not _pods(api, ns), 1800, "baseline pods deleted", 5.0)
+    return out
+
+
+KUEUE_LABEL = "seqtrain.bench/kueue"  # the pods Kueue's pod webhooks see (testbed.gangs.kueue's objectSelector)
+
+
+def _kueue(api: Any, pool: ThreadPoolExecutor, kubeconfig: str, jobs: int, replicas: int, nodes: int,
+           timeout: float) -> dict[str, Any]:
+    """The same gangs admitted by Kueue (v0.19, its own controller manager with its default client settings):
+    each gang a plain pod group (KEP-976: queue and group labels, the group's size) in a LocalQueue whose
+    ClusterQueue's quota is the kwok nodes' capacity, so quota never holds a gang back and the figure is Kueue's
+    admission plus kube-scheduler. Seconds until every pod is Running, and until every Workload is admitted; the
+    pods are then deleted (Kueue drops its finalizers) and Kueue stopped, before the operator runs."""
+    from kubernetes import client
+
+    from testbed import gangs
+    from testbed.fixtures import Testbed
+
+    core, custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
+    tb = Testbed(kubeconfig=Path(kubeconfig))
+    ns = NAMESPACE + "-kueue"
+    _namespace(core, ns)
+    built = subprocess.run([str(ROOT / "scripts" / "gang-schedulers.sh"), "--check", "kueue"], capture_output=True,
+                           text=True).stdout.strip()  # .../gang-kueue-<version>-scheduler-plugins-<version>
+    version = re.search(r"kueue-(v[0-9.]+)", built)
+    out: dict[str, Any] = {"kueue": version.group(1) if version else None, "pods": jobs * replicas,
+                           "client": "Kueue's defaults (its Configuration sets no clientConnection: v0.19's "
+                                     "defaults are 300 QPS, burst 500)"}
+    with gangs.kueue(tb, pod_label=KUEUE_LABEL):
+        tb.apply([
+            {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "ResourceFlavor", "metadata": {"name": "bench"},
+             "spec": {"nodeLabels": {POOL: "bench"}}},
+            {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "ClusterQueue", "metadata": {"name": "bench"},
+             "spec": {"namespaceSelector": {}, "resourceGroups": [{"coveredResources": ["cpu", "memory"], "flavors": [
+                 {"name": "bench", "resources": [{"name": "cpu", "nominalQuota": str(32 * nodes)},
+                                                 {"name": "memory", "nominalQuota": f"{256 * nodes}Gi"}]}]}]}},
+            {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "LocalQueue", "metadata": {"name": "bench", "namespace": ns},
+             "spec": {"clusterQueue": "bench"}}])
+        pods = []
+        for j, gang in enumerate(_bare_pods(jobs, replicas, ns, "k")):
+            for pod in gang:
+                pod["metadata"]["labels"] = {KUEUE_LABEL: "true", "kueue.x-k8s.io/queue-name": "bench",
+                                             "kueue.x-k8s.io/pod-group-name": f"k{j:05d}"}
+                pod["metadata"]["annotations"] = {"kueue.x-k8s.io/pod-group-total-count": str(replicas)}
+                pods.append(pod)
+        want = len(pods)
+        _log(f"kueue: creating {jobs} pod groups of {replicas} ({want} pods) in LocalQueue bench")
+        t0 = time.monotonic()
+        list(pool.map(lambda pod: core.create_namespaced_pod(ns, pod, _preload_content=False), pods))
+        out["all_pods_created_s"] = round(time.monotonic() - t0, 1)
+        marks: dict[str, float] = {}
+
+        def done() -> bool:
+            phases = _pods(api, ns)
+            running = sum(1 for ph in phases if ph == "Running")
+            workloads = custom.list_namespaced_custom_object("kueue.x-k8s.io", "v1beta2", ns, "workloads")["items"]
+            admitted = sum(1 for w in workloads if (w.get("status") or {}).get("admission"))
+            now = time.monotonic() - t0
+            if admitted >= jobs and "all_workloads_admitted_s" not in marks:
+                marks["all_workloads_admitted_s"] = now
+            if running >= want and "all_pods_running_s" not in marks:
+                marks["all_pods_running_s"] = now
+            _log(f"kueue t={now:.0f}s workloads {len(workloads)}, admitted {admitted}/{jobs}; running {running}/{want}")
+            return len(marks) == 2
+
+        try:
+            _wait(done, timeout, "every Kueue workload admitted and every pod Running", interval=5.0)
+            out["complete"] = True
+        except TimeoutError as exc:
+            out.update(complete=False, incomplete=f"{exc} (after --timeout {timeout:.0f}s)")
+        out.update({k: round(v, 1) for k, v in marks.items()})
+        _log("kueue: deleting its pods and workloads")
+        core.delete_collection_namespaced_pod(ns, grace_period_seconds=0, _preload_content=False,
+                                              _request_timeout=300)
+        # Kueue keeps its finalizer on a group's pods while their Workload is active (a deleted pod of a running
+        # group is a failure it accounts for): the clean-up takes it off, as nothing of the run is measured now.
+        names = [p["metadata"]["name"] for p in json.loads(core.list_namespaced_pod(
+            ns, _preload_content=False, _request_timeout=120).data)["items"]]
+        list(pool.map(lambda name: _try_api(lambda: core.patch_namespaced_pod(
+            name, ns, {"metadata": {"finalizers": None}}, _preload_content=False)), names))
+        custom.delete_collection_namespaced_custom_object("kueue.x-k8s.io", "v1beta2", ns, "workloads")
+        _wait(lambda: not _pods(api, ns), 600, "Kueue's pods deleted", 5.0)
     return out
 
 
@@ -397,6 +497,18 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _try_api(fn: Callable[[], Any]) -> Any:
+    """`fn()`, or None when the object is already gone (404)."""
+    from kubernetes.client.exceptions import ApiException
+
+    try:
+        return fn()
+    except ApiException as exc:
+        if exc.status != 404:
+            raise
+        return None
 
 
 def _try(fn: Callable[[], Any]) -> Any:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,29 +14,14 @@ import yaml
 
 from seqtrain.spec import parse_job
 from seqtrain_operator.k8s import manifests as m
-from testbed.fixtures import ROOT, Testbed, wait
+from testbed.fixtures import Testbed
+from testbed.gangs import crd_files, install_crds
 
 CI = os.environ.get("CI", "").lower() == "true"
 OWNER = m.Owner(name="gang", namespace="gangs", uid="8c0ffee0-1234-5678-9abc-def012345678")
 
 
-def _crd_files() -> dict[str, list[Path]]:
-    try:
-        # CI downloads the modules (once, cached by version); elsewhere only what is cached is used
-        out = subprocess.run([str(ROOT / "scripts" / "gang-crds.sh"), *([] if CI else ["--check"])],
-                             capture_output=True, text=True, timeout=600 if CI else 60)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return {"<error>": [Path(str(exc))]}
-    files = {}
-    for line in out.stdout.splitlines():
-        name, _, paths = line.partition("=")
-        files[name] = [Path(p) for p in paths.split(",")]
-    if out.returncode != 0:
-        files["<missing>"] = [Path(out.stderr.strip())]
-    return files
-
-
-FILES = _crd_files()
+FILES = crd_files()
 
 
 def crds(gang: str) -> list[dict[str, Any]]:
@@ -147,16 +131,6 @@ def test_kueue_workload_api_seqtrain_deletes_is_served():
 
 
 # ---- on the real control plane ----------------------------------------------------------------------------------
-
-
-def install_crds(tb: Testbed, docs: list[dict[str, Any]]) -> None:
-    # Server-side apply: Kueue's CRDs are larger than the last-applied annotation client-side apply writes.
-    tb.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-", input=yaml.safe_dump_all(docs), timeout=180)
-    for d in docs:
-        name = d["metadata"]["name"]
-        wait(f"CRD {name} Established", lambda n=name: any(
-            c["type"] == "Established" and c["status"] == "True"
-            for c in ((tb.get("crd", n) or {}).get("status") or {}).get("conditions") or []), 120)
 
 
 def dry_run(tb: Testbed, obj: dict[str, Any], namespace: str) -> subprocess.CompletedProcess[str]:

@@ -12,51 +12,22 @@ command that fixes it) when the schedulers or the control-plane binaries are not
 
 from __future__ import annotations
 
-import base64
 import os
 import signal
-import socket
-import subprocess
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from test_gang_crds import FILES, install_crds
+from test_gang_crds import FILES
 from test_testbed_e2e import RUN_TIMEOUT, cpu_job, job_status, wait_phase
 
-from testbed.fixtures import ROOT, TB, Operator, Testbed, free_port, unavailable, wait
+from testbed import gangs
+from testbed.fixtures import TB, Operator, Testbed, free_port, unavailable, wait
+from testbed.gangs import gang_binaries, install_crds, start, stop
 
 pytestmark = pytest.mark.slow
-
-
-def gang_binaries(name: str) -> Path:
-    out = subprocess.run([str(ROOT / "scripts" / "gang-schedulers.sh"), "--check", name], capture_output=True,
-                         text=True)
-    if out.returncode != 0:
-        unavailable(f"{name} not built: run `scripts/gang-schedulers.sh` (one Go build each)")
-    return Path(out.stdout.strip())
-
-
-def start(tb: Testbed, argv: list[str], name: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    log = TB / "logs" / f"{name}.log"
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "ab") as f:
-        return subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env={**os.environ, "KUBECONFIG": str(tb.kubeconfig), **(env or {})},
-                                start_new_session=True)
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
 
 
 def pods(tb: Testbed, ns: str, job: str) -> list[dict[str, Any]]:
@@ -151,70 +122,8 @@ def test_coscheduling_binds_all_or_nothing(testbed: Testbed, operator: Operator,
 
 @pytest.fixture(scope="module")
 def kueue(testbed: Testbed) -> Iterator[None]:
-    bins = gang_binaries("kueue")
-    if "kueue" not in FILES:
-        unavailable("no Kueue CRDs: run scripts/gang-crds.sh")
-    base = FILES["kueue"][0].parent
-    install_crds(testbed, [yaml.safe_load(p.read_text()) for p in sorted(base.glob("*.yaml"))])
-    testbed.kubectl("create", "namespace", "kueue-system", check=False)
-    port = free_port()
-    certs = TB / "kueue-certs"
-    certs.mkdir(exist_ok=True)
-    for src, dst in (("webhook.crt", "tls.crt"), ("webhook.key", "tls.key")):
-        (certs / dst).write_bytes((TB / "pki" / src).read_bytes())
-    # Kueue's own webhook configurations, pointed at the local process (the testbed has no Service routing).
-    ca = base64.b64encode(testbed.ca_pem()).decode()
-    hooks = list(yaml.safe_load_all((base.parents[1] / "webhook" / "manifests.yaml").read_text()))
-    for doc in hooks:
-        doc["metadata"]["name"] = "kueue-" + doc["metadata"]["name"]
-        # only what this Kueue serves here: the pod integration and Kueue's own APIs (the others would refuse
-        # e.g. every batch Job on the testbed with a 404 from a framework that is not enabled)
-        doc["webhooks"] = [w for w in doc.get("webhooks", []) if "-v1-pod" in w["clientConfig"]["service"]["path"]
-                           or "kueue-x-k8s-io" in w["clientConfig"]["service"]["path"]]
-        for w in doc["webhooks"]:
-            path = w["clientConfig"]["service"]["path"]
-            w["clientConfig"] = {"url": f"https://127.0.0.1:{port}{path}", "caBundle": ca}
-            w.pop("namespaceSelector", None)
-            if "/mutate--v1-pod" in path or "/validate--v1-pod" in path:  # only seqtrain's test namespaces' pods
-                w["objectSelector"] = {"matchExpressions": [{"key": "seqtrain.dev/job", "operator": "Exists"}]}
-    testbed.apply(hooks)
-    cfg = TB / "kueue-config.yaml"
-    cfg.write_text(yaml.safe_dump({
-        "apiVersion": "config.kueue.x-k8s.io/v1beta2", "kind": "Configuration", "namespace": "kueue-system",
-        "health": {"healthProbeBindAddress": f"127.0.0.1:{free_port()}"},
-        "metrics": {"bindAddress": f"127.0.0.1:{free_port()}"},
-        "webhook": {"port": port, "host": "127.0.0.1", "certDir": str(certs)},
-        "leaderElection": {"leaderElect": False}, "internalCertManagement": {"enable": False},
-        "integrations": {"frameworks": ["pod"]}}))
-    # With its own certificate management off, Kueue v0.19 reads the metrics server's certificate from a fixed
-    # path (cmd/kueue/main.go); created here only when absent, and removed again.
-    metrics_certs = Path("/etc/kueue/metrics/certs")
-    created = not metrics_certs.exists()
-    if created:
-        try:
-            metrics_certs.mkdir(parents=True)
-        except OSError as exc:
-            unavailable(f"Kueue needs {metrics_certs} (its fixed metrics certificate path): {exc}")
-        for f in ("tls.crt", "tls.key"):
-            (metrics_certs / f).write_bytes((certs / f).read_bytes())
-    # its visibility API server wants certificates of its own; the scenario does not use it
-    proc = start(testbed, [str(bins / "kueue"), f"--config={cfg}", "--feature-gates=VisibilityOnDemand=false"],
-                 "kueue")
-    try:
-        def serving() -> bool:
-            assert proc.poll() is None, (TB / "logs" / "kueue.log").read_text(errors="replace")[-3000:]
-            with socket.create_connection(("127.0.0.1", port), timeout=2):
-                return True
-        wait("Kueue's webhook listening", serving, 180)
+    with gangs.kueue(testbed, files=FILES):
         yield
-    finally:
-        stop(proc)
-        testbed.kubectl("delete", "-f", "-", "--ignore-not-found", input=yaml.safe_dump_all(hooks), check=False)
-        if created:
-            for f in ("tls.crt", "tls.key"):
-                (metrics_certs / f).unlink(missing_ok=True)
-            for d in (metrics_certs, metrics_certs.parent, metrics_certs.parent.parent):
-                d.rmdir()
 
 
 def test_kueue_queue_admit_train_restart_and_clean_up(testbed: Testbed, operator: Operator, kueue: None,

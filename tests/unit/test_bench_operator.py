@@ -31,3 +31,17 @@ def test_steady_window_is_the_difference_of_two_scrapes():
 ])
 def test_requests_are_counted_by_resource(path, resource):
     assert _resource(path) == resource
+
+
+def test_the_bare_and_kueue_gangs_are_the_operators_own_pods_without_an_owner():
+    """The baseline and Kueue's side of the benchmark create the very pods the operator would (same requests and
+    node selector), one list per gang, with no ownerReference that a garbage collector could act on."""
+    from seqtrain_operator.benchmark import POOL, _bare_pods
+
+    gangs = _bare_pods(3, 4, "ns", "k")
+    assert [len(g) for g in gangs] == [4, 4, 4]
+    assert [p["metadata"]["name"] for p in gangs[2]] == ["k00002-0", "k00002-1", "k00002-2", "k00002-3"]
+    for pod in (p for g in gangs for p in g):
+        assert "ownerReferences" not in pod["metadata"] and pod["metadata"]["labels"] == {}
+        assert pod["spec"]["nodeSelector"][POOL] == "bench"
+        assert pod["spec"]["containers"][0]["resources"]["requests"] == {"cpu": "1", "memory": "1Gi"}
