@@ -388,7 +388,8 @@ def _kueue(api: Any, pool: ThreadPoolExecutor, kubeconfig: str, jobs: int, repli
     each gang a plain pod group (KEP-976: queue and group labels, the group's size) in a LocalQueue whose
     ClusterQueue's quota is the kwok nodes' capacity, so quota never holds a gang back and the figure is Kueue's
     admission plus kube-scheduler. Seconds until every pod is Running, and until every Workload is admitted; the
-    pods are then deleted (Kueue drops its finalizers) and Kueue stopped, before the operator runs."""
+    pods (their Kueue finalizers taken off) and Workloads are then deleted and Kueue stopped, before the operator
+    runs."""
     from kubernetes import client
 
     from testbed import gangs

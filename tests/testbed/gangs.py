@@ -17,9 +17,8 @@ from typing import Any
 
 import yaml
 
-from testbed.fixtures import ROOT, TB, Testbed, free_port, unavailable, wait
+from testbed.fixtures import CI, ROOT, TB, Testbed, free_port, unavailable, wait
 
-CI = os.environ.get("CI", "").lower() == "true"
 KUEUE_GATE = "kueue.x-k8s.io/admission"
 
 

@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -134,12 +139,6 @@ def test_missing_packages_are_named_with_the_fix(monkeypatch: pytest.MonkeyPatch
 def test_the_gpu_tests_progress_names_the_test_that_was_running_when_the_part_was_killed(tmp_path: Path) -> None:
     """The tests part is killed at its deadline; its JSON must still say which test ran and what had passed
     (the first H100 lease's tests part was killed and told nothing)."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-
     (tmp_path / "test_sample.py").write_text(
         "import time\n\ndef test_fast():\n    pass\n\ndef test_hangs():\n    time.sleep(600)\n")
     progress = tmp_path / "tests.json"

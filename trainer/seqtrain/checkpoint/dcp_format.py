@@ -84,11 +84,6 @@ class Stager:
         return copy.deepcopy(value)
 
 
-def stage(state: dict[str, Any]) -> dict[str, Any]:
-    """A one-off host copy of `state` (fresh buffers); `Stager` reuses them across saves."""
-    return Stager().stage(state)
-
-
 def write(state: dict[str, Any], folder: str, group: Any) -> None:
     """Collective over `group` (None: this process alone): every rank writes its chunks, rank 0 the metadata;
     files are fsynced before it returns."""
