@@ -127,6 +127,15 @@ def _proc_cpu_rss(pid: int) -> tuple[float, float]:
     return cpu, hwm / 1024
 
 
+def _rss_now(pid: int) -> float | None:
+    """Current RSS MiB of a live process (the progress log's trajectory: a peak from a burst or a steady level)."""
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    return next((int(line.split()[1]) / 1024 for line in text.splitlines() if line.startswith("VmRSS:")), None)
+
+
 def _histogram(url: str) -> list[tuple[float, float]]:
     """The cumulative buckets (upper bound, count) of seqtrain_reconcile_seconds."""
     text = urllib.request.urlopen(url, timeout=30).read().decode()
@@ -253,7 +262,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     GROUP, VERSION, NAMESPACE, PLURAL)["items"])
                 if phases.get("Running", 0) >= args.jobs and "all_jobs_running_s" not in marks:
                     marks["all_jobs_running_s"] = now
-                _log(f"t={now:.0f}s pods {len(pods)}/{want}, running {running}; jobs {dict(phases)}")
+                rss = _rss_now(op.pid)
+                _log(f"t={now:.0f}s pods {len(pods)}/{want}, running {running}; jobs {dict(phases)}"
+                     + (f"; operator RSS {rss:.0f} MiB" if rss is not None else ""))
                 return len(marks) == 3
 
             try:

@@ -11,12 +11,17 @@ schedulingGates, the node affinity (a pod pinned to a node), the containers' nam
 reason, message, podIP, nominatedNodeName, the PodScheduled and DisruptionTarget conditions' type, status and reason
 (and when PodScheduled changed: when it was placed), the containers' names and
 current states (a terminated state's message is rank 0's final progress).
+Of a job (what a reconcile pass reads, and what the operator keeps of its last status write): everything but
+metadata.managedFields and kubectl's last-applied annotation. As Python objects managedFields is most of a job
+(every "f:field" of the server-side-apply history is a dict of its own): the 300-job run held about 110 KB per job
+in the pass's copies and the kept write responses, at the moment 300 passes were in flight.
 Of a node: name, uid, resourceVersion, labels; unschedulable, taints; allocatable, capacity, and the Ready
 condition (status and since when).
 """
 
 from __future__ import annotations
 
+import copy
 import sys
 from collections.abc import Mapping
 from typing import Any
@@ -37,6 +42,8 @@ def compact(obj: Any) -> Any:
     if isinstance(obj, str) and len(obj) <= _SHARED_MAX:
         return sys.intern(obj)
     return obj
+
+
 _LAST_APPLIED = "kubectl.kubernetes.io/last-applied-configuration"
 
 
@@ -79,3 +86,11 @@ def node(body: Mapping[str, Any]) -> dict[str, Any]:
                         for c in status.get("conditions") or [] if c.get("type") == "Ready"]
     return compact({"metadata": _pick(meta, ("name", "uid", "resourceVersion", "labels")),
                     "spec": _pick(spec, ("unschedulable", "taints")), "status": st})
+
+
+def job(body: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of a SeqTrainJob a pass may change freely, without what no pass reads (see the module's docstring)."""
+    meta = {k: copy.deepcopy(v) for k, v in (body.get("metadata") or {}).items() if k != "managedFields"}
+    if _LAST_APPLIED in (meta.get("annotations") or {}):
+        meta["annotations"] = {k: v for k, v in meta["annotations"].items() if k != _LAST_APPLIED}
+    return {**{k: copy.deepcopy(v) for k, v in body.items() if k != "metadata"}, "metadata": meta}
