@@ -6,6 +6,7 @@ BIN := $(VENV)/bin
 PY := $(BIN)/python
 STAMP := $(VENV)/.seqtrain-installed
 TORCH_VERSION ?= 2.13.0
+MIN_FREE_GIB ?= 10
 # Compiled DeepSpeed/Triton ops are cached here so only the first run pays for compiling them.
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 export TRITON_CACHE_DIR ?= $(CURDIR)/.cache/triton
@@ -23,6 +24,11 @@ OPERATOR_IMAGE ?= $(IMAGE_REPO)/operator:$(VERSION)
 install: $(STAMP)
 
 $(STAMP): pyproject.toml
+	@# A full disk fails pip with "OSError: [Errno 28]" 16 s in (a CI run did): say what is short and what takes it.
+	@avail=$$(df -Pk . | awk 'NR==2 {print int($$4 / 1048576)}'); if [ "$${avail:-99}" -lt $(MIN_FREE_GIB) ]; then \
+		echo "make install: only $$avail GiB free under $(CURDIR) (df -h .); a fresh install needs about $(MIN_FREE_GIB) GiB" \
+		"(the venv with torch's CUDA wheels is about 6 GiB, pip's download of them 3 GiB): free space" \
+		"(old clones, /tmp/pytest-of-$$(id -un)) or set VENV to a larger disk" >&2; fi
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	@# On machines without an NVIDIA driver install the CPU build of torch first: the package's torch range is
