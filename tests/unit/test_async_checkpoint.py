@@ -300,23 +300,24 @@ def test_a_rank_killed_during_its_background_write_leaves_the_previous_checkpoin
     assert latest is not None and latest.step == 1
 
 
-def test_a_tree_of_dtensors_is_written_by_the_thread_with_a_one_line_reason(
+def test_a_state_too_big_for_dev_shm_is_written_by_the_thread_with_a_one_line_reason(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A tmpfs past its size kills the process touching the page (SIGBUS): the writer process is not used then."""
     from seqtrain.checkpoint import writer
 
-    assert writer.unsupported(tree(1.0)) is None
-    mgr = CheckpointManager(str(tmp_path), keep=3, ctx=DistContext(), writer="process")
-    mgr._thread_reason = None
-    original = writer.unsupported
-    try:
-        writer.unsupported = lambda t: "the state holds DTensors (test)"  # type: ignore[assignment]
-        mgr.save(1, trainer_files, state=lambda: tree(1.0), background=True)
-    finally:
-        writer.unsupported = original  # type: ignore[assignment]
+    assert writer.unsupported(tree(1.0), 1) is None
+    # as many ranks on this node as make /dev/shm too small for them all
+    ctx = DistContext(local_world_size=10**15)
+    mgr = CheckpointManager(str(tmp_path), keep=3, ctx=ctx, writer="process")
+    mgr.save(1, trainer_files, state=lambda: tree(1.0), background=True)
+    mgr.save(2, trainer_files, state=lambda: tree(2.0), background=True)
     mgr.close()
-    assert mgr.writing_in == "thread (the state holds DTensors (test))" and mgr._process is None
-    assert "async checkpoint writes run in a thread: the state holds DTensors (test)" in capsys.readouterr().out
-    assert latest_step(str(tmp_path)) == 1
+    assert mgr.writing_in.startswith("thread (/dev/shm has") and mgr._process is None
+    assert not mgr._stager.shared
+    said = [line for line in capsys.readouterr().out.splitlines() if "async checkpoint writes run in a thread" in line]
+    assert len(said) == 1 and "raise spec.resources.shmSize" in said[0], said
+    assert latest_step(str(tmp_path)) == 2 and torch.equal(read_state(tmp_path / "step-2")["model"]["w"],
+                                                            torch.full((4, 3), 2.0))
 
 
 def _two_ranks(rank: int, port: int, directory: str, out: str) -> None:

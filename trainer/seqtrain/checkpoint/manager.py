@@ -183,7 +183,8 @@ class CheckpointManager:
             raise ValueError(f"writer must be one of {list(writers.KINDS)}, not {self.writer_kind!r}")
         self._process: writers.ProcessWriter | None = None
         self._thread_reason: str | None = None if self.writer_kind == "process" else "SEQTRAIN_CHECKPOINT_WRITER=thread"
-        self._write_started: tuple[float, float] | None = None  # (monotonic, epoch) of the write in flight
+        # the write in flight: (monotonic at the save's start, monotonic and epoch seconds when it was handed over)
+        self._write_started: tuple[float, float, float] | None = None
         # (start, end) epoch seconds of the last background write, once it is done (benchmarks: overlapping steps)
         self.last_write_window: tuple[float, float] | None = None
         # Steps never pruned, whatever `keep` says (the best checkpoint by validation loss, see seqtrain.obs).
@@ -289,10 +290,10 @@ class CheckpointManager:
         if answer is None:
             return
         kind, value = answer
-        started, wall = self._write_started or (time.monotonic(), time.time())
+        started, handed, wall = self._write_started or (time.monotonic(), time.monotonic(), time.time())
         if kind == "done":
             self._last_save_seconds = value - started
-            self.last_write_window = (wall, wall + (value - started))
+            self.last_write_window = (wall, wall + (value - handed))
         else:
             self._write_error = value
             if not self._process.alive():  # the writer died: the next background save starts another
@@ -320,13 +321,14 @@ class CheckpointManager:
                 self._process = None
 
     def _use_process(self, tree: dict[str, Any]) -> bool:
-        """Whether this background save goes to the writer process (collective on the first background save: every
-        rank decides the same, or their writes would never meet). Otherwise the thread, said in one line."""
+        """Whether this background save of `tree` (not staged yet) goes to the writer process (collective on the first
+        background save: every rank decides the same, or their writes would never meet). Otherwise the thread, said
+        in one line."""
         if self._thread_reason is not None:
             return False
         if self._process is not None and self._process.alive():
             return True
-        why = writers.unsupported(tree)
+        why = writers.unsupported(tree, self.ctx.local_world_size)
         addr, port = "127.0.0.1", 0
         if self.ctx.distributed:
             import torch.distributed as dist
@@ -380,11 +382,13 @@ class CheckpointManager:
         for name in write(tmp):
             _fsync_path(os.path.join(tmp, name))
         tree = state() if state is not None else None
+        in_process = False
         if tree is not None and background:
             from seqtrain.checkpoint import dcp_format
 
-            if self._stager is None:  # shared memory: the writer process maps the same buffers
-                self._stager = dcp_format.Stager(shared=self._thread_reason is None)
+            in_process = self._use_process(tree)
+            if self._stager is None or self._stager.shared != in_process:  # shared: the writer maps the same buffers
+                self._stager = dcp_format.Stager(shared=in_process)
             tree = self._stager.stage(tree)  # host copy: the next steps may update the originals
         elif tree is not None:
             from seqtrain.checkpoint import dcp_format
@@ -393,8 +397,8 @@ class CheckpointManager:
         self._io_barrier()  # waits for the slowest rank's storage: the I/O deadline, not the collective one
         final = step_dir(self.directory, step)
         if tree is not None and background:
-            self._write_started = (started, time.time())
-            if self._use_process(tree):
+            self._write_started = (started, time.monotonic(), time.time())
+            if in_process:
                 assert self._process is not None
                 self._process.submit(step, tmp, tree, self._stager.buffers,
                                      self._publisher() if self.ctx.is_main else None, meta)
@@ -426,7 +430,7 @@ class CheckpointManager:
             if self.ctx.is_main:
                 self._publish(step, tmp, meta)
             self.last_save_seconds = time.monotonic() - started
-            self.last_write_window = (self._write_started or (0.0, time.time()))[1], time.time()
+            self.last_write_window = (self._write_started or (0.0, 0.0, time.time()))[2], time.time()
         except BaseException as exc:  # re-raised on the training thread by the next wait()
             self._write_error = exc
 

@@ -58,21 +58,43 @@ class _Ref:
     key: str
 
 
-def unsupported(tree: Any) -> str | None:
-    """Why this staged tree cannot go to a writer process (None: it can)."""
+SHM = "/dev/shm"  # where torch's shared memory lives (shm_open): a pod's is spec.resources.shmSize
+
+
+def unsupported(tree: Any, local_ranks: int = 1, shm: str = SHM) -> str | None:
+    """Why this state tree (before staging) cannot go to a writer process; None: it can. `local_ranks`: the ranks
+    on this node, each staging its own state into the same /dev/shm."""
+    import torch
     from torch.distributed.tensor import DTensor
 
-    def walk(value: Any) -> bool:
-        if isinstance(value, DTensor):
-            return True
-        if isinstance(value, dict):
-            return any(walk(v) for v in value.values())
-        if isinstance(value, list | tuple):
-            return any(walk(v) for v in value)
-        return False
+    size, dtensors = 0, False
 
-    if walk(tree):
+    def walk(value: Any) -> None:
+        nonlocal size, dtensors
+        if isinstance(value, DTensor):
+            dtensors = True
+        elif isinstance(value, torch.Tensor):
+            size += value.numel() * value.element_size()
+        elif isinstance(value, dict):
+            for v in value.values():
+                walk(v)
+        elif isinstance(value, list | tuple):
+            for v in value:
+                walk(v)
+
+    walk(tree)
+    if dtensors:
         return "the state holds DTensors (FSDP2, tensor or pipeline parallel), which the writer process cannot rebuild"
+    try:
+        st = os.statvfs(shm)
+    except OSError:  # no /dev/shm (not Linux): torch shares memory its own way
+        return None
+    free, need = st.f_bavail * st.f_frsize, size * local_ranks
+    # a tmpfs over its size limit kills the process that touches the page (SIGBUS), not a clean error: keep a tenth
+    # free for everything else there (data loader workers, NCCL)
+    if need > 0.9 * free:
+        return (f"{shm} has {free / 2**30:.2f} GiB free and staging the state for the writer process needs "
+                f"{need / 2**30:.2f} GiB ({local_ranks} rank(s) on this node); raise spec.resources.shmSize")
     return None
 
 
