@@ -324,10 +324,18 @@ def _two_ranks(rank: int, port: int, directory: str, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
     ctx = DistContext(rank=rank, world_size=2, dp_rank=rank, dp_size=2, backend="gloo")
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
     mgr = CheckpointManager(directory, keep=3, ctx=ctx, writer="process")
     for step in (1, 2):
-        # a replicated tensor (DCP writes one copy) and one of each rank's own
-        live = {"model": {"w": torch.full((4, 3), float(step)), f"r{rank}": torch.full((2,), step * 10.0 + rank)},
+        # a replicated tensor (DCP writes one copy), one of each rank's own, and a sharded one (FSDP2's kind): rows
+        # 0-1 on rank 0, 2-3 on rank 1
+        shard = DTensor.from_local(torch.full((2, 3), step * 100.0 + rank), mesh, [Shard(0)], run_check=False,
+                                   shape=torch.Size([4, 3]), stride=(3, 1))
+        live = {"model": {"w": torch.full((4, 3), float(step)), f"r{rank}": torch.full((2,), step * 10.0 + rank),
+                          "s": shard},
                 "optim": {"state.w.step": torch.tensor(float(step))}}
         mgr.save(step, trainer_files, state=lambda live=live: live, background=True)
         live["model"]["w"].fill_(-1.0)  # training goes on
@@ -339,7 +347,8 @@ def _two_ranks(rank: int, port: int, directory: str, out: str) -> None:
     os._exit(0)  # as the trainer's entry leaves (gloo's threads can abort the interpreter's shutdown)
 
 
-def test_two_ranks_write_through_their_writer_processes_and_rank_0_publishes(tmp_path: Path) -> None:
+def test_two_ranks_write_through_their_writer_processes_and_rank_0_publishes_sharded_tensors_too(
+        tmp_path: Path) -> None:
     import torch.multiprocessing as mp
 
     with socket.socket() as s:
@@ -350,8 +359,9 @@ def test_two_ranks_write_through_their_writer_processes_and_rank_0_publishes(tmp
         assert (tmp_path / f"rank{rank}").read_text().split()[::2] == ["process", "True"], rank
     assert latest_step(str(tmp_path / "ckpt")) == 2
     for step in (1, 2):
-        got = {"model": {"w": torch.zeros(4, 3), "r0": torch.zeros(2), "r1": torch.zeros(2)},
+        got = {"model": {"w": torch.zeros(4, 3), "r0": torch.zeros(2), "r1": torch.zeros(2), "s": torch.zeros(4, 3)},
                "optim": {"state.w.step": torch.tensor(0.0)}}
         dcp_format.read(str(tmp_path / "ckpt" / f"step-{step}" / dcp_format.STATE_DIR), got, None)
         assert torch.equal(got["model"]["w"], torch.full((4, 3), float(step)))
+        assert got["model"]["s"][:, 0].tolist() == [step * 100.0] * 2 + [step * 100.0 + 1] * 2
         assert got["model"]["r0"].tolist() == [step * 10.0] * 2 and got["model"]["r1"].tolist() == [step * 10.0 + 1] * 2

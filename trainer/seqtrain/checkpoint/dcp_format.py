@@ -98,7 +98,14 @@ class Stager:
 def _shared_buffer(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
     """A host tensor like `tensor` in shared memory; pinned when `pin` and CUDA registers it (else pageable: the
     copy into it is synchronous, nothing else changes)."""
-    buf = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu").share_memory_()
+    # allocated in shared memory directly (`share_memory_()` on a fresh tensor would copy it there: 1 GB more to touch)
+    nbytes = tensor.numel() * tensor.element_size()
+    storage = torch.UntypedStorage._new_shared(max(nbytes, 1))
+    stride, step = [], 1
+    for dim in reversed(tensor.shape):  # contiguous
+        stride.insert(0, step)
+        step *= max(dim, 1)
+    buf = torch.empty(0, dtype=tensor.dtype).set_(storage, 0, tensor.shape, stride)
     if pin and buf.numel() > 0:
         import weakref
 

@@ -22,8 +22,13 @@ training process. The writer still uses DCP's `save` (format, planner, reshardin
 
 Lifetime. The writer dies with its rank: PR_SET_PDEATHSIG (Linux) kills it when the thread that spawned it (the
 training thread) ends, so a rank SIGKILLed mid-write never publishes later, and `os._exit` at the end of a rank
-leaves no orphan. `close()` stops it (after the write in flight) and joins it. A tree holding DTensors (FSDP2,
-tensor or pipeline parallel) cannot be rebuilt in the writer without its device mesh: such saves use the thread.
+leaves no orphan. `close()` stops it (after the write in flight) and joins it.
+
+DTensors (FSDP2, tensor or pipeline parallel) travel as their local shard plus the mesh's global ranks, dimension
+names, placements, global shape and stride; the writer rebuilds each on a DeviceMesh over its own process group
+built without communicators (`_init_backend=False`: DCP's planner only needs this rank's coordinate in it), the
+ranks of the writers being the ranks of the training processes. A torch without that argument, or a state /dev/shm
+cannot hold, keeps the thread (`unsupported`).
 """
 
 from __future__ import annotations
@@ -58,6 +63,26 @@ class _Ref:
     key: str
 
 
+@dataclass(frozen=True)
+class _DRef:
+    """A staged DTensor: buffer `key` is its local shard; the rest rebuilds it in the writer."""
+
+    key: str
+    mesh: list[Any]  # the device mesh's global ranks (nested lists, one level per mesh dimension)
+    dims: tuple[str, ...] | None
+    placements: tuple[Any, ...]
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+def _writer_mesh(ranks: list[Any], dims: tuple[str, ...] | None) -> Any:
+    """A DeviceMesh over these global ranks without communicators of its own (DCP needs none to plan a save)."""
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh("cpu", torch.tensor(ranks), mesh_dim_names=dims, _init_backend=False)
+
+
 SHM = "/dev/shm"  # where torch's shared memory lives (shm_open): a pod's is spec.resources.shmSize
 
 
@@ -67,12 +92,14 @@ def unsupported(tree: Any, local_ranks: int = 1, shm: str = SHM) -> str | None:
     import torch
     from torch.distributed.tensor import DTensor
 
-    size, dtensors = 0, False
+    size, dtensor = 0, None
 
     def walk(value: Any) -> None:
-        nonlocal size, dtensors
+        nonlocal size, dtensor
         if isinstance(value, DTensor):
-            dtensors = True
+            dtensor = value if dtensor is None else dtensor
+            local = value.to_local()
+            size += local.numel() * local.element_size()
         elif isinstance(value, torch.Tensor):
             size += value.numel() * value.element_size()
         elif isinstance(value, dict):
@@ -83,8 +110,11 @@ def unsupported(tree: Any, local_ranks: int = 1, shm: str = SHM) -> str | None:
                 walk(v)
 
     walk(tree)
-    if dtensors:
-        return "the state holds DTensors (FSDP2, tensor or pipeline parallel), which the writer process cannot rebuild"
+    if dtensor is not None:
+        try:  # the writer must be able to rebuild the meshes (a private torch argument): tried here first
+            _writer_mesh(dtensor.device_mesh.mesh.tolist(), dtensor.device_mesh.mesh_dim_names)
+        except Exception as exc:  # noqa: BLE001 - this torch cannot: the thread writes
+            return f"the state holds DTensors and this torch cannot rebuild their mesh in a writer process ({exc})"
     try:
         st = os.statvfs(shm)
     except OSError:  # no /dev/shm (not Linux): torch shares memory its own way
@@ -137,14 +167,19 @@ class ProcessWriter:
     def submit(self, step: int, tmp: str, tree: dict[str, Any], buffers: dict[str, torch.Tensor],
                publisher: Publisher | None, meta: dict[str, Any] | None) -> None:
         """Hand the staged `tree` (whose tensors are `buffers`, by key) to the writer; returns at once."""
-        by_id = {id(t): k for k, t in buffers.items()}
+        by_ptr = {t.data_ptr(): k for k, t in buffers.items()}  # every buffer has a storage of its own
         new = {k: t for k, t in buffers.items() if self._sent.get(k) is not t}
 
         def encode(value: Any) -> Any:
             import torch
+            from torch.distributed.tensor import DTensor
 
+            if isinstance(value, DTensor):
+                mesh = value.device_mesh
+                return _DRef(by_ptr[value.to_local().data_ptr()], mesh.mesh.tolist(), mesh.mesh_dim_names,
+                             tuple(value.placements), tuple(value.shape), tuple(value.stride()))
             if isinstance(value, torch.Tensor):
-                return _Ref(by_id[id(value)])
+                return _Ref(by_ptr[value.data_ptr()])
             if isinstance(value, dict):
                 return {k: encode(v) for k, v in value.items()}
             if isinstance(value, list | tuple):
@@ -227,10 +262,25 @@ def serve(conn: multiprocessing.connection.Connection, rank: int, world: int, ad
         except Exception as exc:  # noqa: BLE001 - answered to every request: the save fails, saying why
             setup_error = exc
     buffers: dict[str, torch.Tensor] = {}
+    meshes: dict[str, Any] = {}
 
     def decode(value: Any) -> Any:
+        nonlocal group
         if isinstance(value, _Ref):
             return buffers[value.key]
+        if isinstance(value, _DRef):
+            from torch.distributed.tensor import DTensor
+
+            if group is None:  # one rank: a mesh needs a process group all the same
+                import torch.distributed as dist
+
+                dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+                group = dist.group.WORLD
+            name = repr((value.mesh, value.dims))
+            if name not in meshes:
+                meshes[name] = _writer_mesh(value.mesh, value.dims)
+            return DTensor.from_local(buffers[value.key], meshes[name], value.placements, run_check=False,
+                                      shape=torch.Size(value.shape), stride=value.stride)
         if isinstance(value, dict):
             return {k: decode(v) for k, v in value.items()}
         if isinstance(value, list | tuple):
