@@ -179,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "command": "seqtrain bench checkpoint " + " ".join(argv if argv is not None else sys.argv[1:]),
         "preset": args.preset,
+        # the 1-minute load average before and after: on a shared machine, what else ran meanwhile
+        "load_average": [round(os.getloadavg()[0], 2)],
         "modes": {},
     }
     try:
@@ -188,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if args.workdir is None:
             shutil.rmtree(root, ignore_errors=True)
+    result["load_average"].append(round(os.getloadavg()[0], 2))
     runs = result["modes"]
     result["same_losses"] = len({json.dumps(r["losses"]) for r in runs.values()}) == 1
     sync = runs.get("sync")
