@@ -185,6 +185,7 @@ class CheckpointManager:
         self._thread_reason: str | None = None if self.writer_kind == "process" else "SEQTRAIN_CHECKPOINT_WRITER=thread"
         # the write in flight: (monotonic at the save's start, monotonic and epoch seconds when it was handed over)
         self._write_started: tuple[float, float, float] | None = None
+        self._pending_step: int | None = None
         # (start, end) epoch seconds of the last background write, once it is done (benchmarks: overlapping steps)
         self.last_write_window: tuple[float, float] | None = None
         # Steps never pruned, whatever `keep` says (the best checkpoint by validation loss, see seqtrain.obs).
@@ -296,8 +297,8 @@ class CheckpointManager:
             self.last_write_window = (wall, wall + (value - handed))
         else:
             self._write_error = value
-            if not self._process.alive():  # the writer died: the next background save starts another
-                self._process.close()
+            if not self._process.alive() and not self.ctx.distributed:  # one rank alone: the next background save
+                self._process.close()  # starts another (with peers, `_use_process` ends the save on every rank)
                 self._process = None
 
     def wait(self) -> None:
@@ -308,6 +309,8 @@ class CheckpointManager:
         self._collect(block=True)
         if self._write_error is not None:
             exc, self._write_error = self._write_error, None
+            if not isinstance(exc, Exception):  # DCP's CheckpointException is a BaseException: the trainer's entry
+                raise RuntimeError(f"checkpoint write failed: {exc}") from exc  # maps Exceptions to exit codes
             raise exc
 
     def close(self) -> None:
@@ -326,8 +329,26 @@ class CheckpointManager:
         in one line."""
         if self._thread_reason is not None:
             return False
-        if self._process is not None and self._process.alive():
+        started = self._process is not None
+        alive = started and self._process is not None and self._process.alive()
+        if self.ctx.distributed:
+            import torch
+
+            # is every rank's writer there? (one small all-reduce per background save): the others' writers, in a
+            # process group with a dead one, could never write with it again, so a writer that died while idle ends
+            # the save on every rank, as a dead rank would (the gang restarts from the latest checkpoint)
+            there = torch.tensor([2 if alive else (0 if started else 1)])
+            self.ctx.all_reduce(there, op="min", group=self._io_group)
+            if int(there[0]) == 0:
+                raise RuntimeError(f"rank {self.ctx.rank}: a rank's checkpoint writer process died (this rank's: "
+                                   f"{'alive' if alive else 'dead'}); the checkpoint of step {self._pending_step} "
+                                   "is not written")
+            alive = int(there[0]) == 2
+        if alive:
             return True
+        if self._process is not None:  # one rank alone: a new writer replaces the dead one
+            self._process.close()
+            self._process = None
         why = writers.unsupported(tree, self.ctx.local_world_size)
         addr, port = "127.0.0.1", 0
         if self.ctx.distributed:
@@ -386,6 +407,7 @@ class CheckpointManager:
         if tree is not None and background:
             from seqtrain.checkpoint import dcp_format
 
+            self._pending_step = step
             in_process = self._use_process(tree)
             if self._stager is None or self._stager.shared != in_process:  # shared: the writer maps the same buffers
                 self._stager = dcp_format.Stager(shared=in_process)

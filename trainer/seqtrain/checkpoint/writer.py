@@ -162,7 +162,11 @@ class ProcessWriter:
         return self._proc.pid
 
     def alive(self) -> bool:
-        return self._proc.is_alive()
+        """Whether the writer runs: its sentinel (a pipe that closes when it exits), not waitpid, which a reaper
+        elsewhere in the rank can take first (is_alive() then said True for a writer SIGKILLed a moment before)."""
+        from multiprocessing.connection import wait
+
+        return not wait([self._proc.sentinel], timeout=0)
 
     def submit(self, step: int, tmp: str, tree: dict[str, Any], buffers: dict[str, torch.Tensor],
                publisher: Publisher | None, meta: dict[str, Any] | None) -> None:
@@ -311,6 +315,12 @@ def serve(conn: multiprocessing.connection.Connection, rank: int, world: int, ad
                 publish(request["publisher"], step, tmp, request["meta"])
             answer: tuple[str, Any] = ("done", time.monotonic())
         except BaseException as exc:  # noqa: BLE001 - re-raised in the training process by the next wait()
+            import traceback
+
+            print(f"seqtrain: checkpoint writer of rank {rank}: the write of step {request['step']} failed:",
+                  file=sys.stderr, flush=True)
+            traceback.print_exc()  # into the rank's log: the exception travels back without its traceback
+            sys.stderr.flush()
             answer = ("failed", exc)
         try:
             conn.send(answer)
