@@ -4,9 +4,13 @@ crash or a tampered file leaves behind. (Real rank processes: tests/integration/
 from __future__ import annotations
 
 import io
+import multiprocessing
 import os
 import pickle
+import signal
+import socket
 import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -43,7 +47,7 @@ def test_a_background_save_writes_what_was_staged_not_what_training_did_next(tmp
 
 def test_until_the_background_write_is_done_the_previous_checkpoint_stays_the_latest(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    mgr = CheckpointManager(str(tmp_path), keep=3, ctx=DistContext())
+    mgr = CheckpointManager(str(tmp_path), keep=3, ctx=DistContext(), writer="thread")  # the patch below: this process
     mgr.save(1, trainer_files, state=lambda: tree(1.0), background=True)
     mgr.wait()
     release = threading.Event()
@@ -65,7 +69,7 @@ def test_until_the_background_write_is_done_the_previous_checkpoint_stays_the_la
 
 def test_a_failed_background_write_publishes_nothing_and_the_next_save_says_why(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    mgr = CheckpointManager(str(tmp_path), keep=3, ctx=DistContext())
+    mgr = CheckpointManager(str(tmp_path), keep=3, ctx=DistContext(), writer="thread")
     mgr.save(1, trainer_files, state=lambda: tree(1.0))  # synchronous
     monkeypatch.setattr(dcp_format, "write", lambda *a: (_ for _ in ()).throw(OSError(28, "No space left")))
     mgr.save(2, trainer_files, state=lambda: tree(2.0), background=True)
@@ -177,3 +181,187 @@ def test_async_saves_stage_into_the_same_host_buffers_each_time_and_each_save_ke
         dcp_format.read(str(tmp_path / f"step-{step}" / dcp_format.STATE_DIR), target, None)
         assert torch.equal(target["model"]["w"], torch.full(shape, value)), step
     assert manager.last_wait_seconds is not None
+
+
+# ---- the writer process (seqtrain.checkpoint.writer) -------------------------------------------------------------
+
+
+def gone(pid: int, within_s: float = 30.0) -> bool:
+    """Whether process `pid` is gone (or a zombie nobody reaps), waiting up to `within_s`."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            return True
+        if state in ("Z", "X"):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def read_state(folder: Path, shape: tuple[int, ...] = (4, 3)) -> dict:
+    target = {"model": {"w": torch.zeros(shape)}, "optim": {"state.w.step": torch.tensor(0.0)},
+              "scheduler": {"last_epoch": 0}}
+    dcp_format.read(str(folder / dcp_format.STATE_DIR), target, None)
+    return target
+
+
+def test_the_writer_process_publishes_each_step_with_its_own_values_and_is_gone_after_close(tmp_path: Path) -> None:
+    mgr = CheckpointManager(str(tmp_path), keep=3, ctx=DistContext(), writer="process")
+    live = tree(1.0)
+    mgr.save(1, trainer_files, {"loss": 2.0}, state=lambda: live, background=True)
+    assert mgr.writing_in == "process" and mgr._process is not None
+    pid = mgr._process.pid
+    assert pid is not None and pid != os.getpid()
+    live["model"]["w"].fill_(2.0)  # the next optimizer step, while the writer may still read step 1's buffers
+    live["scheduler"]["last_epoch"] = 2
+    mgr.save(2, trainer_files, state=lambda: live, background=True)  # waits for step 1, stages into the same buffers
+    live["model"]["w"].fill_(3.0)
+    mgr.close()
+    assert latest_step(str(tmp_path)) == 2 and mgr.last_save_seconds is not None
+    for step in (1, 2):
+        got = read_state(tmp_path / f"step-{step}")
+        assert torch.equal(got["model"]["w"], torch.full((4, 3), float(step))), step
+        assert got["scheduler"]["last_epoch"] == step
+    meta = (tmp_path / "step-1" / "meta.json").read_text()
+    assert '"loss": 2.0' in meta and '"sha256"' in meta  # hashed in the writer process
+    assert mgr._process is None and gone(pid) and not multiprocessing.active_children()
+
+
+def test_a_failed_write_in_the_writer_process_surfaces_at_the_next_save_and_the_writer_goes_on(
+        tmp_path: Path) -> None:
+    mgr = CheckpointManager(str(tmp_path), keep=3, ctx=DistContext(), writer="process")
+    mgr.save(1, trainer_files, state=lambda: tree(1.0), background=True)
+
+    def blocked(directory: str) -> list[str]:
+        Path(directory, dcp_format.STATE_DIR).write_text("a file where the writer makes its folder")
+        return trainer_files(directory)
+
+    mgr.save(2, blocked, state=lambda: tree(2.0), background=True)
+    pid = mgr._process.pid if mgr._process else None
+    with pytest.raises(RuntimeError, match=r"(?s)checkpoint write failed: .*File exists.*state"):
+        mgr.save(3, trainer_files, state=lambda: tree(3.0), background=True)
+    assert latest_step(str(tmp_path)) == 1 and (tmp_path / ".tmp-step-2").is_dir()
+    mgr.save(3, trainer_files, state=lambda: tree(3.0), background=True)  # the same writer process
+    assert mgr._process is not None and mgr._process.pid == pid
+    mgr.close()
+    assert latest_step(str(tmp_path)) == 3 and torch.equal(read_state(tmp_path / "step-3")["model"]["w"],
+                                                            torch.full((4, 3), 3.0))
+
+
+def test_a_writer_process_that_dies_fails_the_next_wait_and_the_next_save_starts_another(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the writer's environment is the rank's at its start: step 2's write then waits in faults.in_save
+    monkeypatch.setenv("SEQTRAIN_FAULT_IN_SAVE", "sleep:60")
+    monkeypatch.setenv("SEQTRAIN_FAULT_SAVE_STEP", "2")
+    mgr = CheckpointManager(str(tmp_path), keep=3, ctx=DistContext(), writer="process")
+    mgr.save(1, trainer_files, state=lambda: tree(1.0), background=True)
+    mgr.wait()
+    assert mgr._process is not None
+    first = mgr._process.pid
+    assert first is not None
+    mgr.save(2, trainer_files, state=lambda: tree(2.0), background=True)
+    os.kill(first, signal.SIGKILL)
+    with pytest.raises(RuntimeError, match=rf"writer process \(pid {first}\) died \(signal 9\)"):
+        mgr.wait()
+    assert latest_step(str(tmp_path)) == 1
+    mgr.save(3, trainer_files, state=lambda: tree(3.0), background=True)
+    assert mgr._process is not None and mgr._process.pid != first
+    mgr.close()
+    assert latest_step(str(tmp_path)) == 3
+
+
+def _crash_in_the_writer(directory: str, pid_file: str) -> None:
+    """A rank whose step-2 write is cut: SEQTRAIN_FAULT_IN_SAVE=crash kills the rank from its writer process."""
+    os.environ.update(SEQTRAIN_FAULT_IN_SAVE="crash", SEQTRAIN_FAULT_SAVE_STEP="2")  # as a rank's is set at start
+    mgr = CheckpointManager(directory, keep=3, ctx=DistContext(), writer="process")
+    mgr.save(1, trainer_files, state=lambda: tree(1.0), background=True)
+    mgr.wait()
+    assert mgr._process is not None
+    Path(pid_file).write_text(str(mgr._process.pid))
+    mgr.save(2, trainer_files, state=lambda: tree(2.0), background=True)
+    mgr.wait()  # never returns: the writer kills this process after step 2's state is written, before publishing
+    os._exit(3)
+
+
+def test_a_rank_killed_during_its_background_write_leaves_the_previous_checkpoint_the_latest_and_no_writer(
+        tmp_path: Path) -> None:
+    rank = multiprocessing.get_context("spawn").Process(target=_crash_in_the_writer,
+                                                        args=(str(tmp_path / "ckpt"), str(tmp_path / "writer.pid")))
+    rank.start()
+    rank.join(120)
+    assert rank.exitcode == -signal.SIGKILL
+    assert latest_step(str(tmp_path / "ckpt")) == 1
+    assert (tmp_path / "ckpt" / ".tmp-step-2" / dcp_format.STATE_DIR / ".metadata").is_file()  # written, not published
+    assert gone(int((tmp_path / "writer.pid").read_text()))  # the writer died with its rank
+    mgr = CheckpointManager(str(tmp_path / "ckpt"), keep=3, ctx=DistContext())
+    latest = mgr.latest()
+    assert latest is not None and latest.step == 1
+
+
+def test_a_state_too_big_for_dev_shm_is_written_by_the_thread_with_a_one_line_reason(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A tmpfs past its size kills the process touching the page (SIGBUS): the writer process is not used then."""
+    from seqtrain.checkpoint import writer
+
+    assert writer.unsupported(tree(1.0), 1) is None
+    # as many ranks on this node as make /dev/shm too small for them all
+    ctx = DistContext(local_world_size=10**15)
+    mgr = CheckpointManager(str(tmp_path), keep=3, ctx=ctx, writer="process")
+    mgr.save(1, trainer_files, state=lambda: tree(1.0), background=True)
+    mgr.save(2, trainer_files, state=lambda: tree(2.0), background=True)
+    mgr.close()
+    assert mgr.writing_in.startswith("thread (/dev/shm has") and mgr._process is None
+    assert not mgr._stager.shared
+    said = [line for line in capsys.readouterr().out.splitlines() if "async checkpoint writes run in a thread" in line]
+    assert len(said) == 1 and "raise spec.resources.shmSize" in said[0], said
+    assert latest_step(str(tmp_path)) == 2 and torch.equal(read_state(tmp_path / "step-2")["model"]["w"],
+                                                            torch.full((4, 3), 2.0))
+
+
+def _two_ranks(rank: int, port: int, directory: str, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
+    ctx = DistContext(rank=rank, world_size=2, dp_rank=rank, dp_size=2, backend="gloo")
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    mgr = CheckpointManager(directory, keep=3, ctx=ctx, writer="process")
+    for step in (1, 2):
+        # a replicated tensor (DCP writes one copy), one of each rank's own, and a sharded one (FSDP2's kind): rows
+        # 0-1 on rank 0, 2-3 on rank 1
+        shard = DTensor.from_local(torch.full((2, 3), step * 100.0 + rank), mesh, [Shard(0)], run_check=False,
+                                   shape=torch.Size([4, 3]), stride=(3, 1))
+        live = {"model": {"w": torch.full((4, 3), float(step)), f"r{rank}": torch.full((2,), step * 10.0 + rank),
+                          "s": shard},
+                "optim": {"state.w.step": torch.tensor(float(step))}}
+        mgr.save(step, trainer_files, state=lambda live=live: live, background=True)
+        live["model"]["w"].fill_(-1.0)  # training goes on
+    where, pid = mgr.writing_in, mgr._process.pid if mgr._process else None
+    mgr.close()
+    Path(out, f"rank{rank}").write_text(f"{where} {gone(pid) if pid else None}")
+    torch.distributed.barrier()  # neither rank tears its pairs down while the other still uses them (SIGABRT)
+    torch.distributed.destroy_process_group()
+    os._exit(0)  # as the trainer's entry leaves (gloo's threads can abort the interpreter's shutdown)
+
+
+def test_two_ranks_write_through_their_writer_processes_and_rank_0_publishes_sharded_tensors_too(
+        tmp_path: Path) -> None:
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_two_ranks, args=(port, str(tmp_path / "ckpt"), str(tmp_path)), nprocs=2, join=True)
+    for rank in (0, 1):  # both wrote in a process, and no writer is left
+        assert (tmp_path / f"rank{rank}").read_text().split() == ["process", "True"], rank
+    assert latest_step(str(tmp_path / "ckpt")) == 2
+    for step in (1, 2):
+        got = {"model": {"w": torch.zeros(4, 3), "r0": torch.zeros(2), "r1": torch.zeros(2), "s": torch.zeros(4, 3)},
+               "optim": {"state.w.step": torch.tensor(0.0)}}
+        dcp_format.read(str(tmp_path / "ckpt" / f"step-{step}" / dcp_format.STATE_DIR), got, None)
+        assert torch.equal(got["model"]["w"], torch.full((4, 3), float(step)))
+        assert got["model"]["s"][:, 0].tolist() == [step * 100.0] * 2 + [step * 100.0 + 1] * 2
+        assert got["model"]["r0"].tolist() == [step * 10.0] * 2 and got["model"]["r1"].tolist() == [step * 10.0 + 1] * 2

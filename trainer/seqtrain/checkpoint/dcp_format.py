@@ -14,8 +14,9 @@ DCP records each tensor's global shape and every rank's chunk of it, so any data
 engines reads any other's folder (DCP reshards on load). Trainer state, data position and RNG stay seqtrain's own
 small files beside it.
 
-Async saves (`stage`): the tree is copied into host memory on the training thread (the only part the step waits
-for), then written by a background thread; see `CheckpointManager.save`.
+Async saves (`Stager`): the tree is copied into host memory on the training thread (the only part the step waits
+for), then written by a background writer process (or thread); see `CheckpointManager.save` and
+`seqtrain.checkpoint.writer`.
 """
 
 from __future__ import annotations
@@ -43,11 +44,20 @@ class Stager:
     buffer kept per tensor is faulted in (pinned) once; later saves only copy into it (from a GPU asynchronously,
     one synchronize at the end). Reuse is safe because a save waits for the previous background write before it
     stages again (`CheckpointManager.save`). The price: one host copy of the state stays allocated between saves,
-    as torchtitan's pinned staging keeps it."""
+    as torchtitan's pinned staging keeps it.
 
-    def __init__(self) -> None:
+    `shared`: the buffers live in shared memory, so the writer process maps them once and reads every later save
+    from them without a copy (on a GPU also pinned, by registering that memory with CUDA, as DCP's staging does)."""
+
+    def __init__(self, shared: bool = False) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
         self._from_gpu = False
+        self.shared = shared
+
+    @property
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """The host buffers by key ("/model/w"): what a staged tree's tensors are."""
+        return self._buffers
 
     def stage(self, state: dict[str, Any]) -> dict[str, Any]:
         """A host-memory copy of `state` that training may not touch: what the background writer saves."""
@@ -62,7 +72,8 @@ class Stager:
         buf = self._buffers.get(key)
         if buf is None or buf.shape != tensor.shape or buf.dtype != tensor.dtype:
             pin = tensor.device.type == "cuda" and torch.cuda.is_available()
-            buf = self._buffers[key] = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pin)
+            buf = self._buffers[key] = (_shared_buffer(tensor, pin) if self.shared else
+                                        torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pin))
         from_gpu = tensor.device.type == "cuda"
         self._from_gpu |= from_gpu
         buf.copy_(tensor, non_blocking=from_gpu and buf.is_pinned())
@@ -82,6 +93,30 @@ class Stager:
         if isinstance(value, list | tuple):
             return type(value)(self._value(v, f"{key}/{i}") for i, v in enumerate(value))
         return copy.deepcopy(value)
+
+
+def _shared_buffer(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
+    """A host tensor like `tensor` in shared memory; pinned when `pin` and CUDA registers it (else pageable: the
+    copy into it is synchronous, nothing else changes)."""
+    # allocated in shared memory directly (`share_memory_()` on a fresh tensor would copy it there: 1 GB more to touch)
+    nbytes = tensor.numel() * tensor.element_size()
+    storage = torch.UntypedStorage._new_shared(max(nbytes, 1))
+    stride, step = [], 1
+    for dim in reversed(tensor.shape):  # contiguous
+        stride.insert(0, step)
+        step *= max(dim, 1)
+    buf = torch.empty(0, dtype=tensor.dtype).set_(storage, 0, tensor.shape, stride)
+    if pin and buf.numel() > 0:
+        import weakref
+
+        try:
+            from torch.cuda import _pin_memory_utils  # torch >= 2.7 (DCP's shared, pinned staging uses it)
+
+            _pin_memory_utils.pin_memory(buf.data_ptr(), buf.numel() * buf.element_size())
+            weakref.finalize(buf, _pin_memory_utils.unpin_memory, buf.data_ptr())
+        except (ImportError, RuntimeError):
+            pass
+    return buf
 
 
 def write(state: dict[str, Any], folder: str, group: Any) -> None:

@@ -7,12 +7,14 @@ checkpoints only, or a `.tmp-*` folder that discovery ignores and the next save 
 
 Layout-independent state (`state`, see `seqtrain.checkpoint.dcp_format`) is one DCP folder `state/` in the step
 folder. With `background=True` (`checkpoint.asyncSave`) the save blocks training only to write the small files and
-stage the state in host memory; a thread per rank then writes the DCP folder (collectives on a gloo group of its
-own, never used by the training thread) and rank 0, once DCP's metadata is written (which waits for every rank's
+stage the state in host memory; a writer process per rank (`seqtrain.checkpoint.writer`; SEQTRAIN_CHECKPOINT_WRITER=
+thread, or a state it cannot take, uses a thread instead) then writes the DCP folder (collectives on a gloo group of
+its own, never used by the training thread) and rank 0, once DCP's metadata is written (which waits for every rank's
 chunks), publishes exactly as above. The next save (and the end of training, `wait`) waits for it first; a crash
 before the rename leaves `.tmp-step-N/` and the previous checkpoint stays the latest. `last_block_seconds` is what
 training waited (`last_wait_seconds` of it for the previous background write), `last_save_seconds` the whole save.
-Async saves stage into host buffers kept from one save to the next (`dcp_format.Stager`, pinned on a GPU).
+Async saves stage into host buffers kept from one save to the next (`dcp_format.Stager`, pinned on a GPU, in shared
+memory for the writer process). `close()` stops the writer process (the trainer calls it at the end of a run).
 
 The barriers of a save wait on storage, not on peers, so they run on a gloo group of their own whose timeout is
 SEQTRAIN_CHECKPOINT_TIMEOUT_SECONDS (default: the larger of 1800 s and the collective timeout): a save slower than
@@ -27,8 +29,10 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from seqtrain.checkpoint import writer as writers
 from seqtrain.checkpoint.discovery import (
     BAD_PREFIX,
     DELETE_PREFIX,
@@ -71,6 +75,68 @@ def io_timeout_seconds(comm_timeout_s: float, environ: dict[str, str] | None = N
     return value
 
 
+def writer_kind(environ: dict[str, str] | None = None) -> str:
+    """What writes an async save's state: "process" (default) or "thread" (SEQTRAIN_CHECKPOINT_WRITER)."""
+    raw = (os.environ if environ is None else environ).get(writers.WRITER_ENV, "").strip() or "process"
+    if raw not in writers.KINDS:
+        raise InvalidConfig(f"environment variable {writers.WRITER_ENV}={raw!r} must be one of {list(writers.KINDS)}")
+    return raw
+
+
+@dataclass(frozen=True)
+class Publisher:
+    """What rank 0 needs to publish a step folder (picklable: the writer process publishes too)."""
+
+    directory: str
+    keep: int
+    world: int
+    protected: frozenset[int] = frozenset()
+
+
+def publish(p: Publisher, step: int, tmp: str, meta: dict[str, Any] | None) -> None:
+    """Rank 0: meta.json (sizes and sha256 of every file), then the atomic rename and pruning."""
+    final = step_dir(p.directory, step)
+    files = sorted(os.listdir(tmp))
+    record = {"step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              "world": p.world, "files": files, **(meta or {}),
+              "sizes": file_sizes(tmp),  # checked before every resume: a truncated file is caught
+              "sha256": file_hashes(tmp)}  # checked by rank 0 before a resume loads it: a bit flip
+    with open(os.path.join(tmp, META_FILE), "w", encoding="utf-8") as f:
+        json.dump(record, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_path(tmp)
+    if os.path.exists(final):  # a step redone after a restart: the new copy replaces the old one
+        _remove(p.directory, final)
+    os.rename(tmp, final)
+    _fsync_path(p.directory)
+    prune(p)
+
+
+def _remove(directory: str, path: str) -> None:
+    # Rename first so a crash mid-delete never leaves a half-deleted step-N that still has its meta.json.
+    doomed = os.path.join(directory, DELETE_PREFIX + os.path.basename(path)[len("step-"):])
+    shutil.rmtree(doomed, ignore_errors=True)
+    os.rename(path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def prune(p: Publisher) -> None:
+    """Keep the latest `keep` complete checkpoints; remove older ones and leftovers of interrupted saves."""
+    complete = list_checkpoints(p.directory)
+    for c in complete[: max(0, len(complete) - p.keep)]:
+        if c.step not in p.protected:
+            _remove(p.directory, c.path)
+    newest = complete[-1].step if complete else -1
+    for name in os.listdir(p.directory):
+        if name.startswith(DELETE_PREFIX):
+            shutil.rmtree(os.path.join(p.directory, name), ignore_errors=True)
+        elif name.startswith(TMP_PREFIX):
+            tail = name[len(TMP_PREFIX):]
+            if tail.isdigit() and int(tail) <= newest:
+                shutil.rmtree(os.path.join(p.directory, name), ignore_errors=True)
+
+
 def _write_reason(folder: str, reason: str) -> None:
     """REASON in `folder`, never through a link planted there (O_NOFOLLOW on a fresh file)."""
     path = os.path.join(folder, REASON_FILE)
@@ -95,13 +161,14 @@ def _fsync_path(path: str) -> None:
 
 
 class CheckpointManager:
-    def __init__(self, directory: str, keep: int, ctx: DistContext, io_timeout_s: float | None = None) -> None:
+    def __init__(self, directory: str, keep: int, ctx: DistContext, io_timeout_s: float | None = None,
+                 writer: str | None = None) -> None:
         self.directory = directory
         self.keep = keep
         self.ctx = ctx
         self.io_timeout_s = io_timeout_s if io_timeout_s is not None else DEFAULT_TIMEOUT_SECONDS
         self._io_group = ctx.slow_barrier_group(self.io_timeout_s)  # collective: every rank builds a manager
-        self.last_save_seconds: float | None = None  # measured; SIGTERM saves only when the grace period allows
+        self._last_save_seconds: float | None = None  # measured; SIGTERM saves only when the grace period allows
         self.last_block_seconds: float | None = None  # how long the last save held training up (sync: all of it)
         self.last_wait_seconds: float | None = None  # of which waiting for the previous background write
         self._stager: Any = None  # dcp_format.Stager of async saves: host buffers kept from one save to the next
@@ -109,6 +176,18 @@ class CheckpointManager:
         self._write_group = ctx.slow_barrier_group(self.io_timeout_s)
         self._writer: threading.Thread | None = None
         self._write_error: BaseException | None = None
+        # the writer process (`writer`: "process" | "thread", default SEQTRAIN_CHECKPOINT_WRITER): started by the
+        # first background save; `_thread_reason` says why this run writes in a thread instead
+        self.writer_kind = writer or writer_kind()
+        if self.writer_kind not in writers.KINDS:
+            raise ValueError(f"writer must be one of {list(writers.KINDS)}, not {self.writer_kind!r}")
+        self._process: writers.ProcessWriter | None = None
+        self._thread_reason: str | None = None if self.writer_kind == "process" else "SEQTRAIN_CHECKPOINT_WRITER=thread"
+        # the write in flight: (monotonic at the save's start, monotonic and epoch seconds when it was handed over)
+        self._write_started: tuple[float, float, float] | None = None
+        self._pending_step: int | None = None
+        # (start, end) epoch seconds of the last background write, once it is done (benchmarks: overlapping steps)
+        self.last_write_window: tuple[float, float] | None = None
         # Steps never pruned, whatever `keep` says (the best checkpoint by validation loss, see seqtrain.obs).
         self.protected: set[int] = set()
         # Whether every rank sees the folder rank 0 creates: found out by the first save (None: not yet).
@@ -189,14 +268,117 @@ class CheckpointManager:
 
             dist.barrier(group=self._io_group)
 
+    @property
+    def last_save_seconds(self) -> float | None:
+        """The last save's whole duration, background write included (once it is done)."""
+        self._collect(block=False)
+        return self._last_save_seconds
+
+    @last_save_seconds.setter
+    def last_save_seconds(self, value: float | None) -> None:
+        self._last_save_seconds = value
+
+    @property
+    def writing_in(self) -> str:
+        """Where background writes run: "process", or "thread" (and why)."""
+        return "process" if self._thread_reason is None else f"thread ({self._thread_reason})"
+
+    def _collect(self, block: bool) -> None:
+        """The writer process's answer for the write in flight, if it is there (or `block`: wait for it)."""
+        if self._process is None or not self._process.pending:
+            return
+        answer = self._process.result(block)
+        if answer is None:
+            return
+        kind, value = answer
+        started, handed, wall = self._write_started or (time.monotonic(), time.monotonic(), time.time())
+        if kind == "done":
+            self._last_save_seconds = value - started
+            self.last_write_window = (wall, wall + (value - handed))
+        else:
+            self._write_error = value
+            if not self._process.alive() and not self.ctx.distributed:  # one rank alone: the next background save
+                self._process.close()  # starts another (with peers, `_use_process` ends the save on every rank)
+                self._process = None
+
     def wait(self) -> None:
         """Block until the background write of the previous save (if any) is published; re-raise its failure."""
         if self._writer is not None:
             self._writer.join()
             self._writer = None
+        self._collect(block=True)
         if self._write_error is not None:
             exc, self._write_error = self._write_error, None
+            if not isinstance(exc, Exception):  # DCP's CheckpointException is a BaseException: the trainer's entry
+                raise RuntimeError(f"checkpoint write failed: {exc}") from exc  # maps Exceptions to exit codes
             raise exc
+
+    def close(self) -> None:
+        """Wait for the write in flight (re-raising its failure), then stop the writer process: no process is left
+        once training ends. The next background save would start another."""
+        try:
+            self.wait()
+        finally:
+            if self._process is not None:
+                self._process.close()
+                self._process = None
+
+    def _use_process(self, tree: dict[str, Any]) -> bool:
+        """Whether this background save of `tree` (not staged yet) goes to the writer process (collective on the first
+        background save: every rank decides the same, or their writes would never meet). Otherwise the thread, said
+        in one line."""
+        if self._thread_reason is not None:
+            return False
+        started = self._process is not None
+        alive = started and self._process is not None and self._process.alive()
+        if self.ctx.distributed:
+            import torch
+
+            # is every rank's writer there? (one small all-reduce per background save): the others' writers, in a
+            # process group with a dead one, could never write with it again, so a writer that died while idle ends
+            # the save on every rank, as a dead rank would (the gang restarts from the latest checkpoint)
+            there = torch.tensor([2 if alive else (0 if started else 1)])
+            self.ctx.all_reduce(there, op="min", group=self._io_group)
+            if int(there[0]) == 0:
+                raise RuntimeError(f"rank {self.ctx.rank}: a rank's checkpoint writer process died (this rank's: "
+                                   f"{'alive' if alive else 'dead'}); the checkpoint of step {self._pending_step} "
+                                   "is not written")
+            alive = int(there[0]) == 2
+        if alive:
+            return True
+        if self._process is not None:  # one rank alone: a new writer replaces the dead one
+            self._process.close()
+            self._process = None
+        why = writers.unsupported(tree, self.ctx.local_world_size)
+        addr, port = "127.0.0.1", 0
+        if self.ctx.distributed:
+            import torch.distributed as dist
+
+            box = [writers.free_port() if self.ctx.is_main else 0]
+            dist.broadcast_object_list(box, src=0, group=self._io_group)
+            addr, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(box[0])
+        if why is None:
+            try:
+                self._process = writers.ProcessWriter(self.ctx.rank, self.ctx.world_size, addr, port,
+                                                      self.io_timeout_s)
+            except Exception as exc:  # noqa: BLE001 - the thread still writes the checkpoint
+                why = f"the writer process did not start: {type(exc).__name__}: {exc}"
+        if self.ctx.distributed:
+            import torch
+
+            ok = torch.tensor([0 if why else 1])
+            self.ctx.all_reduce(ok, op="min", group=self._io_group)
+            if why is None and int(ok[0]) == 0:
+                why = "another rank's writer process could not be used"
+        if why is None:
+            return True
+        if self._process is not None:
+            self._process.close()
+            self._process = None
+        self._thread_reason = why
+        if self.ctx.is_main or not why.startswith("another rank"):
+            print(f"seqtrain: note: rank {self.ctx.rank}: async checkpoint writes run in a thread: {why}", flush=True)
+        return False
 
     def save(self, step: int, write: Callable[[str], list[str]], meta: dict[str, Any] | None = None,
              state: Callable[[], dict[str, Any]] | None = None, background: bool = False) -> CheckpointInfo | None:
@@ -221,11 +403,14 @@ class CheckpointManager:
         for name in write(tmp):
             _fsync_path(os.path.join(tmp, name))
         tree = state() if state is not None else None
+        in_process = False
         if tree is not None and background:
             from seqtrain.checkpoint import dcp_format
 
-            if self._stager is None:
-                self._stager = dcp_format.Stager()
+            self._pending_step = step
+            in_process = self._use_process(tree)
+            if self._stager is None or self._stager.shared != in_process:  # shared: the writer maps the same buffers
+                self._stager = dcp_format.Stager(shared=in_process)
             tree = self._stager.stage(tree)  # host copy: the next steps may update the originals
         elif tree is not None:
             from seqtrain.checkpoint import dcp_format
@@ -234,9 +419,15 @@ class CheckpointManager:
         self._io_barrier()  # waits for the slowest rank's storage: the I/O deadline, not the collective one
         final = step_dir(self.directory, step)
         if tree is not None and background:
-            self._writer = threading.Thread(target=self._write_behind, args=(step, tmp, tree, meta, started),
-                                            name=f"seqtrain-checkpoint-{step}", daemon=True)
-            self._writer.start()
+            self._write_started = (started, time.monotonic(), time.time())
+            if in_process:
+                assert self._process is not None
+                self._process.submit(step, tmp, tree, self._stager.buffers,
+                                     self._publisher() if self.ctx.is_main else None, meta)
+            else:
+                self._writer = threading.Thread(target=self._write_behind, args=(step, tmp, tree, meta, started),
+                                                name=f"seqtrain-checkpoint-{step}", daemon=True)
+                self._writer.start()
             self.last_block_seconds = time.monotonic() - started
             return CheckpointInfo(step=step, path=final, meta=dict(meta or {}))
         faults.in_save(step, self.ctx.rank)
@@ -261,27 +452,16 @@ class CheckpointManager:
             if self.ctx.is_main:
                 self._publish(step, tmp, meta)
             self.last_save_seconds = time.monotonic() - started
+            self.last_write_window = (self._write_started or (0.0, 0.0, time.time()))[2], time.time()
         except BaseException as exc:  # re-raised on the training thread by the next wait()
             self._write_error = exc
 
+    def _publisher(self) -> Publisher:
+        return Publisher(self.directory, self.keep, self.ctx.world_size, frozenset(self.protected))
+
     def _publish(self, step: int, tmp: str, meta: dict[str, Any] | None) -> None:
         """Rank 0: meta.json (sizes and sha256 of every file), then the atomic rename and pruning."""
-        final = step_dir(self.directory, step)
-        files = sorted(os.listdir(tmp))
-        record = {"step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                  "world": self.ctx.world_size, "files": files, **(meta or {}),
-                  "sizes": file_sizes(tmp),  # checked before every resume: a truncated file is caught
-                  "sha256": file_hashes(tmp)}  # checked by rank 0 before a resume loads it: a bit flip
-        with open(os.path.join(tmp, META_FILE), "w", encoding="utf-8") as f:
-            json.dump(record, f, indent=2)
-            f.flush()
-            os.fsync(f.fileno())
-        _fsync_path(tmp)
-        if os.path.exists(final):  # a step redone after a restart: the new copy replaces the old one
-            self._remove(final)
-        os.rename(tmp, final)
-        _fsync_path(self.directory)
-        self.prune()
+        publish(self._publisher(), step, tmp, meta)
 
     def _every_rank_sees(self, tmp: str) -> bool:
         """Collective: does every rank see the folder rank 0 just created? Not when each replica has its own
@@ -304,24 +484,6 @@ class CheckpointManager:
                       "every rank shares (on Kubernetes: spec.checkpoint.pvc, a ReadWriteMany claim)", flush=True)
         return shared
 
-    def _remove(self, path: str) -> None:
-        # Rename first so a crash mid-delete never leaves a half-deleted step-N that still has its meta.json.
-        doomed = os.path.join(self.directory, DELETE_PREFIX + os.path.basename(path)[len("step-"):])
-        shutil.rmtree(doomed, ignore_errors=True)
-        os.rename(path, doomed)
-        shutil.rmtree(doomed, ignore_errors=True)
-
     def prune(self) -> None:
         """Keep the latest `keep` complete checkpoints; remove older ones and leftovers of interrupted saves."""
-        complete = list_checkpoints(self.directory)
-        for c in complete[: max(0, len(complete) - self.keep)]:
-            if c.step not in self.protected:
-                self._remove(c.path)
-        newest = complete[-1].step if complete else -1
-        for name in os.listdir(self.directory):
-            if name.startswith(DELETE_PREFIX):
-                shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
-            elif name.startswith(TMP_PREFIX):
-                tail = name[len(TMP_PREFIX):]
-                if tail.isdigit() and int(tail) <= newest:
-                    shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+        prune(self._publisher())

@@ -6,7 +6,8 @@ cluster they go in the trainer container's env (spec.podTemplate): the one SEQTR
   any checkpoint of that step: a crash at a known point.
 - SEQTRAIN_FAULT_IN_SAVE=crash|sleep:SECONDS [SEQTRAIN_FAULT_SAVE_STEP=N]: inside a checkpoint save, after
   every rank wrote its files and before rank 0 publishes: rank 0 SIGKILLs itself, or sleeps (a window in which
-  a test kills the gang from outside).
+  a test kills the gang from outside). In an async save's writer process, "crash" kills the rank (and the writer
+  with it), as a crash of the rank during its background write would.
 - SEQTRAIN_FAULT_HOLD_AT_STEP=N[:SECONDS]: after step N is recorded (metrics.jsonl), every rank waits until SIGTERM
   arrives (at most SECONDS, default 300): a test can act "during training" at a known step however fast the
   machine is, instead of racing the job to its end.
@@ -58,7 +59,8 @@ def maybe_kill_after_step(step: int, rank: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def in_save(step: int, rank: int) -> None:
+def in_save(step: int, rank: int, pid: int | None = None) -> None:
+    """`pid`: the rank's training process, when called in its checkpoint writer process."""
     delay = os.environ.get("SEQTRAIN_FAULT_SAVE_DELAY", "").strip()
     if delay and rank == 0:
         time.sleep(float(delay))
@@ -68,6 +70,8 @@ def in_save(step: int, rank: int) -> None:
         return
     print(f"seqtrain: fault injection in checkpoint save of step {step}: {what}", flush=True)
     if what == "crash":
+        if pid is not None and pid != os.getpid():
+            os.kill(pid, signal.SIGKILL)
         os.kill(os.getpid(), signal.SIGKILL)
     elif what.startswith("sleep:"):
         time.sleep(float(what.split(":", 1)[1]))

@@ -468,7 +468,9 @@ class Trainer:
                         self.log(f"seqtrain: SIGTERM save of step {self.step} done in {self.ckpt_block_s or 0:.1f}s, "
                                  f"{since:.1f}s after the signal")
                 break
-        self.checkpoints.wait()  # the last background write is published before the run reports its end
+        # the last background write is published before the run reports its end, and the writer process stops (a rank
+        # that fails instead takes its writer with it: PR_SET_PDEATHSIG, see seqtrain.checkpoint.writer)
+        self.checkpoints.close()
         self.prefetcher.close()
         self.callbacks.on_train_end(self, reason)
         self.log_end(reason)
