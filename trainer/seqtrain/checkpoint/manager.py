@@ -7,8 +7,8 @@ checkpoints only, or a `.tmp-*` folder that discovery ignores and the next save 
 
 Layout-independent state (`state`, see `seqtrain.checkpoint.dcp_format`) is one DCP folder `state/` in the step
 folder. With `background=True` (`checkpoint.asyncSave`) the save blocks training only to write the small files and
-stage the state in host memory; a writer process per rank (`seqtrain.checkpoint.writer`; SEQTRAIN_CHECKPOINT_WRITER=
-thread, or a state it cannot take, uses a thread instead) then writes the DCP folder (collectives on a gloo group of
+stage the state in host memory; a writer thread, or with SEQTRAIN_CHECKPOINT_WRITER=process a writer process per rank
+(`seqtrain.checkpoint.writer`; a state it cannot take falls back to the thread), then writes the DCP folder (collectives on a gloo group of
 its own, never used by the training thread) and rank 0, once DCP's metadata is written (which waits for every rank's
 chunks), publishes exactly as above. The next save (and the end of training, `wait`) waits for it first; a crash
 before the rename leaves `.tmp-step-N/` and the previous checkpoint stays the latest. `last_block_seconds` is what
@@ -76,8 +76,10 @@ def io_timeout_seconds(comm_timeout_s: float, environ: dict[str, str] | None = N
 
 
 def writer_kind(environ: dict[str, str] | None = None) -> str:
-    """What writes an async save's state: "process" (default) or "thread" (SEQTRAIN_CHECKPOINT_WRITER)."""
-    raw = (os.environ if environ is None else environ).get(writers.WRITER_ENV, "").strip() or "process"
+    """What writes an async save's state: "thread" (default) or "process" (SEQTRAIN_CHECKPOINT_WRITER). The process
+    is opt-in until a GPU measures it: on the 2-core CPU VM it made no clear difference (docs/benchmarks.md), and a
+    pod's default /dev/shm (1Gi) holds few states."""
+    raw = (os.environ if environ is None else environ).get(writers.WRITER_ENV, "").strip() or "thread"
     if raw not in writers.KINDS:
         raise InvalidConfig(f"environment variable {writers.WRITER_ENV}={raw!r} must be one of {list(writers.KINDS)}")
     return raw
@@ -182,7 +184,8 @@ class CheckpointManager:
         if self.writer_kind not in writers.KINDS:
             raise ValueError(f"writer must be one of {list(writers.KINDS)}, not {self.writer_kind!r}")
         self._process: writers.ProcessWriter | None = None
-        self._thread_reason: str | None = None if self.writer_kind == "process" else "SEQTRAIN_CHECKPOINT_WRITER=thread"
+        self._thread_reason: str | None = (None if self.writer_kind == "process" else
+                                            "the default; SEQTRAIN_CHECKPOINT_WRITER=process for a writer process")
         # the write in flight: (monotonic at the save's start, monotonic and epoch seconds when it was handed over)
         self._write_started: tuple[float, float, float] | None = None
         self._pending_step: int | None = None

@@ -51,7 +51,7 @@ if TYPE_CHECKING:
     from seqtrain.checkpoint.manager import Publisher
 
 
-WRITER_ENV = "SEQTRAIN_CHECKPOINT_WRITER"  # process (default) | thread
+WRITER_ENV = "SEQTRAIN_CHECKPOINT_WRITER"  # thread (default) | process (opt-in until measured on a GPU)
 KINDS = ("process", "thread")
 STOP_SECONDS = 60.0  # how long close() waits for the writer to leave before killing it
 
