@@ -23,33 +23,27 @@ SEQTRAIN_CHECKPOINT_TIMEOUT_SECONDS (default: the larger of 1800 s and the colle
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from seqtrain.checkpoint import writer as writers
 from seqtrain.checkpoint.discovery import (
     BAD_PREFIX,
-    DELETE_PREFIX,
     KEEP_BAD,
-    META_FILE,
     REASON_FILE,
     TMP_PREFIX,
     CheckpointInfo,
-    file_hashes,
-    file_sizes,
-    list_checkpoints,
     problem,
     published,
     read_complete,
     step_dir,
     verify_hashes,
 )
+from seqtrain.checkpoint.publish import Publisher, fsync_path, prune, publish
 from seqtrain.runtime import faults
 from seqtrain.runtime.exitcodes import InvalidConfig
 
@@ -85,60 +79,6 @@ def writer_kind(environ: dict[str, str] | None = None) -> str:
     return raw
 
 
-@dataclass(frozen=True)
-class Publisher:
-    """What rank 0 needs to publish a step folder (picklable: the writer process publishes too)."""
-
-    directory: str
-    keep: int
-    world: int
-    protected: frozenset[int] = frozenset()
-
-
-def publish(p: Publisher, step: int, tmp: str, meta: dict[str, Any] | None) -> None:
-    """Rank 0: meta.json (sizes and sha256 of every file), then the atomic rename and pruning."""
-    final = step_dir(p.directory, step)
-    files = sorted(os.listdir(tmp))
-    record = {"step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-              "world": p.world, "files": files, **(meta or {}),
-              "sizes": file_sizes(tmp),  # checked before every resume: a truncated file is caught
-              "sha256": file_hashes(tmp)}  # checked by rank 0 before a resume loads it: a bit flip
-    with open(os.path.join(tmp, META_FILE), "w", encoding="utf-8") as f:
-        json.dump(record, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
-    _fsync_path(tmp)
-    if os.path.exists(final):  # a step redone after a restart: the new copy replaces the old one
-        _remove(p.directory, final)
-    os.rename(tmp, final)
-    _fsync_path(p.directory)
-    prune(p)
-
-
-def _remove(directory: str, path: str) -> None:
-    # Rename first so a crash mid-delete never leaves a half-deleted step-N that still has its meta.json.
-    doomed = os.path.join(directory, DELETE_PREFIX + os.path.basename(path)[len("step-"):])
-    shutil.rmtree(doomed, ignore_errors=True)
-    os.rename(path, doomed)
-    shutil.rmtree(doomed, ignore_errors=True)
-
-
-def prune(p: Publisher) -> None:
-    """Keep the latest `keep` complete checkpoints; remove older ones and leftovers of interrupted saves."""
-    complete = list_checkpoints(p.directory)
-    for c in complete[: max(0, len(complete) - p.keep)]:
-        if c.step not in p.protected:
-            _remove(p.directory, c.path)
-    newest = complete[-1].step if complete else -1
-    for name in os.listdir(p.directory):
-        if name.startswith(DELETE_PREFIX):
-            shutil.rmtree(os.path.join(p.directory, name), ignore_errors=True)
-        elif name.startswith(TMP_PREFIX):
-            tail = name[len(TMP_PREFIX):]
-            if tail.isdigit() and int(tail) <= newest:
-                shutil.rmtree(os.path.join(p.directory, name), ignore_errors=True)
-
-
 def _write_reason(folder: str, reason: str) -> None:
     """REASON in `folder`, never through a link planted there (O_NOFOLLOW on a fresh file)."""
     path = os.path.join(folder, REASON_FILE)
@@ -152,14 +92,6 @@ def _write_reason(folder: str, reason: str) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
     with os.fdopen(fd, "w", encoding="utf-8") as f:
         f.write(reason + "\n")
-
-
-def _fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class CheckpointManager:
@@ -254,7 +186,7 @@ class CheckpointManager:
         shutil.rmtree(bad, ignore_errors=True)
         os.rename(step_dir(self.directory, step), bad)
         _write_reason(bad, reason)
-        _fsync_path(self.directory)
+        fsync_path(self.directory)
         self._prune_bad()
         print(f"seqtrain: warning: checkpoint step-{step} skipped: {reason} (set aside as {bad})", flush=True)
 
@@ -404,7 +336,7 @@ class CheckpointManager:
             if not self.shared:
                 return None
         for name in write(tmp):
-            _fsync_path(os.path.join(tmp, name))
+            fsync_path(os.path.join(tmp, name))
         tree = state() if state is not None else None
         in_process = False
         if tree is not None and background:

@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 
     import torch
 
-    from seqtrain.checkpoint.manager import Publisher
+    from seqtrain.checkpoint.publish import Publisher
 
 
 WRITER_ENV = "SEQTRAIN_CHECKPOINT_WRITER"  # thread (default) | process (opt-in until measured on a GPU)
@@ -250,7 +250,7 @@ def serve(conn: multiprocessing.connection.Connection, rank: int, world: int, ad
     import torch
 
     from seqtrain.checkpoint import dcp_format
-    from seqtrain.checkpoint.manager import publish
+    from seqtrain.checkpoint.publish import publish
     from seqtrain.runtime import faults
 
     torch.set_num_threads(1)
