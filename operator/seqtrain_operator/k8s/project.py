@@ -13,8 +13,8 @@ reason, message, podIP, nominatedNodeName, the PodScheduled and DisruptionTarget
 current states (a terminated state's message is rank 0's final progress).
 Of a job (what a reconcile pass reads, and what the operator keeps of its last status write): everything but
 metadata.managedFields and kubectl's last-applied annotation. As Python objects managedFields is most of a job
-(every "f:field" of the server-side-apply history is a dict of its own): the 300-job run held about 110 KB per job
-in the pass's copies and the kept write responses, at the moment 300 passes were in flight.
+(every "f:field" of the server-side-apply history is a dict of its own); deep copies and decoded write responses
+were the largest live allocations at the peak of a 300-job run (docs/benchmarks.md).
 Of a node: name, uid, resourceVersion, labels; unschedulable, taints; allocatable, capacity, and the Ready
 condition (status and since when).
 """
