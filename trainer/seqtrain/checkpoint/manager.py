@@ -7,12 +7,13 @@ checkpoints only, or a `.tmp-*` folder that discovery ignores and the next save 
 
 Layout-independent state (`state`, see `seqtrain.checkpoint.dcp_format`) is one DCP folder `state/` in the step
 folder. With `background=True` (`checkpoint.asyncSave`) the save blocks training only to write the small files and
-stage the state in host memory; a writer thread, or with SEQTRAIN_CHECKPOINT_WRITER=process a writer process per rank
-(`seqtrain.checkpoint.writer`; a state it cannot take falls back to the thread), then writes the DCP folder (collectives on a gloo group of
-its own, never used by the training thread) and rank 0, once DCP's metadata is written (which waits for every rank's
-chunks), publishes exactly as above. The next save (and the end of training, `wait`) waits for it first; a crash
-before the rename leaves `.tmp-step-N/` and the previous checkpoint stays the latest. `last_block_seconds` is what
-training waited (`last_wait_seconds` of it for the previous background write), `last_save_seconds` the whole save.
+stage the state in host memory; a writer thread, or with SEQTRAIN_CHECKPOINT_WRITER=process a writer process per
+rank (`seqtrain.checkpoint.writer`; a state it cannot take falls back to the thread), then writes the DCP folder
+(collectives on a gloo group of its own, never used by the training thread) and rank 0, once DCP's metadata is
+written (which waits for every rank's chunks), publishes exactly as above. The next save (and the end of training,
+`wait`) waits for it first; a crash before the rename leaves `.tmp-step-N/` and the previous checkpoint stays the
+latest. `last_block_seconds` is what training waited (`last_wait_seconds` of it for the previous background write),
+`last_save_seconds` the whole save.
 Async saves stage into host buffers kept from one save to the next (`dcp_format.Stager`, pinned on a GPU, in shared
 memory for the writer process). `close()` stops the writer process (the trainer calls it at the end of a run).
 
@@ -265,7 +266,7 @@ class CheckpointManager:
         if self._thread_reason is not None:
             return False
         started = self._process is not None
-        alive = started and self._process is not None and self._process.alive()
+        alive = self._process is not None and self._process.alive()
         if self.ctx.distributed:
             import torch
 
