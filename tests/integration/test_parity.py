@@ -159,7 +159,9 @@ RESHARDS = [("dp2", "zero2-dp1"), ("zero2-dp2", "single"), ("zero3-dp2", "fsdp2-
             ("tp2", "single"), ("dp2", "tp2"), ("dp2xtp2", "zero2-dp2"), ("zero3-dp2", "dp2xtp2"),
             # pipeline stages: their parameters under the single-process names (the tied copy is the embedding)
             ("pp2-1f1b", "single"), ("dp2", "pp2-gpipe"), ("dp2xpp2", "tp2"), ("tp2", "dp2xpp2"), ("pp2xtp2", "dp2"),
-            ("dp2xtp2", "pp2xtp2")]
+            ("dp2xtp2", "pp2xtp2"),
+            # FSDP2 over tensor parallel: each rank's dp chunk of its tp slice, placed in the full tensor
+            ("fsdp2-dp2xtp2", "single"), ("dp2", "fsdp2-dp2xtp2"), ("fsdp2-dp2xtp2", "tp2")]
 RESUMED_AS = {"single": ({}, 1), "zero2-dp1": ({"optimization.zero.stage": 2}, 1)}
 
 
@@ -178,18 +180,7 @@ def test_a_checkpoint_resumes_on_another_engine_and_data_parallel_size(src: str,
     assert_parity(losses(wd), losses(run("single", {}, 1, root)))
 
 
-def test_fsdp2_with_tensor_parallel_refuses_a_dcp_checkpoint_naming_the_fix(root: Path) -> None:
-    """FSDP2 with tensor parallel keeps its own shard files: a DCP checkpoint is refused with the fix, not
-    half-loaded (exit 3, invalid config: the checkpoint is kept)."""
-    wd = root / "dp2-as-fsdp2-dp2xtp2"
-    _resume_from_step2(run("dp2", *LAYOUTS["dp2"], root), wd)
-    sets, world = LAYOUTS["fsdp2-dp2xtp2"]
-    assert run_ranks(job_for({**CKPT, **sets}), wd, world) == [3] * world
-    assert "resume with optimization.tensorParallel 1 or another zero.stage than 3" in logs(wd)
-    assert (wd / "checkpoints" / "step-2" / "meta.json").is_file()
-
-
-@pytest.mark.parametrize("name", ["zero3-dp2", "fsdp2-dp2", "dp2xtp2", "dp2xpp2"])
+@pytest.mark.parametrize("name", ["zero3-dp2", "fsdp2-dp2", "dp2xtp2", "dp2xpp2", "fsdp2-dp2xtp2"])
 def test_consolidated_checkpoint_equals_the_single_process_weights(name: str, root: Path, tmp_path: Path) -> None:
     """`python -m seqtrain.parallel.consolidate` turns each engine's shards into the single-process state dict."""
     import torch

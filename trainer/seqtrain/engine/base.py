@@ -4,10 +4,11 @@
 normalisation (see `seqtrain.models.loss`), clips, steps the optimizer and the schedule, and returns global
 `StepStats`. Checkpoints: engines with `layout_independent` hand the checkpoint manager `checkpoint_state()`, the
 tree of `seqtrain.checkpoint.dcp_format` (single-process names, full shapes: any engine and data-parallel size
-resumes it, `load_state`; engines whose ranks hold parts of the model as plain tensors set `global_state`, which
-names and places those parts in the full model); FSDP2 with tensor parallel writes its own files with `save(dir)`.
-`load(dir)` reads either, and the files of checkpoints written before the DCP format (`engine.pt`, ZeRO's `zero/`,
-`fsdp/`, tensor and pipeline parallel's `engine-pp*-tp*.pt`).
+resumes it, `load_state`; engines whose ranks hold parts of the model as plain tensors, or FSDP2 shards of such
+parts, set `global_state`, which names and places those parts in the full model). Every engine does; `save(dir)`
+writes an engine's own files only where `layout_independent` is False. `load(dir)` reads the DCP tree, and the files
+of checkpoints written before the DCP format (`engine.pt`, ZeRO's `zero/`, `fsdp/`, `fsdp-tp<i>/`, tensor and
+pipeline parallel's `engine-pp*-tp*.pt`) on the layout that wrote them.
 """
 
 from __future__ import annotations
@@ -238,9 +239,8 @@ class Engine(ABC):
                 from seqtrain.runtime.exitcodes import InvalidConfig
 
                 raise InvalidConfig(f"{directory}: written in the layout-independent DCP format, which the {self.name} "
-                                    "engine (FSDP2 with tensor parallel) does not read yet: resume with "
-                                    "optimization.tensorParallel 1 or another zero.stage than 3 (any other engine "
-                                    "and layout reads it), or use a new checkpoint folder")
+                                    "engine, saving its own files, does not read: resume with another engine, or "
+                                    "use a new checkpoint folder")
             self.load_state(os.path.join(directory, dcp_format.STATE_DIR))
             return
         self.load_legacy(directory)

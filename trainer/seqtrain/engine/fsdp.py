@@ -10,10 +10,11 @@ update exact. Gradients are reduce-scattered after every micro-batch (FSDP2's de
 unsharded across accumulation steps would cost a full fp32 gradient per rank, which is what ZeRO-3 removes.
 `seqtrain plan` counts the same (`seqtrain_operator.planner.memory`).
 
-Checkpoints use torch.distributed.checkpoint (DCP): without tensor parallel, the layout-independent tree of
-`seqtrain.checkpoint.dcp_format` (the Engine default: DTensor shards by single-process names), which any engine and
-data-parallel size resumes; with tensor parallel, one DCP folder per tensor-parallel rank (`fsdp-tp<i>/`, resumed at
-any dp degree with the same tp), as every checkpoint was before the common format (`fsdp/`, still read).
+Checkpoints: the layout-independent tree of `seqtrain.checkpoint.dcp_format` (DTensor shards by single-process names),
+which any engine, data-parallel size and tensor/pipeline degree resumes. With tensor parallel each rank's piece is a
+dp chunk of its tp slice, recorded as such on a (tp, dp) mesh (`seqtrain.engine.global_state`). Checkpoints from
+before that format are still read on the layout that wrote them: `fsdp/` (any dp degree) and, with tensor parallel,
+one DCP folder per tensor-parallel rank, `fsdp-tp<i>/` (any dp degree, the same tp).
 """
 
 from __future__ import annotations
@@ -37,15 +38,16 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from seqtrain.checkpoint.safe_load import dcp_load, load_plain, require_layout
 from seqtrain.data import Batch
 from seqtrain.engine.base import Engine, StepStats
+from seqtrain.engine.global_state import GlobalState
 from seqtrain.engine.in_backward import StepInBackward, blocker
 from seqtrain.models.loss import CausalLMLoss
 from seqtrain.models.materialize import materialize
 from seqtrain.parallel.grads import clip_grad_norm
-from seqtrain.parallel.tensor import tp_param_names
+from seqtrain.parallel.tensor import tp_param_names, tp_shard_dims
 from seqtrain.runtime.dist import DistContext
 from seqtrain.spec.job import SeqTrainJob
 
-SCHEDULER_FILE = "scheduler.pt"
+SCHEDULER_FILE = "scheduler.pt"  # beside the fsdp/ folders of checkpoints from before the DCP format
 
 
 def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
@@ -83,7 +85,9 @@ class FSDPEngine(Engine):
         # rank never holds its whole gradient shard (seqtrain.engine.in_backward says when that is exact)
         why_not = blocker(job, ctx.device, ctx.tp_size) if self.sharding else "one data-parallel rank"
         self.in_backward = StepInBackward(model, units, self.optimizer, ctx) if why_not is None else None
-        self.layout_independent = ctx.tp_size == 1  # TP slices are plain tensors: no global shape for DCP yet
+        if ctx.tp_size > 1:  # the TP slices (FSDP2 DTensors over dp when it shards) as parts of the full tensors
+            self.global_state = GlobalState(model, lambda name: name, tp_shard_dims(model), ctx.mesh["tp"],
+                                            dp_mesh=ctx.mesh["dp"] if self.sharding else None, root=ctx.mesh)
 
     def step(self, micro_batches: list[Batch]) -> StepStats:
         # every micro-batch reduce-scatters into the sharded fp32 gradient (no set_requires_gradient_sync(False):
@@ -102,28 +106,12 @@ class FSDPEngine(Engine):
             return self.in_backward.global_norm()  # the blocks' gradients are gone: their norms were kept
         return clip_grad_norm(self.model, self.grad_clip, self.ctx, self.tp_names)
 
-    # ---- checkpoints: DCP, resharded on load ---------------------------------------------------------------
+    # ---- checkpoints from before the DCP format: DCP folders of this engine's own -------------------------------
     def _dcp_dir(self, directory: str) -> str:
         return os.path.join(directory, f"fsdp-tp{self.ctx.tp_rank}" if self.ctx.tp_size > 1 else "fsdp")
 
     def _group(self) -> Any:
         return self.ctx.dp_group if self.ctx.distributed else None
-
-    def save(self, directory: str) -> list[str]:
-        if self.layout_independent:
-            return []
-        opts = StateDictOptions()
-        state = {"model": get_model_state_dict(self.model, options=opts),
-                 "optim": get_optimizer_state_dict(self.model, self.optimizer, options=opts)}
-        path = self._dcp_dir(directory)
-        dcp.save(state, checkpoint_id=path, process_group=self._group())
-        files = []
-        if self.ctx.dp_rank == 0:
-            torch.save({"scheduler": self.scheduler.state_dict(), "precision": self.precision.state_dict()},
-                       os.path.join(directory, SCHEDULER_FILE))
-            files.append(SCHEDULER_FILE)
-            files += [os.path.join(os.path.basename(path), f) for f in sorted(os.listdir(path))]
-        return files if self.ctx.is_main or self.ctx.dp_rank == 0 else []
 
     def load_legacy(self, directory: str) -> None:
         opts = StateDictOptions()
