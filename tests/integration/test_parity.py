@@ -162,8 +162,11 @@ RESHARDS = [("dp2", "zero2-dp1"), ("zero2-dp2", "single"), ("zero3-dp2", "fsdp2-
             ("pp2-1f1b", "single"), ("dp2", "pp2-gpipe"), ("dp2xpp2", "tp2"), ("tp2", "dp2xpp2"), ("pp2xtp2", "dp2"),
             ("dp2xtp2", "pp2xtp2"),
             # FSDP2 over tensor parallel: each rank's dp chunk of its tp slice, placed in the full tensor
-            ("fsdp2-dp2xtp2", "single"), ("dp2", "fsdp2-dp2xtp2"), ("fsdp2-dp2xtp2", "tp2")]
-RESUMED_AS = {"single": ({}, 1), "zero2-dp1": ({"optimization.zero.stage": 2}, 1)}
+            ("fsdp2-dp2xtp2", "single"), ("dp2", "fsdp2-dp2xtp2"), ("fsdp2-dp2xtp2", "tp2"),
+            ("fsdp2-dp2xtp2", "fsdp2-tp2")]
+RESUMED_AS = {"single": ({}, 1), "zero2-dp1": ({"optimization.zero.stage": 2}, 1),
+              # one data-parallel rank: FSDP2 shards nothing, its tensor-parallel slices stay plain tensors
+              "fsdp2-tp2": ({"resources.processesPerReplica": 2, "optimization.tensorParallel": 2, **NATIVE3}, 2)}
 
 
 @pytest.mark.parametrize(("src", "dst"), RESHARDS, ids=[f"{a}-to-{b}" for a, b in RESHARDS])
