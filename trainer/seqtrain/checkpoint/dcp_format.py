@@ -1,8 +1,8 @@
 """The layout-independent checkpoint: one torch.distributed.checkpoint (DCP) folder, `<step dir>/state/`.
 
-Every engine that can (native DDP, FSDP2 without tensor parallel, DeepSpeed ZeRO 0-3) hands the manager the same
-tree, keyed by the single-process model's parameter names and holding full-shape tensors (plain, or DTensors whose
-global shape DCP records):
+Every engine (native DDP, tensor and pipeline parallel, FSDP2 with or without tensor parallel, DeepSpeed ZeRO 0-3)
+hands the manager the same tree, keyed by the single-process model's parameter names and holding full-shape tensors
+(plain, or DTensors whose global shape DCP records):
 
     model.<fqn>                      weights
     optim.state.<fqn>.<key>          optimizer state per parameter (AdamW: exp_avg, exp_avg_sq, step)

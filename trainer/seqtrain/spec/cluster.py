@@ -122,8 +122,8 @@ class CheckpointSpec(SpecModel):
     save_on_sigterm: bool = Field(True, description="Save a checkpoint when the trainer receives SIGTERM.")
     async_save: bool = Field(
         True, description="Stage each save in host memory and write it in the background while training goes on "
-        "(published atomically once every rank's write is complete; the next save waits for it). Engines that keep "
-        "their own files (FSDP2 with tensor parallel) always save synchronously."
+        "(published atomically once every rank's write is complete; the next save waits for it). Every engine "
+        "saves this way (all write the DCP format); false saves synchronously."
     )
 
     @field_validator("interval_steps", mode="before")
