@@ -1,4 +1,6 @@
-"""kopf wiring: one reconcile loop (a kopf daemon) per SeqTrainJob, woken by its pods' and the nodes' changes.
+"""kopf wiring: the passes of every SeqTrainJob in one keyed work queue with a bounded number of workers
+(k8s/workqueue.py), queued by its own, its pods' and the nodes' changes and by the delay its last pass asked for.
+A kopf daemon per job says only whether this operator may act on it (peering, deletion).
 
 Load: pods are watched with a server-side label selector (only the operator's pods reach it), and every pass reads
 its job's pods and the nodes from in-memory mirrors fed by those watches (k8s/mirror.py: every relist after a cut
@@ -7,17 +9,15 @@ LIST, so a fresh operator never mistakes an unfilled cache for a vanished gang) 
 the job itself from kopf's live body while its resourceVersion is the last one this operator knows (a GET
 otherwise). The mirrors hold trimmed projections (k8s/project.py); gang admission reads free capacity from a ledger
 that pod events keep (k8s/ledger.py; other tenants' pods through k8s/foreign.py's mirror), never a LIST; a job
-waiting for capacity does so less often the longer it waits (node changes wake it at once).
+waiting for capacity does so less often the longer it waits (node changes queue it at once).
 
 Level-based: every pass reads the cluster and the job's status and calls the shared controller core; an event
-only makes the next pass come sooner. The daemons run only in the active operator (kopf peering freezes the
-others), and kopf stops a job's daemon before its deletion handler runs.
+only makes the next pass come sooner. The daemons run only in the active operator (kopf peering stops them in the
+others), and kopf stops a job's daemon, which waits for the job's pass in flight, before its deletion handler runs.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import dataclasses
 import logging
 import os
@@ -45,6 +45,7 @@ from seqtrain_operator.k8s.progress import authority
 from seqtrain_operator.k8s.push import serve as serve_pushes
 from seqtrain_operator.k8s.reconcile import Config, cleanup, reconcile
 from seqtrain_operator.k8s.release import FINALIZER
+from seqtrain_operator.k8s.workqueue import WorkQueue
 
 VERSION = "v1alpha1"
 WEBHOOK_ID = "validate-seqtrainjob"
@@ -77,7 +78,9 @@ class OperatorState:
     kube: Kube | None = None
     api_qps: float = 200.0  # the API client's budget (client.Budget)
     api_burst: int = 400
-    wakeups: dict[tuple[str, str], asyncio.Event] = field(default_factory=dict)
+    workers: int = 64  # passes in flight at most (k8s/workqueue.py)
+    queue: WorkQueue | None = None
+    live: dict[tuple[str, str], Any] = field(default_factory=dict)  # kopf's live body per job with a daemon
     nodes_seen: dict[str, Any] = field(default_factory=dict)
     ledger: Ledger = field(default_factory=Ledger)  # node capacity taken, from pod events (k8s/ledger.py)
     foreign: Mirror | None = None  # other tenants' pods into the ledger (k8s/foreign.py)
@@ -90,13 +93,13 @@ class OperatorState:
         return [x for x in (self.pods, self.nodes, self.foreign) if x is not None]
 
     def poke(self, namespace: str | None, name: str | None) -> None:
-        ev = self.wakeups.get((namespace or "", name or ""))
-        if ev is not None:
-            ev.set()
+        """A pass for the job soon (ignored for a job whose daemon is not running: see `reconcile_daemon`)."""
+        if self.queue is not None:
+            self.queue.add((namespace or "", name or ""))
 
     def poke_all(self) -> None:
-        for ev in self.wakeups.values():
-            ev.set()
+        if self.queue is not None:
+            self.queue.add_all()
 
 
 STATE = OperatorState()
@@ -117,7 +120,10 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
                                                        insecure=w.insecure, addr="0.0.0.0" if not w.insecure else "127.0.0.1")
     STATE.kube = Kube(load_config(), qps=STATE.api_qps, burst=STATE.api_burst)
     await warn_if_crd_is_old(STATE.kube)
-    STATE.wakeups.clear()
+    STATE.live.clear()
+    STATE.queue = WorkQueue(reconcile_pass, workers=STATE.workers, on_error=_pass_failed,
+                            on_depth=STATE.metrics.workqueue_depth.set)
+    STATE.queue.start()
     STATE.nodes_seen.clear()
     STATE.ledger = Ledger()  # before the watches start: the pod mirror fills it
     STATE.by_job.clear()
@@ -144,6 +150,8 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
 
 @kopf.on.cleanup()
 async def stop_watching(**_: Any) -> None:
+    if STATE.queue is not None:
+        await STATE.queue.stop()
     if STATE.config.admissions is not None:
         await STATE.config.admissions.stop()
     for mirror in STATE.mirrors():
@@ -238,52 +246,55 @@ class IndexViews:
                                  reserved_use=busy.outstanding_use(STATE.ledger.seen, job))
 
 
-async def _synced(stopped: kopf.DaemonStopped) -> bool:
-    """Wait for the first LIST of every mirror (False: the daemon was stopped meanwhile)."""
-    while not stopped:
-        if all(x.synced.is_set() for x in STATE.mirrors()):
-            return True
-        await asyncio.sleep(0.1)
-    return False
+async def _synced() -> None:
+    """Until the first LIST of every mirror has filled it (a pass must never read an unfilled cache)."""
+    for mirror in STATE.mirrors():
+        await mirror.synced.wait()
 
 
 @kopf.daemon(API_GROUP, VERSION, PLURAL, id="reconcile", cancellation_timeout=10.0)
-async def reconcile_loop(name: str, namespace: str, stopped: kopf.DaemonStopped, body: Any = None,
-                         **_: Any) -> None:
+async def reconcile_daemon(name: str, namespace: str, stopped: kopf.DaemonStopped, body: Any = None,
+                           **_: Any) -> None:
+    """Held while kopf lets this operator act on the job: not paused by peering (kopf stops every daemon of a
+    paused operator) and not being deleted (kopf stops it before the deletion handler runs). The job's passes run
+    in the work queue's workers (k8s/workqueue.py), not here: a daemon is all the per-job state kopf's peering and
+    deletion need, while a pass in flight holds far more, and the workers bound how many are."""
     key = (namespace, name)
-    wake = STATE.wakeups.setdefault(key, asyncio.Event())
-    failures = 0
+    assert STATE.queue is not None
+    STATE.live[key] = body  # kopf's live view of the job, replaced in place on every watch event
+    STATE.queue.activate(key)
     try:
-        if not await _synced(stopped):
-            return
-        while not stopped:
-            wake.clear()
-            started = time.perf_counter()
-            queued: list[float] = []  # seconds the pass waited for its admission cycle (admission.py)
-            try:
-                assert STATE.kube is not None
-                views = IndexViews() if STATE.pods is not None and STATE.nodes is not None else None
-                # body: kopf's live view of the job, replaced on every watch event (a GET only when it may be stale)
-                outcome = await reconcile(STATE.kube, STATE.config, namespace, name, _emit, views=views, live=body,
-                                          admission_wait=queued)
-                failures = 0
-                delay = outcome.requeue
-                if outcome.status is not None:
-                    _record(namespace, name, outcome)
-            except Exception as exc:  # noqa: BLE001 - one bad pass must not end the job's loop
-                failures += 1
-                delay = min(30.0, 0.5 * 2 ** min(failures, 6))
-                STATE.metrics.reconcile_errors.labels(error=type(exc).__name__).inc()
-                log.warning("reconcile %s/%s failed (%s: %s); again in %.1fs", namespace, name,
-                            type(exc).__name__, exc, delay)
-            finally:
-                STATE.metrics.reconcile_seconds.observe(time.perf_counter() - started - sum(queued))
-            # None: nothing to poll for (a finished job, an invalid spec, a job being deleted): only a change of
-            # its pods or nodes, or of the job itself (kopf restarts nothing; the job's own watch event pokes it),
-            # wakes the loop.
-            await _sleep(wake, stopped, delay)
+        await stopped.wait()
     finally:
-        STATE.wakeups.pop(key, None)
+        # No pass after this returns: the deletion handler's clean-up never races one.
+        await STATE.queue.deactivate(key)
+        STATE.live.pop(key, None)
+
+
+async def reconcile_pass(key: tuple[str, str]) -> float | None:
+    """One pass of one job (a work queue item); returns the seconds until its next one (None: only an event)."""
+    namespace, name = key
+    await _synced()
+    assert STATE.kube is not None
+    started = time.perf_counter()
+    queued: list[float] = []  # seconds the pass waited for its admission cycle (admission.py)
+    try:
+        views = IndexViews() if STATE.pods is not None and STATE.nodes is not None else None
+        outcome = await reconcile(STATE.kube, STATE.config, namespace, name, _emit, views=views,
+                                  live=STATE.live.get(key), admission_wait=queued)
+    finally:
+        STATE.metrics.reconcile_seconds.observe(time.perf_counter() - started - sum(queued))
+    if outcome.status is not None:
+        _record(namespace, name, outcome)
+    # None: nothing to poll for (a finished job, an invalid spec, a job being deleted): only a change of its pods
+    # or nodes, or of the job itself (its watch event pokes it), queues it again.
+    return outcome.requeue
+
+
+def _pass_failed(key: Any, exc: BaseException, retry_in: float) -> None:
+    STATE.metrics.reconcile_errors.labels(error=type(exc).__name__).inc()
+    log.warning("reconcile %s/%s failed (%s: %s); again in %.1fs", key[0], key[1], type(exc).__name__, exc,
+                retry_in)
 
 
 _last_counts: dict[tuple[str, str], tuple[int, int]] = {}
@@ -297,21 +308,6 @@ def _record(namespace: str, name: str, outcome: Any) -> None:
     if prev is not None:
         STATE.metrics.restarted(st.restarts - prev[0], st.infra_restarts - prev[1])
     _last_counts[(namespace, name)] = (st.restarts, st.infra_restarts)
-
-
-async def _sleep(wake: asyncio.Event, stopped: kopf.DaemonStopped, seconds: float | None) -> None:
-    """Until the job is poked, the daemon is stopped, or `seconds` pass (None: no timeout), whichever is first."""
-    async def until_stopped() -> None:
-        await stopped.wait()
-
-    waiters = [asyncio.ensure_future(wake.wait()), asyncio.ensure_future(until_stopped())]
-    try:
-        await asyncio.wait(waiters, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for w in waiters:
-            w.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await w
 
 
 @kopf.on.event(API_GROUP, VERSION, PLURAL, id="spec-changed")

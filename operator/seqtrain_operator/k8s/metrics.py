@@ -32,6 +32,8 @@ class OperatorMetrics:
         self.admission_cycle_seconds = Histogram(
             "seqtrain_admission_cycle_seconds", "Time of one admission cycle (every waiting gang planned).",
             buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5), registry=self.registry)
+        self.workqueue_depth = Gauge("seqtrain_workqueue_depth", "Jobs queued for a pass, not yet taken by a "
+                                     "worker (k8s/workqueue.py).", registry=self.registry)
         self.reconcile_errors = PromCounter("seqtrain_reconcile_errors", "Reconcile passes that raised.",
                                             ["error"], registry=self.registry)
         self._phase: dict[tuple[str, str], str] = {}
