@@ -4,10 +4,13 @@ status says: goodput, where the wall time went (status.lostSeconds), progress an
 from __future__ import annotations
 
 from collections import Counter
-from contextlib import suppress
+from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Gauge, Histogram, start_http_server
 from prometheus_client import Counter as PromCounter
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from seqtrain.spec.status import JobStatus, LostSeconds
 
@@ -37,75 +40,30 @@ class OperatorMetrics:
         self.reconcile_errors = PromCounter("seqtrain_reconcile_errors", "Reconcile passes that raised.",
                                             ["error"], registry=self.registry)
         self._phase: dict[tuple[str, str], str] = {}
-        job = ("namespace", "job")
-        r = self.registry
-        self.goodput = Gauge("seqtrain_job_goodput_ratio", "Share of the job's wall time that trained kept steps "
-                             "(status.goodput).", job, registry=r)
-        self.productive = Gauge("seqtrain_job_productive_seconds", "Wall time that trained kept steps "
-                                "(status.productiveSeconds).", job, registry=r)
-        self.lost = Gauge("seqtrain_job_lost_seconds", "Wall time that did not train, by reason "
-                          "(status.lostSeconds); with productive seconds it adds up to the wall time.",
-                          [*job, "reason"], registry=r)
-        self.step = Gauge("seqtrain_job_step", "Last completed step as the operator last saw it.", job, registry=r)
-        self.total_steps = Gauge("seqtrain_job_total_steps", "Steps the job trains (spec.training.steps).", job,
-                                 registry=r)
-        self.tokens_per_second = Gauge("seqtrain_job_tokens_per_second", "Real tokens per second of the last step "
-                                       "(all ranks).", job, registry=r)
-        self.job_restarts = Gauge("seqtrain_job_restarts", "Gang restarts of the job by failure class "
-                                  "(status.restarts, status.infraRestarts).", [*job, "kind"], registry=r)
-        # What a failure now would lose (status.workAtRisk): what a person (or a script choosing a victim to
-        # preempt) reads to prefer the job that loses least; absent until the trainer reports it.
-        self.at_risk_seconds = Gauge("seqtrain_job_work_at_risk_seconds", "Training seconds since the latest "
-                                     "complete checkpoint (status.workAtRisk.seconds).", job, registry=r)
-        self.at_risk_steps = Gauge("seqtrain_job_work_at_risk_steps", "Steps trained since the latest complete "
-                                   "checkpoint (status.workAtRisk.steps).", job, registry=r)
-        self.checkpoint_age = Gauge("seqtrain_job_checkpoint_age_seconds", "Wall seconds since the latest complete "
-                                    "checkpoint was saved (status.workAtRisk.checkpointAgeSeconds).", job,
-                                    registry=r)
-        self._per_job = (self.goodput, self.productive, self.step, self.total_steps, self.tokens_per_second,
-                         self.at_risk_seconds, self.at_risk_steps, self.checkpoint_age)
+        self._phases: Counter[str] = Counter()
+        for p in PHASES:  # every phase's series from the start, 0 until a job is in it
+            self.jobs.labels(phase=p)
+        self.per_job = JobSeries()
+        self.registry.register(self.per_job)
 
     def job_phase(self, namespace: str, name: str, phase: str | None) -> None:
         key = (namespace, name)
-        if phase is None:
-            self._phase.pop(key, None)
-        else:
+        old = self._phase.pop(key, None) if phase is None else self._phase.get(key)
+        if phase is not None:
             self._phase[key] = phase
-        counts = Counter(self._phase.values())
-        for p in PHASES:
-            self.jobs.labels(phase=p).set(counts.get(p, 0))
+        if old == phase:
+            return
+        if old is not None:
+            self._phases[old] -= 1
+        if phase is not None:
+            self._phases[phase] += 1
+        for p in (old, phase):
+            if p is not None:
+                self.jobs.labels(phase=p).set(self._phases[p])
 
     def job_status(self, namespace: str, name: str, st: JobStatus | None) -> None:
         """The job's figures as its last pass decided them (None: the job is gone, so are its series)."""
-        lv = {"namespace": namespace, "job": name}
-        if st is None:
-            for g in self._per_job:
-                _remove(g, namespace, name)
-            for reason in LostSeconds.model_fields:
-                _remove(self.lost, namespace, name, _camel(reason))
-            for kind in ("user", "infrastructure"):
-                _remove(self.job_restarts, namespace, name, kind)
-            return
-        if st.goodput is not None:
-            self.goodput.labels(**lv).set(st.goodput)
-        if st.productive_seconds is not None:
-            self.productive.labels(**lv).set(st.productive_seconds)
-        if st.lost_seconds is not None:
-            for reason, seconds in st.lost_seconds.model_dump().items():
-                self.lost.labels(**lv, reason=_camel(reason)).set(seconds)
-        if st.progress is not None:
-            self.step.labels(**lv).set(st.progress.step)
-            self.total_steps.labels(**lv).set(st.progress.total_steps)
-            if st.progress.tokens_per_second is not None:
-                self.tokens_per_second.labels(**lv).set(st.progress.tokens_per_second)
-        risk = st.work_at_risk
-        if risk is not None:
-            self.at_risk_seconds.labels(**lv).set(risk.seconds)
-            self.at_risk_steps.labels(**lv).set(risk.steps)
-            if risk.checkpoint_age_seconds is not None:
-                self.checkpoint_age.labels(**lv).set(risk.checkpoint_age_seconds)
-        self.job_restarts.labels(**lv, kind="user").set(st.restarts)
-        self.job_restarts.labels(**lv, kind="infrastructure").set(st.infra_restarts)
+        self.per_job.record(namespace, name, st)
 
     def restarted(self, user: int, infra: int) -> None:
         if user > 0:
@@ -123,6 +81,66 @@ def _camel(name: str) -> str:
     return head + "".join(w.title() for w in rest)
 
 
-def _remove(gauge: Gauge, *labels: str) -> None:
-    with suppress(KeyError):  # never set for this job
-        gauge.remove(*labels)
+_LOST = tuple(LostSeconds.model_fields)
+# (series, help, extra label): one gauge per job (and per value of the extra label); the values come from `_row`
+_FAMILIES = (
+    ("seqtrain_job_goodput_ratio", "Share of the job's wall time that trained kept steps (status.goodput).", None),
+    ("seqtrain_job_productive_seconds", "Wall time that trained kept steps (status.productiveSeconds).", None),
+    ("seqtrain_job_lost_seconds", "Wall time that did not train, by reason (status.lostSeconds); with productive "
+     "seconds it adds up to the wall time.", "reason"),
+    ("seqtrain_job_step", "Last completed step as the operator last saw it.", None),
+    ("seqtrain_job_total_steps", "Steps the job trains (spec.training.steps).", None),
+    ("seqtrain_job_tokens_per_second", "Real tokens per second of the last step (all ranks).", None),
+    ("seqtrain_job_restarts", "Gang restarts of the job by failure class (status.restarts, status.infraRestarts).",
+     "kind"),
+    # What a failure now would lose (status.workAtRisk): what a person (or a script choosing a victim to preempt)
+    # reads to prefer the job that loses least; absent until the trainer reports it.
+    ("seqtrain_job_work_at_risk_seconds", "Training seconds since the latest complete checkpoint "
+     "(status.workAtRisk.seconds).", None),
+    ("seqtrain_job_work_at_risk_steps", "Steps trained since the latest complete checkpoint "
+     "(status.workAtRisk.steps).", None),
+    ("seqtrain_job_checkpoint_age_seconds", "Wall seconds since the latest complete checkpoint was saved "
+     "(status.workAtRisk.checkpointAgeSeconds).", None),
+)
+
+
+def _row(st: JobStatus) -> tuple[Any, ...]:
+    """What the series need of a status, one item per family in `_FAMILIES` order (None: no series; pairs of
+    (label, value) for a labelled one)."""
+    progress, risk, lost = st.progress, st.work_at_risk, st.lost_seconds
+    return (st.goodput, st.productive_seconds,
+            None if lost is None else tuple((_camel(r), getattr(lost, r)) for r in _LOST),
+            None if progress is None else progress.step, None if progress is None else progress.total_steps,
+            None if progress is None else progress.tokens_per_second,
+            (("user", st.restarts), ("infrastructure", st.infra_restarts)),
+            None if risk is None else risk.seconds, None if risk is None else risk.steps,
+            None if risk is None else risk.checkpoint_age_seconds)
+
+
+class JobSeries(Collector):
+    """The per-job series, built when Prometheus scrapes, from one small tuple per job (`_row`). A prometheus_client
+    Gauge child per job and series (about a dozen per job, each with its lock) took 7.5 MiB per 1000 jobs, measured,
+    for values read once per scrape."""
+
+    def __init__(self) -> None:
+        self.rows: dict[tuple[str, str], tuple[Any, ...]] = {}
+
+    def record(self, namespace: str, name: str, st: JobStatus | None) -> None:
+        if st is None:
+            self.rows.pop((namespace, name), None)
+        else:
+            self.rows[(namespace, name)] = _row(st)
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        rows = list(self.rows.items())  # a scrape runs in the metrics server's thread
+        for i, (series, help_, extra) in enumerate(_FAMILIES):
+            family = GaugeMetricFamily(series, help_, labels=["namespace", "job", *([extra] if extra else [])])
+            for (namespace, name), row in rows:
+                if (value := row[i]) is None:
+                    continue
+                if extra:
+                    for label, v in value:
+                        family.add_metric([namespace, name, label], v)
+                else:
+                    family.add_metric([namespace, name], value)
+            yield family
