@@ -9,7 +9,6 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from seqtrain_operator.k8s.reconcile import (
-    DIFFBASE_ANNOTATION,
     FINALIZER,
     KOPF_SETTLE_SECONDS,
     STALE,
@@ -59,13 +58,11 @@ def test_the_watch_body_our_own_write_or_a_get() -> None:
     assert kube.gets == 2
 
 
-def test_a_new_jobs_first_write_waits_for_kopfs_patches_then_reads_the_job_if_they_are_late() -> None:
+def test_a_new_jobs_first_write_waits_for_kopfs_finalizer_then_reads_the_job_if_it_is_late() -> None:
     t0 = datetime(2026, 11, 26, 10, 0, tzinfo=timezone.utc)
     new = {"metadata": {"creationTimestamp": "2026-11-26T10:00:00Z", "finalizers": [], "annotations": {}}}
     assert _kopf_settling(new, t0 + timedelta(seconds=1)) is True  # wait: kopf's finalizer PATCH is coming
-    new["metadata"]["finalizers"] = [FINALIZER]
-    assert _kopf_settling(new, t0 + timedelta(seconds=2)) is True  # and its annotation PATCH
     assert _kopf_settling(new, t0 + timedelta(seconds=KOPF_SETTLE_SECONDS + 1)) is False  # late: GET the job
-    new["metadata"]["annotations"] = {DIFFBASE_ANNOTATION: "{}"}
-    assert _kopf_settling(new, t0 + timedelta(seconds=2)) is None  # both done: nothing to wait for
+    new["metadata"]["finalizers"] = [FINALIZER]
+    assert _kopf_settling(new, t0 + timedelta(seconds=2)) is None  # done: kopf writes nothing else (NoDiffBase)
     assert _kopf_settling({"metadata": {}, "status": {"phase": "Running"}}, t0) is None  # not a new job

@@ -105,11 +105,24 @@ class OperatorState:
 STATE = OperatorState()
 
 
+class NoDiffBase(kopf.DiffBaseStorage):
+    """kopf keeps each object's last-handled spec (an annotation) to tell a creation from an update for on.create
+    and on.update handlers. This operator has none (every pass reads the spec; deletion is told by the
+    deletionTimestamp), so nothing is kept: one PATCH per job less (1000 of the 1000-job benchmark's 17,397
+    requests) and no copy of the spec in every job's metadata."""
+
+    def fetch(self, *, body: Any) -> None:
+        return None
+
+    def store(self, *, body: Any, patch: Any, essence: Any) -> None:
+        return None
+
+
 @kopf.on.startup()
 async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.persistence.finalizer = FINALIZER
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=API_GROUP)
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=API_GROUP)
+    settings.persistence.diffbase_storage = NoDiffBase()
     settings.posting.level = logging.WARNING  # our own Events say what happened; kopf's would repeat it
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330

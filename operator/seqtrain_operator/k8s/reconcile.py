@@ -457,18 +457,16 @@ async def _write_and_act(kube: Kube, cfg: Config, body: dict[str, Any], job: Seq
     return Outcome(requeue=_requeue(decision, new, cfg), status=new, events=tuple(decision.of(Event)))
 
 
-# kopf's change-detection annotation (handlers.configure: settings.persistence.diffbase_storage), written once after
-# the finalizer. A kopf that did not write it would only make a new job wait this long for its first pass.
-DIFFBASE_ANNOTATION = f"{FINALIZER.split('/')[0]}/last-handled-configuration"
+# kopf writes no change-detection annotation (handlers.NoDiffBase): its only first write to a new job is the
+# finalizer. A kopf that did not write it would only make a new job wait this long for its first pass.
 KOPF_SETTLE_SECONDS = 10.0
 
 
 def _kopf_settling(body: dict[str, Any], now: datetime) -> bool | None:
-    """Whether kopf has yet to make its first writes to a new job (its finalizer, its annotations): True, wait for
-    them; False, they are late (KOPF_SETTLE_SECONDS): read the job, the watch may be behind; None: done."""
+    """Whether kopf has yet to make its first write to a new job (its finalizer): True, wait for it; False, it is
+    late (KOPF_SETTLE_SECONDS): read the job, the watch may be behind; None: done."""
     meta = body["metadata"]
-    if body.get("status") or (FINALIZER in (meta.get("finalizers") or ())
-                              and DIFFBASE_ANNOTATION in (meta.get("annotations") or {})):
+    if body.get("status") or FINALIZER in (meta.get("finalizers") or ()):
         return None
     created = parse(meta.get("creationTimestamp"))
     return created is None or (now - created).total_seconds() < KOPF_SETTLE_SECONDS
