@@ -136,7 +136,6 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     STATE.live.clear()
     STATE.queue = WorkQueue(reconcile_pass, workers=STATE.workers, on_error=_pass_failed,
                             on_depth=STATE.metrics.workqueue_depth.set)
-    STATE.queue.start()
     STATE.nodes_seen.clear()
     STATE.ledger = Ledger()  # before the watches start: the pod mirror fills it
     STATE.by_job.clear()
@@ -275,6 +274,9 @@ async def reconcile_daemon(name: str, namespace: str, stopped: kopf.DaemonStoppe
     key = (namespace, name)
     assert STATE.queue is not None
     STATE.live[key] = body  # kopf's live view of the job, replaced in place on every watch event
+    # Started from a handler's context, not at startup: kopf.event (the passes' Events) needs the event queue kopf
+    # sets up for its handlers.
+    STATE.queue.start()
     STATE.queue.activate(key)
     try:
         await stopped.wait()
