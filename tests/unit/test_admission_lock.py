@@ -101,3 +101,24 @@ def test_a_gang_created_while_an_admission_waited_for_the_lock_takes_its_capacit
 def test_with_nothing_created_meanwhile_the_waiting_admission_places_its_gang() -> None:
     pods = asyncio.run(_admit_behind_another(job_a_appears=False))
     assert [p["metadata"]["name"] for p in pods] == ["b-1-0"]  # the same pass does create when n1 is free
+
+
+@pytest.mark.parametrize("unsure", [False, True])
+def test_a_status_write_that_may_have_been_applied_keeps_the_gangs_reservation(unsure: bool) -> None:
+    """A 409 on the status write releases the placed gang's capacity, unless an earlier attempt of that write timed
+    out: then the status may name the placement already, the next pass creates the pods there, and the capacity
+    must still be held for them (the 3000-job run pinned 8 gangs to nodes that had gone to other gangs)."""
+    from seqtrain_operator.k8s.client import Conflict
+
+    class Conflicting(Kube):
+        async def write_status(self, namespace: str, name: str, patch: dict, rv: str) -> dict[str, Any]:
+            raise Conflict("Conflict", unsure=unsure)
+
+    kube, cfg = Conflicting(_job("b")), reconcile.Config(poll_progress=False)
+    outcome = asyncio.run(reconcile.reconcile(kube, cfg, "ml", "b", lambda *a: None, views=Index()))
+    assert outcome.requeue is not None and not kube.created
+    assert sorted(cfg.busy.reserved) == ([("ml", "b-1-0")] if unsure else [])
+    cfg.busy.release_job(("ml", "a"))  # another job's deletion leaves it
+    assert len(cfg.busy.reserved) == (1 if unsure else 0)
+    cfg.busy.release_job(("ml", "b"))  # its own ends it: none of its pods will be created now
+    assert not cfg.busy.reserved

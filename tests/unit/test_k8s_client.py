@@ -83,3 +83,36 @@ def test_a_429_waits_its_retry_after_instead_of_the_backoff(monkeypatch: pytest.
         kube._pool.shutdown()
     # Retry-After over the backoff (0.2, then 0.4 for the 500), capped at 30 s for a server asking too much
     assert slept == [2.0, 0.4, 30.0] and kube.requests == 4
+
+
+def _status_writes(monkeypatch: pytest.MonkeyPatch, answers: list[Any]) -> kc.Conflict:
+    """The Conflict a status write raises when the API answers `answers` in turn."""
+    async def sleep(seconds: float) -> None:
+        return None
+
+    monkeypatch.setattr(kc.asyncio, "sleep", sleep)
+    kube = kc.Kube(client.ApiClient(), backoff=0.2, qps=0)
+
+    def patch(*_: Any, **__: Any) -> Any:
+        raise answers.pop(0)
+
+    monkeypatch.setattr(kube.custom, "patch_namespaced_custom_object_status", patch)
+    try:
+        with pytest.raises(kc.Conflict) as raised:
+            asyncio.run(kube.write_status("ns", "job", {"phase": "Scheduling"}, "7"))
+    finally:
+        kube._pool.shutdown()
+    return raised.value
+
+
+def test_a_conflict_after_a_timed_out_attempt_says_the_write_may_have_been_applied(monkeypatch) -> None:
+    from urllib3.exceptions import ReadTimeoutError
+
+    # The first PATCH reached the server and was applied, but its answer never came; the retry's precondition (the
+    # resourceVersion read before) then fails against our own write. The 3000-job run released the gang's capacity
+    # on such a 409 while its status already named the placement: 8 gangs pinned to full nodes.
+    timed_out = ReadTimeoutError(None, "/apis", "Read timed out.")  # type: ignore[arg-type]
+    assert _status_writes(monkeypatch, [timed_out, _exc(409, None)]).unsure is True
+    # a 429 is refused before anything runs: a conflict after it is someone else's change, as without retries
+    assert _status_writes(monkeypatch, [_exc(429, "1"), _exc(409, None)]).unsure is False
+    assert _status_writes(monkeypatch, [_exc(409, None)]).unsure is False

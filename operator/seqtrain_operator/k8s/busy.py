@@ -77,6 +77,13 @@ class BusyPods:
         for k in keys:
             self.reserved.pop(k, None)
 
+    def release_job(self, job: Key) -> None:
+        """The job is deleted: none of its reserved pods will be created now (one kept after a status write that
+        may or may not have been applied, reconcile._write_and_act, would otherwise hold its capacity)."""
+        ns, name = job
+        self.reserved = {k: v for k, v in self.reserved.items()
+                         if not (k[0] == ns and (v[1]["metadata"].get("labels") or {}).get(m.LABEL_JOB) == name)}
+
     def gone(self, key: Key) -> None:
         """The pod's DELETED watch event: whether or not an admission saw it, it takes nothing now."""
         self.reserved.pop(key, None)

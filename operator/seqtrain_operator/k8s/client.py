@@ -35,7 +35,13 @@ PAGE = 500  # objects per LIST response
 
 
 class Conflict(Exception):
-    """The object changed since it was read (HTTP 409 on a write with a resourceVersion precondition)."""
+    """The object changed since it was read (HTTP 409 on a write with a resourceVersion precondition). `unsure`: an
+    earlier attempt of the same write timed out or lost its connection, so the change may have been that attempt's
+    own: the write may have been applied."""
+
+    def __init__(self, message: str, unsure: bool = False):
+        super().__init__(message)
+        self.unsure = unsure
 
 
 class NameTaken(Exception):
@@ -171,6 +177,7 @@ class Kube:
         kw.setdefault("_request_timeout", self.timeout)
         kw.setdefault("_preload_content", False)
         delay = self.backoff
+        unsure = False  # an earlier attempt's request may have been applied (see Conflict.unsure)
         for attempt in range(self.retries + 1):
             if (wait := self.budget.delay()) > 0:
                 await asyncio.sleep(wait)
@@ -180,6 +187,10 @@ class Kube:
                 data = resp.data if hasattr(resp, "data") else resp
                 return json.loads(data) if data else None
             except Exception as exc:  # noqa: BLE001 - classified below
+                if isinstance(exc, ApiException) and unsure:
+                    exc.seqtrain_unsure = True  # type: ignore[attr-defined]
+                if _transient(exc) and not (isinstance(exc, ApiException) and exc.status == 429):
+                    unsure = True  # a 429 was refused before anything ran; a timeout or a 5xx may have run
                 if not _transient(exc) or attempt == self.retries:
                     if _transient(exc):
                         raise Unavailable(f"{getattr(fn, '__name__', fn)}: {exc}") from exc
@@ -220,7 +231,7 @@ class Kube:
                                     namespace, PLURAL, name, body)
         except ApiException as exc:
             if exc.status == 409:
-                raise Conflict(str(exc.reason)) from exc
+                raise Conflict(str(exc.reason), unsure=getattr(exc, "seqtrain_unsure", False)) from exc
             raise
 
     # ---- reads -----------------------------------------------------------------------------------------------

@@ -363,6 +363,7 @@ async def job_deleted(name: str, namespace: str, **_: Any) -> None:
     if STATE.config.admissions is not None:
         STATE.config.admissions.done((namespace, name))
     STATE.config.expected.forget((namespace, name))
+    STATE.config.busy.release_job((namespace, name))
     STATE.config.written_at.pop((namespace, name), None)
     STATE.config.pushed.forget(namespace, name)
 

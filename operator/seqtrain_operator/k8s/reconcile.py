@@ -407,11 +407,17 @@ async def _write_and_act(kube: Kube, cfg: Config, body: dict[str, Any], job: Seq
     if _changed(old_status, new_dict, coalesce_progress=recent):
         try:
             written = await kube.write_status(namespace, name, _status_patch(old_status, new_dict), rv)
-        except Conflict:
-            log.info("%s/%s changed while reconciling; again on fresh data", namespace, name)
+        except Conflict as conflict:
+            log.info("%s/%s changed while reconciling%s; again on fresh data", namespace, name,
+                     " (maybe by this write: an earlier attempt of it timed out)" if conflict.unsure else "")
             cfg.known[(namespace, name)] = STALE  # read it again (a GET), not the watch's body that lost
             cfg.written.pop((namespace, name), None)
-            cfg.busy.release(reserved)
+            if not conflict.unsure:
+                cfg.busy.release(reserved)
+            # Unsure: the status may name this gang's placement now, and the next pass would create its pods there;
+            # released, that capacity went to the next gang (the 3000-job run pinned 8 gangs to full nodes so).
+            # Kept, the reservations end when their pods show, or when this job's next admission replaces them
+            # (the same attempt's pods have the same names).
             return Outcome(requeue=0.2, status=JobStatus.model_validate(old_status))
         cfg.written_at[(namespace, name)] = time.monotonic()
         if written and (written_rv := (written.get("metadata") or {}).get("resourceVersion")):
