@@ -262,7 +262,8 @@ def _mebibytes(quantity: str) -> int:
                                     "operator-1000jobs-cpu-2026-11-26d-malloc-arena-max-2.json",
                                     "operator-1000jobs-cpu-2026-11-26e-kueue.json",
                                     "operator-300jobs-cpu-2026-11-26c.json", "operator-1000jobs-cpu-2026-11-26f.json",
-                                    "operator-300jobs-cpu-2026-11-27.json", "operator-1000jobs-cpu-2026-11-27.json"])
+                                    "operator-300jobs-cpu-2026-11-27.json", "operator-1000jobs-cpu-2026-11-27.json",
+                                    "operator-3000jobs-cpu-2026-11-27.json"])
 def test_operator_resources_cover_the_measured_peak_rss_with_headroom(result):
     """The operator's memory comes from `seqtrain bench operator` (docs/benchmarks.md, "Sizing the operator"): for
     the benchmark's own number of pods, the request covers its measured peak RSS and the limit has 1.5x of it (an
