@@ -28,7 +28,7 @@ from collections.abc import Awaitable, Callable, Hashable
 
 log = logging.getLogger("seqtrain.operator")
 
-BACKOFF_BASE = 0.5  # seconds: the first retry of a failed pass
+BACKOFF_BASE = 0.5  # seconds: half the first retry's delay (1 s, then 2 s, 4 s, ... up to BACKOFF_CAP)
 BACKOFF_CAP = 30.0
 
 
