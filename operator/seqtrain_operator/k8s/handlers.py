@@ -1,6 +1,7 @@
 """kopf wiring: the passes of every SeqTrainJob in one keyed work queue with a bounded number of workers
 (k8s/workqueue.py), queued by its own, its pods' and the nodes' changes and by the delay its last pass asked for.
-A kopf daemon per job says only whether this operator may act on it (peering, deletion).
+A kopf daemon per job says only whether this operator may act on it (peering, deletion). A pass that admits a
+gang hands its creation to a task beside the passes (k8s/creations.py), so no pass waits for a gang's POSTs.
 
 Load: pods are watched with a server-side label selector (only the operator's pods reach it), and every pass reads
 its job's pods and the nodes from in-memory mirrors fed by those watches (k8s/mirror.py: every relist after a cut
@@ -37,6 +38,7 @@ from seqtrain_operator.k8s.admission import Admissions
 from seqtrain_operator.k8s.busy import BusyPods
 from seqtrain_operator.k8s.claims import claim_problem
 from seqtrain_operator.k8s.client import Kube, load_config
+from seqtrain_operator.k8s.creations import Creations
 from seqtrain_operator.k8s.foreign import ForeignPods
 from seqtrain_operator.k8s.ledger import Ledger
 from seqtrain_operator.k8s.metrics import OperatorMetrics
@@ -79,6 +81,7 @@ class OperatorState:
     api_qps: float = 200.0  # the API client's budget (client.Budget)
     api_burst: int = 400
     workers: int = 64  # passes in flight at most (k8s/workqueue.py)
+    creators: int = 16  # gang creations in flight at most (k8s/creations.py)
     queue: WorkQueue | None = None
     live: dict[tuple[str, str], Any] = field(default_factory=dict)  # kopf's live body per job with a daemon
     nodes_seen: dict[str, Any] = field(default_factory=dict)
@@ -136,6 +139,8 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     STATE.live.clear()
     STATE.queue = WorkQueue(reconcile_pass, workers=STATE.workers, on_error=_pass_failed,
                             on_depth=STATE.metrics.workqueue_depth.set)
+    STATE.config.creations = Creations(STATE.creators, on_done=_created,
+                                       on_seconds=STATE.metrics.gang_create_seconds.observe, on_error=_creation_failed)
     STATE.nodes_seen.clear()
     STATE.ledger = Ledger()  # before the watches start: the pod mirror fills it
     STATE.by_job.clear()
@@ -164,6 +169,8 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
 async def stop_watching(**_: Any) -> None:
     if STATE.queue is not None:
         await STATE.queue.stop()
+    if STATE.config.creations is not None:
+        await STATE.config.creations.stop()
     if STATE.config.admissions is not None:
         await STATE.config.admissions.stop()
     for mirror in STATE.mirrors():
@@ -281,8 +288,12 @@ async def reconcile_daemon(name: str, namespace: str, stopped: kopf.DaemonStoppe
     try:
         await stopped.wait()
     finally:
-        # No pass after this returns: the deletion handler's clean-up never races one.
+        # No pass or gang creation after this returns: the deletion handler's clean-up never races one.
         await STATE.queue.deactivate(key)
+        if STATE.config.creations is not None:
+            # Short: kopf cancels this daemon 10 s after stopping it. A creation cut short is finished by the next
+            # operator's pass (peering), or goes with the job (its pods' ownerReference; the clean-up deletes them).
+            await STATE.config.creations.wait(key, timeout=2.0)
         STATE.live.pop(key, None)
 
 
@@ -310,6 +321,22 @@ def _pass_failed(key: Any, exc: BaseException, retry_in: float) -> None:
     STATE.metrics.reconcile_errors.labels(error=type(exc).__name__).inc()
     log.warning("reconcile %s/%s failed (%s: %s); again in %.1fs", key[0], key[1], type(exc).__name__, exc,
                 retry_in)
+
+
+def _created(key: tuple[str, str], requeue: float | None) -> None:
+    """A gang's creation ended (k8s/creations.py): the job's next pass when the creation asked."""
+    if STATE.queue is None:
+        return
+    if STATE.queue.running(key):  # that pass saw the creation running and ends by replacing the job's timer
+        STATE.queue.add(key)
+    else:
+        STATE.queue.schedule(key, requeue)
+
+
+def _creation_failed(key: tuple[str, str], exc: BaseException) -> None:
+    STATE.metrics.reconcile_errors.labels(error=type(exc).__name__).inc()
+    log.warning("creating the gang of %s/%s failed (%s: %s); its next pass creates what is absent", key[0], key[1],
+                type(exc).__name__, exc)
 
 
 _last_counts: dict[tuple[str, str], tuple[int, int]] = {}

@@ -80,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=64,
                    help="reconcile passes in flight at most, whatever the number of jobs (each holds its job, its "
                         "observation and its plan while it runs)")
+    p.add_argument("--creators", type=int, default=16,
+                   help="gang creations in flight at most, beside the passes (each POSTs its gang's pods together)")
     p.add_argument("--webhook-port", type=int, default=9443)
     p.add_argument("--webhook-cert-dir", help="serve the validating webhook with tls.crt/tls.key from here")
     p.add_argument("--release-finalizers", action="store_true",
@@ -98,8 +100,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.peering_lifetime < 2:
         build_parser().error(f"--peering-lifetime {args.peering_lifetime}: must be at least 2 seconds (keep-alives "
                              "go out every second at best)")
-    if args.workers < 1:
-        build_parser().error(f"--workers {args.workers}: must be at least 1")
+    for flag, value in (("--workers", args.workers), ("--creators", args.creators)):
+        if value < 1:
+            build_parser().error(f"{flag} {value}: must be at least 1")
     if args.release_finalizers:
         from seqtrain_operator.k8s.release import release_finalizers
 
@@ -151,7 +154,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                    poll_progress=bool(args.progress_port), push_port=args.progress_push_port or None)
     handlers.STATE.metrics_port = args.metrics_port
     handlers.STATE.api_qps, handlers.STATE.api_burst = args.api_qps, args.api_burst
-    handlers.STATE.workers = args.workers
+    handlers.STATE.workers, handlers.STATE.creators = args.workers, args.creators
     if args.webhook_cert_dir:
         handlers.enable_webhook(handlers.WebhookConfig(
             port=args.webhook_port, certfile=os.path.join(args.webhook_cert_dir, "tls.crt"),

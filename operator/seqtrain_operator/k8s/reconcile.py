@@ -9,8 +9,9 @@
    is repeated on fresh data. Writing it BEFORE acting means a crash between the two never forgets a gang it
    created: the status already names the attempt, and the core re-creates whatever of it is absent.
 5. Act: delete gangs (pods, ConfigMap, PodGroup of that attempt), create the gang (create-if-absent, so a repeat
-   never duplicates anything: names are deterministic per attempt).
-6. Emit the decision's Kubernetes Events, only after the status write succeeded.
+   never duplicates anything: names are deterministic per attempt). In the operator, a decision that creates a
+   gang is acted on in a creation task beside the passes (k8s/creations.py), not in the pass.
+6. Emit the decision's Kubernetes Events, only after the status write succeeded (and the gang was created).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from seqtrain_operator.k8s import manifests as m
 from seqtrain_operator.k8s.admission import PRIORITY_TTL_SECONDS, Admissions
 from seqtrain_operator.k8s.busy import BusyPods
 from seqtrain_operator.k8s.client import Conflict, Kube, NameTaken, api_message
+from seqtrain_operator.k8s.creations import Creations
 from seqtrain_operator.k8s.expect import Expectations
 from seqtrain_operator.k8s.gangs import ADAPTERS, GangScheduler, adapter_for
 from seqtrain_operator.k8s.observe import (
@@ -109,6 +111,9 @@ class Config:
     admissions: Admissions | None = None
     # PriorityClass name -> (value, time.monotonic() read): the admission order (state, not a knob)
     priorities: dict[str, tuple[int, float]] = field(default_factory=dict)
+    # Gang creations beside the passes (k8s/creations.py; None: inside the pass, for a pass without the operator's
+    # work queue). State, not a knob.
+    creations: Creations | None = None
 
 
 @dataclass
@@ -245,6 +250,9 @@ async def reconcile(kube: Kube, cfg: Config, namespace: str, name: str, emit: Ev
     """One pass. `live`: the job's body as the watch last delivered it (None: GET it). `admission_wait`: told the
     seconds the pass waited for its admission cycle (queueing, not the pass's own work)."""
     admission_wait = admission_wait if admission_wait is not None else []
+    if cfg.creations is not None and cfg.creations.busy((namespace, name)):
+        # its gang is being created: the creation's end schedules the next pass (this timer is a backstop)
+        return Outcome(requeue=5.0)
     now = now or utcnow()
     body = await _read_job(kube, cfg, namespace, name, live)
     if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
@@ -424,6 +432,34 @@ async def _write_and_act(kube: Kube, cfg: Config, body: dict[str, Any], job: Seq
             cfg.known[(namespace, name)] = written_rv
             cfg.written[(namespace, name)] = (rv, project.job(written))
 
+    act = functools.partial(_act, kube, cfg, body, job, decision, owner, emit, now, pods, reserved)
+    if cfg.creations is not None and decision.of(CreateGang):
+        # Creating is most of the gang's requests and of their wait for the budget: beside the passes (see
+        # k8s/creations.py). The status naming the attempt is written, so nothing is lost if the operator stops.
+        cfg.creations.start((namespace, name), functools.partial(_handed_off, act, cfg, reserved))
+        return Outcome(requeue=None, status=new, events=tuple(decision.of(Event)))
+    return await act()
+
+
+async def _handed_off(act: Callable[[], Awaitable[Outcome]], cfg: Config, reserved: list[tuple[str, str]]
+                      ) -> float | None:
+    """`act` in a creation task: the job's next pass when it asks; what it reserved and did not create is released
+    whatever ends it (an error or a cancel; the pass's own `except` no longer runs around it)."""
+    try:
+        return (await act()).requeue
+    except BaseException:
+        cfg.busy.release(reserved)
+        raise
+
+
+async def _act(kube: Kube, cfg: Config, body: dict[str, Any], job: SeqTrainJob, decision: Decision,
+               owner: m.Owner, emit: EventSink, now: datetime, pods: list[dict],
+               reserved: list[tuple[str, str]]) -> Outcome:
+    """Act on a decision whose status is written: delete and create gangs, then the decision's Events."""
+    namespace, name = owner.namespace, owner.name
+    old_status = dict(body.get("status") or {})
+    new = decision.status
+    bulk = cfg.creations is not None  # in a creation task: behind the passes' requests (client.Budget.bulk)
     for action in decision.actions:
         if isinstance(action, DeleteGang):
             await delete_gang(kube, job, owner, action.attempt, action.force_nodes)
@@ -432,7 +468,8 @@ async def _write_and_act(kube: Kube, cfg: Config, body: dict[str, Any], job: Seq
                 exist = await _existing(kube, cfg, owner, action.attempt, int(old_status.get("attempt") or 0))
                 await create_gang(kube, _sized(job, action), owner, action.attempt, cfg.settings, action.plan,
                                   exist, functools.partial(_remember, cfg.expected, (namespace, name), action.attempt),
-                                  action.in_place_delays, failure_history(decision.status, cfg.settings.rank_mtbf_hours))
+                                  action.in_place_delays, failure_history(decision.status, cfg.settings.rank_mtbf_hours),
+                                  bulk=bulk)
                 cfg.busy.created(reserved)
                 reserved.clear()  # they exist: the index or their DELETED event ends them, not an error in a later step
             except GangRefused as refused:
@@ -595,10 +632,12 @@ class GangRefused(Exception):
 async def create_gang(kube: Kube, job: SeqTrainJob, owner: m.Owner, attempt: int, settings: m.Settings,
                       plan: Plan | None, exist: Collection[str] = (),
                       on_created: Callable[[str], None] | None = None,
-                      in_place_delays: tuple[float, ...] = (), history: FailureHistory | None = None) -> list[dict]:
+                      in_place_delays: tuple[float, ...] = (), history: FailureHistory | None = None,
+                      bulk: bool = False) -> list[dict]:
     """Create what is absent of this attempt's objects; existing ones (a repeat after a crash) are kept; returns the
     gang's pods. `exist`: names of pods known to exist (not POSTed again; when all do, nothing is); `on_created`
-    is told each pod that exists once its creation returned. Raises GangRefused when the API server refuses one:
+    is told each pod that exists once its creation returned; `bulk`: the requests wait behind the passes' own
+    (client.Budget.bulk). Raises GangRefused when the API server refuses one:
     the caller tears the partial gang down."""
     gang = m.build_gang(job, owner, attempt, settings, plan, in_place_delays, history)
     absent = [p for p in gang.pods if p["metadata"]["name"] not in exist]
@@ -607,7 +646,7 @@ async def create_gang(kube: Kube, job: SeqTrainJob, owner: m.Owner, attempt: int
 
     async def create(obj: dict[str, Any]) -> None:
         try:
-            await kube.create(obj)
+            await (kube.create(obj, bulk=True) if bulk else kube.create(obj))
         except ApiException as exc:
             if exc.status in (400, 403, 422):
                 raise GangRefused(f"{obj['kind']} {obj['metadata']['name']}: {api_message(exc)}") from exc
