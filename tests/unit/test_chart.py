@@ -256,26 +256,32 @@ def _mebibytes(quantity: str) -> int:
     return int(quantity[:-2])
 
 
-@pytest.mark.parametrize("result", ["operator-300jobs-cpu.json", "operator-300jobs-cpu-2026-11-26.json",
-                                    "operator-1000jobs-cpu-2026-11-26.json", "operator-300jobs-cpu-2026-11-26b.json",
-                                    "operator-1000jobs-cpu-2026-11-26b.json", "operator-1000jobs-cpu-2026-11-26c.json",
-                                    "operator-1000jobs-cpu-2026-11-26d-malloc-arena-max-2.json",
-                                    "operator-1000jobs-cpu-2026-11-26e-kueue.json",
-                                    "operator-300jobs-cpu-2026-11-26c.json", "operator-1000jobs-cpu-2026-11-26f.json",
-                                    "operator-300jobs-cpu-2026-11-27.json", "operator-1000jobs-cpu-2026-11-27.json",
-                                    "operator-3000jobs-cpu-2026-11-27.json"])
+# The runs of the operator the rule is fitted to (this version's code: the peak RSS of older code was up to 2.9x
+# higher at the same size, and a rule for it is no rule for this one; docs/benchmarks.md keeps those runs).
+SIZED_RUNS = ["operator-1000jobs-1pod-cpu-2026-11-27.json", "operator-300jobs-cpu-2026-11-27.json",
+              "operator-1000jobs-cpu-2026-11-27.json", "operator-3000jobs-cpu-2026-11-27.json"]
+
+
+@pytest.mark.parametrize("result", SIZED_RUNS)
 def test_operator_resources_cover_the_measured_peak_rss_with_headroom(result):
     """The operator's memory comes from `seqtrain bench operator` (docs/benchmarks.md, "Sizing the operator"): for
-    the benchmark's own number of pods, the request covers its measured peak RSS and the limit has 1.5x of it (an
-    OOM-killed operator with the webhook's failurePolicy Fail blocks every SeqTrainJob create and update)."""
+    the benchmark's own numbers of jobs and pods, the request covers its measured peak RSS and the limit has 1.5x of
+    it (an OOM-killed operator with the webhook's failurePolicy Fail blocks every SeqTrainJob create and update)."""
     measured = json.loads((ROOT / "benchmarks" / "results" / result).read_text())
     assert measured["pods_at_end_of_wait"] == measured["pods"]  # measured with every pod of the run in its caches
-    res = by_kind(render(f"scale.pods={measured['pods']}"), "Deployment")[0]["spec"]["template"]["spec"]["containers"][0][
-        "resources"]
+    res = by_kind(render(f"scale.pods={measured['pods']}", f"scale.jobs={measured['jobs']}"), "Deployment")[0][
+        "spec"]["template"]["spec"]["containers"][0]["resources"]
     rss = measured["operator"]["peak_rss_mib"]
     assert _mebibytes(res["requests"]["memory"]) >= rss
     assert _mebibytes(res["limits"]["memory"]) >= 1.5 * rss
     assert "cpu" not in res.get("limits", {})
+
+
+def test_the_sized_runs_span_small_and_large_jobs_and_clusters():
+    """The rule has a term per job and one per pod: runs with one pod a job and with eight, at three sizes."""
+    runs = [json.loads((ROOT / "benchmarks" / "results" / r).read_text()) for r in SIZED_RUNS]
+    assert {r["replicas"] for r in runs} >= {1, 8}
+    assert max(r["pods"] for r in runs) >= 24000 and all(r["complete"] for r in runs)
 
 
 def test_operator_resources_grow_with_the_cluster_and_an_explicit_setting_wins():
@@ -284,6 +290,10 @@ def test_operator_resources_grow_with_the_cluster_and_an_explicit_setting_wins()
 
     small, large = resources("scale.pods=1000"), resources("scale.pods=20000")
     assert _mebibytes(large["limits"]["memory"]) > _mebibytes(small["limits"]["memory"])
+    # unset, scale.jobs is as many as pods: never less than naming the jobs
+    assert _mebibytes(resources("scale.pods=8000")["requests"]["memory"]) >= \
+        _mebibytes(resources("scale.pods=8000", "scale.jobs=1000")["requests"]["memory"])
+    assert resources("scale.pods=8000", "scale.jobs=1000")["requests"]["memory"] == "260Mi"
     assert resources("resources.limits.memory=2Gi") == {"limits": {"memory": "2Gi"}}
 
 
