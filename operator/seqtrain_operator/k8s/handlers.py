@@ -96,9 +96,12 @@ class OperatorState:
         return [x for x in (self.pods, self.nodes, self.foreign) if x is not None]
 
     def poke(self, namespace: str | None, name: str | None) -> None:
-        """A pass for the job soon (ignored for a job whose daemon is not running: see `reconcile_daemon`)."""
-        if self.queue is not None:
-            self.queue.add((namespace or "", name or ""))
+        """A pass for the job soon (ignored for a job whose daemon is not running: see `reconcile_daemon`, and while
+        its gang is being created: its pods' events would only queue passes that do nothing; the creation's end
+        schedules the next)."""
+        key = (namespace or "", name or "")
+        if self.queue is not None and not (self.config.creations is not None and self.config.creations.busy(key)):
+            self.queue.add(key)
 
     def poke_all(self) -> None:
         if self.queue is not None:
@@ -302,6 +305,8 @@ async def reconcile_pass(key: tuple[str, str]) -> float | None:
     namespace, name = key
     await _synced()
     assert STATE.kube is not None
+    if STATE.config.creations is not None and STATE.config.creations.busy(key):
+        return 5.0  # nothing to do until its gang's creation ends (which schedules the next pass): not a pass
     started = time.perf_counter()
     queued: list[float] = []  # seconds the pass waited for its admission cycle (admission.py)
     try:
