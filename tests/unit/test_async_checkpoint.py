@@ -273,6 +273,22 @@ def test_a_writer_process_that_dies_fails_the_next_wait_and_the_next_save_starts
     assert latest_step(str(tmp_path)) == 3
 
 
+def test_an_idle_writer_process_that_does_not_answer_is_killed_and_replaced(tmp_path: Path) -> None:
+    mgr = CheckpointManager(str(tmp_path), keep=3, ctx=DistContext(), writer="process")
+    mgr.save(1, trainer_files, state=lambda: tree(1.0), background=True)
+    mgr.wait()
+    assert mgr._process is not None
+    first = mgr._process.pid
+    assert first is not None and mgr._process.alive()
+    os.kill(first, signal.SIGSTOP)  # hung
+    assert not mgr._process.alive(timeout_s=0.5) and mgr._process.ended() == "no answer within 0.5 s, killed"
+    assert gone(first)
+    mgr.save(2, trainer_files, state=lambda: tree(2.0), background=True)
+    assert mgr._process is not None and mgr._process.pid != first
+    mgr.close()
+    assert latest_step(str(tmp_path)) == 2
+
+
 def _crash_in_the_writer(directory: str, pid_file: str) -> None:
     """A rank whose step-2 write is cut: SEQTRAIN_FAULT_IN_SAVE=crash kills the rank from its writer process."""
     os.environ.update(SEQTRAIN_FAULT_IN_SAVE="crash", SEQTRAIN_FAULT_SAVE_STEP="2")  # as a rank's is set at start

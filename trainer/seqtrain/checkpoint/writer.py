@@ -159,7 +159,7 @@ class ProcessWriter:
         child.close()  # ours: recv() then ends with EOFError when the writer dies
         self._sent: dict[str, torch.Tensor] = {}  # buffers the writer holds (kept alive here too)
         self.pending = False
-        self.hung = False
+        self._unanswered: float | None = None  # seconds alive() waited for an answer that never came
 
     @property
     def pid(self) -> int | None:
@@ -171,8 +171,9 @@ class ProcessWriter:
         Not its sentinel, nor waitpid: once SIGKILLed, the writer runs no code of its own, but its last thread
         (gloo's run loop) then unmaps the address space (exit_mmap: some 30 ms with torch loaded, longer on a busy
         node) before the kernel closes the writer's files (the sentinel's pipe end among them) and lets waitpid
-        reap it. Meanwhile /proc shows the thread group's leader a zombie and both said "alive". A killed writer
-        never answers; the pipe's EOF ends the wait once that teardown is done."""
+        reap it. In that window /proc already shows the main thread a zombie, yet the sentinel and waitpid said
+        "alive", and a save right after the kill failed later, in the writers' gloo group. A killed writer never
+        answers; the pipe's EOF ends the wait once that teardown is done."""
         assert not self.pending, "alive() asks an idle writer"
         try:
             self._conn.send(PING)
@@ -180,14 +181,14 @@ class ProcessWriter:
                 return bool(self._conn.recv() == PONG)
         except (EOFError, OSError):  # its end of the pipe is closed: it is gone
             return False
-        self.hung = True  # no answer: a writer that cannot answer cannot write either
+        self._unanswered = timeout_s  # a writer that cannot answer cannot write either
         self._proc.kill()
         return False
 
     def ended(self) -> str:
         """How the writer ended, for messages ("signal 9", "exit code 1", "no answer within 60 s")."""
-        if self.hung:
-            return f"no answer within {ANSWER_SECONDS:.0f} s, killed"
+        if self._unanswered is not None:
+            return f"no answer within {self._unanswered:g} s, killed"
         self._proc.join(5)  # the pipe's EOF comes a moment before waitpid can reap it
         code = self._proc.exitcode
         return f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
