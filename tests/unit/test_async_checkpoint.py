@@ -7,6 +7,7 @@ import io
 import multiprocessing
 import os
 import pickle
+import re
 import signal
 import socket
 import threading
@@ -272,6 +273,22 @@ def test_a_writer_process_that_dies_fails_the_next_wait_and_the_next_save_starts
     assert latest_step(str(tmp_path)) == 3
 
 
+def test_an_idle_writer_process_that_does_not_answer_is_killed_and_replaced(tmp_path: Path) -> None:
+    mgr = CheckpointManager(str(tmp_path), keep=3, ctx=DistContext(), writer="process")
+    mgr.save(1, trainer_files, state=lambda: tree(1.0), background=True)
+    mgr.wait()
+    assert mgr._process is not None
+    first = mgr._process.pid
+    assert first is not None and mgr._process.alive()
+    os.kill(first, signal.SIGSTOP)  # hung
+    assert not mgr._process.alive(timeout_s=0.5) and mgr._process.ended() == "no answer within 0.5 s, killed"
+    assert gone(first)
+    mgr.save(2, trainer_files, state=lambda: tree(2.0), background=True)
+    assert mgr._process is not None and mgr._process.pid != first
+    mgr.close()
+    assert latest_step(str(tmp_path)) == 2
+
+
 def _crash_in_the_writer(directory: str, pid_file: str) -> None:
     """A rank whose step-2 write is cut: SEQTRAIN_FAULT_IN_SAVE=crash kills the rank from its writer process."""
     os.environ.update(SEQTRAIN_FAULT_IN_SAVE="crash", SEQTRAIN_FAULT_SAVE_STEP="2")  # as a rank's is set at start
@@ -365,3 +382,52 @@ def test_two_ranks_write_through_their_writer_processes_and_rank_0_publishes_sha
         assert torch.equal(got["model"]["w"], torch.full((4, 3), float(step)))
         assert got["model"]["s"][:, 0].tolist() == [step * 100.0] * 2 + [step * 100.0 + 1] * 2
         assert got["model"]["r0"].tolist() == [step * 10.0] * 2 and got["model"]["r1"].tolist() == [step * 10.0 + 1] * 2
+
+
+def _idle_writer_killed(rank: int, port: int, directory: str, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
+    ctx = DistContext(rank=rank, world_size=2, dp_rank=rank, dp_size=2, backend="gloo")
+    mgr = CheckpointManager(directory, keep=3, ctx=ctx, writer="process")
+    mgr.save(1, trainer_files, state=lambda: tree(1.0), background=True)
+    mgr.wait()
+    pid = mgr._process.pid if mgr._process else None
+    assert pid is not None
+    if rank == 1:  # no waiting for it to be gone: the kernel may still be tearing it down when the next save asks
+        os.kill(pid, signal.SIGKILL)
+    torch.distributed.barrier()
+    started = time.monotonic()
+    try:
+        mgr.save(2, trainer_files, state=lambda: tree(2.0), background=True)
+        got = "saved"
+    except RuntimeError as exc:
+        got = str(exc)
+    took = time.monotonic() - started
+    mgr.close()  # rank 0 stops its live writer
+    Path(out, f"rank{rank}").write_text(f"{took:.3f} {gone(pid)} {got}")
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    os._exit(0)
+
+
+def test_a_writer_process_killed_while_idle_fails_the_next_save_on_every_rank_and_the_previous_checkpoint_stays(
+        tmp_path: Path) -> None:
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ranks = mp.spawn(_idle_writer_killed, args=(port, str(tmp_path / "ckpt"), str(tmp_path)), nprocs=2, join=False)
+    deadline = time.monotonic() + 120
+    while not ranks.join(1):  # a rank that hangs fails the test instead of stalling it
+        if time.monotonic() > deadline:
+            for p in ranks.processes:
+                p.kill()
+            pytest.fail("the ranks hung after a writer process was killed")
+    for rank in (0, 1):
+        took, writer_gone, got = (tmp_path / f"rank{rank}").read_text().split(" ", 2)
+        how = r" \(signal 9\)" if rank == 1 else ""
+        assert re.fullmatch(rf"rank {rank}: the checkpoint writer process of rank 1 died while idle{how}: "
+                            r"checkpoint step-2 is not saved on any rank; step-1 stays the latest checkpoint", got), got
+        assert float(took) < 30 and writer_gone == "True", (rank, took, writer_gone)
+    assert latest_step(str(tmp_path / "ckpt")) == 1 and not (tmp_path / "ckpt" / "step-2").exists()

@@ -121,7 +121,6 @@ class CheckpointManager:
                                             "the default; SEQTRAIN_CHECKPOINT_WRITER=process for a writer process")
         # the write in flight: (monotonic at the save's start, monotonic and epoch seconds when it was handed over)
         self._write_started: tuple[float, float, float] | None = None
-        self._pending_step: int | None = None
         # (start, end) epoch seconds of the last background write, once it is done (benchmarks: overlapping steps)
         self.last_write_window: tuple[float, float] | None = None
         # Steps never pruned, whatever `keep` says (the best checkpoint by validation loss, see seqtrain.obs).
@@ -233,7 +232,7 @@ class CheckpointManager:
             self.last_write_window = (wall, wall + (value - handed))
         else:
             self._write_error = value
-            if not self._process.alive() and not self.ctx.distributed:  # one rank alone: the next background save
+            if not self.ctx.distributed and not self._process.alive():  # one rank alone: the next background save
                 self._process.close()  # starts another (with peers, `_use_process` ends the save on every rank)
                 self._process = None
 
@@ -259,26 +258,26 @@ class CheckpointManager:
                 self._process.close()
                 self._process = None
 
-    def _use_process(self, tree: dict[str, Any]) -> bool:
+    def _use_process(self, tree: dict[str, Any], step: int) -> bool:
         """Whether this background save of `tree` (not staged yet) goes to the writer process (collective on the first
         background save: every rank decides the same, or their writes would never meet). Otherwise the thread, said
-        in one line."""
+        in one line. Raises on every rank when a rank's writer died while idle (see below)."""
         if self._thread_reason is not None:
             return False
         started = self._process is not None
-        alive = self._process is not None and self._process.alive()
+        alive = self._process is not None and self._process.alive()  # a round trip: a writer being killed says no
         if self.ctx.distributed:
             import torch
 
             # is every rank's writer there? (one small all-reduce per background save): the others' writers, in a
             # process group with a dead one, could never write with it again, so a writer that died while idle ends
-            # the save on every rank, as a dead rank would (the gang restarts from the latest checkpoint)
-            there = torch.tensor([2 if alive else (0 if started else 1)])
+            # the save on every rank, as a dead rank would (the gang restarts from the latest checkpoint).
+            # [0 dead / 1 never started / 2 alive, the lowest rank whose writer died (world: none)]
+            dead = started and not alive
+            there = torch.tensor([0 if dead else (2 if alive else 1), self.ctx.rank if dead else self.ctx.world_size])
             self.ctx.all_reduce(there, op="min", group=self._io_group)
             if int(there[0]) == 0:
-                raise RuntimeError(f"rank {self.ctx.rank}: a rank's checkpoint writer process died (this rank's: "
-                                   f"{'alive' if alive else 'dead'}); the checkpoint of step {self._pending_step} "
-                                   "is not written")
+                raise self._writer_died(int(there[1]), dead, step)
             alive = int(there[0]) == 2
         if alive:
             return True
@@ -316,6 +315,17 @@ class CheckpointManager:
             print(f"seqtrain: note: rank {self.ctx.rank}: async checkpoint writes run in a thread: {why}", flush=True)
         return False
 
+    def _writer_died(self, rank: int, mine_too: bool, step: int) -> RuntimeError:
+        """The error every rank raises when rank `rank`'s writer process died while idle (and this rank's, when
+        `mine_too`): one line saying whose, how, and which checkpoint a restarted gang resumes from."""
+        mine = self._process.ended() if mine_too and self._process is not None else None
+        how = f" ({mine})" if mine and rank == self.ctx.rank else ""
+        also = f" (and that of rank {self.ctx.rank}: {mine})" if mine and rank != self.ctx.rank else ""
+        latest = self.latest_published_step()
+        kept = f"step-{latest} stays the latest checkpoint" if latest is not None else "no checkpoint is published yet"
+        return RuntimeError(f"rank {self.ctx.rank}: the checkpoint writer process of rank {rank} died while idle{how}"
+                            f"{also}: checkpoint step-{step} is not saved on any rank; {kept}")
+
     def save(self, step: int, write: Callable[[str], list[str]], meta: dict[str, Any] | None = None,
              state: Callable[[], dict[str, Any]] | None = None, background: bool = False) -> CheckpointInfo | None:
         """Publish checkpoint `step`. `write(tmp_dir)` runs on every rank and returns the file names it wrote;
@@ -343,8 +353,7 @@ class CheckpointManager:
         if tree is not None and background:
             from seqtrain.checkpoint import dcp_format
 
-            self._pending_step = step
-            in_process = self._use_process(tree)
+            in_process = self._use_process(tree, step)
             if self._stager is None or self._stager.shared != in_process:  # shared: the writer maps the same buffers
                 self._stager = dcp_format.Stager(shared=in_process)
             tree = self._stager.stage(tree)  # host copy: the next steps may update the originals

@@ -22,7 +22,8 @@ training process. The writer still uses DCP's `save` (format, planner, reshardin
 
 Lifetime. The writer dies with its rank: PR_SET_PDEATHSIG (Linux) kills it when the thread that spawned it (the
 training thread) ends, so a rank SIGKILLed mid-write never publishes later, and `os._exit` at the end of a rank
-leaves no orphan. `close()` stops it (after the write in flight) and joins it.
+leaves no orphan. `close()` stops it (after the write in flight) and joins it. Whether an idle writer is still there
+(`alive`) is asked over the pipe, not read from its sentinel or waitpid: see `ProcessWriter.alive`.
 
 DTensors (FSDP2, tensor or pipeline parallel) travel as their local shard plus the mesh's global ranks, dimension
 names, placements, global shape and stride; the writer rebuilds each on a DeviceMesh over its own process group
@@ -54,6 +55,8 @@ if TYPE_CHECKING:
 WRITER_ENV = "SEQTRAIN_CHECKPOINT_WRITER"  # thread (default) | process (opt-in until measured on a GPU)
 KINDS = ("process", "thread")
 STOP_SECONDS = 60.0  # how long close() waits for the writer to leave before killing it
+ANSWER_SECONDS = 60.0  # how long an idle writer may take to answer alive(): one that does not is hung, and killed
+PING, PONG = "ping", "pong"
 
 
 @dataclass(frozen=True)
@@ -156,17 +159,39 @@ class ProcessWriter:
         child.close()  # ours: recv() then ends with EOFError when the writer dies
         self._sent: dict[str, torch.Tensor] = {}  # buffers the writer holds (kept alive here too)
         self.pending = False
+        self._unanswered: float | None = None  # seconds alive() waited for an answer that never came
 
     @property
     def pid(self) -> int | None:
         return self._proc.pid
 
-    def alive(self) -> bool:
-        """Whether the writer runs: its sentinel (a pipe that closes when it exits), not waitpid, which a reaper
-        elsewhere in the rank can take first (is_alive() then said True for a writer SIGKILLed a moment before)."""
-        from multiprocessing.connection import wait
+    def alive(self, timeout_s: float = ANSWER_SECONDS) -> bool:
+        """Whether the idle writer is there to take a write: it answers a ping (a round trip over the pipe).
 
-        return not wait([self._proc.sentinel], timeout=0)
+        Not its sentinel, nor waitpid: once SIGKILLed, the writer runs no code of its own, but its last thread
+        (gloo's run loop) then unmaps the address space (exit_mmap: some 30 ms with torch loaded, longer on a busy
+        node) before the kernel closes the writer's files (the sentinel's pipe end among them) and lets waitpid
+        reap it. In that window /proc already shows the main thread a zombie, yet the sentinel and waitpid said
+        "alive", and a save right after the kill failed later, in the writers' gloo group. A killed writer never
+        answers; the pipe's EOF ends the wait once that teardown is done."""
+        assert not self.pending, "alive() asks an idle writer"
+        try:
+            self._conn.send(PING)
+            if self._conn.poll(timeout_s):
+                return bool(self._conn.recv() == PONG)
+        except (EOFError, OSError):  # its end of the pipe is closed: it is gone
+            return False
+        self._unanswered = timeout_s  # a writer that cannot answer cannot write either
+        self._proc.kill()
+        return False
+
+    def ended(self) -> str:
+        """How the writer ended, for messages ("signal 9", "exit code 1", "no answer within 60 s")."""
+        if self._unanswered is not None:
+            return f"no answer within {self._unanswered:g} s, killed"
+        self._proc.join(5)  # the pipe's EOF comes a moment before waitpid can reap it
+        code = self._proc.exitcode
+        return f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
 
     def submit(self, step: int, tmp: str, tree: dict[str, Any], buffers: dict[str, torch.Tensor],
                publisher: Publisher | None, meta: dict[str, Any] | None) -> None:
@@ -210,11 +235,8 @@ class ProcessWriter:
         try:
             return self._conn.recv()
         except (EOFError, OSError):
-            self._proc.join(5)
-            code = self._proc.exitcode
-            how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
-            return ("failed", RuntimeError(f"the checkpoint writer process (pid {self._proc.pid}) died ({how}) "
-                                           "before its write was done"))
+            return ("failed", RuntimeError(f"the checkpoint writer process (pid {self._proc.pid}) died "
+                                           f"({self.ended()}) before its write was done"))
 
     def close(self) -> None:
         """Stop the writer after the write in flight (if any) and join it; kill it if it does not leave."""
@@ -298,6 +320,12 @@ def serve(conn: multiprocessing.connection.Connection, rank: int, world: int, ad
             break
         if request is None:
             break
+        if request == PING:  # ProcessWriter.alive
+            try:
+                conn.send(PONG)
+            except OSError:
+                break
+            continue
         try:
             if setup_error is not None:
                 raise RuntimeError(f"the checkpoint writer process of rank {rank} could not join the other ranks' "
