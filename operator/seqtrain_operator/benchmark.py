@@ -18,7 +18,9 @@ operator as its own process (`seqtrain operator`, authenticated as the chart's S
 - the operator's API requests over the run, by verb and resource, against the budget 1.5 x (pods + 3 x jobs);
 - API requests per job per minute at steady state (everything Running, over `--steady-seconds`), by verb/resource;
 - p50/p99 of one reconcile pass, from the operator's `seqtrain_reconcile_seconds` histogram (interpolated within
-  its buckets), over the whole run and over the steady window.
+  its buckets), over the whole run and over the steady window;
+- how long the apiserver took to answer the operator's requests over the run, per kind (`apiserver_seconds`, as
+  the proxy saw them): a pass that writes a status cannot be quicker than that answer.
 
 The operator runs as users run it: progress polling on (kwok pods run no trainer, so rank 0 never answers and
 every poll waits out its timeout). Needs a source checkout (scripts/testbed.sh, charts/, tests/testbed/). Uses a
@@ -281,6 +283,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             result["run_requests"] = {"total": len(run), "budget": int(1.5 * (want + 3 * args.jobs)),
                                       "by_request": dict(Counter(_kind(r) for r in run).most_common()),
                                       "by_status": dict(Counter(str(r.status) for r in run).most_common())}
+            result["apiserver_seconds"] = answer_times(run)
 
             _log(f"steady state for {args.steady_seconds:.0f}s")
             h0, since = _histogram(metrics_url), time.monotonic()
@@ -330,6 +333,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         Path(args.out).write_text(text + "\n")
     print(text)
     return 0
+
+
+def answer_times(records: Sequence[Any], least: int = 100) -> dict[str, dict[str, float]]:
+    """Per kind of request (at least `least` of them, watches left out): how long the apiserver took to answer the
+    operator's requests, as the proxy in front of it saw (p50, p99, max). A reconcile pass that writes a status
+    waits at least this: the floor the machine puts under the pass's own time."""
+    times: dict[str, list[float]] = {}
+    for r in records:
+        if not r.watch and r.answered is not None:
+            times.setdefault(_kind(r), []).append(r.answered - r.at)
+    out = {}
+    for kind, ts in sorted(times.items()):
+        if len(ts) >= least:
+            ts.sort()
+            out[kind] = {"n": len(ts), "p50": round(ts[len(ts) // 2], 4),
+                         "p99": round(ts[min(len(ts) - 1, int(0.99 * len(ts)))], 4), "max": round(ts[-1], 4)}
+    return out
 
 
 def _kind(r: Any) -> str:

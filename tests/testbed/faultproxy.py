@@ -98,6 +98,7 @@ class Record:
     status: int = 0  # 0 until answered; the proxy's own code for an injected fault
     injected: bool = False
     body: Any = None  # the request's JSON body (creates, patches), when it had one
+    answered: float | None = None  # time.monotonic() when the apiserver's answer (its headers) came back
 
 
 def status_body(code: int, message: str = "", reason: str | None = None) -> dict[str, Any]:
@@ -297,7 +298,7 @@ class FaultProxy:
             return web.json_response(status_body(502, f"proxy: upstream unreachable: {exc}", "ServiceUnavailable"),
                                      status=502)
         async with upstream:
-            rec.status = upstream.status
+            rec.status, rec.answered = upstream.status, time.monotonic()
             resp = web.StreamResponse(status=upstream.status, reason=upstream.reason)
             for k, v in upstream.headers.items():
                 if k.lower() not in _HOP:

@@ -45,3 +45,21 @@ def test_the_bare_and_kueue_gangs_are_the_operators_own_pods_without_an_owner():
         assert "ownerReferences" not in pod["metadata"] and pod["metadata"]["labels"] == {}
         assert pod["spec"]["nodeSelector"][POOL] == "bench"
         assert pod["spec"]["containers"][0]["resources"]["requests"] == {"cpu": "1", "memory": "1Gi"}
+
+
+def test_answer_times_are_per_kind_of_request_and_leave_out_watches_and_rare_kinds():
+    from types import SimpleNamespace
+
+    from seqtrain_operator.benchmark import answer_times
+
+    def rec(method: str, path: str, took: float | None, watch: bool = False) -> SimpleNamespace:
+        return SimpleNamespace(method=method, path=path, query="watch=true" if watch else "", watch=watch, at=10.0,
+                               answered=None if took is None else 10.0 + took)
+
+    patches = [rec("PATCH", "/apis/seqtrain.dev/v1alpha1/namespaces/a/seqtrainjobs/j/status", t / 100)
+               for t in range(1, 101)]
+    got = answer_times([*patches, rec("POST", "/api/v1/namespaces/a/pods", 0.5),
+                        *[rec("GET", "/api/v1/pods", 60.0, watch=True)] * 200, rec("PATCH", patches[0].path, None)],
+                       least=100)
+    assert list(got) == ["PATCH seqtrainjobs/status"]  # one POST is too few to say anything; watches never answer
+    assert got["PATCH seqtrainjobs/status"] == {"n": 100, "p50": 0.51, "p99": 1.0, "max": 1.0}
