@@ -229,3 +229,32 @@ def test_deactivate_cancels_a_pass_that_outlives_its_timeout():
 def test_workers_must_be_at_least_one():
     with pytest.raises(ValueError, match="workers must be at least 1"):
         WorkQueue(lambda key: asyncio.sleep(0), workers=0)
+
+
+def test_add_after_batches_a_burst_of_events_into_one_pass_and_never_delays_a_sooner_one():
+    async def main():
+        passes: list[float] = []
+        loop = asyncio.get_running_loop()
+
+        async def process(key):
+            passes.append(loop.time())
+            return None  # no timer of its own: only events bring it back
+
+        q = WorkQueue(process, workers=2)
+        q.start()
+        q._active.add("job")
+        t0 = loop.time()
+        for _ in range(20):  # a gang's pods created, bound, started: one pass for all of them
+            q.add_after("job", 0.2)
+        await _until(lambda: q.passes == 1)
+        await asyncio.sleep(0.3)  # nothing else was due
+        batched = len(passes), passes[0] - t0
+        q.schedule("job", 0.05)  # due sooner (a pass asked for it): a later batch does not postpone it
+        q.add_after("job", 5.0)
+        await _until(lambda: q.passes == 2)
+        await q.stop()
+        return batched, passes[1] - passes[0]
+
+    (count, after), gap = run(main())
+    assert count == 1 and after >= 0.2
+    assert gap < 5.0

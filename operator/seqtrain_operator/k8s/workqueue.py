@@ -114,6 +114,22 @@ class WorkQueue:
             self._fifo.put_nowait(key)
             self._on_depth(len(self._queued))
 
+    def add_after(self, key: Hashable, seconds: float) -> None:
+        """A pass for `key` within `seconds` (client-go's AddAfter): one already due sooner, or queued, stands; a key
+        whose pass runs is marked dirty instead (that pass may have read the cluster before the change). Events
+        that come in bursts (a gang's pods bound and started one by one) then make one pass, not one each."""
+        if key not in self._active:
+            return
+        if key in self._running:
+            self._dirty.add(key)
+            return
+        if key in self._queued:
+            return
+        due = self._due.get(key)
+        if due is not None and due <= time.monotonic() + seconds:
+            return
+        self.schedule(key, seconds)
+
     def add_all(self) -> None:
         for key in list(self._active):
             self.add(key)
