@@ -125,6 +125,10 @@ def test_an_evicted_replica_saves_on_sigterm_and_the_gang_resumes_from_that_step
         old, new = [r["step"] for r in recs if r["time"] < began], [r["step"] for r in recs if r["time"] >= began]
         assert (max(old), min(new)) == (HOLD, HOLD + 1), (old, new)
         assert [r["step"] for r in recs] == list(range(1, STEPS + 1)), recs
+        # and the status says so: no step redone, no time charged as recomputed (the eviction's pass counted all 13
+        # from "no checkpoint"; the re-creation recounts them from the checkpoint it resumes from)
+        assert done["stepsLost"] == [0], done["stepsLost"]
+        assert done["lostSeconds"]["recomputed"] == 0, done["lostSeconds"]
         print(json.dumps({k: done.get(k) for k in ("message", "stepsLost", "lostSeconds", "workAtRisk",
                                                     "lastCheckpoint")}))
         print(json.dumps([(e["reason"], e["message"]) for e in events]))

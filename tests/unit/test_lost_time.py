@@ -174,3 +174,29 @@ def test_ranks_restarted_in_place_charge_restart_and_recomputed_without_a_new_at
         "checkpoint_stall": 1.2,   # the new process's counter starts from zero: 0.2 more, not 0.8 less
         "suspended": 0})
     assert wall_seconds(st) == pytest.approx(40)
+
+
+def test_a_checkpoint_saved_in_the_grace_period_leaves_no_steps_to_redo_and_no_recomputed_time() -> None:
+    """An evicted gang saves on SIGTERM after the eviction was seen: the failure's pass counted every step since the
+    start (no checkpoint then) as lost; the new attempt resumes from the grace-period save, so none is redone and
+    the time priced as recomputed was training after all (tests/integration/test_testbed_sigterm_save.py)."""
+    b = Backend(make_job(), created=0)
+    b.tick(0)
+    b.tick(10, gang(1, "Running", "Running"), progress(1, 10, last=10, began=5))
+    st = b.tick(30, gang(1, "Failed", "Failed", exit_code=137), progress(1, 40, last=25, began=5))
+    assert st.steps_lost == [40] and b.lost()["recomputed"] == pytest.approx(20)  # 40 steps at 0.5 s
+    st = b.tick(40, ckpt=40)  # the SIGTERM save of step 40, published; backoff over: attempt 2
+    assert st.attempt == 2 and st.steps_lost == [0]
+    assert b.lost()["recomputed"] == 0
+    assert wall_seconds(st) == pytest.approx(40)  # still adds up to the wall time
+
+
+def test_a_checkpoint_older_than_the_last_step_still_leaves_the_steps_after_it_to_redo() -> None:
+    b = Backend(make_job(), created=0)
+    b.tick(0)
+    b.tick(10, gang(1, "Running", "Running"), progress(1, 10, last=10, began=5))
+    b.tick(30, gang(1, "Failed", "Failed", exit_code=137), progress(1, 40, last=25, began=5))
+    st = b.tick(40, ckpt=30)  # a checkpoint after the failure was seen, but 10 steps short of step 40
+    assert st.attempt == 2 and st.steps_lost == [10]
+    assert b.lost()["recomputed"] == pytest.approx(5)
+    assert wall_seconds(st) == pytest.approx(40)

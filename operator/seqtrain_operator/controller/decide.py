@@ -444,6 +444,8 @@ def _no_gang(ctx: _Ctx) -> None:
         _unschedulable(ctx, admitted.reason)
         return
     restarting = st.phase == "Restarting"
+    if restarting:
+        _recount_steps_lost(st, _resume_step(ctx))
     before = st.replicas
     for kind in ("Terminating", "NodeUnreachable"):
         if (c := cond.get(st, kind)) is not None and c.status == "True":
@@ -604,6 +606,16 @@ def _count_in_place(ctx: _Ctx, step_before: int) -> None:
            f"from checkpoint step {ck if ck is not None else 'none'}; restart {st.restarts}/{ft.max_restarts}")
     st.message = msg
     ctx.event("Warning", "RestartedInPlace", msg)
+
+
+def _recount_steps_lost(st: JobStatus, resume: int | None) -> None:
+    """The steps the new attempt redoes, as of the checkpoint it resumes from: a checkpoint published after the
+    failure was seen (an evicted gang's SIGTERM save, written in its grace period) leaves fewer than the failure's
+    pass counted from the checkpoint before it. Called before the attempt moves on: `st.progress` is the old one's."""
+    p = st.progress
+    if resume is None or not st.steps_lost or p is None or (p.attempt is not None and p.attempt != st.attempt):
+        return
+    st.steps_lost[-1] = min(st.steps_lost[-1], max(0, p.step - resume))
 
 
 def _resume_step(ctx: _Ctx) -> int | None:

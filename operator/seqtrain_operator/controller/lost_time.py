@@ -90,6 +90,12 @@ class _Books:
         elif reason != "done":
             setattr(self.lost, reason, getattr(self.lost, reason) + seconds)
 
+    def unmove(self, reason: str, seconds: float) -> None:
+        """Give back to productive `seconds` charged to `reason` by `move` (at most what is there)."""
+        take = min(max(0.0, seconds), getattr(self.lost, reason))
+        setattr(self.lost, reason, getattr(self.lost, reason) - take)
+        self.productive += take
+
     def move(self, reason: str, seconds: float) -> None:
         """Charge `seconds` of what was counted productive to `reason` (at most what is there)."""
         take = min(max(0.0, seconds), self.productive)
@@ -159,6 +165,15 @@ def account(before: JobStatus, after: JobStatus, created: datetime | None, now: 
             books.move("checkpoint_stall", p.checkpoint_seconds - seen)
         led.attempt, led.checkpoint_seconds = p.attempt, max(seen, p.checkpoint_seconds or 0.0)
         led.trainer_started_at = p.training_started_at
+
+    if len(after.steps_lost) == len(before.steps_lost) and after.steps_lost and \
+            after.steps_lost[-1] < before.steps_lost[-1]:
+        # fewer steps to redo than the failure's pass counted (decide._recount_steps_lost: a checkpoint saved in
+        # the grace period): not yet priced, they are forgotten; priced, that time was training after all
+        fewer = before.steps_lost[-1] - after.steps_lost[-1]
+        pending = min(led.recompute_pending_steps, fewer)
+        led.recompute_pending_steps -= pending
+        books.unmove("recomputed", (fewer - pending) * _step_seconds(before, p))
 
     if led.recompute_pending_steps:
         # priced at the failed trainer's step time, else the new one's once it has one: a pass may see the failure
