@@ -134,15 +134,16 @@ Read-only cluster-wide rules:
 {{- end -}}
 
 {{- /* The operator's resources for scale.jobs SeqTrainJobs of scale.pods trainer pods in all, from
-`seqtrain bench operator` (docs/benchmarks.md, "Sizing the operator"): memory request = 120 MiB + 60 MiB per 1000
+`seqtrain bench operator` (docs/benchmarks.md, "Sizing the operator"): memory request = 120 MiB + 90 MiB per 1000
 jobs + 10 MiB per 1000 pods (the peak RSS measured on 2026-11-27 fits 112 MiB + 55 KiB a job + 9.8 KiB a pod at
-1000 x 1, 300 x 8, 1000 x 8 and 3000 x 8), limit = 1.5 x the request; cpu request = 250m + 100m per 1000 pods, no
+1000 x 1, 300 x 8, 1000 x 8 and 3000 x 8; gangs created beside the passes add up to 26 MiB per 1000 jobs in the
+admission burst), limit = 1.5 x the request; cpu request = 250m + 100m per 1000 pods, no
 CPU limit (a throttled operator answers the webhook late). scale.jobs unset: as many jobs as pods (one pod each,
 the most a cluster of scale.pods pods can hold). */ -}}
 {{- define "seqtrain.operatorResources" -}}
 {{- $pods := int .Values.scale.pods -}}
 {{- $jobs := int (default .Values.scale.pods .Values.scale.jobs) -}}
-{{- $memory := add 120 (div (mul $jobs 60) 1000) (div (mul $pods 10) 1000) -}}
+{{- $memory := add 120 (div (mul $jobs 90) 1000) (div (mul $pods 10) 1000) -}}
 requests:
   cpu: {{ add 250 (div (mul $pods 100) 1000) }}m
   memory: {{ $memory }}Mi
