@@ -200,3 +200,19 @@ def test_a_checkpoint_older_than_the_last_step_still_leaves_the_steps_after_it_t
     assert st.attempt == 2 and st.steps_lost == [10]
     assert b.lost()["recomputed"] == pytest.approx(5)
     assert wall_seconds(st) == pytest.approx(40)
+
+
+def test_the_new_attempt_says_it_resumed_from_a_save_the_operator_had_not_seen_and_nothing_is_redone() -> None:
+    """The gang was re-created "from scratch" (the SIGTERM save was published after the operator last looked): the
+    new attempt's first report says it resumed from step 40 having reached 40, so no step is redone after all."""
+    b = Backend(make_job(), created=0)
+    b.tick(0)
+    b.tick(10, gang(1, "Running", "Running"), progress(1, 10, last=10, began=5))
+    b.tick(30, gang(1, "Failed", "Failed", exit_code=137), progress(1, 40, last=25, began=5))
+    st = b.tick(40)  # backoff over: attempt 2, from scratch as far as the operator knows
+    assert st.attempt == 2 and st.steps_lost == [40] and b.lost()["recomputed"] == pytest.approx(20)
+    p = progress(2, 40, last=46, began=45)
+    p.step_reached_before, p.resumed_from = 40, 40
+    st = b.tick(50, gang(2, "Running", "Running"), p)
+    assert st.steps_lost == [0] and b.lost()["recomputed"] == 0
+    assert wall_seconds(st) == pytest.approx(50)

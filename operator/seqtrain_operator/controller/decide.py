@@ -156,6 +156,12 @@ def _record_progress(ctx: _Ctx) -> None:
         st.progress = Progress(step=0, total_steps=total)
     if obs.latest_checkpoint is not None:
         st.last_checkpoint = obs.latest_checkpoint.model_copy()
+    p = obs.progress
+    if p is not None and p.attempt == st.attempt and st.attempt > 1 and not p.restart_round and st.steps_lost and \
+            p.step_reached_before is not None and p.resumed_from is not None:
+        # The attempt after a failure says what it redoes (the failure's pass counted from the checkpoint it knew
+        # then; a SIGTERM save published after it, which the operator may learn only now, leaves fewer).
+        st.steps_lost[-1] = min(st.steps_lost[-1], max(0, p.step_reached_before - p.resumed_from))
     checkpoint_policy.record(st, obs.checkpoint_policy, obs.work_at_risk, ctx.now)
 
 

@@ -109,7 +109,7 @@ class MetricsTail:
 # What the trainer's progress.json (seqtrain.obs.progress) adds to the metrics.jsonl view of progress.
 _TRAINER_PROGRESS_FIELDS = ("mfu", "val_loss", "val_perplexity", "val_bits_per_byte", "best_val_loss", "best_step",
                             "stop_reason", "stop_message", "attempt", "training_started_at", "checkpoint_seconds",
-                            "step_seconds", "restart_round", "step_reached_before")
+                            "step_seconds", "restart_round", "step_reached_before", "resumed_from")
 
 
 def with_trainer_progress(progress: Progress | None, path: str) -> Progress | None:

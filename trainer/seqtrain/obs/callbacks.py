@@ -95,6 +95,7 @@ class ProgressPublisher(BaseCallback):
                              attempt=trainer.runtime.attempt, restart_round=int(rnd) if rnd.isdigit() else 0,
                              training_started_at=_iso_ms(), checkpoint_seconds=0.0, step_seconds=None,
                              step_reached_before=trainer.metrics_writer.last_step,
+                             resumed_from=trainer.resumed_from.step if trainer.resumed_from else None,
                              **self._checkpoint(trainer, trainer.step) if trainer.resumed_from else {},
                              **{"skippedCheckpoints": skipped} if skipped else {}, **trainer.checkpoint_report())
 

@@ -63,6 +63,8 @@ class Progress(_StatusModel):
     step_reached_before: int | None = Field(None, description="The highest step trained before this trainer "
                                             "resumed (its metrics.jsonl): the steps it redoes are those past its "
                                             "checkpoint up to here.")
+    resumed_from: int | None = Field(None, description="The checkpoint step this trainer resumed from (None: it "
+                                     "started from scratch): with stepReachedBefore, the steps it redoes.")
     restart_round: int | None = Field(None, description="In-place restarts of that incarnation so far (0: its first "
                                       "start).")
 
