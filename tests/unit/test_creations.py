@@ -196,3 +196,37 @@ def test_a_refused_gang_in_a_creation_task_is_torn_down_and_its_reservation_rele
         assert cfg.busy.reserved == {}
 
     asyncio.run(run())
+
+
+def test_pod_events_during_a_creation_bring_a_pass_soon_after_it_not_at_the_creations_own_delay(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The gang's pods may be created, bound and started while its creation still runs: those events queue nothing
+    then (a pass would do nothing), and the creation's end brings the pass they asked for, not one in 10 s."""
+    from seqtrain_operator.k8s import handlers
+    from seqtrain_operator.k8s.workqueue import WorkQueue
+
+    async def run() -> tuple[int, float | None, float | None]:
+        state = handlers.OperatorState()
+        monkeypatch.setattr(handlers, "STATE", state)
+        passes: list[Any] = []
+
+        async def process(key: Any) -> None:
+            passes.append(key)
+
+        state.queue = WorkQueue(process)
+        state.config.creations = Creations(on_done=handlers._created)
+        key = ("ml", "b")
+        state.queue._active.add(key)
+        gate = asyncio.Event()
+        state.config.creations.start(key, lambda: gate.wait())
+        await asyncio.sleep(0)
+        state.poke_soon(*key)  # a pod of the gang was bound
+        queued_meanwhile = len(state.queue) + len(state.queue._due)
+        gate.set()  # the creation asks for no pass of its own (its work returned None)
+        await state.config.creations.wait(key)
+        due = state.queue._due.get(key)
+        return queued_meanwhile, due, time.monotonic()
+
+    queued, due, now = asyncio.run(run())
+    assert queued == 0
+    assert due is not None and due - now <= handlers.POD_BATCH_SECONDS

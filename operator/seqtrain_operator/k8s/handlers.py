@@ -91,6 +91,7 @@ class OperatorState:
     nodes: Mirror | None = None
     by_job: dict[tuple[str, str], dict[tuple[str, str], dict]] = field(default_factory=dict)  # (ns, job) -> pods
     push_server: Any = None  # aiohttp's runner of the progress push endpoint (k8s/push.py)
+    poked: set[tuple[str, str]] = field(default_factory=set)  # jobs poked while their gang was being created
 
     def mirrors(self) -> list[Mirror]:
         return [x for x in (self.pods, self.nodes, self.foreign) if x is not None]
@@ -100,14 +101,21 @@ class OperatorState:
         its gang is being created: its pods' events would only queue passes that do nothing; the creation's end
         schedules the next)."""
         key = (namespace or "", name or "")
-        if self.queue is not None and not (self.config.creations is not None and self.config.creations.busy(key)):
+        if self.queue is not None and not self._creating(key):
             self.queue.add(key)
 
     def poke_soon(self, namespace: str | None, name: str | None) -> None:
         """`poke`, batched: a pass within POD_BATCH_SECONDS, one for all the job's pod events meanwhile."""
         key = (namespace or "", name or "")
-        if self.queue is not None and not (self.config.creations is not None and self.config.creations.busy(key)):
+        if self.queue is not None and not self._creating(key):
             self.queue.add_after(key, POD_BATCH_SECONDS)
+
+    def _creating(self, key: tuple[str, str]) -> bool:
+        """Its gang is being created: the poke is kept for the creation's end (`_created`)."""
+        if self.config.creations is None or not self.config.creations.busy(key):
+            return False
+        self.poked.add(key)
+        return True
 
     def poke_all(self) -> None:
         if self.queue is not None:
@@ -310,6 +318,7 @@ async def reconcile_daemon(name: str, namespace: str, stopped: kopf.DaemonStoppe
             # operator's pass (peering), or goes with the job (its pods' ownerReference; the clean-up deletes them).
             await STATE.config.creations.wait(key, timeout=2.0)
         STATE.live.pop(key, None)
+        STATE.poked.discard(key)
 
 
 async def reconcile_pass(key: tuple[str, str]) -> float | None:
@@ -345,9 +354,13 @@ def _created(key: tuple[str, str], requeue: float | None) -> None:
     if STATE.queue is None:
         return
     if STATE.queue.running(key):  # that pass saw the creation running and ends by replacing the job's timer
+        STATE.poked.discard(key)
         STATE.queue.add(key)
-    else:
-        STATE.queue.schedule(key, requeue)
+        return
+    STATE.queue.schedule(key, requeue)
+    if key in STATE.poked:  # its pods (or the job) changed meanwhile: as the events would have asked
+        STATE.poked.discard(key)
+        STATE.queue.add_after(key, POD_BATCH_SECONDS)
 
 
 def _creation_failed(key: tuple[str, str], exc: BaseException) -> None:
