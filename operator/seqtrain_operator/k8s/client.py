@@ -10,6 +10,7 @@ so the caller re-reads and decides again instead of overwriting a newer object.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import logging
@@ -134,11 +135,14 @@ class Budget:
         meanwhile: the next caller waits behind it (the bucket goes negative), so the average stays at `qps`."""
         if self.qps <= 0:
             return 0.0
+        self._refill()
+        self._tokens -= 1.0
+        return 0.0 if self._tokens >= 0 else -self._tokens / self.qps
+
+    def _refill(self) -> None:
         now = self._clock()
         self._tokens = min(float(self.burst), self._tokens + (now - self._at) * self.qps)
         self._at = now
-        self._tokens -= 1.0
-        return 0.0 if self._tokens >= 0 else -self._tokens / self.qps
 
     async def bulk(self) -> None:
         """Take a token for work that can wait (a gang's creations: k8s/creations.py), once one is free beyond the
@@ -152,9 +156,7 @@ class Budget:
             self._bulk_lock = asyncio.Lock()
         async with self._bulk_lock:
             while True:
-                now = self._clock()
-                self._tokens = min(float(self.burst), self._tokens + (now - self._at) * self.qps)
-                self._at = now
+                self._refill()
                 if self._tokens >= 1.0 + self.reserve:
                     self._tokens -= 1.0
                     return
@@ -213,12 +215,9 @@ class Kube:
                 await asyncio.sleep(wait)
             self.requests += 1
             try:
-                call = functools.partial(fn, *args, **kw)
-                if bulk:
-                    async with self._bulk_slots:
-                        resp = await asyncio.get_running_loop().run_in_executor(self._pool, call)
-                else:
-                    resp = await asyncio.get_running_loop().run_in_executor(self._pool, call)
+                async with self._bulk_slots if bulk else contextlib.nullcontext():
+                    resp = await asyncio.get_running_loop().run_in_executor(self._pool,
+                                                                            functools.partial(fn, *args, **kw))
                 data = resp.data if hasattr(resp, "data") else resp
                 return json.loads(data) if data else None
             except Exception as exc:  # noqa: BLE001 - classified below
