@@ -60,7 +60,7 @@ def test_local_run_with_auto_interval_reports_the_measured_policy(tmp_path: Path
     # the one failure over the time the gang ran is the MTBF, and the interval follows from the figures shown
     assert policy["mtbfSeconds"] == pytest.approx(policy["exposureSeconds"], rel=1e-3)
     want, why = interval_steps(policy["saveSeconds"], policy["mtbfSeconds"], policy["stepSeconds"])
-    assert why == "youngDaly" and abs(policy["intervalSteps"] - want) <= 1  # figures are rounded to 4 digits
+    assert why == "youngDaly" and abs(policy["intervalSteps"] - want) <= 1  # figures keep 6 significant digits
     # attempt 1 saved only at the measuring step (3): the prior (one rank's MTBF of ~50,000 hours) asks for no more
     # (the restart is in place by default: the round's ranks append to attempt 1's logs)
     logs = "".join(f.read_text() for f in sorted((workdir / "attempts").glob("*/rank-0.log")))

@@ -136,4 +136,6 @@ class IntervalPolicy:
 
 
 def _round(x: float | None) -> float | None:
-    return None if x is None else round(x, 4)
+    # significant digits, not decimal places: a 0.01 s step rounded to 4 places is off by up to 0.5 %, and an
+    # interval of hundreds of steps computed from the shown figures then misses the reported one by 2 or more
+    return None if x is None else float(f"{x:.6g}")
