@@ -4,7 +4,8 @@ faultTolerance.inPlaceRestarts: 0 the same kill re-creates the gang (new pods, a
 (its node dies) the surviving launcher cannot restart in place and the operator re-creates the gang.
 
 examples/k8s-cpu.yaml (2 replicas x 1 rank, PVC checkpoints every 10 steps) on the node agent's CPU nodes. Each
-run prints the seconds from the kill to the next completed step (metrics.jsonl on the claim), in place vs re-created.
+run prints the seconds from the kill to the next completed step (metrics.jsonl on the claim), in place vs re-created;
+in place, the kill waits until both pods' spare ranks are ready, as they are for a failure hours into a run.
 """
 
 from __future__ import annotations
@@ -61,13 +62,24 @@ def records(tb: Testbed, ns: str, name: str) -> list[dict[str, Any]]:
         return []
 
 
+def in_place(pod: dict[str, Any]) -> bool:
+    return "SEQTRAIN_INPLACE_DELAYS" in {e["name"] for e in pod["spec"]["containers"][0].get("env", [])}
+
+
+def container_log(pod: dict[str, Any]) -> str:
+    """The pod's log as the node agent writes it (the launcher's and its ranks' output)."""
+    try:
+        return (TB / "agent" / "pods" / pod["metadata"]["uid"] / "container.log").read_text(errors="replace")
+    except OSError:
+        return ""
+
+
 def rank_pid(tb: Testbed, pod: dict[str, Any]) -> int:
-    """The rank process of a 1-rank pod: the launcher's child when in-place restarts are on (the launcher is then the
-    pod's main process), else the pod's main process itself."""
+    """The rank process of a 1-rank pod: the launcher's child that is not a spare when in-place restarts are on (the
+    launcher is then the pod's main process), else the pod's main process itself."""
     pgid = tb.pod_pid(pod["metadata"]["uid"])
     assert pgid is not None, pod["metadata"]["name"]
-    env = {e["name"] for e in pod["spec"]["containers"][0].get("env", [])}
-    if "SEQTRAIN_INPLACE_DELAYS" not in env:
+    if not in_place(pod):
         return pgid
     def child() -> int | None:
         for pid in Path("/proc").iterdir():
@@ -76,9 +88,10 @@ def rank_pid(tb: Testbed, pod: dict[str, Any]) -> int:
             try:
                 stat = (pid / "stat").read_text().rsplit(")", 1)[1].split()
                 cmd = (pid / "cmdline").read_bytes()
+                spare = b"SEQTRAIN_STANDBY_FD=" in (pid / "environ").read_bytes()  # the next round's, waiting
             except OSError:
                 continue
-            if b"seqtrain.train.entry" in cmd and os.getpgid(int(stat[1])) == pgid:
+            if b"seqtrain.train.entry" in cmd and not spare and os.getpgid(int(stat[1])) == pgid:
                 return int(pid.name)
         return None
     return wait("the pod's rank process", child, 120, interval=0.5)
@@ -90,6 +103,11 @@ def kill_rank_and_time_recovery(tb: Testbed, ns: str, name: str) -> tuple[dict[i
     wait(f"{name} at step {KILL_AFTER}", lambda: any(r["step"] >= KILL_AFTER for r in records(tb, ns, name)),
          RUN_TIMEOUT, interval=0.2)
     before = pods(tb, ns, name)
+    if in_place(before[1]):  # a failure hours into a run finds the spare ranks ready (they start after step 1)
+        def ready() -> bool:
+            assert not any(r["step"] >= STEPS for r in records(tb, ns, name)), "it finished before its spares were ready"
+            return all("ready for in-place restart 1" in container_log(p) for p in before.values())
+        wait(f"{name}'s spare ranks ready", ready, RUN_TIMEOUT, interval=0.2)
     victim = rank_pid(tb, before[1])
     killed = time.time()
     os.kill(victim, signal.SIGKILL)
@@ -112,7 +130,7 @@ def test_a_killed_rank_restarts_in_place_in_the_same_pods_and_re_creation_is_the
         testbed: Testbed, seqtrain_operator: Operator, ns: str) -> None:
     seconds: dict[str, float] = {}
     try:
-        testbed.apply(job("inplace", steps=60), ns)
+        testbed.apply(job("inplace"), ns)
         uids, seconds["in-place"] = kill_rank_and_time_recovery(testbed, ns, "inplace")
         def done() -> dict[str, Any] | None:
             st = status(testbed, ns, "inplace")
@@ -126,7 +144,7 @@ def test_a_killed_rank_restarts_in_place_in_the_same_pods_and_re_creation_is_the
         assert "mode: in-place" in ev["message"] and "restart 1/3" in ev["message"], ev
         assert not [e for e in events(testbed, ns, "inplace") if e["reason"] == "Restarted"]
         steps = [r["step"] for r in records(testbed, ns, "inplace")]
-        assert sorted(steps) == list(range(1, 61)) and len(set(steps)) == 60  # every step once
+        assert sorted(steps) == list(range(1, STEPS + 1)) and len(set(steps)) == STEPS  # every step once
 
         # The old behaviour, asked for: the same kill re-creates the gang (new pods, attempt 2).
         testbed.apply(job("recreated", in_place=0), ns)

@@ -306,3 +306,54 @@ def test_a_spare_rank_waits_for_its_order_after_its_imports(order: str) -> None:
     out, _ = child.communicate(timeout=DEADLINE_S)
     assert child.returncode == 0
     assert out.split() == (["2", "False"] if order else [])  # dropped: it ends without starting
+
+
+# A fake rank that honours the spare protocol as the trainer does: a spare records its start, waits for its order
+# (await_start), then runs as the round it was given. Round 0 steps, then fails once the spare has started.
+FAKE_WITH_SPARES = r"""
+import os, sys, time
+from seqtrain.runtime import restart
+out = os.environ["FAKE_OUT"]
+if os.environ.get(restart.STANDBY_ENV):
+    open(os.path.join(out, f"spare-{os.getpid()}-{time.time():.6f}"), "w").close()
+    restart.await_start()
+rnd = os.environ[restart.ROUND_ENV]
+open(os.path.join(out, f"round-{rnd}-{os.getpid()}"), "w").close()
+if rnd != "0":
+    sys.exit(0)
+time.sleep(0.5)  # start-up: no spare may start meanwhile
+open(os.path.join(out, f"stepped-{time.time():.6f}"), "w").close()
+restart.mark_stepped()
+deadline = time.monotonic() + 30
+while not any(f.startswith("spare-") for f in os.listdir(out)) and time.monotonic() < deadline:
+    time.sleep(0.02)
+sys.exit(1)
+"""
+
+
+@pytest.mark.slow
+def test_spare_ranks_start_after_the_rounds_first_step_and_become_the_next_round(tmp_path: Path) -> None:
+    keep = {k: v for k, v in os.environ.items() if not k.startswith(("SEQTRAIN_", "RANK", "LOCAL_", "NODE_RANK",
+                                                                        "WORLD_SIZE", "MASTER_"))}
+    env = {**keep, "PYTHONPATH": TRAINER_ROOT, "FAKE_OUT": str(tmp_path), "WORLD_SIZE": "1", "NODE_RANK": "0",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(L.free_port()), "SEQTRAIN_RESTART_PORT": str(L.free_port()),
+           "SEQTRAIN_INPLACE_DELAYS": "0"}
+    code = (f"import sys; from seqtrain.runtime.launch import launch; "
+            f"sys.exit(launch([sys.executable, '-c', {FAKE_WITH_SPARES!r}], 1, standby=True))")
+    launcher = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                              timeout=DEADLINE_S)
+    assert launcher.returncode == 0, launcher.stderr
+    names = [f.name for f in tmp_path.iterdir()]
+    (stepped,) = [float(n.split("-")[1]) for n in names if n.startswith("stepped-")]
+    spares = {n.split("-")[1]: float(n.split("-")[2]) for n in names if n.startswith("spare-")}
+    assert spares and min(spares.values()) > stepped  # none started while round 0 was starting
+    (round1,) = [n.split("-")[2] for n in names if n.startswith("round-1-")]
+    assert round1 in spares  # the restart used the spare, not a new process
+    assert "in-place restart 1: starting 1 local rank(s) again" in launcher.stderr
+
+
+def test_the_backoff_wait_ends_at_a_sigterm() -> None:
+    # A pod's grace period may be shorter than the backoff left: a SIGTERM (stop() true) ends the wait at once.
+    asked = []
+    R.wait_not_before({R.NOT_BEFORE_ENV: f"{time.time() + 3600:.3f}"}, stop=lambda: asked.append(1) or len(asked) > 2)
+    assert len(asked) == 3

@@ -39,7 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import FrameType
 
 from seqtrain.runtime import exitcodes, restart
@@ -230,14 +230,19 @@ def launch(command: Sequence[str], nproc: int, environ: Mapping[str, str] | None
                         codes.append(exitcodes.ERROR)  # counts as the first failure: _wait stops the ranks started
                         break
             spares = []
+            after_first_step = None
             if standby and plan.enabled and rnd.number < len(plan.delays) and not received and not codes:
-                # Spares for the next in-place restart: started now, they import torch while this round trains.
-                with contextlib.suppress(OSError):
-                    spares = [_start_rank(command, {**base, **extra, **_round_env(_Round(rnd.number + 1), marks)},
-                                          log_dir, extra["RANK"], standby=True) for extra in envs]
+                # Spares for the next in-place restart, started once this round has completed a step: they import
+                # torch while it trains, not while its ranks start (on a pod's few cores they would slow the start
+                # they are there to speed up, and a round that never steps is not restarted in place).
+                def after_first_step(following: _Round = _Round(rnd.number + 1), out: list = spares) -> None:
+                    with contextlib.suppress(OSError):
+                        for extra in envs:
+                            out.append(_start_rank(command, {**base, **extra, **_round_env(following, marks)},
+                                                   log_dir, extra["RANK"], standby=True))
             if log_dir:
                 _write_pids(log_dir, envs[0]["NODE_RANK"], {e["RANK"]: p.pid for e, p in zip(envs, procs, strict=False)})
-            codes = _wait(procs, codes, term_grace, failure_grace, received, peer, rnd)
+            codes = _wait(procs, codes, term_grace, failure_grace, received, peer, rnd, after_first_step)
             following = _next_round(peer, rnd, plan, received)
             if following is None:
                 break
@@ -425,8 +430,10 @@ def _write_pids(log_dir: str, node_rank: str, pids: dict[str, int]) -> None:
 
 
 def _wait(procs: list[subprocess.Popen], codes: list[int], term_grace: float, failure_grace: float,
-          received: list[int], peer: restart.Peer | None = None, rnd: _Round | None = None) -> list[int]:
+          received: list[int], peer: restart.Peer | None = None, rnd: _Round | None = None,
+          after_first_step: Callable[[], None] | None = None) -> list[int]:
     """Poll until every child ended; returns their normalized codes in the order they ended (appended to `codes`).
+    `after_first_step` is called once, when a rank of the round reports its first step while none has failed.
 
     The first non-zero exit (or a signal to the launcher) starts the stop: SIGTERM to the rest, SIGKILL at the
     deadline: `failure_grace` after a rank failure, `term_grace` after a stop request. With a `peer` (in-place
@@ -456,6 +463,9 @@ def _wait(procs: list[subprocess.Popen], codes: list[int], term_grace: float, fa
                              "operator's to judge)")
                     elif peer.connected.wait(peer.patience) and peer.send({"fail": rnd.number, "code": codes[-1]}):
                         rnd.failed_here = True
+        if after_first_step is not None and deadline is None and rnd.stepped():
+            after_first_step()
+            after_first_step = None
         _drain(peer, rnd)
         if (rnd.restart is not None or rnd.abort_code is not None) and deadline is None and running:
             what = f"in-place restart {rnd.restart['restart']}" if rnd.restart is not None else "the gang gives up"

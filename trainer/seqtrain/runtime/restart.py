@@ -33,7 +33,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -416,6 +416,9 @@ def await_start() -> None:
     raw = os.environ.pop(STANDBY_ENV, "")
     if not raw.isdigit():
         return
+    # the line users (and the recovery benchmarks) read to know an in-place restart will not wait for imports
+    print(f"seqtrain: spare rank {os.environ.get('RANK', '?')} ready for in-place restart "
+          f"{os.environ.get(ROUND_ENV, '?')}", file=sys.stderr, flush=True)
     with os.fdopen(int(raw), "r", encoding="utf-8") as pipe:
         line = pipe.readline()
     if not line.strip():
@@ -424,11 +427,12 @@ def await_start() -> None:
     os.environ.update({str(k): str(v) for k, v in order.items()})
 
 
-def wait_not_before(environ: Mapping[str, str] | None = None) -> None:
-    """In a rank: wait until SEQTRAIN_START_NOT_BEFORE (the in-place restart's backoff; torch is imported by
-    then), so the backoff overlaps the start-up instead of adding to it."""
+def wait_not_before(environ: Mapping[str, str] | None = None, stop: Callable[[], bool] = lambda: False) -> None:
+    """In a rank, set up and about to train: wait until SEQTRAIN_START_NOT_BEFORE (the in-place restart's backoff),
+    so the backoff overlaps the start-up instead of adding to it. `stop` (a SIGTERM came) ends the wait early: the
+    grace period may be shorter than the backoff."""
     raw = (os.environ if environ is None else environ).get(NOT_BEFORE_ENV, "")
     with contextlib.suppress(ValueError):
-        left = float(raw) - time.time() if raw else 0.0
-        if left > 0:
-            time.sleep(min(left, 3600.0))
+        until = min(float(raw), time.time() + 3600.0) if raw else 0.0
+        while not stop() and (left := until - time.time()) > 0:
+            time.sleep(min(left, 0.1))

@@ -16,7 +16,7 @@ from pydantic import ValidationError
 
 from seqtrain.runtime import exitcodes
 from seqtrain.runtime.exitcodes import DeviceUnavailable, InvalidConfig
-from seqtrain.runtime.restart import await_start, die_with_launcher, wait_not_before
+from seqtrain.runtime.restart import STANDBY_ENV, await_start, die_with_launcher, wait_not_before
 from seqtrain.spec import SpecError, TrainerConfig, parse_job, read_trainer_config, resolve
 from seqtrain.spec.job import SeqTrainJob
 
@@ -105,6 +105,18 @@ class _TerminateFlag:
             trainer.terminate_time = self.at
 
 
+def warm_up(job: SeqTrainJob) -> None:
+    """Pay what the first set-up pays once per process: building the job's model on the meta device loads torch's
+    decompositions for its initialisers (0.5-1 s on a CPU). A spare rank does it while it waits, not after the
+    failure; the model built here is thrown away (on the meta device it holds no memory)."""
+    import torch
+
+    from seqtrain.models import build_model
+
+    with torch.device("meta"):
+        build_model(job.spec.model)
+
+
 def main(config_path: str) -> int:
     die_with_launcher()
     flag = _TerminateFlag()
@@ -118,8 +130,9 @@ def main(config_path: str) -> int:
         from seqtrain.train.callbacks import build_callbacks
         from seqtrain.train.loop import Trainer
 
+        if os.environ.get(STANDBY_ENV):
+            warm_up(job)  # a spare rank: set-up's first-use costs too, before it waits
         await_start()  # a spare rank: the imports above are done; wait here for the in-place restart
-        wait_not_before()  # an in-place restart's backoff, run down while the imports above took their time
         ctx = init_distributed(use_gpu=job.spec.resources.gpus > 0,
                                timeout_seconds=job.spec.optimization.comm_timeout_seconds,
                                expected_world=job.spec.world_size)
@@ -131,6 +144,9 @@ def main(config_path: str) -> int:
         trainer.setup()
         for cb in build_callbacks(trainer):
             trainer.callbacks.append(cb)
+        # An in-place restart's backoff runs out here: the ranks used it to start (imports, rendezvous, model, data,
+        # checkpoint load) and train their first step after it, so it overlaps the start-up instead of adding to it.
+        wait_not_before(stop=lambda: flag.received)
         reason = trainer.run()
         settle = reason != "terminated"  # finished cleanly: the peers are there to settle with (runtime.dist)
         return exitcodes.TERMINATED if reason == "terminated" else exitcodes.OK
