@@ -180,3 +180,90 @@ def test_kueue_queue_admit_train_restart_and_clean_up(testbed: Testbed, operator
         for name in ("blocker", "queued"):
             testbed.kubectl("delete", "stj", name, "-n", ns, "--ignore-not-found", "--wait=true", "--timeout=300s",
                             timeout=360)
+
+
+def workload(tb: Testbed, ns: str, job: str) -> dict[str, Any]:
+    """The Kueue Workload of a job's pod group (named after the group: `<job>-<uid prefix>`)."""
+    items = tb.get("workloads.kueue.x-k8s.io", namespace=ns) or []
+    return next((w for w in items if w["metadata"]["name"].startswith(f"{job}-")), {})
+
+
+def admitted(wl: dict[str, Any]) -> bool:
+    return any(c["type"] == "Admitted" and c["status"] == "True" for c in (wl.get("status") or {}).get("conditions", []))
+
+
+def test_kueue_preempts_the_job_with_the_least_work_at_risk(testbed: Testbed, operator: Operator, kueue: None,
+                                                            ns: str) -> None:
+    """Two jobs of one priority fill a ClusterQueue; an urgent one needs the room of one. Kueue takes, of equal
+    priorities, the most recently admitted, here the job that saved nothing; with the operator writing each job's
+    work at risk as its Workload's priority boost (--kueue-priority-boost-seconds=0.2) it
+    takes the one that checkpointed at every step and so loses nothing.
+
+    The operator is restarted for it with the boost on and progress pushed, not polled: every pod here shares this
+    machine's network, so two trainers cannot both serve the progress port, and a poll of one job's pod would read
+    the other's document."""
+    def one_replica(name: str, interval: int, priority_class: str | None = None) -> dict[str, Any]:
+        job = cpu_job(name, hold_at_step=40)  # trains 40 steps, then holds (no CPU) until it is stopped
+        job["spec"]["replicas"] = 1
+        job["spec"]["training"]["globalBatchSize"] = 4
+        job["spec"]["checkpoint"]["intervalSteps"] = interval
+        job["spec"]["scheduling"].update({"gang": "kueue", "queue": "boost", "topology": {"policy": "none"}})
+        if priority_class:  # Kueue takes a pod group's priority from its pods' PriorityClass
+            job["spec"]["scheduling"]["priorityClassName"] = priority_class
+        return job
+
+    def holding(name: str) -> dict[str, Any] | None:
+        st = job_status(testbed, ns, name)
+        assert st.get("phase") != "Failed", st
+        return st if (st.get("progress") or {}).get("step", 0) >= 40 and st.get("workAtRisk") else None
+
+    names = ("saved", "unsaved", "urgent")
+    push = free_port()
+    operator.stop()
+    try:
+        operator.start([f"--progress-push-port={push}", f"--progress-push-url=http://127.0.0.1:{push}",
+                        "--progress-port=0", "--kueue-priority-boost-seconds=0.2", "--kueue-priority-boost-max=50"])
+        testbed.apply([
+            {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "ResourceFlavor", "metadata": {"name": "cpu"},
+             "spec": {"nodeLabels": {"node.kubernetes.io/instance-type": "testbed-cpu"}}},
+            {"apiVersion": "scheduling.k8s.io/v1", "kind": "PriorityClass", "metadata": {"name": "seqtrain-urgent"},
+             "value": 1000},
+            {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "ClusterQueue", "metadata": {"name": f"cq-boost-{ns}"},
+             "spec": {"namespaceSelector": {}, "preemption": {"withinClusterQueue": "LowerPriority"},
+                      "resourceGroups": [{"coveredResources": ["cpu", "memory"], "flavors": [
+                          {"name": "cpu", "resources": [{"name": "cpu", "nominalQuota": "1"},  # two 500m replicas
+                                                        {"name": "memory", "nominalQuota": "64Gi"}]}]}]}},
+            {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "LocalQueue", "metadata": {"name": "boost", "namespace": ns},
+             "spec": {"clusterQueue": f"cq-boost-{ns}"}}])
+        testbed.apply(one_replica("saved", interval=1), ns)  # a checkpoint at every step: about one step at risk
+        saved = wait("saved holding at step 40", lambda: holding("saved"), RUN_TIMEOUT, 1)
+        assert saved["workAtRisk"]["steps"] <= 1, saved["workAtRisk"]  # the last save may still be in flight
+        testbed.apply(one_replica("unsaved", interval=1000), ns)  # no checkpoint: 40 steps at risk
+        unsaved = wait("unsaved holding at step 40", lambda: holding("unsaved"), RUN_TIMEOUT, 1)
+        assert unsaved["workAtRisk"]["steps"] >= 40 and unsaved["workAtRisk"]["seconds"] >= 0.2, unsaved["workAtRisk"]
+        boost = "kueue.x-k8s.io/priority-boost"
+
+        def boosts() -> tuple[int, int] | None:
+            got = [(workload(testbed, ns, n)["metadata"].get("annotations") or {}).get(boost) for n in names[:2]]
+            return (int(got[0]), int(got[1])) if None not in got and int(got[1]) > int(got[0]) else None
+        wait("both Workloads boosted by their work at risk, the unsaved job's higher", boosts, 60)
+        assert admitted(workload(testbed, ns, "saved")) and admitted(workload(testbed, ns, "unsaved"))
+
+        testbed.apply(one_replica("urgent", interval=1000, priority_class="seqtrain-urgent"), ns)
+        wait("urgent admitted", lambda: admitted(workload(testbed, ns, "urgent")), 120)
+        # the victim: the job that loses nothing, not the most recently admitted one
+        assert not admitted(workload(testbed, ns, "saved")), workload(testbed, ns, "saved").get("status")
+        assert admitted(workload(testbed, ns, "unsaved")), workload(testbed, ns, "unsaved").get("status")
+        said = workload(testbed, ns, "saved")["status"].get("conditions", [])
+        assert any("Preempted" in (c["type"], c.get("reason")) for c in said), said
+        assert (job_status(testbed, ns, "unsaved").get("attempt"), job_status(testbed, ns, "unsaved").get("restarts")) \
+            == (1, 0)
+    finally:
+        for name in names:
+            testbed.kubectl("delete", "stj", name, "-n", ns, "--ignore-not-found", "--wait=true", "--timeout=300s",
+                            timeout=360)
+        testbed.kubectl("delete", "localqueue", "boost", "-n", ns, "--ignore-not-found", timeout=60)
+        testbed.kubectl("delete", "clusterqueue", f"cq-boost-{ns}", "--ignore-not-found", timeout=60)
+        testbed.kubectl("delete", "priorityclass", "seqtrain-urgent", "--ignore-not-found", timeout=60)
+        operator.stop()
+        operator.start()  # as the session's other tests expect it

@@ -25,7 +25,7 @@ import socket
 import subprocess
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -269,7 +269,8 @@ class Operator:
         """A TokenRequest token of the chart's ServiceAccount (what a pod of the Deployment would mount)."""
         return self.tb.kubectl("create", "token", "seqtrain", "-n", RELEASE_NS, "--duration", "6h").stdout.strip()
 
-    def start(self) -> None:
+    def start(self, extra: Sequence[str] = ()) -> None:
+        """`extra`: more options, after (so instead of) the chart's, for the tests that need another setting."""
         cfg = {"apiVersion": "v1", "kind": "Config",
                "clusters": [{"name": "testbed", "cluster": {"server": self.tb.server(),
                                                             "certificate-authority": str(TB / "pki" / "ca.crt")}}],
@@ -289,7 +290,7 @@ class Operator:
                 f"--progress-port={free_port()}", f"--master-port={self.master_port}", "--termination-grace=30",
                 "--rank-mtbf-hours=50000",
                 "--node-lost-grace=40", f"--metrics-port={self.metrics_port}",
-                f"--webhook-port={self.webhook_port}", f"--webhook-cert-dir={certs}", "--verbose"]
+                f"--webhook-port={self.webhook_port}", f"--webhook-cert-dir={certs}", "--verbose", *extra]
         env = {**os.environ, "KUBECONFIG": str(self.kubeconfig),
                "PYTHONPATH": f"{ROOT / 'trainer'}:{ROOT / 'operator'}"}
         with open(self.log, "ab") as log:

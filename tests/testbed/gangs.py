@@ -128,8 +128,11 @@ def kueue(tb: Testbed, pod_label: str = "seqtrain.dev/job", files: dict[str, lis
             unavailable(f"Kueue needs {metrics_certs} (its fixed metrics certificate path): {exc}")
         for f in ("tls.crt", "tls.key"):
             (metrics_certs / f).write_bytes((certs / f).read_bytes())
-    # its visibility API server wants certificates of its own; nothing here uses it
-    proc = start(tb, [str(bins / "kueue"), f"--config={cfg}", "--feature-gates=VisibilityOnDemand=false"], "kueue")
+    # its visibility API server wants certificates of its own; nothing here uses it. PriorityBoost (alpha, v0.17+):
+    # preemption orders candidates by priority + the Workload's kueue.x-k8s.io/priority-boost, which the operator
+    # sets from the work at risk (--kueue-priority-boost-seconds)
+    proc = start(tb, [str(bins / "kueue"), f"--config={cfg}",
+                      "--feature-gates=VisibilityOnDemand=false,PriorityBoost=true"], "kueue")
     try:
         def serving() -> bool:
             assert proc.poll() is None, (TB / "logs" / "kueue.log").read_text(errors="replace")[-3000:]

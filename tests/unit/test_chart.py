@@ -105,7 +105,7 @@ OPERATOR_NAMESPACED = {
     *((g, "podgroups", v) for g in ("scheduling.x-k8s.io", "scheduling.volcano.sh", "scheduling.run.ai")
       for v in ("get", "create", "delete")),
     ("scheduling.x-k8s.io", "podgroups", "patch"),  # coscheduling's retry nudge
-    ("kueue.x-k8s.io", "workloads", "delete"),
+    ("kueue.x-k8s.io", "workloads", "delete"), ("kueue.x-k8s.io", "workloads", "patch"),  # patch: priority boost
     *(("kopf.dev", "kopfpeerings", v) for v in ("get", "list", "watch", "patch")),
 }
 OPERATOR_CLUSTER = {
@@ -376,3 +376,18 @@ def test_grafana_dashboard_configmap_queries_only_exported_metrics():
     assert {"seqtrain_job_goodput_ratio", "seqtrain_job_lost_seconds", "seqtrain_job_step",
             "seqtrain_job_tokens_per_second", "seqtrain_job_restarts", "seqtrain_job_work_at_risk_seconds",
             "seqtrain_job_checkpoint_age_seconds"} <= used
+
+
+def test_the_kueue_priority_boost_is_off_unless_the_chart_sets_it():
+    from seqtrain_operator.k8s.main import build_parser
+
+    def boost(*sets: str) -> tuple[float, int]:
+        args = by_kind(render(*sets), "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]["args"]
+        parsed = build_parser().parse_args(args)
+        return parsed.kueue_priority_boost_seconds, parsed.kueue_priority_boost_max
+
+    assert boost() == (0.0, 50)
+    assert boost("operator.kueuePriorityBoost.secondsPerPoint=60", "operator.kueuePriorityBoost.max=20") == (60.0, 20)
+    bad = subprocess.run([helm(), "template", "rel", str(CHART), "--set", "operator.kueuePriorityBoost.max=-1"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "max" in bad.stderr

@@ -170,3 +170,52 @@ def test_a_queued_coscheduling_gang_has_its_podgroup_touched_at_most_every_retry
     assert cs.RETRY_ANNOTATION in patches[0][2]["metadata"]["annotations"]
     asyncio.run(adapter_for("volcano").on_queued(None, job("volcano"), OWNER, 1))  # others need no touch
     assert len(patches) == 2
+
+
+@pytest.mark.parametrize(("seconds", "per_point", "cap", "boost"), [
+    (0.0, 60, 50, 0), (59.9, 60, 50, 0), (60.0, 60, 50, 1), (3599.0, 60, 50, 50),  # capped below the next class
+    (600.0, 0, 50, 0), (600.0, 60, 0, 0), (None, 60, 50, 0)])  # off, or nothing reported
+def test_the_priority_boost_counts_whole_points_of_work_at_risk_up_to_the_cap(seconds, per_point, cap, boost):
+    from seqtrain.spec.status import WorkAtRisk
+    from seqtrain_operator.controller.checkpoint_policy import priority_boost
+
+    risk = None if seconds is None else WorkAtRisk(checkpoint_step=10, steps=5, seconds=seconds)
+    assert priority_boost(risk, per_point, cap) == boost
+
+
+def test_a_running_kueue_gang_has_its_workloads_boost_written_when_it_changes(monkeypatch):
+    """Kueue orders preemption candidates by priority + the Workload's kueue.x-k8s.io/priority-boost: the operator
+    writes the job's (work at risk) there, once per change; a Workload not created yet is tried again."""
+    import asyncio
+
+    from seqtrain_operator.k8s import calls
+
+    patches: list[tuple[str, str, dict]] = []
+    exists = [False]
+
+    async def patch_custom(kube, api, plural, namespace, name, patch):  # noqa: ANN001, ANN202
+        patches.append((f"{api}/{plural}", f"{namespace}/{name}", patch))
+        return exists[0]
+
+    monkeypatch.setattr(calls, "patch_custom", patch_custom)
+    monkeypatch.setattr(kq, "_boosts", {})
+    adapter, j = adapter_for("kueue"), job()
+    group = kq.group_name_for(OWNER.name, OWNER.uid)
+    asyncio.run(adapter.on_running(None, j, OWNER, 3))  # no Workload yet: tried again
+    exists[0] = True
+    for boost in (3, 3, 0, 0, 7):
+        asyncio.run(adapter.on_running(None, j, OWNER, boost))
+    assert [(where, p["metadata"]["annotations"][kq.BOOST_ANNOTATION]) for _, where, p in patches] == \
+        [(f"ml/{group}", v) for v in ("3", "3", "0", "7")]
+    assert {api for api, _, _ in patches} == {"kueue.x-k8s.io/v1beta1/workloads"}
+    asyncio.run(adapter.on_finished(_NoKube(), j, OWNER, []))  # forgotten with the job: a new one writes again
+    assert (OWNER.namespace, group) not in kq._boosts
+
+
+class _NoKube:
+    """on_finished deletes the Workload through calls.delete_custom: a kube whose call does nothing."""
+
+    custom = type("Custom", (), {"delete_namespaced_custom_object": staticmethod(lambda *a, **k: None)})()
+
+    async def _call(self, fn, *args, **kwargs):  # noqa: ANN001, ANN202
+        return fn(*args, **kwargs)

@@ -90,9 +90,9 @@ with `kubectl auth can-i --list` as the ServiceAccount.
 - apiGroups: ["scheduling.x-k8s.io"]  # coscheduling: touch a queued gang's PodGroup so the plugin retries it
   resources: ["podgroups"]
   verbs: ["patch"]
-- apiGroups: ["kueue.x-k8s.io"]  # a finished pod group's Workload
+- apiGroups: ["kueue.x-k8s.io"]  # a finished pod group's Workload; a running one's priority boost
   resources: ["workloads"]
-  verbs: ["delete"]
+  verbs: ["delete", "patch"]
 - apiGroups: ["kopf.dev"]
   resources: ["kopfpeerings"]
   verbs: ["get", "list", "watch", "patch"]

@@ -4,7 +4,8 @@ Out to the trainer: the job's failure history (`FailureHistory` in the trainer c
 rank 0 estimates the gang's MTBF (seqtrain.train.interval). Back from the trainer: its progress document's
 `checkpointPolicy` (the interval in force and where its inputs came from) and `workAtRisk` (what a failure now would
 lose), which land in `status.checkpointPolicy` and `status.workAtRisk`, the checkpoint's age refreshed at every
-decision (it keeps growing while no trainer reports, e.g. during a restart).
+decision (it keeps growing while no trainer reports, e.g. during a restart). Out to a queue: `priority_boost`, the
+work at risk as Kueue's priority boost, so its preemption prefers the victims that lose the least.
 """
 
 from __future__ import annotations
@@ -50,3 +51,18 @@ def record(st: JobStatus, policy: CheckpointPolicy | None, at_risk: WorkAtRisk |
     saved = parse(ck.time)
     if saved is not None:
         risk.checkpoint_age_seconds = round(max(0.0, seconds_between(saved, now)), 3)
+
+
+def priority_boost(at_risk: WorkAtRisk | None, seconds_per_point: float, max_boost: int) -> int:
+    """Kueue's `kueue.x-k8s.io/priority-boost` for a running job (KEP-7990; Kueue v0.17+ with its PriorityBoost
+    feature gate): one point per `seconds_per_point` of training a preemption now would lose, at most `max_boost`.
+
+    Kueue orders preemption candidates by priority + boost (lowest first), so among jobs of one priority it takes the
+    one that loses the least. Whole points only: the boost changes once per `seconds_per_point` of training and
+    drops to 0 at each checkpoint, not at every step (the KEP leaves flapping to the controller). Never negative:
+    a running job never falls below a pending one of its class, which would let that one preempt it. Keep
+    `max_boost` below the gap between your priority classes so the boost orders victims within a class and never
+    lifts a job into the next one. 0 when off (`seconds_per_point` <= 0) or nothing is reported."""
+    if seconds_per_point <= 0 or max_boost <= 0 or at_risk is None:
+        return 0
+    return max(0, min(max_boost, int(at_risk.seconds // seconds_per_point)))

@@ -65,8 +65,8 @@ async def delete_custom(kube: Kube, api_version: str, plural: str, namespace: st
 
 
 async def patch_custom(kube: Kube, api_version: str, plural: str, namespace: str, name: str,
-                       patch: dict[str, Any]) -> None:
-    """A JSON merge patch of one namespaced custom object (a vanished one is left alone)."""
+                       patch: dict[str, Any]) -> bool:
+    """A JSON merge patch of one namespaced custom object; False when it does not exist (left alone)."""
     group, version = api_version.split("/")
-    await _ignore_404(kube._call(kube.custom.patch_namespaced_custom_object, group, version, namespace, plural, name,
-                                 patch))
+    return await _ignore_404(kube._call(kube.custom.patch_namespaced_custom_object, group, version, namespace, plural,
+                                        name, patch)) is not None

@@ -49,6 +49,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a trainer pod has to checkpoint after SIGTERM")
     p.add_argument("--rank-mtbf-hours", type=float, default=None,
                    help="prior mean time between failures of one rank (GPU), hours, for checkpoint.intervalSteps: auto")
+    p.add_argument("--kueue-priority-boost-seconds", type=float, default=0.0,
+                   help="jobs admitted by Kueue: one point of the Workload's kueue.x-k8s.io/priority-boost per this "
+                        "many seconds of work at risk, so Kueue preempts the job that loses the least (needs Kueue's "
+                        "PriorityBoost feature gate; 0: off)")
+    p.add_argument("--kueue-priority-boost-max", type=int, default=50,
+                   help="the largest priority boost (keep it below the gap between your priority classes)")
     p.add_argument("--autoscale", action="store_true",
                    help="the cluster has a node autoscaler: a native gang that does not fit is created unpinned so "
                         "the autoscaler sees its demand (a job's spec.scheduling.autoscale overrides)")
@@ -131,6 +137,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.rank_mtbf_hours is not None and args.rank_mtbf_hours <= 0:
         build_parser().error(f"--rank-mtbf-hours {args.rank_mtbf_hours:g}: must be a positive number of hours")
+    if args.kueue_priority_boost_seconds < 0 or args.kueue_priority_boost_max < 0:
+        build_parser().error("--kueue-priority-boost-seconds and --kueue-priority-boost-max must be >= 0")
     if args.progress_push_url and not args.progress_push_port:
         build_parser().error("--progress-push-url needs --progress-push-port (the port this operator serves it on)")
     push_key = b""
@@ -143,6 +151,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         metrics_port=args.trainer_metrics_port or None,
                         termination_grace_seconds=args.termination_grace, scheduler_names=schedulers,
                         rank_mtbf_hours=args.rank_mtbf_hours, autoscale=args.autoscale,
+                        kueue_boost_seconds=args.kueue_priority_boost_seconds,
+                        kueue_boost_max=args.kueue_priority_boost_max,
                         pod_policy=PodPolicy.of(args.pod_policy, args.allow_service_account,
                                                 args.allow_priority_class, args.allow_capability),
                         network_policy=args.network_policy, operator_namespace=args.operator_namespace,

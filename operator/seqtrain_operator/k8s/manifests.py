@@ -68,6 +68,10 @@ class Settings:
     operator_labels: dict[str, str] = field(default_factory=dict)
     rank_mtbf_hours: float | None = None  # cluster prior of checkpoint.intervalSteps: auto (None: the trainer's)
     autoscale: bool = False  # the cluster has a node autoscaler (controller.gang_policy.autoscales)
+    # Kueue gangs: the work at risk as the Workload's priority boost (controller.checkpoint_policy.priority_boost);
+    # seconds of work at risk per point (0: off) and the largest boost
+    kueue_boost_seconds: float = 0.0
+    kueue_boost_max: int = 0
     # The operator's progress push endpoint as pods reach it (e.g. http://<its Service>.<namespace>.svc:8472) and
     # the key of the jobs' push tokens (k8s/push.py); either unset: pods do not push.
     progress_push_url: str | None = None

@@ -46,7 +46,7 @@ from seqtrain_operator.controller import (
     utcnow,
 )
 from seqtrain_operator.controller import conditions as cond
-from seqtrain_operator.controller.checkpoint_policy import failure_history
+from seqtrain_operator.controller.checkpoint_policy import failure_history, priority_boost
 from seqtrain_operator.controller.types import Decision
 from seqtrain_operator.k8s import calls, project
 from seqtrain_operator.k8s import manifests as m
@@ -492,6 +492,9 @@ async def _act(kube: Kube, cfg: Config, body: dict[str, Any], job: SeqTrainJob, 
         await adapter.on_finished(kube, job, owner, pods)
     elif adapter is not None and (c := cond.get(new, "Scheduled")) is not None and c.reason == "Queued":
         await adapter.on_queued(kube, job, owner, new.attempt)
+    elif adapter is not None and new.phase == "Running" and cfg.settings.kueue_boost_seconds > 0:
+        await adapter.on_running(kube, job, owner, priority_boost(new.work_at_risk, cfg.settings.kueue_boost_seconds,
+                                                                  cfg.settings.kueue_boost_max))
     for ev in decision.of(Event):
         emit(body, ev.type, ev.reason, ev.message)
     if decision.of(DeleteJob):  # last: the events above still name a live object

@@ -68,6 +68,10 @@ class GangScheduler:
     async def on_finished(self, kube: Kube, job: SeqTrainJob, owner: Owner, pods: list[Pod]) -> None:
         """On every pass of a Succeeded or Failed job (idempotent)."""
 
+    async def on_running(self, kube: Kube, job: SeqTrainJob, owner: Owner, boost: int) -> None:
+        """On every pass of a Running job: `boost` is its work at risk as a priority boost
+        (controller.checkpoint_policy.priority_boost; 0 when off)."""
+
     async def on_job_deleted(self, kube: Kube, namespace: str, name: str, pods: list[Pod]) -> bool:
         """From the job's finalizer, after its pods were deleted. False: not done yet (ask again shortly)."""
         return True

@@ -12,6 +12,9 @@ How seqtrain fits Kueue's group life cycle:
   next attempt from being created (otherwise the two wait on each other: Kueue frees the old pods only once their
   replacements exist);
 - gated pods are `queued`: a job waiting in its LocalQueue is not torn down after pendingGraceSeconds;
+- while it runs, with the operator's --kueue-priority-boost-seconds set, its Workload's annotation
+  `kueue.x-k8s.io/priority-boost` follows the work at risk (KEP-7990, Kueue's PriorityBoost gate): Kueue orders
+  preemption candidates by priority + boost, so it takes the job that loses the least; written when it changes;
 - when the job ends, its pods get `kueue.x-k8s.io/retriable-in-group: "false"` so Kueue finishes the Workload and
   drops its finalizers; once no pod carries the finalizer the Workload is deleted; when the job is deleted the
   operator also removes the finalizer from its own ended pods (Kueue may be gone by then) and deletes the Workload.
@@ -35,6 +38,11 @@ FINALIZER = "kueue.x-k8s.io/managed"
 GATE = "kueue.x-k8s.io/admission"
 WORKLOAD_API = "kueue.x-k8s.io/v1beta1"  # served by every Kueue release with plain pod groups (v0.19: also v1beta2)
 WORKLOADS = "workloads"
+BOOST_ANNOTATION = "kueue.x-k8s.io/priority-boost"
+
+# (namespace, group) -> the boost last written to its Workload: a pass writes only a change. Lost with the process:
+# a new operator writes each running job's boost once more.
+_boosts: dict[tuple[str, str], int] = {}
 
 
 def group_name_for(name: str, uid: str) -> str:
@@ -83,7 +91,18 @@ class Kueue(GangScheduler):
                 await calls.patch_pod(kube, meta["namespace"], meta["name"],
                                       {"metadata": {"annotations": {RETRIABLE_ANNOTATION: "false"}}})
 
+    async def on_running(self, kube, job, owner, boost):  # type: ignore[no-untyped-def]
+        key = (owner.namespace, self.group_name(job, owner, 0))
+        if _boosts.get(key) == boost:
+            return  # unchanged (after an operator restart each job's is written once: it may have changed)
+        # a string, as annotations are; a Workload not created yet (404) is tried again on the next pass
+        if await calls.patch_custom(kube, WORKLOAD_API, WORKLOADS, key[0], key[1],
+                                    {"metadata": {"annotations": {BOOST_ANNOTATION: str(boost)}}}):
+            _boosts[key] = boost
+            log.info("%s/%s: Workload %s priority boost %d (work at risk)", owner.namespace, owner.name, key[1], boost)
+
     async def on_finished(self, kube, job, owner, pods):  # type: ignore[no-untyped-def]
+        _boosts.pop((owner.namespace, self.group_name(job, owner, 0)), None)
         group = self.group_name(job, owner, 0)
         mine = [p for p in pods if (p["metadata"].get("labels") or {}).get(GROUP_LABEL) == group]
         await self._mark_unretriable(kube, mine)
@@ -96,6 +115,7 @@ class Kueue(GangScheduler):
             return True
         await self._mark_unretriable(kube, mine)
         for group in sorted({p["metadata"]["labels"][GROUP_LABEL] for p in mine}):
+            _boosts.pop((namespace, group), None)
             await calls.delete_custom(kube, WORKLOAD_API, WORKLOADS, namespace, group)
         held = False
         for pod in mine:
