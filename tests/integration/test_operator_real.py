@@ -197,7 +197,7 @@ def test_the_service_account_can_do_exactly_what_the_operator_does(testbed: Test
     assert g["seqtrainjobs.seqtrain.dev"] == {"get", "list", "watch", "patch", "delete"}  # delete: TTL
     # get, delete: a name a deleted job's namesake still holds (Kube.create reads whose it is, deletes it by uid)
     assert g["pods"] == {"get", "list", "watch", "create", "delete", "deletecollection", "patch"}  # patch: Kueue
-    assert g["workloads.kueue.x-k8s.io"] == {"delete"}
+    assert g["workloads.kueue.x-k8s.io"] == {"delete", "patch"}  # patch: the work at risk as priority boost
     assert g["podgroups.scheduling.x-k8s.io"] == {"get", "create", "delete", "patch"}  # patch: coscheduling
     assert g["podgroups.scheduling.volcano.sh"] == {"get", "create", "delete"}
     assert g["services"] == {"get", "create", "delete"}
