@@ -71,7 +71,7 @@ class Settings:
     # Kueue gangs: the work at risk as the Workload's priority boost (controller.checkpoint_policy.priority_boost);
     # seconds of work at risk per point (0: off) and the largest boost
     kueue_boost_seconds: float = 0.0
-    kueue_boost_max: int = 0
+    kueue_boost_max: int = 50  # the command line's default too
     # The operator's progress push endpoint as pods reach it (e.g. http://<its Service>.<namespace>.svc:8472) and
     # the key of the jobs' push tokens (k8s/push.py); either unset: pods do not push.
     progress_push_url: str | None = None

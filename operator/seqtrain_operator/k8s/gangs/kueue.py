@@ -102,8 +102,8 @@ class Kueue(GangScheduler):
             log.info("%s/%s: Workload %s priority boost %d (work at risk)", owner.namespace, owner.name, key[1], boost)
 
     async def on_finished(self, kube, job, owner, pods):  # type: ignore[no-untyped-def]
-        _boosts.pop((owner.namespace, self.group_name(job, owner, 0)), None)
         group = self.group_name(job, owner, 0)
+        _boosts.pop((owner.namespace, group), None)
         mine = [p for p in pods if (p["metadata"].get("labels") or {}).get(GROUP_LABEL) == group]
         await self._mark_unretriable(kube, mine)
         if not any(FINALIZER in (p["metadata"].get("finalizers") or []) for p in mine):
