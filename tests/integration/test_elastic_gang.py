@@ -70,7 +70,7 @@ def test_a_node_loss_shrinks_the_gang_and_its_return_grows_it_back(
         t_small = datetime.now().astimezone()
         assert small["worldSize"] == 2 and all(p["node"] != dead for p in small["placement"]), small
         assert small["infraRestarts"] == 1 and small.get("restarts", 0) == 0, small
-        warn = [e for e in events(testbed, ns) if e["reason"] == "ScaledDown"]
+        warn = wait("the ScaledDown warning", lambda: [e for e in events(testbed, ns) if e["reason"] == "ScaledDown"], 60)
         assert warn and warn[-1]["type"] == "Warning" and "2 of 4 replicas" in warn[-1]["message"], warn
         assert "global batch 8 kept" in warn[-1]["message"]
         # The smaller gang trains: it passes the checkpoint it resumed from.

@@ -120,7 +120,8 @@ def test_two_jobs_competing_for_one_nodes_gpus_are_never_both_admitted(
         assert len(pods_of(testbed, ns, winner)) == 1 and pods_of(testbed, ns, loser) == []
         msg = condition(testbed, ns, loser, "Scheduled")["message"]
         assert "need 1 replicas x (8 GPU" in msg, msg
-        assert any(e["reason"] == "Unschedulable" and e["type"] == "Warning" for e in events(testbed, ns, loser))
+        wait("the Unschedulable warning", lambda: any(e["reason"] == "Unschedulable" and e["type"] == "Warning"
+                                                      for e in events(testbed, ns, loser)), 60)
         # The winner finishing frees the node: the loser is admitted.
         delete_job(testbed, ns, winner)
         wait(f"{loser} admitted once the node is free",
@@ -162,8 +163,8 @@ def test_a_gang_refused_partway_by_a_quota_is_torn_down_reported_and_retried(
         return c if c and c.get("reason") == "CreateFailed" else None
     c = wait("the Scheduled condition saying the quota refused the gang", refused, 300)
     assert "exceeded quota" in c["message"], c
-    assert any(e["reason"] == "CreateFailed" and "exceeded quota" in e["message"]
-               for e in events(testbed, ns, "partial"))
+    wait("the CreateFailed event", lambda: any(e["reason"] == "CreateFailed" and "exceeded quota" in e["message"]
+                                               for e in events(testbed, ns, "partial")), 60)
     wait("the partial gang torn down", lambda: not [p for p in pods_of(testbed, ns, "partial")
                                                    if not p["metadata"].get("deletionTimestamp")], 120)
     st = job_status(testbed, ns, "partial")
