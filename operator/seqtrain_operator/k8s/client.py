@@ -169,6 +169,15 @@ def _transient(exc: BaseException) -> bool:
     return isinstance(exc, Urllib3Error | ConnectionError | TimeoutError)
 
 
+def _send(fn: Callable[..., Any], args: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    """One call and its body, read in the worker thread. Reading the body is what hands the connection back to the
+    pool: read on the event loop after the thread returned, it held the connection until the busy loop got to it
+    while the thread took another, so under a burst more calls held connections than the pool keeps ("Connection
+    pool is full, discarding connection"), and the loop waited on sockets."""
+    resp = fn(*args, **kw)
+    return resp.data if hasattr(resp, "data") else resp
+
+
 def _plural(kind: str) -> str:
     return {"NetworkPolicy": "networkpolicies", "PodDisruptionBudget": "poddisruptionbudgets"}.get(kind,
                                                                                                  kind.lower() + "s")
@@ -216,9 +225,8 @@ class Kube:
             self.requests += 1
             try:
                 async with self._bulk_slots if bulk else contextlib.nullcontext():
-                    resp = await asyncio.get_running_loop().run_in_executor(self._pool,
-                                                                            functools.partial(fn, *args, **kw))
-                data = resp.data if hasattr(resp, "data") else resp
+                    data = await asyncio.get_running_loop().run_in_executor(self._pool,
+                                                                            functools.partial(_send, fn, args, kw))
                 return json.loads(data) if data else None
             except Exception as exc:  # noqa: BLE001 - classified below
                 if isinstance(exc, ApiException) and unsure:
