@@ -261,7 +261,8 @@ def _mebibytes(quantity: str) -> int:
 SIZED_RUNS = ["operator-1000jobs-1pod-cpu-2026-11-27.json", "operator-300jobs-cpu-2026-11-27.json",
               "operator-1000jobs-cpu-2026-11-27.json", "operator-3000jobs-cpu-2026-11-27.json",
               "operator-300jobs-cpu-2026-11-27-creations.json", "operator-1000jobs-cpu-2026-11-27-creations.json",
-              "operator-1000jobs-cpu-2026-11-27-creations-loaded.json"]
+              "operator-1000jobs-cpu-2026-11-27-creations-loaded.json",
+              "operator-1000jobs-cpu-2026-11-27-api-threads.json"]
 
 
 @pytest.mark.parametrize("result", SIZED_RUNS)
