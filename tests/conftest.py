@@ -23,3 +23,19 @@ if not os.environ.get("CUDA_VISIBLE_DEVICES") and not os.path.exists("/dev/nvidi
 # Rank processes import the packages from the source roots, installed or not.
 _pp = [str(ROOT / "trainer"), str(ROOT / "operator")]
 os.environ["PYTHONPATH"] = os.pathsep.join(_pp + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+
+# Fuzz tests (marker `fuzz`) draw their example counts from one hypothesis profile: "ci" keeps `make test` within a
+# few minutes; SEQTRAIN_FUZZ=long runs the longer mode documented for before a release (docs/development.md).
+try:
+    from hypothesis import HealthCheck
+    from hypothesis import settings as _hsettings
+
+    _hsettings.register_profile(
+        "ci", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=False
+    )
+    _hsettings.register_profile(
+        "long", max_examples=20000, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    )
+    _hsettings.load_profile("long" if os.environ.get("SEQTRAIN_FUZZ") == "long" else "ci")
+except ImportError:  # hypothesis is a dev dependency; a bare install still collects the other tests
+    pass
