@@ -121,13 +121,16 @@ def test_the_strict_check_can_fail():
     assert sorted(validate_offline(bad, docs)) == [".spec.minMember: must be an integer", ".spec.queue: unknown field"]
 
 
-def test_kueue_workload_api_seqtrain_deletes_is_served():
+def test_kueue_workload_api_seqtrain_speaks_is_served():
+    """The pinned Kueue's Workload CRD serves the version the adapter picks (v1beta2: Kueue v0.20 serves no
+    other), and switching v1beta1 off, as v0.20 ships it, leaves the adapter's choice unchanged."""
     from seqtrain_operator.k8s.gangs import kueue as kq
 
     wl = next(c for c in crds("kueue") if c["spec"]["names"]["kind"] == "Workload")
-    group, version = kq.WORKLOAD_API.split("/")
-    assert wl["spec"]["group"] == group and wl["spec"]["names"]["plural"] == kq.WORKLOADS
-    assert any(v["name"] == version and v["served"] for v in wl["spec"]["versions"])
+    assert f"{wl['spec']['names']['plural']}.{wl['spec']['group']}" == kq.WORKLOAD_CRD
+    served = [v["name"] for v in wl["spec"]["versions"] if v["served"]]
+    assert kq.workload_api(served) == "kueue.x-k8s.io/v1beta2"
+    assert kq.workload_api([v for v in served if v != "v1beta1"]) == "kueue.x-k8s.io/v1beta2"
 
 
 # ---- on the real control plane ----------------------------------------------------------------------------------

@@ -120,9 +120,11 @@ def test_coscheduling_binds_all_or_nothing(testbed: Testbed, operator: Operator,
 # ---- Kueue ------------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def kueue(testbed: Testbed) -> Iterator[None]:
-    with gangs.kueue(testbed, files=FILES):
+@pytest.fixture(scope="module", params=["v1beta1+v1beta2", "v1beta2-only"])
+def kueue(testbed: Testbed, request: pytest.FixtureRequest) -> Iterator[None]:
+    """Kueue v0.19.2 as it ships (both Workload versions served), then with v1beta1 switched off in its CRDs, as
+    Kueue v0.20 ships them: every Kueue scenario runs against both."""
+    with gangs.kueue(testbed, files=FILES, v1beta1_served=request.param == "v1beta1+v1beta2"):
         yield
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import copy
 import os
 import signal
 import socket
@@ -76,17 +77,33 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
             proc.wait(timeout=30)
 
 
+def without_v1beta1(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Kueue's CRDs with v1beta1 no longer served (v1beta2 stores), as Kueue v0.20 ships them."""
+    out = copy.deepcopy(docs)
+    for d in out:
+        versions = d["spec"]["versions"]
+        if {v["name"] for v in versions} >= {"v1beta1", "v1beta2"}:
+            for v in versions:
+                if v["name"] == "v1beta1":
+                    v["served"], v["storage"] = False, False
+                elif v["name"] == "v1beta2":
+                    v["storage"] = True
+    return out
+
+
 @contextlib.contextmanager
 def kueue(tb: Testbed, pod_label: str = "seqtrain.dev/job", files: dict[str, list[Path]] | None = None,
-          ) -> Iterator[subprocess.Popen[bytes]]:
+          v1beta1_served: bool = True) -> Iterator[subprocess.Popen[bytes]]:
     """Kueue's controller manager (the pod integration only) with its CRDs and webhooks, running until the block
-    ends. Its pod webhooks see only pods that carry the label `pod_label` (the tests' pods, or a benchmark's)."""
+    ends. Its pod webhooks see only pods that carry the label `pod_label` (the tests' pods, or a benchmark's).
+    `v1beta1_served=False`: the CRDs serve v1beta2 only (Kueue v0.20's), restored as shipped when the block ends."""
     bins = gang_binaries("kueue")
     files = crd_files() if files is None else files
     if "kueue" not in files:
         unavailable("no Kueue CRDs: run scripts/gang-crds.sh")
     base = files["kueue"][0].parent
-    install_crds(tb, [yaml.safe_load(p.read_text()) for p in sorted(base.glob("*.yaml"))])
+    shipped = [yaml.safe_load(p.read_text()) for p in sorted(base.glob("*.yaml"))]
+    install_crds(tb, shipped if v1beta1_served else without_v1beta1(shipped))
     tb.kubectl("create", "namespace", "kueue-system", check=False)
     port = free_port()
     certs = TB / "kueue-certs"
@@ -143,6 +160,8 @@ def kueue(tb: Testbed, pod_label: str = "seqtrain.dev/job", files: dict[str, lis
     finally:
         stop(proc)
         tb.kubectl("delete", "-f", "-", "--ignore-not-found", input=yaml.safe_dump_all(hooks), check=False)
+        if not v1beta1_served:
+            install_crds(tb, shipped)
         if created:
             for f in ("tls.crt", "tls.key"):
                 (metrics_certs / f).unlink(missing_ok=True)

@@ -201,21 +201,66 @@ def test_a_running_kueue_gang_has_its_workloads_boost_written_when_it_changes(mo
     monkeypatch.setattr(kq, "_boosts", {})
     adapter, j = adapter_for("kueue"), job()
     group = kq.group_name_for(OWNER.name, OWNER.uid)
-    asyncio.run(adapter.on_running(None, j, OWNER, 3))  # no Workload yet: tried again
+    kube = _NoKube()
+    asyncio.run(adapter.on_running(kube, j, OWNER, 3))  # no Workload yet: tried again
     exists[0] = True
     for boost in (3, 3, 0, 0, 7):
-        asyncio.run(adapter.on_running(None, j, OWNER, boost))
+        asyncio.run(adapter.on_running(kube, j, OWNER, boost))
     assert [(where, p["metadata"]["annotations"][kq.BOOST_ANNOTATION]) for _, where, p in patches] == \
         [(f"ml/{group}", v) for v in ("3", "3", "0", "7")]
-    assert {api for api, _, _ in patches} == {"kueue.x-k8s.io/v1beta1/workloads"}
-    asyncio.run(adapter.on_finished(_NoKube(), j, OWNER, []))  # forgotten with the job: a new one writes again
+    assert {api for api, _, _ in patches} == {"kueue.x-k8s.io/v1beta2/workloads"}
+    asyncio.run(adapter.on_finished(kube, j, OWNER, []))  # forgotten with the job: a new one writes again
     assert (OWNER.namespace, group) not in kq._boosts
 
 
 class _NoKube:
-    """on_finished deletes the Workload through calls.delete_custom: a kube whose call does nothing."""
+    """on_finished deletes the Workload through calls.delete_custom: a kube whose call does nothing, and whose
+    Workload CRD serves `served`."""
 
     custom = type("Custom", (), {"delete_namespaced_custom_object": staticmethod(lambda *a, **k: None)})()
 
+    def __init__(self, served: tuple[str, ...] = ("v1beta1", "v1beta2")):
+        self.served = list(served)
+
     async def _call(self, fn, *args, **kwargs):  # noqa: ANN001, ANN202
         return fn(*args, **kwargs)
+
+    async def served_versions(self, crd: str) -> list[str]:
+        assert crd == kq.WORKLOAD_CRD
+        return self.served
+
+
+@pytest.mark.parametrize(("served", "api"), [
+    (["v1beta1", "v1beta2"], "kueue.x-k8s.io/v1beta2"),  # Kueue v0.15-v0.19
+    (["v1beta2"], "kueue.x-k8s.io/v1beta2"),  # Kueue v0.20: v1beta1 no longer served
+    (["v1beta1"], "kueue.x-k8s.io/v1beta1"),  # releases before v1beta2
+    ([], None), (["v1alpha1"], None)])
+def test_the_kueue_adapter_speaks_the_workload_version_the_crd_serves(served, api):
+    assert kq.workload_api(served) == api
+
+
+def test_workload_deletes_and_boosts_go_to_the_served_version_and_are_skipped_when_none_is(monkeypatch):
+    import asyncio
+
+    from seqtrain_operator.k8s import calls
+
+    seen: list[str] = []
+
+    async def delete_custom(kube, api, plural, namespace, name):  # noqa: ANN001, ANN202
+        seen.append(f"delete {api}")
+
+    async def patch_custom(kube, api, plural, namespace, name, patch):  # noqa: ANN001, ANN202
+        seen.append(f"patch {api}")
+        return True
+
+    monkeypatch.setattr(calls, "delete_custom", delete_custom)
+    monkeypatch.setattr(calls, "patch_custom", patch_custom)
+    monkeypatch.setattr(kq, "_boosts", {})
+    adapter, j = adapter_for("kueue"), job()
+    for served in (["v1beta2"], ["v1beta1"], []):
+        kube = _NoKube(tuple(served))
+        kq._boosts.clear()
+        asyncio.run(adapter.on_running(kube, j, OWNER, 1))
+        asyncio.run(adapter.on_finished(kube, j, OWNER, []))
+    assert seen == ["patch kueue.x-k8s.io/v1beta2", "delete kueue.x-k8s.io/v1beta2",
+                    "patch kueue.x-k8s.io/v1beta1", "delete kueue.x-k8s.io/v1beta1"]

@@ -209,6 +209,7 @@ class Kube:
         self.retries, self.timeout, self.backoff = retries, timeout, backoff
         self.budget = Budget(qps, burst)
         self.requests = 0  # sent, retries included (a figure for the benchmark and the tests)
+        self._served: dict[str, tuple[float, list[str]]] = {}  # CRD name -> (read at, served versions)
 
     async def _call(self, fn: Callable[..., Any], *args: Any, bulk: bool = False, **kw: Any) -> Any:
         """Run one API call in a thread; retry transient failures; decode the JSON body. `bulk`: work that can
@@ -334,6 +335,20 @@ class Kube:
             if exc.status == 404:
                 return None
             raise
+
+    async def served_versions(self, crd: str, max_age: float = 600.0) -> list[str]:
+        """The versions a CustomResourceDefinition serves now ([] when it is not installed), read at most once per
+        `max_age` seconds: another controller's upgrade (e.g. Kueue switching a version off) is seen within that."""
+        now = time.monotonic()
+        cached = self._served.get(crd)
+        if cached is not None and now - cached[0] < max_age:
+            return cached[1]
+        obj = await self.get_crd(crd)
+        versions = [v["name"] for v in ((obj or {}).get("spec") or {}).get("versions") or [] if v.get("served")]
+        if cached is None or cached[1] != versions:
+            log.info("CRD %s serves %s", crd, ", ".join(versions) or "no version (not installed)")
+        self._served[crd] = (now, versions)
+        return versions
 
     # ---- writes ----------------------------------------------------------------------------------------------
 

@@ -36,13 +36,28 @@ TOTAL_ANNOTATION = "kueue.x-k8s.io/pod-group-total-count"
 RETRIABLE_ANNOTATION = "kueue.x-k8s.io/retriable-in-group"
 FINALIZER = "kueue.x-k8s.io/managed"
 GATE = "kueue.x-k8s.io/admission"
-WORKLOAD_API = "kueue.x-k8s.io/v1beta1"  # served by every Kueue release with plain pod groups (v0.19: also v1beta2)
+WORKLOAD_GROUP = "kueue.x-k8s.io"
+# Kueue v0.15 added v1beta2, v0.16 made it the storage version and v0.20 stops serving v1beta1: the adapter speaks
+# the first of these that the installed Workload CRD serves. Every field it touches (metadata.annotations, the
+# object's name and deletion) is the same in both versions.
+WORKLOAD_VERSIONS = ("v1beta2", "v1beta1")
 WORKLOADS = "workloads"
+WORKLOAD_CRD = f"{WORKLOADS}.{WORKLOAD_GROUP}"
 BOOST_ANNOTATION = "kueue.x-k8s.io/priority-boost"
 
 # (namespace, group) -> the boost last written to its Workload: a pass writes only a change. Lost with the process:
 # a new operator writes each running job's boost once more.
 _boosts: dict[tuple[str, str], int] = {}
+
+
+def workload_api(served: list[str]) -> str | None:
+    """The apiVersion to use for Workloads, given the versions their CRD serves (None: none we speak)."""
+    return next((f"{WORKLOAD_GROUP}/{v}" for v in WORKLOAD_VERSIONS if v in served), None)
+
+
+async def _workload_api(kube) -> str | None:  # type: ignore[no-untyped-def]
+    # Kube.served_versions logs the served versions when first read and whenever they change.
+    return workload_api(await kube.served_versions(WORKLOAD_CRD))
 
 
 def group_name_for(name: str, uid: str) -> str:
@@ -96,7 +111,9 @@ class Kueue(GangScheduler):
         if _boosts.get(key) == boost:
             return  # unchanged (after an operator restart each job's is written once: it may have changed)
         # a string, as annotations are; a Workload not created yet (404) is tried again on the next pass
-        if await calls.patch_custom(kube, WORKLOAD_API, WORKLOADS, key[0], key[1],
+        if (api := await _workload_api(kube)) is None:
+            return
+        if await calls.patch_custom(kube, api, WORKLOADS, key[0], key[1],
                                     {"metadata": {"annotations": {BOOST_ANNOTATION: str(boost)}}}):
             _boosts[key] = boost
             log.info("%s/%s: Workload %s priority boost %d (work at risk)", owner.namespace, owner.name, key[1], boost)
@@ -106,17 +123,20 @@ class Kueue(GangScheduler):
         _boosts.pop((owner.namespace, group), None)
         mine = [p for p in pods if (p["metadata"].get("labels") or {}).get(GROUP_LABEL) == group]
         await self._mark_unretriable(kube, mine)
-        if not any(FINALIZER in (p["metadata"].get("finalizers") or []) for p in mine):
-            await calls.delete_custom(kube, WORKLOAD_API, WORKLOADS, owner.namespace, group)
+        if not any(FINALIZER in (p["metadata"].get("finalizers") or []) for p in mine) \
+                and (api := await _workload_api(kube)) is not None:
+            await calls.delete_custom(kube, api, WORKLOADS, owner.namespace, group)
 
     async def on_job_deleted(self, kube, namespace, name, pods):  # type: ignore[no-untyped-def]
         mine = [p for p in pods if GROUP_LABEL in (p["metadata"].get("labels") or {})]
         if not mine:
             return True
         await self._mark_unretriable(kube, mine)
+        api = await _workload_api(kube)
         for group in sorted({p["metadata"]["labels"][GROUP_LABEL] for p in mine}):
             _boosts.pop((namespace, group), None)
-            await calls.delete_custom(kube, WORKLOAD_API, WORKLOADS, namespace, group)
+            if api is not None:
+                await calls.delete_custom(kube, api, WORKLOADS, namespace, group)
         held = False
         for pod in mine:
             if FINALIZER not in (pod["metadata"].get("finalizers") or []):
@@ -130,4 +150,4 @@ class Kueue(GangScheduler):
         return not held
 
 
-ADAPTER = Kueue(name="kueue", crd="workloads.kueue.x-k8s.io", scheduler_name=None, podgroup_api=None)
+ADAPTER = Kueue(name="kueue", crd=WORKLOAD_CRD, scheduler_name=None, podgroup_api=None)
