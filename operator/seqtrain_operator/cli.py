@@ -32,14 +32,14 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     from seqtrain.spec.policy import PodPolicy, job_policy_problems
 
     policy = PodPolicy.of(args.policy, args.allow_service_account or (), args.allow_priority_class or (),
-                          args.allow_capability or ())
+                          args.allow_capability or (), args.allow_secret or ())
     bad = 0
     for path in args.files:
         try:
             with open(path, encoding="utf-8") as f:
                 text = f.read()
             jobs = load_jobs(text, args.set or ())
-            if problems := [p for j in jobs for p in job_policy_problems(j.spec, policy)]:
+            if problems := [p for j in jobs for p in job_policy_problems(j.spec, policy, j.name)]:
                 raise SpecError(problems)
         except OSError as exc:
             print(f"{path}: <file>: cannot read: {exc.strerror}", file=sys.stderr)
@@ -211,6 +211,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a PriorityClass the cluster's pod policy allowlists (repeatable)")
     v.add_argument("--allow-capability", action="append", metavar="CAP",
                    help="a capability the cluster's pod policy allowlists, e.g. IPC_LOCK (repeatable)")
+    v.add_argument("--allow-secret", action="append", metavar="NAME",
+                   help="a Secret the cluster's pod policy allowlists (repeatable; '*': any)")
     v.set_defaults(func=_cmd_validate)
 
     c = sub.add_parser("crd", help="print the CustomResourceDefinition generated from the spec models")

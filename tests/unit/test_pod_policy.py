@@ -149,7 +149,7 @@ def test_ordinary_templates_pass_restricted():
            .volume(emptyDir={}).scheduling(priorityClassName="training",
                                            tolerations=[{"key": "nvidia.com/gpu", "operator": "Exists"}],
                                            nodeSelector={"pool": "a100"}))
-    assert found(job, PodPolicy.of("restricted")) == {}
+    assert found(job, PodPolicy.of("restricted", secrets=["s"])) == {}  # restricted: Secrets only if allowlisted
 
 
 def test_allowlists_admit_exactly_what_the_admin_listed():

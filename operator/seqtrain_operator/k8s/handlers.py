@@ -469,7 +469,7 @@ def validate(body: dict[str, Any], operation: str | None = None, old: dict[str, 
     doc["metadata"] = {"name": meta.get("name") or meta.get("generateName") or "", "namespace": meta.get("namespace")}
     try:
         job = parse_job(doc)
-        if problems := job_policy_problems(job.spec, STATE.config.settings.pod_policy):
+        if problems := job_policy_problems(job.spec, STATE.config.settings.pod_policy, job.name):
             raise SpecError(problems)
     except SpecError as err:
         raise kopf.AdmissionError("; ".join(str(p) for p in err.problems), code=422) from None

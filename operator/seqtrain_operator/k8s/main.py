@@ -74,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a PriorityClass trainer pods may use (repeatable; none given: any but system-*)")
     p.add_argument("--allow-capability", action="append", default=[], metavar="CAP",
                    help="a capability beyond the policy's own list, e.g. IPC_LOCK for RDMA (repeatable)")
+    p.add_argument("--allow-secret", action="append", default=[], metavar="NAME",
+                   help="a Secret trainer pods may read (repeatable; '*': any; none given: any at baseline, none at "
+                        "restricted)")
     p.add_argument("--network-policy", action="store_true",
                    help="create one NetworkPolicy per job: only the gang's pods reach its pods, only the operator "
                         "the progress port")
@@ -154,7 +157,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         kueue_boost_seconds=args.kueue_priority_boost_seconds,
                         kueue_boost_max=args.kueue_priority_boost_max,
                         pod_policy=PodPolicy.of(args.pod_policy, args.allow_service_account,
-                                                args.allow_priority_class, args.allow_capability),
+                                                args.allow_priority_class, args.allow_capability,
+                                                args.allow_secret),
                         network_policy=args.network_policy, operator_namespace=args.operator_namespace,
                         operator_labels=dict(item.partition("=")[::2] for item in args.operator_pod_label),
                         progress_push_url=args.progress_push_url if args.progress_push_port else None,

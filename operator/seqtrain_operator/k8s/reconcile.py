@@ -305,7 +305,7 @@ async def reconcile(kube: Kube, cfg: Config, namespace: str, name: str, emit: Ev
                and (status.replicas or job.spec.replicas) < job.spec.replicas)
     # The pod policy holds whenever pods are about to be created (a webhook may be off, or the policy stricter now
     # than when the job was admitted); running pods are left as they are, as Pod Security Admission does.
-    if (admitting or growing) and (refused := job_policy_problems(job.spec, cfg.settings.pod_policy)):
+    if (admitting or growing) and (refused := job_policy_problems(job.spec, cfg.settings.pod_policy, name)):
         return await _invalid(kube, body, status, SpecError(refused), emit, now, reason="PodPolicy")
     if growing:
         observed = replace(observed, capacity=await _free(kube, cfg, views, nodes, (namespace, name)))

@@ -8,14 +8,16 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from seqtrain.spec.bounds import MAX_NODES, SHAPE, document_problems
 from seqtrain.spec.checks import check
 from seqtrain.spec.features import unavailable
 from seqtrain.spec.job import API_VERSION, KIND, SeqTrainJob
 from seqtrain.spec.problems import Problem, SpecError, from_validation_error
 
-# A spec has hundreds of nodes; a pod template with many sidecars a few thousand. More, once aliases are expanded,
-# is an alias bomb (`a: &a [x, x, ...]`, `b: &b [*a, *a, ...]` ...: a few hundred bytes that expand to gigabytes).
-MAX_NODES = 100_000
+# A spec has hundreds of nodes; a pod template with many sidecars a few thousand. More (bounds.MAX_NODES), once
+# aliases are expanded, is an alias bomb (`a: &a [x, x, ...]`, `b: &b [*a, *a, ...]` ...: a few hundred bytes that
+# expand to gigabytes).
+MAX_INT_DIGITS = 40  # far beyond int64 (19 digits); Python refuses int() of more than 4300 digits with a ValueError
 
 
 class _SpecLoader(yaml.SafeLoader):
@@ -39,20 +41,40 @@ class _SpecLoader(yaml.SafeLoader):
             seen[key] = key_node
         return super().construct_mapping(node, deep=deep)
 
+    def construct_yaml_int(self, node: yaml.ScalarNode) -> int:
+        digits = sum(ch.isdigit() for ch in str(node.value))
+        if digits > MAX_INT_DIGITS:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"an integer of {digits} digits; Kubernetes stores at most 64-bit integers (19 digits)",
+                node.start_mark)
+        return super().construct_yaml_int(node)  # type: ignore[no-untyped-call, no-any-return]
 
-def _expanded_size(node: yaml.Node, memo: dict[int, int]) -> int:
-    """Nodes the document has once every alias is expanded, counted without expanding (aliases share nodes)."""
-    if id(node) in memo:
-        return memo[id(node)]
-    memo[id(node)] = 1  # a recursive alias counts once here; construction refuses it anyway
-    if isinstance(node, yaml.SequenceNode):
-        size = 1 + sum(_expanded_size(n, memo) for n in node.value)
-    elif isinstance(node, yaml.MappingNode):
-        size = 1 + sum(_expanded_size(k, memo) + _expanded_size(v, memo) for k, v in node.value)
-    else:
-        size = 1
-    memo[id(node)] = size
-    return size
+
+_SpecLoader.add_constructor("tag:yaml.org,2002:int", _SpecLoader.construct_yaml_int)
+
+
+def _expanded_size(root: yaml.Node) -> int:
+    """Nodes the document has once every alias is expanded, counted without expanding (aliases share nodes), and
+    without recursion (a document nested thousands deep is refused by its depth later, not by a RecursionError).
+    Counting stops once it passes MAX_NODES; a recursive alias counts once (construction refuses it anyway)."""
+    memo: dict[int, int] = {}
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, children_done = stack.pop()
+        if id(node) in memo and not children_done:
+            continue
+        kids: list[yaml.Node] = []
+        if isinstance(node, yaml.SequenceNode):
+            kids = list(node.value)
+        elif isinstance(node, yaml.MappingNode):
+            kids = [n for pair in node.value for n in pair]
+        if children_done:
+            memo[id(node)] = min(MAX_NODES + 1, 1 + sum(memo.get(id(k), 1) for k in kids))
+            continue
+        memo[id(node)] = 1  # in progress: a recursive alias counts once
+        stack.append((node, True))
+        stack.extend((k, False) for k in kids if id(k) not in memo)
+    return memo[id(root)]
 
 
 def _load_all(text: str) -> list[Any]:
@@ -61,14 +83,22 @@ def _load_all(text: str) -> list[Any]:
     try:
         while loader.check_node():
             node = loader.get_node()
-            if node is not None and (size := _expanded_size(node, {})) > MAX_NODES:
-                raise SpecError([Problem("<yaml>", f"document {len(docs) + 1} expands to {size} nodes through its "
-                                                   f"aliases (more than {MAX_NODES}): write it without &anchors "
-                                                   "and *aliases")])
+            if node is not None and _expanded_size(node) > MAX_NODES:
+                raise SpecError([Problem("<yaml>", f"document {len(docs) + 1} expands to more than {MAX_NODES} "
+                                                   "nodes (through its aliases, if it has any): write it without "
+                                                   "&anchors and *aliases, or make it smaller")])
             docs.append(loader.construct_document(node))
     finally:
         loader.dispose()  # type: ignore[no-untyped-call]
     return docs
+
+
+def _unreadable(exc: BaseException) -> str:
+    """One line for what PyYAML's constructors raise beside YAMLError (a date such as 2024-13-45 is a ValueError,
+    a document nested thousands deep a RecursionError)."""
+    if isinstance(exc, RecursionError):
+        return "nested too deeply to be a SeqTrainJob"
+    return f"a value that cannot be read ({str(exc)[:200]}); quote it if it is text"
 
 
 def parse_yaml_documents(text: str) -> list[Any]:
@@ -79,8 +109,8 @@ def parse_yaml_documents(text: str) -> list[Any]:
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
         problem = getattr(exc, "problem", None) or str(exc)
         raise SpecError([Problem("<yaml>", f"{where}malformed YAML ({problem})")]) from None
-    except RecursionError:
-        raise SpecError([Problem("<yaml>", "nested too deeply to be a SeqTrainJob")]) from None
+    except (RecursionError, ValueError, TypeError, OverflowError) as exc:
+        raise SpecError([Problem("<yaml>", _unreadable(exc))]) from None
     if not docs:
         raise SpecError([Problem("<yaml>", "the file holds no YAML document; expected a SeqTrainJob")])
     return docs
@@ -101,9 +131,16 @@ def apply_overrides(doc: dict[str, Any], sets: Iterable[str]) -> dict[str, Any]:
         if parts[0] not in ("spec", "metadata"):
             parts = ["spec", *parts]
         try:
-            value = yaml.safe_load(raw) if raw.strip() else ""
+            values = _load_all(raw) if raw.strip() else [""]
+            value = values[0] if values else None
         except yaml.YAMLError:
-            value = raw
+            value = raw  # not YAML: the text itself
+        except SpecError as err:
+            problems += [Problem("--set", f"{key}: {p.message}") for p in err.problems]
+            continue
+        except (RecursionError, ValueError, TypeError, OverflowError) as exc:
+            problems.append(Problem("--set", f"{key}: {_unreadable(exc)}"))
+            continue
         node: Any = doc
         for part in parts[:-1]:
             nxt = node.get(part) if isinstance(node, dict) else None
@@ -125,6 +162,10 @@ def parse_job(doc: Any, *, check_features: bool = True) -> SeqTrainJob:
     """Validate one decoded document; raise SpecError with every problem found."""
     if not isinstance(doc, dict):
         raise SpecError([Problem("<document>", f"expected a mapping (a SeqTrainJob), got {type(doc).__name__}")])
+    bounds = document_problems(doc)
+    if shape := [p for kind, p in bounds if kind in SHAPE]:
+        raise SpecError(shape)  # before anything walks it recursively
+    values = [p for _, p in bounds]
     head: list[Problem] = []
     if doc.get("apiVersion") != API_VERSION:
         head.append(Problem("apiVersion", f"must be {API_VERSION} (got {doc.get('apiVersion')!r})"))
@@ -135,7 +176,10 @@ def parse_job(doc: Any, *, check_features: bool = True) -> SeqTrainJob:
     try:
         job = SeqTrainJob.model_validate(doc)
     except ValidationError as err:
-        raise SpecError(from_validation_error(err, SeqTrainJob)) from None
+        typed = from_validation_error(err, SeqTrainJob)  # a typed field's own bound says more than int64's
+        raise SpecError(typed + [p for p in values if p.path not in {t.path for t in typed}]) from None
+    if values:
+        raise SpecError(values)
     problems = check(job)
     if check_features:
         problems += unavailable(job)

@@ -61,3 +61,60 @@ def name_problems(job: str, replicas: int, attempt: int = 10**6) -> list[str]:
         if len(name) > 253 or not DNS1123_SUBDOMAIN.match(name):
             out.append(f"{kind} name {name!r} would not be a valid DNS-1123 subdomain")
     return out
+
+
+# ---- Kubernetes' own rules for what a job adds to its pods (apimachinery's validation, checked before anything is
+# created: the apiserver would refuse the pod after the status already said GangCreated) -----------------------------
+MAX_LABEL = 63
+MAX_SUBDOMAIN = 253
+MAX_ANNOTATIONS_BYTES = 256 * 1024  # kube-apiserver's TotalAnnotationSizeLimitB: keys and values of one object
+_QUALIFIED_NAME = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
+_ENV_VAR_NAME = re.compile(r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
+
+
+def _show(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:60] + f"... ({len(text)} characters)"
+
+
+def qualified_name_problem(key: object) -> str | None:
+    """A label or annotation key: `[prefix/]name`, prefix a DNS-1123 subdomain, name at most 63 characters of
+    letters, digits, '-', '_', '.', starting and ending with a letter or digit."""
+    if not isinstance(key, str):
+        return f"{_show(key)} is not a string"
+    prefix, slash, name = key.rpartition("/")
+    if slash and (not prefix or len(prefix) > MAX_SUBDOMAIN or not DNS1123_SUBDOMAIN.match(prefix)):
+        return (f"{_show(key)}: the prefix before '/' must be a DNS-1123 subdomain of at most {MAX_SUBDOMAIN} "
+                "characters (lowercase letters, digits, '-', '.')")
+    if len(name) > MAX_LABEL or not _QUALIFIED_NAME.match(name):
+        return (f"{_show(key)}: the name must be at most {MAX_LABEL} characters of letters, digits, '-', '_', '.', "
+                "starting and ending with a letter or digit")
+    return None
+
+
+def label_value_problem(value: object) -> str | None:
+    if not isinstance(value, str):
+        return f"{_show(value)} is not a string (quote it)"
+    if value and (len(value) > MAX_LABEL or not _QUALIFIED_NAME.match(value)):
+        return (f"{_show(value)} must be empty or at most {MAX_LABEL} characters of letters, digits, '-', '_', '.', "
+                "starting and ending with a letter or digit")
+    return None
+
+
+def annotations_size(annotations: dict[str, str]) -> int:
+    return sum(len(str(k).encode()) + len(str(v).encode()) for k, v in annotations.items())
+
+
+def dns1123_label_problem(name: object) -> str | None:
+    """Container, volume and port names."""
+    if not isinstance(name, str) or len(name) > MAX_LABEL or not DNS1123_LABEL.match(name):
+        return (f"{_show(name)} must be a DNS-1123 label: at most {MAX_LABEL} lowercase letters, digits and '-', "
+                "starting and ending with a letter or digit")
+    return None
+
+
+def env_var_name_problem(name: object) -> str | None:
+    if not isinstance(name, str) or not _ENV_VAR_NAME.match(name):
+        return (f"{_show(name)} is not a valid environment variable name (letters, digits, '-', '_', '.', not "
+                "starting with a digit)")
+    return None

@@ -24,6 +24,16 @@ from typing import Any
 from pydantic import Field
 
 from seqtrain.spec.base import SpecModel
+from seqtrain.spec.names import (
+    DNS1123_SUBDOMAIN,
+    MAX_ANNOTATIONS_BYTES,
+    MAX_SUBDOMAIN,
+    annotations_size,
+    dns1123_label_problem,
+    env_var_name_problem,
+    label_value_problem,
+    qualified_name_problem,
+)
 
 TRAINER_CONTAINER = "trainer"
 # Ports the trainer container listens on with the operator's defaults (--master-port, --progress-port); a sidecar
@@ -37,8 +47,11 @@ OWNED_ENV = frozenset({
     "GROUP_RANK", "ROLE_RANK", "POD_NAME", "POD_IP", "NODE_NAME",
 })
 OWNED_ENV_PREFIXES = ("SEQTRAIN_", "TORCHELASTIC_")
-# ... except the fault-injection variables (seqtrain.runtime.faults): a user may run a fault drill on a cluster.
+# ... except the fault-injection variables (seqtrain.runtime.faults): a user may run a fault drill on a cluster,
+# and the trainer settings the user guide tells users to set in the trainer's environment (the operator never sets
+# them): the checkpoint I/O deadline, the async writer's kind and the kernels switch.
 DRILL_ENV_PREFIX = "SEQTRAIN_FAULT_"
+USER_ENV = frozenset({"SEQTRAIN_CHECKPOINT_TIMEOUT_SECONDS", "SEQTRAIN_CHECKPOINT_WRITER", "SEQTRAIN_KERNELS"})
 # Label / annotation prefixes the operator or the gang schedulers it drives own.
 OWNED_META_PREFIXES = (
     "seqtrain.dev/", "app.kubernetes.io/managed-by", "kueue.x-k8s.io/", "scheduling.x-k8s.io/",
@@ -48,7 +61,6 @@ OWNED_META_PREFIXES = (
 # The trainer container's own resources come from spec.resources; the override may add extended resources only.
 OWNED_RESOURCES = frozenset({"cpu", "memory", "ephemeral-storage", "nvidia.com/gpu"})
 _QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")
-_DNS1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _TRAINER_FIELDS = ("env", "envFrom", "volumeMounts", "resources", "securityContext")
 _OBJ = {"x-kubernetes-preserve-unknown-fields": True}
 
@@ -108,7 +120,28 @@ def _owned_meta(key: str) -> bool:
 
 def owned_env(name: str) -> bool:
     """An env var of the trainer container that only the operator sets."""
+    if name in USER_ENV:
+        return False
     return name in OWNED_ENV or (name.startswith(OWNED_ENV_PREFIXES) and not name.startswith(DRILL_ENV_PREFIX))
+
+
+def _d(x: Any) -> dict[str, Any]:
+    return x if isinstance(x, dict) else {}
+
+
+def _l(x: Any) -> list[Any]:
+    return x if isinstance(x, list) else []
+
+
+def _typed(c: dict[str, Any], key: str, kind: type, where: str, out: list[tuple[str, str]]) -> Any:
+    """c[key] if absent or of `kind`; else a problem naming it (core/v1 objects are kept as written, so a list where
+    an object belongs would only fail when the pod is created)."""
+    value = c.get(key)
+    if value is not None and not isinstance(value, kind):
+        out.append((f"{where}.{key}", f"must be {'a list' if kind is list else 'an object'}, not "
+                                      f"{type(value).__name__}"))
+        return kind()
+    return value if value is not None else kind()
 
 
 def _path_clash(path: str) -> str | None:
@@ -119,7 +152,7 @@ def _path_clash(path: str) -> str | None:
     return None
 
 
-def _names(items: list[dict[str, Any]], where: str, out: list[tuple[str, str]]) -> list[str]:
+def _names(items: list[Any], where: str, out: list[tuple[str, str]]) -> list[str]:
     names = []
     for i, item in enumerate(items):
         name = item.get("name") if isinstance(item, dict) else None
@@ -134,28 +167,36 @@ def _names(items: list[dict[str, Any]], where: str, out: list[tuple[str, str]]) 
 
 def _container(c: dict[str, Any], where: str, out: list[tuple[str, str]], sidecar: bool) -> None:
     name = c.get("name")
-    if isinstance(name, str) and name and not _DNS1123.match(name):
-        out.append((f"{where}.name", f"{name!r} must be a DNS-1123 label"))
+    if isinstance(name, str) and name and (why := dns1123_label_problem(name)):
+        out.append((f"{where}.name", why))
     if sidecar and not c.get("image"):
         out.append((f"{where}.image", "required for a sidecar or init container"))
-    for i, e in enumerate(c.get("env") or []):
+    for i, e in enumerate(_typed(c, "env", list, where, out)):
         n = e.get("name") if isinstance(e, dict) else None
         if not n:
             out.append((f"{where}.env[{i}].name", "required"))
+        elif why := env_var_name_problem(n):
+            out.append((f"{where}.env[{i}].name", why))
         elif not sidecar and owned_env(n):
             out.append((f"{where}.env[{i}].name", f"{n} is set by the operator (rank and rendezvous): remove it"))
-    for i, m in enumerate(c.get("volumeMounts") or []):
+    for i, e in enumerate(_typed(c, "envFrom", list, where, out)):
+        prefix = _d(e).get("prefix")
+        if not isinstance(e, dict) or not any(k in e for k in ("configMapRef", "secretRef")):
+            out.append((f"{where}.envFrom[{i}]", "needs configMapRef or secretRef"))
+        elif prefix is not None and (why := env_var_name_problem(prefix)):
+            out.append((f"{where}.envFrom[{i}].prefix", why))
+    for i, m in enumerate(_typed(c, "volumeMounts", list, where, out)):
         path = m.get("mountPath") if isinstance(m, dict) else None
-        if not path or not m.get("name"):
+        if not isinstance(path, str) or not path or not isinstance(m.get("name"), str) or not m.get("name"):
             out.append((f"{where}.volumeMounts[{i}]", "needs name and mountPath"))
         elif not sidecar and (owned := _path_clash(path)):
             out.append((f"{where}.volumeMounts[{i}].mountPath",
                         f"{path} overlaps the operator's mount {owned}: mount somewhere else (e.g. /data)"))
         elif not sidecar and m.get("name") in OWNED_VOLUMES:
             out.append((f"{where}.volumeMounts[{i}].name", f"volume {m.get('name')!r} is the operator's"))
-    for i, p in enumerate(c.get("ports") or []):
+    for i, p in enumerate(_typed(c, "ports", list, where, out)):
         port = p.get("containerPort") if isinstance(p, dict) else None
-        if port in OPERATOR_PORTS:
+        if isinstance(port, int) and port in OPERATOR_PORTS:
             out.append((f"{where}.ports[{i}].containerPort",
                         f"{port} is the trainer's {OPERATOR_PORTS[port]} port in the same pod: use another"))
 
@@ -168,7 +209,7 @@ def _trainer(c: dict[str, Any], where: str, out: list[tuple[str, str]]) -> None:
             out.append((f"{where}.{key}", f"cannot override the trainer's {key} "
                         f"({hint.get(key, 'allowed here: ' + ', '.join(_TRAINER_FIELDS))})"))
     _container(c, where, out, sidecar=False)
-    res = c.get("resources") or {}
+    res = _typed(c, "resources", dict, where, out)
     for part, values in res.items():
         if part not in ("requests", "limits") or not isinstance(values, dict):
             out.append((f"{where}.resources.{part}", "only requests and limits of extended resources"))
@@ -180,39 +221,54 @@ def _trainer(c: dict[str, Any], where: str, out: list[tuple[str, str]]) -> None:
             elif "/" not in rname:
                 out.append((f"{where}.resources.{part}.{rname}",
                             "only extended resources (vendor/name, e.g. rdma/ib) can be added"))
-            elif not _QUANTITY.match(str(qty)):
-                out.append((f"{where}.resources.{part}.{rname}", f"{qty!r} is not a Kubernetes quantity"))
-    req, lim = res.get("requests") or {}, res.get("limits") or {}
+            elif not isinstance(qty, str | int) or isinstance(qty, bool) or len(str(qty)) > 64 \
+                    or not _QUANTITY.match(str(qty)):
+                out.append((f"{where}.resources.{part}.{rname}", f"{str(qty)[:64]!r} is not a Kubernetes quantity"))
+    req, lim = _d(res.get("requests")), _d(res.get("limits"))
     for rname in set(req) & set(lim):
         if str(req[rname]) != str(lim[rname]):
             out.append((f"{where}.resources.limits.{rname}",
                         "extended resources cannot be overcommitted: requests and limits must be equal"))
-    sc = c.get("securityContext") or {}
+    sc = _typed(c, "securityContext", dict, where, out)
     for key in sc:
         if key != "capabilities":
             out.append((f"{where}.securityContext.{key}",
                         "only capabilities.add can be changed (the operator runs the trainer non-root, read-only)"))
-    caps = sc.get("capabilities") or {}
+    caps = _d(sc.get("capabilities"))
     for key in caps:
         if key != "add":
             out.append((f"{where}.securityContext.capabilities.{key}", "only add (the operator drops ALL first)"))
-    for i, cap in enumerate(caps.get("add") or []):
+    for i, cap in enumerate(_typed(caps, "add", list, f"{where}.securityContext.capabilities", out)):
         if not isinstance(cap, str) or not re.fullmatch(r"[A-Z_]+", cap.removeprefix("CAP_")):
             out.append((f"{where}.securityContext.capabilities.add[{i}]", f"{cap!r} is not a capability name"))
-        elif cap.removeprefix("CAP_") == "SYS_ADMIN":
+        elif cap.removeprefix("CAP_") in ("SYS_ADMIN", "ALL"):
             out.append((f"{where}.securityContext.capabilities.add[{i}]",
-                        "SYS_ADMIN is not allowed (IPC_LOCK is what RDMA needs)"))
+                        f"{cap} is not allowed{' (it includes SYS_ADMIN)' if cap == 'ALL' else ''}; IPC_LOCK is "
+                        "what RDMA needs"))
 
 
-def template_problems(t: PodTemplate) -> list[tuple[str, str]]:
-    """(path relative to spec.podTemplate, message) for every override of an operator-owned field."""
-    out: list[tuple[str, str]] = []
+def _metadata(t: PodTemplate, out: list[tuple[str, str]]) -> None:
     for kind in ("labels", "annotations"):
-        for key in getattr(t.metadata, kind):
-            if _owned_meta(key):
+        for key, value in getattr(t.metadata, kind).items():
+            if why := qualified_name_problem(key):
+                out.append((f"metadata.{kind}.{key}", f"not a valid {kind[:-1]} key: {why}"))
+            elif _owned_meta(key):
                 why = ("set spec.scheduling.gang/queue instead" if not key.startswith(("seqtrain.dev/", "app."))
                        else "the operator selects its pods by it")
                 out.append((f"metadata.{kind}.{key}", f"owned by the operator: {why}"))
+            elif kind == "labels" and (why := label_value_problem(value)):
+                out.append((f"metadata.labels.{key}", f"not a valid label value: {why}"))
+    if (size := annotations_size(t.metadata.annotations)) > MAX_ANNOTATIONS_BYTES:
+        out.append(("metadata.annotations", f"{size} bytes in all; Kubernetes allows at most "
+                                            f"{MAX_ANNOTATIONS_BYTES} (256 KiB) of annotations on a pod: move data "
+                                            "into a ConfigMap or a volume"))
+
+
+def template_problems(t: PodTemplate) -> list[tuple[str, str]]:
+    """(path relative to spec.podTemplate, message) for every override of an operator-owned field and every name
+    Kubernetes itself would refuse."""
+    out: list[tuple[str, str]] = []
+    _metadata(t, out)
     s = t.spec
     names = _names(s.containers, "spec.containers", out)
     init_names = _names(s.init_containers, "spec.initContainers", out)
@@ -232,17 +288,23 @@ def template_problems(t: PodTemplate) -> list[tuple[str, str]]:
         if name in OWNED_VOLUMES:
             out.append((f"spec.volumes[{i}].name", f"{name!r} is one of the operator's volumes "
                         f"({', '.join(OWNED_VOLUMES)}): rename it"))
+        elif why := dns1123_label_problem(name):
+            out.append((f"spec.volumes[{i}].name", why))
     declared = set(_names(s.volumes, "spec.volumes", []))
     for c in [*s.containers, *s.init_containers]:
-        for m in c.get("volumeMounts") or []:
+        for m in _l(c.get("volumeMounts")):
             vol = m.get("name") if isinstance(m, dict) else None
-            if vol and vol not in declared and vol not in OWNED_VOLUMES:
+            if isinstance(vol, str) and vol and vol not in declared and vol not in OWNED_VOLUMES:
                 out.append((f"spec.containers[{c.get('name')}].volumeMounts",
                             f"mounts volume {vol!r}, which spec.podTemplate.spec.volumes does not declare"))
     if s.affinity is not None:
         for key in s.affinity:
             if key not in ("nodeAffinity", "podAffinity", "podAntiAffinity"):
                 out.append((f"spec.affinity.{key}", "unknown affinity kind"))
-    if s.service_account_name is not None and not _DNS1123.match(s.service_account_name.replace(".", "-")):
-        out.append(("spec.serviceAccountName", f"{s.service_account_name!r} is not a valid name"))
+            elif not isinstance(s.affinity[key], dict):
+                out.append((f"spec.affinity.{key}", f"must be an object, not {type(s.affinity[key]).__name__}"))
+    if s.service_account_name is not None and (len(s.service_account_name) > MAX_SUBDOMAIN or
+                                               not DNS1123_SUBDOMAIN.match(s.service_account_name)):
+        out.append(("spec.serviceAccountName", f"{s.service_account_name[:80]!r} is not a valid name (a DNS-1123 "
+                                               "subdomain of at most 253 characters)"))
     return out
