@@ -264,3 +264,17 @@ def test_workload_deletes_and_boosts_go_to_the_served_version_and_are_skipped_wh
         asyncio.run(adapter.on_finished(kube, j, OWNER, []))
     assert seen == ["patch kueue.x-k8s.io/v1beta2", "delete kueue.x-k8s.io/v1beta2",
                     "patch kueue.x-k8s.io/v1beta1", "delete kueue.x-k8s.io/v1beta1"]
+
+
+@pytest.mark.parametrize(("topology", "annotations"), [
+    (None, {}),  # not set in the spec: no TAS request (a queue without a Topology would never admit one)
+    ({"policy": "require", "keys": ["topology.kubernetes.io/zone", "example.com/rack"]},
+     {kq.REQUIRED_TOPOLOGY: "example.com/rack"}),
+    ({"policy": "pack", "keys": ["example.com/rack"]}, {kq.PREFERRED_TOPOLOGY: "example.com/rack"}),
+    ({"policy": "spread"}, {}), ({"policy": "none"}, {})])
+def test_a_kueue_gang_carries_the_tas_request_its_topology_asks_for(topology, annotations):
+    j = job().model_dump(by_alias=True, exclude_unset=True)
+    if topology is not None:
+        j["spec"]["scheduling"]["topology"] = topology
+    _, ann = adapter_for("kueue").pod_metadata(SeqTrainJob.model_validate(j), OWNER, 1)
+    assert {k: v for k, v in ann.items() if "topology" in k} == annotations

@@ -44,10 +44,31 @@ WORKLOAD_VERSIONS = ("v1beta2", "v1beta1")
 WORKLOADS = "workloads"
 WORKLOAD_CRD = f"{WORKLOADS}.{WORKLOAD_GROUP}"
 BOOST_ANNOTATION = "kueue.x-k8s.io/priority-boost"
+# Topology-Aware Scheduling (beta, on by default since v0.14): a pod group's request for one domain of a level of
+# the ClusterQueue flavor's Topology. Kueue gates the pods (`kueue.x-k8s.io/topology`) until it has chosen nodes.
+REQUIRED_TOPOLOGY = "kueue.x-k8s.io/podset-required-topology"
+PREFERRED_TOPOLOGY = "kueue.x-k8s.io/podset-preferred-topology"
+UNCONSTRAINED_TOPOLOGY = "kueue.x-k8s.io/podset-unconstrained-topology"
 
 # (namespace, group) -> the boost last written to its Workload: a pass writes only a change. Lost with the process:
 # a new operator writes each running job's boost once more.
 _boosts: dict[tuple[str, str], int] = {}
+
+
+def topology_request(job: SeqTrainJob) -> dict[str, str]:
+    """scheduling.topology as Kueue's TAS annotation. `keys` are outermost first, so the last one names the
+    smallest domain the gang should share: `require` asks for one such domain (the gang waits until one has room),
+    `pack` prefers one (Kueue falls back to as few domains as fit), `spread` and `none` ask for no domain.
+    Only a topology the spec sets is passed on: Kueue admits a TAS request only through a flavor that names a
+    Topology, so the default (`pack` by zone) must not make every job unadmissible on a queue without one."""
+    if "topology" not in job.spec.scheduling.model_fields_set:
+        return {}
+    topo = job.spec.scheduling.topology
+    if topo.policy == "require" and topo.keys:
+        return {REQUIRED_TOPOLOGY: topo.keys[-1]}
+    if topo.policy == "pack" and topo.keys:
+        return {PREFERRED_TOPOLOGY: topo.keys[-1]}
+    return {}
 
 
 def workload_api(served: list[str]) -> str | None:
@@ -87,7 +108,7 @@ class Kueue(GangScheduler):
         labels = {GROUP_LABEL: self.group_name(job, owner, attempt)}
         if job.spec.scheduling.queue:
             labels[QUEUE_LABEL] = job.spec.scheduling.queue
-        return labels, {TOTAL_ANNOTATION: str(job.spec.replicas)}
+        return labels, {TOTAL_ANNOTATION: str(job.spec.replicas), **topology_request(job)}
 
     def queued(self, pod: Pod) -> bool:
         return GATE in [g.get("name") for g in (pod.get("spec") or {}).get("schedulingGates") or []]
