@@ -127,7 +127,7 @@ def test_metrics_tail_follows_appends_partial_lines_and_rewrites(tmp_path: Path)
         f.write(json.dumps({"step": 1, "loss": 5.0, "tokens_per_s": 100.0, "time": 0}) + "\n")
         f.write('{"step": 2, "lo')  # a line being written
     p = tail.progress()
-    assert p is not None and p.step == 1 and p.loss == 5.0 and p.tokens_per_second == 100.0
+    assert p is not None and p.step == 1 and p.loss == 5.0 and p.last_tokens_per_second == 100.0
     with open(path, "a") as f:
         f.write('ss": 4.0}\n')
     assert tail.progress().step == 2  # type: ignore[union-attr]

@@ -27,16 +27,14 @@ or fails it after the trainer succeeded):
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterable, Mapping
 from datetime import datetime
-from typing import Any, NamedTuple
+from typing import Any
 
 from seqtrain.runtime.exitcodes import last_error
 from seqtrain.runtime.restart import rounds_in
-from seqtrain.spec.status import CheckpointPolicy, CheckpointRef, Progress, WorkAtRisk
-from seqtrain_operator.controller.checkpoint_policy import checkpoint_report
+from seqtrain.spec.progress_doc import ProgressError, Reported, parse_progress, read_progress
 from seqtrain_operator.controller.clock import parse, seconds_between
 from seqtrain_operator.controller.failure_policy import IMAGE_PULL_REASONS, kubelet_rejected
 from seqtrain_operator.controller.types import ReplicaObservation
@@ -224,39 +222,13 @@ def awaiting_scheduler(pod: Mapping[str, Any]) -> bool:
                    for c in status.get("conditions") or [])
 
 
-class Reported(NamedTuple):
-    """What the trainer's progress document says: its progress, the latest complete checkpoint it reports
-    (`lastCheckpoint: {step, path, time}`), and the checkpoints it set aside as unusable
-    (`skippedCheckpoints: [{step, reason}]`)."""
-
-    progress: Progress | None = None
-    checkpoint: CheckpointRef | None = None
-    skipped: tuple[tuple[int, str], ...] = ()
-    policy: CheckpointPolicy | None = None  # `checkpointPolicy`: the interval in force and its inputs
-    at_risk: WorkAtRisk | None = None  # `workAtRisk`: what a failure now would lose
-
-
-def progress_from_json(data: Any) -> Reported:
-    """The trainer's progress JSON (GET /progress, or the termination message) -> what it reports."""
-    if not isinstance(data, dict) or "step" not in data:
-        return Reported()
-    ck = data.get("lastCheckpoint")
+def progress_from_json(data: bytes | str | Mapping[str, Any]) -> Reported:
+    """The trainer's progress document (GET /progress, a push, or the termination message), raw or decoded -> what
+    it reports; `Reported()` (nothing) for anything the one reader refuses (seqtrain.spec.progress_doc)."""
     try:
-        progress = Progress.model_validate({k: v for k, v in data.items() if k not in (
-            "lastCheckpoint", "skippedCheckpoints", "checkpointPolicy", "workAtRisk")})
-    except ValueError:
+        return parse_progress(data) if isinstance(data, bytes | str) else read_progress(data)
+    except ProgressError:
         return Reported()
-    ref = None
-    if isinstance(ck, dict) and isinstance(ck.get("step"), int):
-        try:
-            ref = CheckpointRef.model_validate(ck)
-        except ValueError:
-            ref = None
-    skipped = tuple((int(s["step"]), str(s.get("reason") or "unusable"))
-                    for s in data.get("skippedCheckpoints") or []
-                    if isinstance(s, dict) and isinstance(s.get("step"), int))
-    policy, at_risk = checkpoint_report(data)
-    return Reported(progress, ref, skipped, policy, at_risk)
 
 
 def final_progress(pods: Iterable[Mapping[str, Any]], attempt: int) -> Reported:
@@ -266,10 +238,7 @@ def final_progress(pods: Iterable[Mapping[str, Any]], attempt: int) -> Reported:
         if labels.get(LABEL_REPLICA) == "0" and labels.get(LABEL_ATTEMPT) == str(attempt):
             text = _terminated(pod).get("message")
             if _looks_like_json(text):
-                try:
-                    return progress_from_json(json.loads(text))  # type: ignore[arg-type]
-                except ValueError:
-                    return Reported()
+                return progress_from_json(text)  # type: ignore[arg-type]
     return Reported()
 
 

@@ -1,18 +1,19 @@
 """Polling rank 0's progress endpoint (`GET http://<pod IP>:<progressPort>/progress`, served by
 `seqtrain.obs.progress`). Optional: without a port, or when the pod does not answer within the timeout, the
 operator goes on without progress (the termination message still gives the final one). The body is read up to
-MAX_BODY_BYTES only: the pod is the user's, and a progress document is a few hundred bytes."""
+MAX_BODY_BYTES only (the pod is the user's, and a progress document is a few hundred bytes) and checked by the
+one progress reader (seqtrain.spec.progress_doc) that the push endpoint and the local backend use too."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 
 import aiohttp
 
+from seqtrain.spec.progress_doc import MAX_DOC_BYTES
 from seqtrain_operator.k8s.observe import Reported, progress_from_json
 
-MAX_BODY_BYTES = 64 * 1024
+MAX_BODY_BYTES = MAX_DOC_BYTES
 
 
 def authority(host: str, port: int | str) -> str:
@@ -31,9 +32,23 @@ async def poll_progress(ip: str, port: int, timeout: float = 2.0) -> Reported:
                 session.get(url) as resp:
             if resp.status != 200:
                 return Reported()
-            body = await resp.content.read(MAX_BODY_BYTES + 1)
+            body = await read_capped(resp.content, MAX_BODY_BYTES + 1)
             if len(body) > MAX_BODY_BYTES:
                 return Reported()  # not a progress document: nothing more is read
-            return progress_from_json(json.loads(body))
+            return progress_from_json(body)
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, OSError):
         return Reported()
+
+
+async def read_capped(stream: aiohttp.StreamReader, limit: int) -> bytes:
+    """The body up to its end or `limit` bytes, whichever comes first: one `read(n)` returns only what is
+    buffered, so a body that arrives in several TCP segments would otherwise be cut short."""
+    chunks: list[bytes] = []
+    size = 0
+    while size < limit:
+        chunk = await stream.read(limit - size)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+    return b"".join(chunks)

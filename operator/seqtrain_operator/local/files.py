@@ -11,8 +11,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from seqtrain.checkpoint import discovery
+from seqtrain.spec.progress_doc import MAX_DOC_BYTES, ProgressError, Reported, parse_progress, read_progress
 from seqtrain.spec.status import CheckpointPolicy, CheckpointRef, JobStatus, Progress, WorkAtRisk
-from seqtrain_operator.controller.checkpoint_policy import checkpoint_report
 from seqtrain_operator.controller.clock import iso
 
 
@@ -33,7 +33,8 @@ def atomic_write_text(path: str, text: str) -> None:
 
 
 def write_status(workdir: str, status: JobStatus) -> None:
-    atomic_write_text(os.path.join(workdir, "status.json"), json.dumps(status.to_dict(), indent=2) + "\n")
+    text = json.dumps(status.to_dict(), indent=2, allow_nan=False)  # to_dict writes a non-finite figure as null
+    atomic_write_text(os.path.join(workdir, "status.json"), text + "\n")
 
 
 def read_status(workdir: str) -> JobStatus | None:
@@ -69,6 +70,10 @@ class MetricsTail:
         self._ino: int | None = None
         self._partial = ""
         self.last: dict[str, Any] | None = None
+        # tokens and training seconds of every step in the file: the run's average where a record lacks the
+        # trainer's own (run_tokens_per_s); the file holds the kept steps of earlier attempts too
+        self.tokens = 0.0
+        self.seconds = 0.0
 
     def poll(self) -> dict[str, Any] | None:
         """Read what was appended since the last call; return the latest complete record (or the previous one)."""
@@ -78,6 +83,7 @@ class MetricsTail:
             return self.last
         if st.st_ino != self._ino or st.st_size < self._offset:
             self._ino, self._offset, self._partial = st.st_ino, 0, ""
+            self.tokens = self.seconds = 0.0
         if st.st_size == self._offset:
             return self.last
         with open(self.path, encoding="utf-8") as f:
@@ -93,48 +99,79 @@ class MetricsTail:
                 continue
             if isinstance(rec, dict) and "step" in rec:
                 self.last = rec
+                tokens, seconds = rec.get("tokens"), rec.get("step_time_s")
+                if _figure(tokens) and _figure(seconds):
+                    self.tokens += tokens
+                    self.seconds += seconds
         return self.last
 
     def progress(self) -> Progress | None:
+        """The latest step as the progress document's reader sees it (None before the first step, or when the
+        record is not one a trainer writes)."""
         rec = self.poll()
         if rec is None:
             return None
-        t = rec.get("time")
-        updated = iso(datetime.fromtimestamp(float(t), timezone.utc)) if isinstance(t, int | float) else None
-        tps = rec.get("tokens_per_s")
-        return Progress(step=int(rec["step"]), loss=_num(rec.get("loss")),
-                        tokens_per_second=_num(tps), updated_at=updated)
+        return progress_of_record(rec, self.tokens / self.seconds if self.seconds > 0 else None)
 
 
-# What the trainer's progress.json (seqtrain.obs.progress) adds to the metrics.jsonl view of progress.
-_TRAINER_PROGRESS_FIELDS = ("mfu", "val_loss", "val_perplexity", "val_bits_per_byte", "best_val_loss", "best_step",
-                            "stop_reason", "stop_message", "attempt", "training_started_at", "checkpoint_seconds",
-                            "step_seconds", "restart_round", "step_reached_before", "resumed_from")
+def _figure(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and 0 <= v < 1e15
+
+
+def progress_of_record(rec: dict[str, Any], run_tokens_per_s: float | None = None) -> Progress | None:
+    """A metrics.jsonl record -> Progress, through the one progress reader (bounds, NaN -> null)."""
+    t = rec.get("time")
+    updated = None
+    if isinstance(t, int | float) and not isinstance(t, bool) and 0 <= t < 1e11:
+        updated = iso(datetime.fromtimestamp(float(t), timezone.utc))
+    doc = {"step": rec.get("step"), "loss": rec.get("loss"), "lastTokensPerSecond": rec.get("tokens_per_s"),
+           "tokensPerSecond": rec.get("run_tokens_per_s", run_tokens_per_s), "etaSeconds": rec.get("eta_s"), "updatedAt": updated}
+    if "loss" in (rec.get("non_finite") or ()):
+        doc["lossNonFinite"] = True
+    try:
+        return read_progress(doc).progress
+    except ProgressError:
+        return None
+
+
+# What a metrics.jsonl record says of the latest step: these come from it (rank 0 appends one every step), the rest
+# of the progress from `<workdir>/progress.json` (rewritten at most every second).
+_PER_STEP = ("step", "loss", "loss_non_finite", "last_tokens_per_second", "updated_at")
+
+
+def read_trainer_progress(path: str) -> Reported:
+    """`<workdir>/progress.json` through the one progress reader; `Reported()` when absent or refused."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_DOC_BYTES + 1)
+        return parse_progress(raw)
+    except (OSError, ProgressError):
+        return Reported()
 
 
 def with_trainer_progress(progress: Progress | None, path: str) -> Progress | None:
-    """Overlay MFU, validation figures and the stop reason from `<workdir>/progress.json` (rank 0 writes it
-    atomically) onto the progress read from metrics.jsonl."""
+    """The progress read from metrics.jsonl (the latest step), with what the trainer's `<workdir>/progress.json`
+    adds: MFU, validation figures, the stop reason, the attempt, the run's average tokens/s and ETA where the
+    record lacks them."""
     if progress is None:
         return None
-    try:
-        with open(path, encoding="utf-8") as f:
-            extra = Progress.model_validate(json.load(f))
-    except (OSError, ValueError):
+    extra = read_trainer_progress(path).progress
+    if extra is None:
         return progress
-    out = progress.model_copy()
-    for name in _TRAINER_PROGRESS_FIELDS:
-        setattr(out, name, getattr(extra, name))
+    out = extra.model_copy()
+    for name in _PER_STEP:
+        setattr(out, name, getattr(progress, name))
+    for name in ("tokens_per_second", "eta_seconds"):
+        if getattr(progress, name) is not None:
+            setattr(out, name, getattr(progress, name))
+    out.percent = round(min(100.0, 100.0 * out.step / out.total_steps), 1) if out.total_steps > 0 else None
     return out
 
 
 def trainer_checkpoint_report(path: str) -> tuple[CheckpointPolicy | None, WorkAtRisk | None]:
     """`checkpointPolicy` and `workAtRisk` from `<workdir>/progress.json` (None when absent or unreadable)."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            return checkpoint_report(json.load(f))
-    except (OSError, ValueError):
-        return None, None
+    reported = read_trainer_progress(path)
+    return reported.policy, reported.at_risk
 
 
 def read_metrics(path: str) -> list[dict[str, Any]]:
@@ -151,7 +188,3 @@ def read_metrics(path: str) -> list[dict[str, Any]]:
     except OSError:
         pass
     return out
-
-
-def _num(v: Any) -> float | None:
-    return float(v) if isinstance(v, int | float) else None

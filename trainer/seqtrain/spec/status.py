@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Literal
+import math
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
@@ -42,8 +43,19 @@ class ReplicaPlacement(_StatusModel):
 class Progress(_StatusModel):
     step: int = 0
     total_steps: int = 0
-    loss: float | None = None
-    tokens_per_second: float | None = None
+    percent: float | None = Field(None, description="step / totalSteps, in percent (one decimal).")
+    eta_seconds: float | None = Field(None, description="Seconds until totalSteps at the wall time per step of this "
+                                      "attempt's recent steps (checkpoint saves and evaluations included, restarts "
+                                      "and start-up not); null until this attempt has completed two steps.")
+    loss: float | None = Field(None, description="Training loss of the last step; null when it was not a finite "
+                               "number (then lossNonFinite is true).")
+    loss_non_finite: bool | None = Field(None, description="True when the last step's loss was NaN, Infinity or "
+                                         "beyond 1e9: the run is diverging.")
+    non_finite_steps: int | None = Field(None, description="Steps of this trainer process whose loss was not "
+                                         "finite.")
+    tokens_per_second: float | None = Field(None, description="Tokens trained per second of training, averaged "
+                                            "over the run (every kept step, across restarts).")
+    last_tokens_per_second: float | None = Field(None, description="Tokens per second of the last step alone.")
     updated_at: str | None = None
     mfu: float | None = Field(None, description="Model FLOPs utilisation (0..1) of the last step; absent on CPU.")
     val_loss: float | None = Field(None, description="Validation loss of the last evaluation.")
@@ -175,4 +187,19 @@ class JobStatus(_StatusModel):
         "step; the next attempt failing the same way fails the job (a deterministic start-up failure).")
 
     def to_dict(self) -> dict:
-        return self.model_dump(by_alias=True, mode="json", exclude_none=True)
+        """The status as written (CR `.status`, status.json): JSON-safe, a non-finite figure written as null, since
+        the API server refuses a bare NaN and a refused status write would leave the job's restarts and end
+        unrecorded."""
+        return json_safe(self.model_dump(by_alias=True, mode="json", exclude_none=True))
+
+
+def json_safe(obj: Any) -> Any:
+    """`obj` with every non-finite float (NaN, +-Infinity) replaced by None, so that `json.dumps(...,
+    allow_nan=False)` takes it: what seqtrain writes is JSON (RFC 8259 has no NaN)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [json_safe(v) for v in obj]
+    return obj
