@@ -8,8 +8,10 @@ no file may run code when it is loaded. Every unpickling in seqtrain goes throug
 - `restricted_loads()`: while a library loads its own files (DeepSpeed's `zero/*.pt`, DCP's byte items), every
   `torch.load` it makes is held to weights_only=True with `LIBRARY_GLOBALS`, the few plain classes those
   libraries pickle (loss scaler, ZeRO stage enum, fragment addresses), whatever `weights_only` it asked for;
-- `SafeFileSystemReader`: DCP's `.metadata` (a raw pickle) through an Unpickler that builds only the
-  `torch.distributed.checkpoint` metadata classes, torch sizes/dtypes and plain containers.
+- `SafeFileSystemReader`: DCP's `.metadata` (a raw pickle) through an Unpickler that builds only the classes of
+  an exact (module, name) table (DCP's metadata dataclasses, torch sizes/dtypes/layouts, plain containers), and
+  whose result must be DCP metadata describing only byte ranges of this folder's `.distcp` files
+  (`check_dcp_metadata`).
 A file that names anything else (a planted payload) is refused before anything of it runs: `UnusableCheckpoint`
 naming the file. Errors are told apart: `UnusableCheckpoint` is the file's fault (refused, truncated, corrupt: the
 trainer sets the checkpoint aside and falls back to the previous one); `CheckpointUnavailable` is this moment's
@@ -19,12 +21,14 @@ kept and the rank exits CHECKPOINT_UNAVAILABLE, which the controller retries as 
 
 from __future__ import annotations
 
+import collections
 import contextlib
-import enum
 import errno
+import io
 import os
 import pickle
 import re
+import struct
 import sys
 import zipfile
 from collections.abc import Callable, Iterator
@@ -150,48 +154,310 @@ def restricted_loads(what: str) -> Iterator[list[Exception]]:
 
 
 # ---- DCP's .metadata ----------------------------------------------------------------------------------------
-_DCP_MODULES = ("torch.distributed.checkpoint.metadata",)
-_PLAIN = {("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "slice"),
-          ("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
-          ("pathlib", "PurePosixPath"), ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-          ("torch.distributed.checkpoint.planner", "LoadItemType"),
-          ("torch.distributed.checkpoint.planner", "WriteItemType")}
+# DCP writes `.metadata` with a plain `pickle.dump` (protocol 4 and up): dataclasses of
+# torch.distributed.checkpoint.metadata, the filesystem writer's _StorageInfo, torch sizes/dtypes/layouts and, as
+# StorageMeta.checkpoint_id, a path. These are every global that torch 2.11-2.13's DCP writes (recorded from real
+# saves of every engine, see tests/unit/test_untrusted_metadata.py): an exact (module, name) table, resolved here
+# from objects imported by seqtrain, never by importing or walking what the file names. A dotted name
+# ("torch.distributed.checkpoint.metadata" + "os.system") is just another name that is not in the table.
+METADATA_MAX_BYTES = 1 << 30  # far above any real `.metadata` (about 150 bytes per tensor chunk)
+_MAX_DIMS = 64  # a tensor's dimensions (DCP sizes and offsets): torch itself stops at 64
+_MAX_PATH = 64  # elements of a planner_data path (the nesting depth of the saved state dict)
+
+
+def _metadata_globals() -> dict[tuple[str, str], Any]:
+    import pathlib
+
+    from torch.distributed.checkpoint import filesystem, metadata
+
+    table: dict[tuple[str, str], Any] = {
+        ("torch.distributed.checkpoint.metadata", cls.__name__): cls
+        for cls in (metadata.Metadata, metadata.TensorStorageMetadata, metadata.BytesStorageMetadata,
+                    metadata.ChunkStorageMetadata, metadata.TensorProperties, metadata.MetadataIndex,
+                    metadata.StorageMeta, metadata._MEM_FORMAT_ENCODING)
+    }
+    table[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = filesystem._StorageInfo
+    table[("torch", "Size")] = torch.Size
+    table[("torch.serialization", "_get_layout")] = torch.serialization._get_layout  # a name -> torch.layout
+    table[("pathlib", "PosixPath")] = pathlib.PosixPath  # StorageMeta.checkpoint_id as the writer was given it
+    table[("pathlib", "PurePosixPath")] = pathlib.PurePosixPath
+    table[("collections", "OrderedDict")] = collections.OrderedDict
+    # Python >= 3.12 pickles an Enum member as getattr(EnumClass, "NAME"): only that, by `_enum_member`
+    table[("builtins", "getattr")] = _enum_member
+    for name in dir(torch):  # torch.float32 pickles as the global `torch float32`; torch.strided, torch.channels_last
+        value = getattr(torch, name, None)
+        if isinstance(value, torch.dtype | torch.layout | torch.memory_format) and name.isidentifier():
+            table[("torch", name)] = value
+    return table
 
 
 def _enum_member(cls: Any, name: Any) -> Any:
-    """What `builtins.getattr` may do here: Python >= 3.12 pickles an Enum member as getattr(EnumClass, "NAME")
-    (the trainer image's and the GPU machines' Python; 3.11 pickles it by value). Only a member of an Enum class the
-    Unpickler itself let through, by its member name: no other attribute of anything."""
-    if isinstance(cls, type) and issubclass(cls, enum.Enum) and isinstance(name, str) and name in cls.__members__:
+    """What `builtins.getattr` may do in DCP metadata: the member `name` of _MEM_FORMAT_ENCODING (Python >= 3.12
+    pickles an Enum member as getattr(EnumClass, "NAME"); 3.11 by value). No other attribute of anything."""
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
+
+    if cls is _MEM_FORMAT_ENCODING and isinstance(name, str) and name in cls.__members__:
         return cls[name]
-    raise pickle.UnpicklingError(f"getattr({getattr(cls, '__name__', type(cls).__name__)}, {name!r}) is not "
-                                 "allowed in DCP metadata (only members of its Enum classes)")
+    raise pickle.UnpicklingError(f"getattr({getattr(cls, '__name__', type(cls).__name__)}, {str(name)[:60]!r}) "
+                                 "is not allowed in DCP metadata (only members of its Enum classes)")
 
 
-class _MetadataUnpickler(pickle.Unpickler):
+class _MetadataUnpickler(pickle._Unpickler):  # type: ignore[name-defined]  # the Python one: each opcode is ours
+    """Builds only the objects of `_metadata_globals()`. The pure-Python Unpickler, so that every opcode that
+    could call, build or mutate something is checked here, not only the name lookups: REDUCE / NEWOBJ call only a
+    class or function of the table; BUILD fills only an instance (never a class: that would patch it for the whole
+    process) of a table class, and only with its own field names; APPEND(S) / SETITEM(S) / ADDITEMS act only on
+    plain lists / dicts / sets; INST, OBJ, the extension registry and persistent ids (never in DCP's files) are
+    refused. Reads come from the file's bytes in memory, so a declared length beyond them allocates nothing."""
+
+    dispatch = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
+
+    def __init__(self, data: bytes) -> None:
+        super().__init__(io.BytesIO(data))
+        self._globals = _globals()
+        self._callables = set(map(id, self._globals.values()))
+        self._classes = tuple(v for v in self._globals.values() if isinstance(v, type))
+
     def find_class(self, module: str, name: str) -> Any:
-        if (module, name) == ("builtins", "getattr"):
-            return _enum_member
-        if (module, name) in _PLAIN or (module in _DCP_MODULES and not name.startswith("__")):
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype | torch.layout |
-                                            torch.memory_format):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"global '{module}.{name}' is not allowed in DCP metadata")
+        found = self._globals.get((module, name)) if isinstance(module, str) and isinstance(name, str) else None
+        if found is None:
+            raise pickle.UnpicklingError(f"global '{str(module)[:80]}.{str(name)[:80]}' is not allowed in DCP "
+                                         "metadata")
+        return found
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise pickle.UnpicklingError("a persistent id is not allowed in DCP metadata")
+
+    def _refuse(self, what: str) -> None:
+        raise pickle.UnpicklingError(f"{what} is not allowed in DCP metadata")
+
+    def _callable(self, func: Any, opcode: str) -> None:
+        if id(func) not in self._callables:
+            self._refuse(f"{opcode} of a {type(func).__name__}")
+
+    def load_reduce(self) -> None:
+        self._callable(self.stack[-2], "REDUCE")
+        pickle._Unpickler.load_reduce(self)  # type: ignore[attr-defined]
+
+    def load_newobj(self) -> None:
+        self._callable(self.stack[-2], "NEWOBJ")
+        if not isinstance(self.stack[-2], type):
+            self._refuse("NEWOBJ of a function")
+        pickle._Unpickler.load_newobj(self)  # type: ignore[attr-defined]
+
+    def load_newobj_ex(self) -> None:
+        self._callable(self.stack[-3], "NEWOBJ_EX")
+        if not isinstance(self.stack[-3], type):
+            self._refuse("NEWOBJ_EX of a function")
+        pickle._Unpickler.load_newobj_ex(self)  # type: ignore[attr-defined]
+
+    def load_build(self) -> None:
+        state, inst = self.stack[-1], self.stack[-2]
+        if isinstance(inst, type) or not isinstance(inst, self._classes) or type(inst) not in self._classes:
+            self._refuse(f"BUILD of a {type(inst).__name__}")
+        import dataclasses
+
+        if dataclasses.is_dataclass(inst) and type(inst) is not _tensor_properties():
+            names = {f.name for f in dataclasses.fields(inst)}
+            slots = None
+            if isinstance(state, tuple) and len(state) == 2:
+                state, slots = state
+            for part in (state, slots):
+                if part is None:
+                    continue
+                if type(part) is not dict or not all(type(k) is str and k in names for k in part):
+                    self._refuse(f"BUILD of {type(inst).__name__} with other than its fields")
+        elif type(inst) is _tensor_properties():
+            if type(state) is not tuple:  # its __setstate__ unpacks a 5-tuple
+                self._refuse("BUILD of TensorProperties with other than a tuple")
+        else:
+            self._refuse(f"BUILD of a {type(inst).__name__}")
+        pickle._Unpickler.load_build(self)  # type: ignore[attr-defined]
+
+    def _on(self, kind: type | tuple[type, ...], opcode: str, at: Any) -> None:
+        if type(at) not in (kind if isinstance(kind, tuple) else (kind,)):
+            self._refuse(f"{opcode} on a {type(at).__name__}")
+
+    def load_append(self) -> None:
+        self._on(list, "APPEND", self.stack[-2])
+        pickle._Unpickler.load_append(self)  # type: ignore[attr-defined]
+
+    def load_appends(self) -> None:
+        self._on(list, "APPENDS", self.metastack[-1][-1] if self.metastack and self.metastack[-1] else None)
+        pickle._Unpickler.load_appends(self)  # type: ignore[attr-defined]
+
+    def load_setitem(self) -> None:
+        self._on((dict, collections.OrderedDict), "SETITEM", self.stack[-3])
+        pickle._Unpickler.load_setitem(self)  # type: ignore[attr-defined]
+
+    def load_setitems(self) -> None:
+        self._on((dict, collections.OrderedDict), "SETITEMS",
+                 self.metastack[-1][-1] if self.metastack and self.metastack[-1] else None)
+        pickle._Unpickler.load_setitems(self)  # type: ignore[attr-defined]
+
+    def load_additems(self) -> None:
+        self._on(set, "ADDITEMS", self.metastack[-1][-1] if self.metastack and self.metastack[-1] else None)
+        pickle._Unpickler.load_additems(self)  # type: ignore[attr-defined]
+
+    def load_refused(self) -> None:
+        self._refuse("this pickle opcode (INST, OBJ, EXT or PERSID)")
+
+
+for _name, _method in [("REDUCE", "load_reduce"), ("NEWOBJ", "load_newobj"), ("NEWOBJ_EX", "load_newobj_ex"),
+                       ("BUILD", "load_build"), ("APPEND", "load_append"), ("APPENDS", "load_appends"),
+                       ("SETITEM", "load_setitem"), ("SETITEMS", "load_setitems"), ("ADDITEMS", "load_additems"),
+                       ("INST", "load_refused"), ("OBJ", "load_refused"), ("EXT1", "load_refused"),
+                       ("EXT2", "load_refused"), ("EXT4", "load_refused"), ("PERSID", "load_refused"),
+                       ("BINPERSID", "load_refused")]:
+    _MetadataUnpickler.dispatch[getattr(pickle, _name)[0]] = getattr(_MetadataUnpickler, _method)
+del _name, _method
+
+_GLOBALS: dict[tuple[str, str], Any] = {}
+
+
+def _globals() -> dict[tuple[str, str], Any]:
+    if not _GLOBALS:
+        _GLOBALS.update(_metadata_globals())
+    return _GLOBALS
+
+
+def _tensor_properties() -> type:
+    from torch.distributed.checkpoint.metadata import TensorProperties
+
+    return TensorProperties
+
+
+class _Invalid(Exception):
+    """A `.metadata` that unpickled into something other than the DCP metadata of a checkpoint of this folder."""
+
+
+def _check(ok: bool, what: str) -> None:
+    if not ok:
+        raise _Invalid(what)
+
+
+def _int(x: Any, lo: int, hi: int | None = None) -> bool:
+    return type(x) is int and x >= lo and (hi is None or x <= hi)
+
+
+def _size(x: Any, what: str) -> tuple[int, ...]:
+    _check(type(x) is torch.Size and len(x) <= _MAX_DIMS and all(d >= 0 for d in x), f"{what} is not a size")
+    return tuple(x)
+
+
+def check_dcp_metadata(meta: Any, folder: str) -> None:
+    """`meta` is DCP metadata whose every member has the type DCP gives it, whose tensors' chunks lie inside their
+    tensors and cover them once by count, whose every item is stored inside a `.distcp` file of `folder` (a plain
+    name, no transforms) in a byte range of that file, long enough for the item's tensor data: so loading it reads
+    only this folder's files and allocates no more than they hold. Raises _Invalid saying what is wrong."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        StorageMeta,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    _check(type(meta) is Metadata, f"it holds a {type(meta).__name__}, not DCP's Metadata")
+    sdm = meta.state_dict_metadata
+    _check(type(sdm) is dict, "state_dict_metadata is not a dict")
+    storage = meta.storage_data
+    _check(type(storage) is dict, "storage_data is not a dict")
+    _check(meta.version is None or type(meta.version) is str, "version is not a string")
+    sm = meta.storage_meta
+    _check(sm is None or (type(sm) is StorageMeta and type(sm.modules) is list
+                          and all(type(m) is str for m in sm.modules)
+                          and all(v is None or type(v) is str for v in (sm.save_id, sm.load_id))
+                          and (sm.checkpoint_id is None or isinstance(sm.checkpoint_id, str | os.PathLike))),
+           "storage_meta is not DCP's StorageMeta")
+    sizes: dict[str, int] = {}
+    for key, info in storage.items():
+        _check(type(key) is MetadataIndex and type(key.fqn) is str
+               and (key.offset is None or type(key.offset) is torch.Size)
+               and (key.index is None or type(key.index) is int), "a storage_data key is not a MetadataIndex")
+        _check(type(info) is _StorageInfo, f"storage_data[{key.fqn[:80]!r}] is not a _StorageInfo")
+        name = info.relative_path
+        _check(type(name) is str and name.endswith(".distcp") and os.path.basename(name) == name
+               and name not in (".", ".."), f"storage_data[{key.fqn[:80]!r}] names file {str(name)[:80]!r}, not a "
+               ".distcp file of the checkpoint's own folder")
+        _check(not info.transform_descriptors, f"storage_data[{key.fqn[:80]!r}] asks for transforms "
+               "(seqtrain writes none)")
+        if name not in sizes:
+            path = os.path.join(folder, name)
+            refuse_symlink(path)
+            try:
+                sizes[name] = os.path.getsize(path)
+            except FileNotFoundError:
+                raise _Invalid(f"storage_data[{key.fqn[:80]!r}] names {name}, which is missing") from None
+        _check(_int(info.offset, 0) and _int(info.length, 0) and info.offset + info.length <= sizes[name],
+               f"storage_data[{key.fqn[:80]!r}]: bytes {info.offset}+{info.length} lie outside {name} "
+               f"({sizes[name]} bytes)")
+    for fqn, item in sdm.items():
+        _check(type(fqn) is str, "a state_dict_metadata key is not a string")
+        if type(item) is BytesStorageMetadata:
+            _check(MetadataIndex(fqn) in storage, f"{fqn[:80]!r} has no storage_data entry")
+            continue
+        _check(type(item) is TensorStorageMetadata, f"{fqn[:80]!r} is a {type(item).__name__}, not a tensor's or "
+               "bytes' metadata")
+        p = item.properties
+        _check(type(p) is TensorProperties and type(p.dtype) is torch.dtype and type(p.layout) is torch.layout
+               and type(p.memory_format) is torch.memory_format and type(p.requires_grad) is bool
+               and type(p.pin_memory) is bool, f"{fqn[:80]!r}: properties are not DCP's TensorProperties")
+        shape = _size(item.size, f"{fqn[:80]!r}: size")
+        _check(type(item.chunks) is list, f"{fqn[:80]!r}: chunks is not a list")
+        total, covered = 1, 0
+        for d in shape:
+            total *= d
+        for chunk in item.chunks:
+            _check(type(chunk) is ChunkStorageMetadata, f"{fqn[:80]!r}: a chunk is not DCP's ChunkStorageMetadata")
+            off = _size(chunk.offsets, f"{fqn[:80]!r}: a chunk's offsets")
+            ext = _size(chunk.sizes, f"{fqn[:80]!r}: a chunk's sizes")
+            _check(len(off) == len(ext) == len(shape)
+                   and all(o + e <= d for o, e, d in zip(off, ext, shape, strict=True)),
+                   f"{fqn[:80]!r}: a chunk lies outside the tensor's size {list(shape)}")
+            n = 1
+            for e in ext:
+                n *= e
+            covered += n
+            info = storage.get(MetadataIndex(fqn, off))
+            _check(info is not None, f"{fqn[:80]!r}: a chunk has no storage_data entry")
+            # DCP stores each chunk as torch.save of the tensor: at least its elements' bytes
+            _check(info.length >= n * p.dtype.itemsize, f"{fqn[:80]!r}: a chunk of {n} elements is stored in "
+                   f"{info.length} bytes")
+        _check(covered == total, f"{fqn[:80]!r}: its chunks hold {covered} elements, its size {total}")
+    pd = meta.planner_data
+    if pd is not None:
+        _check(type(pd) is dict, "planner_data is not a dict")
+        limit = len(sdm)
+        for fqn, path in pd.items():
+            # DCP rebuilds the nesting of a state dict along these paths; a list index grows a list up to it
+            _check(type(fqn) is str and type(path) is tuple and 0 < len(path) <= _MAX_PATH
+                   and all(type(x) is str or _int(x, 0, limit) for x in path),
+                   f"planner_data[{str(fqn)[:80]!r}] is not a path of names and list indices")
 
 
 def read_dcp_metadata(path: str) -> Any:
-    """DCP's `.metadata` file through the restricted Unpickler; errors name the file."""
+    """DCP's `.metadata` file through the restricted Unpickler, checked by `check_dcp_metadata` against its own
+    folder; errors (UnusableCheckpoint / CheckpointUnavailable) name the file."""
     refuse_symlink(path)
     try:
         with open(path, "rb") as f:
-            meta = _MetadataUnpickler(f).load()
-    except _LOAD_ERRORS as exc:
+            data = f.read(METADATA_MAX_BYTES + 1)
+    except OSError as exc:
         raise classify(path, exc) from None
-    from torch.distributed.checkpoint.metadata import Metadata
-
-    if not isinstance(meta, Metadata):
-        raise UnusableCheckpoint(f"{path}: not DCP metadata (it holds a {type(meta).__name__})")
+    if len(data) > METADATA_MAX_BYTES:
+        raise UnusableCheckpoint(f"{path}: refused: larger than {METADATA_MAX_BYTES >> 20} MiB (not DCP metadata)")
+    try:
+        meta = _MetadataUnpickler(data).load()
+    except (*_LOAD_ERRORS, RecursionError, struct.error, UnicodeDecodeError, OverflowError) as exc:
+        raise classify(path, exc) from None
+    try:
+        check_dcp_metadata(meta, os.path.dirname(path))
+    except _Invalid as exc:
+        raise UnusableCheckpoint(f"{path}: refused: not the DCP metadata of this folder: {exc}") from None
     return meta
 
 
