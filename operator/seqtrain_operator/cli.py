@@ -12,6 +12,10 @@ import json
 import os
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from seqtrain_operator.client import Client
 
 EXIT_OK, EXIT_FAILED, EXIT_INVALID = 0, 1, 2
 
@@ -193,8 +197,204 @@ def _cmd_prepare_data(args: argparse.Namespace) -> int:
     return prepare_command(args.inputs, args.out, args.tokenizer, args.workers, args.field, quiet=args.quiet)
 
 
+# ---- cluster commands (seqtrain_operator.client; --local: the same against run folders) --------------------------
+
+_DURATION_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def _duration(text: str) -> float:
+    """Seconds, or kubectl's 30s / 10m / 2h / 1d."""
+    t = text.strip().lower()
+    try:
+        value = float(t[:-1]) * _DURATION_UNITS[t[-1]] if t and t[-1] in _DURATION_UNITS else float(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration (seconds, or like 30s, 10m, 2h)") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive duration")
+    return value
+
+
+def _client(args: argparse.Namespace) -> Client:
+    from seqtrain_operator.client import Client
+
+    if args.local:
+        return Client(local=True, runs_dir=args.runs_dir)
+    return Client(context=args.context, namespace=args.namespace)
+
+
+def _cluster(args: argparse.Namespace) -> int:
+    """Run one cluster command; a ClientError is one line on stderr and its exit code (never a traceback)."""
+    from seqtrain_operator.client import ClientError, InvalidJob
+
+    try:
+        return int(args.cluster_func(args))
+    except InvalidJob as err:
+        for p in err.problems:
+            print(f"{err.source}: {p}", file=sys.stderr)
+        return err.exit_code
+    except ClientError as err:
+        print(f"seqtrain {args.command}: {err}", file=sys.stderr)
+        return err.exit_code
+
+
+def _cmd_submit(args: argparse.Namespace) -> int:
+    from seqtrain_operator.client import prepare
+
+    prepare(args.file, args.set or (), args.name, args.namespace)  # invalid: exit 2 before any cluster call
+    c = _client(args)
+    job = c.submit(args.file, set=args.set or (), name=args.name, namespace=args.namespace)
+    where = f"in namespace {job.namespace}" if job.namespace else f"locally (run folder {job.workdir})"
+    print(f"seqtrainjob {job.name} submitted {where}")
+    if not args.wait:
+        return EXIT_OK
+    return _report_wait(c, job.name, ("Succeeded",), args.timeout)
+
+
+def _report_wait(c: Client, name: str, phases: tuple[str, ...], timeout: float | None) -> int:
+    from seqtrain_operator.client import JobEnded
+    from seqtrain_operator.client.display import step_text
+
+    try:
+        job = c.wait(name, phases, timeout)
+    except JobEnded as ended:
+        print(f"{name}: {ended.job.phase} at step {step_text(ended.job)}"
+              + (f": {ended.job.status.message}" if ended.job.status.message else ""), file=sys.stderr)
+        return EXIT_FAILED
+    print(f"{name}: {job.phase} at step {step_text(job)}" + (f": {job.status.message}" if job.status.message else ""))
+    return EXIT_OK
+
+
+def _cmd_list(args: argparse.Namespace) -> int:
+    from seqtrain_operator.client.display import list_table
+
+    c = _client(args)
+    jobs = c.list()
+    if not jobs:
+        where = f"in namespace {c.namespace}" if c.namespace else f"under {args.runs_dir}/"
+        print(f"No SeqTrainJobs {where}.", file=sys.stderr)
+        return EXIT_OK
+    sys.stdout.write(list_table(jobs))
+    return EXIT_OK
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from seqtrain_operator.client.display import status_text
+
+    c = _client(args)
+    job = c.get(args.job)
+    sys.stdout.write(status_text(job, c.events(args.job)))
+    return EXIT_OK
+
+
+def _cmd_logs(args: argparse.Namespace) -> int:
+    c = _client(args)
+    attempt = args.attempt
+    if args.previous:
+        current = c.get(args.job).status.attempt
+        if current < 2:
+            print(f"seqtrain logs: {args.job} has no previous attempt (attempt {current or 'none yet'})",
+                  file=sys.stderr)
+            return EXIT_FAILED
+        attempt = current - 1
+    shown = 0
+    for line in c.logs(args.job, follow=args.follow, rank=args.rank, all_ranks=args.all, attempt=attempt):
+        print(line, flush=True)
+        shown += 1
+    if not shown:
+        job = c.get(args.job)
+        print(f"seqtrain logs: no logs of {args.job} to show (phase {job.phase}"
+              + (f", attempt {attempt}" if attempt else "") + "); -f waits for them", file=sys.stderr)
+    return EXIT_OK
+
+
+def _cmd_wait(args: argparse.Namespace) -> int:
+    from seqtrain_operator.client.api import phases_of
+
+    return _report_wait(_client(args), args.job, phases_of(args.phase or ["Succeeded"]), args.timeout)
+
+
+def _cmd_delete(args: argparse.Namespace) -> int:
+    c = _client(args)
+    c.delete(args.job, wait=args.wait, timeout=args.timeout)
+    print(f"seqtrainjob {args.job} deleted" + (" (and its pods are gone)" if args.wait else ""))
+    return EXIT_OK
+
+
+def _cmd_suspend(args: argparse.Namespace) -> int:
+    c = _client(args)
+    job = c.suspend(args.job) if args.command == "suspend" else c.resume(args.job)
+    print(f"seqtrainjob {job.name} {'suspended' if args.command == 'suspend' else 'resumed'} (phase {job.phase})")
+    return EXIT_OK
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("seqtrain")
+    except PackageNotFoundError:  # run from a source tree that is not installed
+        import seqtrain
+
+        return seqtrain.__version__
+
+
+def _add_cluster_commands(sub: argparse._SubParsersAction, set_help: str) -> None:
+    where = argparse.ArgumentParser(add_help=False)
+    where.add_argument("--context", help="kubeconfig context (default: the current one)")
+    where.add_argument("-n", "--namespace", help="namespace (default: the context's, else default)")
+    where.add_argument("--local", action="store_true",
+                       help="jobs on this machine instead (seqtrain run in the background, run folders under "
+                            "--runs-dir)")
+    where.add_argument("--runs-dir", default="runs", help="with --local: where run folders live (default runs)")
+
+    def cmd(name: str, func: Any, help_text: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_text, parents=[where])
+        p.set_defaults(func=_cluster, cluster_func=func)
+        return p
+
+    s = cmd("submit", _cmd_submit, "validate a job file locally, then create it on the cluster")
+    s.add_argument("file", metavar="FILE")
+    s.add_argument("--set", action="append", metavar="PATH=VALUE", help=set_help)
+    s.add_argument("--name", help="submit under this metadata.name")
+    s.add_argument("--wait", action="store_true", help="then wait until it ends: exit 0 Succeeded, 1 Failed")
+    s.add_argument("--timeout", type=_duration, metavar="DURATION", help="with --wait: give up after this (exit 124)")
+
+    cmd("list", _cmd_list, "the jobs: name, phase, step/total, loss, tok/s, restarts, ETA, age")
+
+    st = cmd("status", _cmd_status, "a job's progress, conditions, restarts, lost time, checkpoint and last events")
+    st.add_argument("job", metavar="JOB")
+
+    lg = cmd("logs", _cmd_logs, "a job's trainer logs, each line prefixed with its rank; -f follows restarts")
+    lg.add_argument("job", metavar="JOB")
+    lg.add_argument("-f", "--follow", action="store_true",
+                    help="follow across restarts and re-created pods until the job ends")
+    which = lg.add_mutually_exclusive_group()
+    which.add_argument("--rank", type=int, metavar="N", help="the pod that runs rank N (default 0)")
+    which.add_argument("--all", action="store_true", help="every rank, interleaved")
+    when = lg.add_mutually_exclusive_group()
+    when.add_argument("--attempt", type=_positive_int, metavar="K", help="only gang attempt K (1: the first)")
+    when.add_argument("--previous", action="store_true", help="only the attempt before the current one")
+
+    w = cmd("wait", _cmd_wait, "wait for a phase: exit 0 reached, 1 the job ended otherwise, 124 timed out")
+    w.add_argument("job", metavar="JOB")
+    w.add_argument("--for", dest="phase", action="append", metavar="PHASE",
+                   help="Succeeded (default), Failed, Running, Suspended, ... (repeatable: any of them)")
+    w.add_argument("--timeout", type=_duration, metavar="DURATION", help="give up after this (exit 124)")
+
+    d = cmd("delete", _cmd_delete, "delete a job (its pods, Service and ConfigMaps go with it)")
+    d.add_argument("job", metavar="JOB")
+    d.add_argument("--wait", action="store_true", help="until the job and its pods are gone")
+    d.add_argument("--timeout", type=_duration, default=300.0, metavar="DURATION",
+                   help="with --wait: give up after this (default 300s; exit 124)")
+
+    for verb, text in (("suspend", "stop a job's gang (spec.suspend: true; ranks save a checkpoint first)"),
+                       ("resume", "start a suspended job again from its latest checkpoint (spec.suspend: false)")):
+        cmd(verb, _cmd_suspend, text).add_argument("job", metavar="JOB")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="seqtrain", description="Distributed training of sequence models.")
+    p.add_argument("--version", action="version", version=f"seqtrain {_version()}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     set_help = "override a spec field by dotted path, e.g. training.steps=20 (repeatable)"
 
@@ -286,6 +486,8 @@ def build_parser() -> argparse.ArgumentParser:
     pd.add_argument("--field", default="text", help="text field of jsonl records, parquet and dataset columns")
     pd.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     pd.set_defaults(func=_cmd_prepare_data)
+
+    _add_cluster_commands(sub, set_help)
     return p
 
 
