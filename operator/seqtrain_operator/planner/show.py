@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import yaml
 
 from seqtrain.spec import SeqTrainJob, SpecError, load_job_file
-from seqtrain.spec.resolve import resolved_model
+from seqtrain.spec.resolve import resolve_model
 from seqtrain_operator.planner.fit import memory_problems
 from seqtrain_operator.planner.inventory import cpu_millis, inventory, memory_bytes
 from seqtrain_operator.planner.layout import groups, pipeline_summary, rank_table, tp_groups_split_nodes
@@ -48,7 +48,8 @@ def _cluster_plan(job: SeqTrainJob, nodes: list[Node]) -> Plan | Unschedulable:
 
 def plan_dict(job: SeqTrainJob, plan: Plan) -> dict:
     est = estimate(job)
-    m = resolved_model(job)
+    resolved = resolve_model(job)
+    m = resolved.model
     return {
         "job": job.name,
         "worldSize": plan.world_size,
@@ -57,7 +58,8 @@ def plan_dict(job: SeqTrainJob, plan: Plan) -> dict:
         "zeroStage": est.zero_stage,
         "precision": est.precision,
         "model": {"arch": m.arch, "params": est.total_params, "layers": m.layers, "dim": m.dim,
-                  "trainableParams": est.trainable_params if est.trainable_params is not None else est.total_params},
+                  "trainableParams": est.trainable_params if est.trainable_params is not None else est.total_params,
+                  "derived": resolved.derivations()},
         "replicas": [{"replica": r.replica, "node": r.node, "ranks": list(r.ranks)} for r in plan.replicas],
         "groups": groups(plan.layout),
         "ranks": [r.to_dict() for r in rank_table(job, plan)],
@@ -90,6 +92,7 @@ def render(d: dict) -> str:
              f"world {d['worldSize']} = dp {d['layout']['dp']} x pp {d['layout']['pp']} x tp {d['layout']['tp']}"
              + (f", LoRA: {d['model']['trainableParams']:,} trainable (the rest frozen)"
                 if d["model"]["trainableParams"] != d["model"]["params"] else ""),
+             d["model"]["derived"],
              f"engine {d['engine']} (ZeRO-{d['zeroStage']} accounting), precision {d['precision']}, "
              f"micro-batch {d['microBatch']} sequences"]
     p = d["pipeline"]

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 
 from seqtrain.spec.init_source import describe_init
 from seqtrain.spec.job import SeqTrainJob
 from seqtrain.spec.model import ModelSpec
 from seqtrain.spec.presets import presets_for
+from seqtrain.spec.problems import Problem, SpecError
 
 BYTE_VOCAB = 256
 
@@ -59,36 +61,108 @@ def tokenizer_vocab_size(job: SeqTrainJob) -> int | None:
     return None
 
 
-def resolved_model(job: SeqTrainJob) -> ModelSpec:
-    """The model section with the preset and defaults applied (explicit fields win)."""
+# A preset's fields that are a function of its own dim: when the user sets dim, they are derived from it instead.
+DIM_BOUND = ("ffn_dim",)
+DEFAULT_PRESET = "tiny"
+ALIASES = {"vocab_size": "vocabSize", "kv_heads": "kvHeads", "ffn_dim": "ffnDim", "max_seq_len": "maxSeqLen"}
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    """The model section made explicit, and per field where its value came from (what `plan`/`validate` show)."""
+
+    model: ModelSpec
+    origin: dict[str, str]
+
+    def derivations(self) -> str:
+        """One line: every shape field with its value and origin, e.g. `ffnDim 344 (from dim: ...)`."""
+        m = self.model
+        names = ("dim", "layers", "heads", "kv_heads", "ffn_dim") if m.arch == "gpt" else ("dim", "layers")
+        parts = [f"{ALIASES.get(k, k)} {getattr(m, k)} ({self.origin.get(k, 'set')})"
+                 for k in (*names, "vocab_size", "max_seq_len")]
+        return f"model {m.arch}: " + ", ".join(parts)
+
+
+def resolve_model(job: SeqTrainJob) -> ResolvedModel:
+    """The model section with the preset and defaults applied (explicit fields win), with each field's origin.
+
+    Precedence: explicit fields, then the weights of model.init, then the preset (named, else the default `tiny`:
+    the origin says which). A preset's ffnDim applies only with the preset's own dim; with a dim the user set it is
+    derived from it (ffnDim by the SwiGLU rule the presets follow). SpecError for a preset
+    the arch does not have.
+    """
     m = job.spec.model
     values = m.model_dump()
-    explicit = m.model_fields_set
+    explicit = {k for k in m.model_fields_set if values.get(k) is not None}
+    origin = {k: "set" for k in explicit}
     source = describe_init(m.init) if m.init and paths_readable() else None
     if source and "arch" not in explicit:
         values["arch"] = source["arch"]
-    preset = presets_for(values["arch"]).get(m.preset or "tiny", {})
-    for key, val in preset.items():
-        if key not in explicit or values.get(key) is None:
-            values[key] = val
+    arch = values["arch"]
+    presets = presets_for(arch)
+    preset_name, label = m.preset, f"preset {m.preset}"
+    if m.preset is not None and m.preset not in presets:
+        raise SpecError([Problem("spec.model.preset", f"{m.preset!r} is not a preset of arch {arch}; use one of "
+                                                      f"{', '.join(presets)}, or remove it and set the dims")])
+    if preset_name is None and m.init and source is None:
+        # model.init not readable here (the operator; or a folder that is not there yet, which validate reports):
+        # placeholder dims so the rest of the checks run; the trainer takes the real ones from the weights.
+        preset_name, label = DEFAULT_PRESET, f"preset {DEFAULT_PRESET} as a placeholder until model.init is read"
+    elif preset_name is None and not source:
+        preset_name, label = DEFAULT_PRESET, f"default preset {DEFAULT_PRESET}"
+    for key, val in (presets.get(preset_name, {}) if preset_name else {}).items():
+        if key in DIM_BOUND and "dim" in explicit:
+            continue  # the preset's MLP width belongs to the preset's dim; derived from the user's below
+        if key not in explicit:
+            values[key], origin[key] = val, label
     for key, val in (source or {}).items():  # the weights fix the shapes; explicit fields are checked against them
-        if key not in explicit or values.get(key) is None:
-            values[key] = val
+        if key not in explicit:
+            values[key], origin[key] = val, "model.init"
     if values.get("vocab_size") is None:
-        values["vocab_size"] = tokenizer_vocab_size(job) or BYTE_VOCAB
+        vocab, why = tokenizer_vocab(job)
+        values["vocab_size"], origin["vocab_size"] = (vocab, why) if vocab else (BYTE_VOCAB, "byte-level default")
     if values.get("max_seq_len") is None:
-        values["max_seq_len"] = job.spec.data.seq_len
-    if m.arch == "gpt":
-        values["heads"] = values.get("heads") or max(1, values["dim"] // 64)
-        values["kv_heads"] = values.get("kv_heads") or values["heads"]
-        values["ffn_dim"] = values.get("ffn_dim") or _swiglu_hidden(values["dim"])
-    return ModelSpec.model_validate(values)
+        values["max_seq_len"], origin["max_seq_len"] = job.spec.data.seq_len, "data.seqLen"
+    if arch == "gpt":
+        dim = values["dim"]
+        if values.get("heads") is None:
+            values["heads"], origin["heads"] = max(1, dim // 64), f"from dim {dim}: heads of 64"
+        if values.get("kv_heads") is None:
+            values["kv_heads"], origin["kv_heads"] = values["heads"], "= heads"
+        if values.get("ffn_dim") is None:
+            values["ffn_dim"] = swiglu_hidden(dim)
+            origin["ffn_dim"] = f"from dim {dim}: 8/3 x dim rounded up to a multiple of {ffn_multiple(dim)}"
+    return ResolvedModel(ModelSpec.model_validate(values), origin)
 
 
-def _swiglu_hidden(dim: int) -> int:
-    # LLaMA convention: 2/3 of 4*dim, rounded up to a multiple of 8.
-    hidden = int(8 * dim / 3)
-    return (hidden + 7) // 8 * 8
+def tokenizer_vocab(job: SeqTrainJob) -> tuple[int | None, str]:
+    """The data's vocabulary (None: not known here) and where it comes from, in words."""
+    d = job.spec.data
+    size = tokenizer_vocab_size(job)
+    if d.source == "synthetic":
+        return size, f"data.synthetic.vocab {d.synthetic.vocab} + 4 markers"
+    if d.source == "tokens" and paths_readable() and _prepared_vocab(d.paths) is not None:
+        return size, "the prepared data's index.json"
+    if d.source == "tokens" and d.tokenizer.type == "byte":
+        return size, "byte-level default; raw token files carry no vocabulary: set model.vocabSize"
+    return size, "data.tokenizer" if d.tokenizer.type != "byte" else "byte-level tokenizer"
+
+
+def resolved_model(job: SeqTrainJob) -> ModelSpec:
+    """The model section with the preset and defaults applied (explicit fields win)."""
+    return resolve_model(job).model
+
+
+def ffn_multiple(dim: int) -> int:
+    """What the MLP width is rounded up to: 8 below dim 1024 (tiny, mini, small, 125m), LLaMA's 256 from there
+    (350m, 1b). Together with `swiglu_hidden` this reproduces every GPT preset's ffn_dim (a unit test checks)."""
+    return 256 if dim >= 1024 else 8
+
+
+def swiglu_hidden(dim: int) -> int:
+    """LLaMA's SwiGLU width: 2/3 of 4*dim (the same parameters as a 4*dim GELU MLP), rounded up."""
+    hidden, mult = int(8 * dim / 3), ffn_multiple(dim)
+    return (hidden + mult - 1) // mult * mult
 
 
 def resolve(job: SeqTrainJob) -> SeqTrainJob:
