@@ -42,7 +42,8 @@ def job(gang: str, queue: str | None) -> Any:
                       "spec": {"replicas": 3, "resources": {"cpu": "500m", "memory": "1Gi"},
                                "training": {"globalBatchSize": 24},
                                "scheduling": {"gang": gang, "queue": queue, "priorityClassName": "high",
-                                              "timeoutSeconds": 600}}})
+                                              "timeoutSeconds": 600, "topology": {
+                                                  "policy": "require", "keys": ["example.com/rack"]}}}})
 
 
 QUEUES = {"coscheduling": None, "volcano": "research", "kueue": "team-a", "kai": "research"}
@@ -112,6 +113,12 @@ def test_podgroup_matches_the_real_crd(gang):
     podgroup, _ = gang_objects(gang)
     assert podgroup is not None
     assert validate_offline(podgroup, docs) == []
+
+
+def test_the_topology_request_is_in_the_volcano_podgroup_the_crd_checks():
+    podgroup, _ = gang_objects("volcano")
+    assert podgroup is not None and podgroup["spec"]["networkTopology"] == {"mode": "hard", "highestTierAllowed": 1}
+    assert validate_offline(podgroup, crds("volcano")) == []
 
 
 def test_the_strict_check_can_fail():
