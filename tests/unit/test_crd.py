@@ -121,3 +121,33 @@ def test_an_older_installed_crd_is_named_with_the_fields_it_lacks_and_the_fix():
     assert "kubectl apply --server-side --force-conflicts -f charts/seqtrain/crds/seqtrainjob.yaml" in msg
     old["spec"]["versions"][0]["name"] = "v1beta9"
     assert missing_fields(old) == ["seqtrain.dev/v1alpha1 (the installed CRD does not serve it)"]
+
+
+def _walk(node: dict, path: str = ""):
+    yield path, node
+    for key, sub in (node.get("properties") or {}).items():
+        yield from _walk(sub, f"{path}.{key}" if path else key)
+    if isinstance(node.get("items"), dict):
+        yield from _walk(node["items"], f"{path}[]")
+    if isinstance(node.get("additionalProperties"), dict):
+        yield from _walk(node["additionalProperties"], f"{path}{{}}")
+
+
+def test_every_stored_user_value_is_bounded():
+    """maxLength / maxItems / maxProperties on every string, list and map of the spec (the API server refuses a
+    1.5 MB spec before the operator keeps it), tighter where Kubernetes has its own limit."""
+    from seqtrain.spec.crd import EXPLICIT_BOUNDS
+
+    spec = crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    nodes = dict(_walk(spec))
+    assert set(EXPLICIT_BOUNDS) <= set(nodes), set(EXPLICIT_BOUNDS) - set(nodes)  # no bound lost to a rename
+    for path, node in nodes.items():
+        if node.get("type") == "string" and "enum" not in node:
+            assert node.get("maxLength"), path
+        if node.get("type") == "array":
+            assert node.get("maxItems"), path
+        if node.get("type") == "object" and isinstance(node.get("additionalProperties"), dict):
+            assert node.get("maxProperties"), path
+    assert nodes["podTemplate.metadata.labels{}"]["maxLength"] == 63
+    assert nodes["podTemplate.spec.serviceAccountName"]["maxLength"] == 253
+    assert nodes["podTemplate.metadata.annotations{}"]["maxLength"] == 256 * 1024

@@ -167,6 +167,61 @@ def _structural(node: Any, defs: dict[str, Any]) -> Any:
     return out
 
 
+# ---- bounds on every stored user value: the API server refuses what no job needs before it reaches etcd, the
+# operator's memory, or a CEL rule's cost estimate. Defaults for any string, list and map of the spec; tighter where
+# Kubernetes has its own limit (names: DNS-1123 subdomains of 253, label values 63, qualified names 317, annotation
+# values 256 KiB); a model's own max_length / max_items wins. Paths as in `bound_schema`'s walk: `.field`, `[]` an
+# item, `{}` a map value, from spec.
+DEFAULT_MAX_LENGTH = 4096  # PATH_MAX: image references, paths, URIs
+DEFAULT_MAX_ITEMS = 1024
+DEFAULT_MAX_PROPERTIES = 256
+SUBDOMAIN, LABEL_VALUE, QUALIFIED = 253, 63, 317
+EXPLICIT_BOUNDS: dict[str, dict[str, int]] = {
+    "resources.gpuProduct": {"maxLength": LABEL_VALUE},  # a node label's value
+    "model.preset": {"maxLength": LABEL_VALUE},
+    "model.lora.targetModules": {"maxItems": 64},
+    "model.lora.targetModules[]": {"maxLength": LABEL_VALUE},
+    "data.jsonlField": {"maxLength": 256},
+    "checkpoint.pvc": {"maxLength": SUBDOMAIN},
+    "scheduling.queue": {"maxLength": SUBDOMAIN},
+    "scheduling.priorityClassName": {"maxLength": SUBDOMAIN},
+    "scheduling.topology.keys": {"maxItems": 16},
+    "scheduling.topology.keys[]": {"maxLength": QUALIFIED},
+    "scheduling.nodeSelector{}": {"maxLength": LABEL_VALUE},
+    "scheduling.tolerations": {"maxItems": 64},
+    "scheduling.tolerations[].key": {"maxLength": QUALIFIED},
+    "scheduling.tolerations[].value": {"maxLength": LABEL_VALUE},
+    "podTemplate.metadata.labels{}": {"maxLength": LABEL_VALUE},
+    "podTemplate.metadata.annotations{}": {"maxLength": 256 * 1024},  # the total is checked by the webhook
+    "podTemplate.spec.serviceAccountName": {"maxLength": SUBDOMAIN},
+    "podTemplate.spec.containers": {"maxItems": 64},
+    "podTemplate.spec.initContainers": {"maxItems": 64},
+    "podTemplate.spec.volumes": {"maxItems": 256},
+}
+
+
+def bound_schema(node: dict[str, Any], path: str = "") -> dict[str, Any]:
+    """`node` (a structural schema, changed in place) with maxLength / maxItems / maxProperties on every string,
+    list and map below it: EXPLICIT_BOUNDS by path, else the defaults. Objects kept as written
+    (x-kubernetes-preserve-unknown-fields: containers, volumes, affinity) are bounded by their list and by the
+    webhook's document bounds (seqtrain.spec.bounds), not field by field."""
+    explicit = EXPLICIT_BOUNDS.get(path, {})
+    kind = node.get("type")
+    if kind == "string" and "enum" not in node:
+        node.setdefault("maxLength", explicit.get("maxLength", DEFAULT_MAX_LENGTH))
+    elif kind == "array":
+        node.setdefault("maxItems", explicit.get("maxItems", DEFAULT_MAX_ITEMS))
+    elif kind == "object" and isinstance(node.get("additionalProperties"), dict):
+        node.setdefault("maxProperties", explicit.get("maxProperties", DEFAULT_MAX_PROPERTIES))
+    for key, sub in (node.get("properties") or {}).items():
+        bound_schema(sub, f"{path}.{key}" if path else key)
+    if isinstance(node.get("items"), dict):
+        bound_schema(node["items"], f"{path}[]")
+    if isinstance(node.get("additionalProperties"), dict):
+        bound_schema(node["additionalProperties"], f"{path}{{}}")
+    return node
+
+
 def _schema(model: type) -> dict[str, Any]:
     raw = model.model_json_schema(by_alias=True, mode="validation")
     defs = raw.pop("$defs", {})
@@ -174,7 +229,7 @@ def _schema(model: type) -> dict[str, Any]:
 
 
 def openapi_schema() -> dict[str, Any]:
-    spec = _schema(JobSpec)
+    spec = bound_schema(_schema(JobSpec))
     for path, rules in CROSS_FIELD_RULES.items():
         node = spec
         for part in filter(None, path.split(".")):
