@@ -218,6 +218,7 @@ up() {
         --authorization-mode Node,RBAC --enable-admission-plugins "$plugins" \
         --service-cluster-ip-range 10.96.0.0/16 --allow-privileged=true --endpoint-reconciler-type none \
         --enable-aggregator-routing=true \
+        --kubelet-preferred-address-types InternalIP,Hostname \
         --default-not-ready-toleration-seconds 10 --default-unreachable-toleration-seconds 10 \
         --storage-media-type application/vnd.kubernetes.protobuf --profiling=false
     wait_for kube-apiserver "$UP_TIMEOUT" healthy || { stop_all; die "kube-apiserver did not start"; }

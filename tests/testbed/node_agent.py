@@ -312,6 +312,7 @@ class Agent:
         self.ignored: set[str] = set()  # uids of deleted pods left Terminating (IGNORE_DELETION), logged once
         self.down: set[str] = set()
         self.stop = threading.Event()
+        self.log_port: int | None = None  # kubelet_logs.LogServer's port (main() starts it): pods/log works
         (state / "down").mkdir(parents=True, exist_ok=True)
         (state / "pods").mkdir(parents=True, exist_ok=True)
 
@@ -349,6 +350,8 @@ class Agent:
                                     "operatingSystem": "linux", "architecture": "amd64",
                                     "containerRuntimeVersion": "testbed://1", "kernelVersion": os.uname().release,
                                     "machineID": name, "systemUUID": name, "bootID": name}}
+            if self.log_port:
+                status["daemonEndpoints"] = {"kubeletEndpoint": {"Port": self.log_port}}
         else:
             # Keep lastTransitionTime when Ready already was True (a merge patch replaces the whole list).
             node = self.api.read_node_status(name)
@@ -393,6 +396,30 @@ class Agent:
                 LOG.info("node %s up again", name)
                 self.down.discard(name)
                 self.heartbeat(name)
+
+    def log_of(self, namespace: str, name: str, container: str) -> tuple[Path, Callable[[], bool]] | tuple[int, str]:
+        """For kubelet_logs.LogServer: the log file of a container of one of our pods and whether its process still
+        runs, or (HTTP status, the kubelet's message)."""
+        from kubelet_logs import container_log
+        from kubernetes.client.rest import ApiException
+
+        try:
+            pod = json.loads(self.api.read_namespaced_pod(name, namespace, _preload_content=False).data)
+        except ApiException as e:
+            return (404, f'pods "{name}" not found') if e.status == 404 else (500, str(e.reason))
+        names = [c["name"] for c in pod["spec"].get("containers") or []]
+        if container not in names + [c["name"] for c, _ in companions(pod["spec"])]:
+            return 400, f"container {container} is not valid for pod {name}"
+        uid = pod["metadata"]["uid"]
+        path = container_log(self.state / "pods" / uid, container, names[0])
+        if not path.exists():
+            return 400, f'container "{container}" in pod "{name}" is waiting to start: ContainerCreating'
+
+        def running() -> bool:
+            proc = self.procs.get(uid)
+            return proc is not None and proc.popen.poll() is None
+
+        return path, running
 
     # -- pods --
     def lookup(self, namespace: str) -> Callable[[str, str, str], str | None]:
@@ -847,6 +874,11 @@ def main(argv: list[str] | None = None) -> int:
     agent = Agent(client.CoreV1Api(), client.CoordinationV1Api(), args.node, Path(args.state).resolve(),
                   dict(kv.split("=", 1) for kv in args.label), dict(kv.split("=", 1) for kv in args.capacity.split(",")),
                   server=client.Configuration.get_default_copy().host, runtime=runtime)
+    from kubelet_logs import LogServer
+
+    logs = LogServer(agent.log_of, agent.state, agent.stop)
+    logs.start()
+    agent.log_port = logs.port
     signal.signal(signal.SIGTERM, lambda *_: agent.stop.set())
     signal.signal(signal.SIGINT, lambda *_: agent.stop.set())
     agent.run()
