@@ -51,6 +51,27 @@ class ProgressView:
         self.console.print(text, highlight=False, markup=False, soft_wrap=True)
 
 
+def run_throughput(records: list[dict[str, Any]]) -> tuple[float | None, float | None]:
+    """(run average, last step) tokens/s of metrics.jsonl records. The average is every step's tokens over the
+    time spent in steps (`step_time_s`, else tokens / tokens_per_s), so one fast or slow step does not stand for the
+    run and the pauses between attempts do not count; a step appears once however often it was redone."""
+    by_step: dict[int, dict[str, Any]] = {}
+    for r in records:
+        if isinstance(r.get("step"), int):
+            by_step[r["step"]] = r  # a resumed run rewrites its steps: the last record of a step counts
+    tokens = seconds = 0.0
+    for r in by_step.values():
+        n, t, tps = r.get("tokens"), r.get("step_time_s"), r.get("tokens_per_s")
+        if not isinstance(n, int | float):
+            continue
+        if not isinstance(t, int | float):
+            t = n / tps if isinstance(tps, int | float) and tps > 0 else None
+        if t is not None and t > 0:
+            tokens, seconds = tokens + n, seconds + t
+    last = by_step[max(by_step)].get("tokens_per_s") if by_step else None
+    return (tokens / seconds if seconds > 0 else None), (float(last) if isinstance(last, int | float) else None)
+
+
 def plot_loss(metrics_path: str, out_path: str, title: str) -> str | None:
     """Draw loss per step into `out_path` (PNG). Returns None on success or why it was skipped."""
     records = read_metrics(metrics_path)

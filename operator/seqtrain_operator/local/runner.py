@@ -7,6 +7,11 @@ Re-running on the same workdir: a job that Succeeded (and is not asked for more 
 finished (exit 0); anything else resumes from the latest complete checkpoint. A Failed job that is run again gets a
 fresh restart budget (the user has presumably fixed the cause); restart counts of an unfinished job carry over.
 
+One runner owns a run folder at a time: it holds an exclusive `flock` on `<workdir>/run.lock` for its whole life
+(the pid inside names it). A second `seqtrain run` on the folder exits 2 naming that pid instead of stopping the
+first one's ranks; the kernel drops the lock when its holder dies however it dies, so a lock left by a killed runner
+is taken over (and said so).
+
 Ctrl-C (or SIGTERM to the runner) stops the gang gracefully (the trainer finishes its step and saves a checkpoint)
 and leaves the job **Suspended**, exit code 130: nothing went wrong with the job, it is resumable, and Suspended is
 the phase that says exactly that (Failed would be terminal and blame the job).
@@ -14,6 +19,7 @@ the phase that says exactly that (Failed would be terminal and blame the job).
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -29,16 +35,17 @@ import yaml
 from seqtrain.checkpoint.discovery import quarantined
 from seqtrain.spec import SeqTrainJob, SpecError, load_job_file, resolve
 from seqtrain.spec.runtime import RuntimeConfig, write_trainer_config
-from seqtrain.spec.status import TERMINAL_PHASES, JobStatus, Layout
+from seqtrain.spec.status import TERMINAL_PHASES, JobStatus, Layout, Progress
 from seqtrain_operator.controller import CreateGang, DeleteGang, Event, Observed, decide, utcnow
 from seqtrain_operator.controller.checkpoint_policy import failure_history
 from seqtrain_operator.controller.conditions import enter_phase
 from seqtrain_operator.controller.types import ReplicaObservation
-from seqtrain_operator.local.display import ProgressView, plot_loss
+from seqtrain_operator.local.display import ProgressView, plot_loss, run_throughput
 from seqtrain_operator.local.files import (
     MetricsTail,
     atomic_write_text,
     latest_checkpoint,
+    read_metrics,
     read_status,
     trainer_checkpoint_report,
     with_trainer_progress,
@@ -76,8 +83,86 @@ def run_file(path: str, workdir: str | None = None, overrides: Sequence[str] = (
         print(f"{RANK_MTBF_ENV}={prior!r}: must be a positive number of hours (the MTBF of one rank, the prior of "
               "checkpoint.intervalSteps: auto), or unset", file=sys.stderr)
         return EXIT_INVALID
+    flag = "--workdir" if workdir else f"the default run folder (runs/{job.name})"
     workdir = os.path.abspath(workdir or os.path.join("runs", job.name))
+    problem = folder_problem(flag, workdir)
+    if problem is not None:
+        print(f"{path}: {problem}", file=sys.stderr)
+        return EXIT_INVALID
     return LocalRun(job, workdir, quiet, rank_mtbf_hours).run()
+
+
+def folder_problem(what: str, folder: str) -> str | None:
+    """None when `folder` is, or has just been created as, a folder this process can write in; else one line naming
+    `what` and the fix (no traceback for a path argument)."""
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except FileExistsError:
+        return f"{what} {folder}: exists and is not a folder; name a folder (it is created when absent)"
+    except NotADirectoryError:
+        return f"{what} {folder}: a part of the path is a file, not a folder; name a folder"
+    except OSError as exc:
+        return f"{what} {folder}: cannot create the folder ({exc.strerror}); name a folder you can write to"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"{what} {folder}: no permission to write in it; name a folder you can write to"
+    return None
+
+
+LOCK_FILE = "run.lock"
+
+
+class RunFolderBusy(Exception):
+    """Another live runner holds the run folder's lock."""
+
+    def __init__(self, pid: int | None) -> None:
+        super().__init__(pid)
+        self.pid = pid
+
+
+class RunLock:
+    """The exclusive lock a runner holds on its run folder: `flock` on `<workdir>/run.lock`, whose content is the
+    holder's pid (for the message a second runner prints). A runner that ends in order empties the file before it
+    unlocks, so a pid found in a file we could lock belongs to a runner that died holding it. The file is never
+    deleted: deleting it would let two runners lock two different files of the same name."""
+
+    def __init__(self, workdir: str) -> None:
+        self.path = os.path.join(workdir, LOCK_FILE)
+        self._fd: int | None = None
+
+    def acquire(self) -> int | None:
+        """Take the lock, or raise RunFolderBusy(holder pid). Returns the pid of a dead holder whose lock was taken
+        over, else None. The descriptor is close-on-exec: rank processes never hold the lock."""
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _pid_in(fd)
+            os.close(fd)
+            raise RunFolderBusy(holder) from None
+        except BaseException:
+            os.close(fd)
+            raise
+        stale = _pid_in(fd)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._fd = fd
+        return stale if stale != os.getpid() else None
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        fd, self._fd = self._fd, None
+        with suppress(OSError):
+            os.ftruncate(fd, 0)
+        os.close(fd)  # closing the last descriptor drops the flock
+
+
+def _pid_in(fd: int) -> int | None:
+    try:
+        text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
 
 
 def _local_problem(job: SeqTrainJob) -> str | None:
@@ -110,10 +195,31 @@ class LocalRun:
         self.gang: LocalGang | None = None
         self.last_failed: ReplicaObservation | None = None
         self.tail = MetricsTail(os.path.join(workdir, "metrics.jsonl"))
+        self.status: JobStatus | None = None  # the loop's latest status: what an interruption starts from
 
     # ---- entry --------------------------------------------------------------------------------------------------
 
     def run(self) -> int:
+        job = self.job
+        os.makedirs(self.workdir, exist_ok=True)
+        lock = RunLock(self.workdir)
+        try:
+            stale = lock.acquire()
+        except RunFolderBusy as busy:
+            who = f"pid {busy.pid}" if busy.pid is not None else "a process that is starting"
+            print(f"{job.name}: run folder {self.workdir} is in use by another seqtrain run ({who}, lock "
+                  f"{lock.path}); wait for it to end, stop it (Ctrl-C there, or kill -INT {busy.pid or 'PID'}), or "
+                  "pass another --workdir", file=sys.stderr)
+            return EXIT_INVALID
+        try:
+            if stale is not None:
+                print(f"{job.name}: took over run folder {self.workdir} from pid {stale}, which ended without "
+                      "releasing it", file=sys.stderr)
+            return self._run_locked()
+        finally:
+            lock.release()
+
+    def _run_locked(self) -> int:
         job, steps = self.job, self.job.spec.training.steps
         prev = read_status(self.workdir)
         done = prev.progress.step if prev and prev.progress else 0
@@ -128,8 +234,9 @@ class LocalRun:
             print(f"{job.name}: spec.resources.gpus: needs {job.spec.replicas} x {job.spec.resources.gpus} = {need} "
                   f"GPU(s), this machine has {have}; use resources.gpus: 0 to train on the CPU", file=sys.stderr)
             return EXIT_FAILED
-        os.makedirs(self.workdir, exist_ok=True)
-        os.makedirs(self.ckpt_dir, exist_ok=True)
+        if (problem := folder_problem("spec.checkpoint.path", self.ckpt_dir)) is not None:
+            print(f"{job.name}: {problem}", file=sys.stderr)
+            return EXIT_INVALID
         atomic_write_text(os.path.join(self.workdir, "job.yaml"), yaml.safe_dump(job.to_dict(), sort_keys=False))
         if kill_leftovers(self._gang_file()):
             print(f"{job.name}: stopped rank processes left behind by an earlier run", file=sys.stderr)
@@ -140,7 +247,7 @@ class LocalRun:
             try:
                 status = self._loop(status, view)
             except KeyboardInterrupt:
-                return self._interrupted(status, view)
+                return self._interrupted(self.status or status, view)
             finally:
                 if self.gang is not None:
                     self._stop_gang(TERM_GRACE_SECONDS)
@@ -178,7 +285,7 @@ class LocalRun:
             d = decide(self.job, status, observed, now)
             if d.status != status:
                 write_status(self.workdir, d.status)
-            status = d.status
+            status = self.status = d.status
             for action in d.actions:
                 if isinstance(action, CreateGang):
                     self._start_gang(action, status)
@@ -245,11 +352,11 @@ class LocalRun:
             with suppress(KeyboardInterrupt):
                 self._stop_gang(TERM_GRACE_SECONDS)
         ck = latest_checkpoint(self.ckpt_dir)
-        self.tail.poll()
+        last = self.tail.poll()  # steps the ranks wrote after the loop's last pass (and while they stopped)
         st = status.model_copy(deep=True)
         if ck is not None:
             st.last_checkpoint = ck
-        step = st.progress.step if st.progress else 0
+        step = max(st.progress.step if st.progress else 0, int(last["step"]) if last else 0)
         where = f"checkpoint step {ck.step}" if ck else "the start (no checkpoint yet)"
         enter_phase(st, "Suspended", "Interrupted", f"interrupted at step {step}; run the same command again to "
                     f"resume from {where}", utcnow())
@@ -268,10 +375,9 @@ class LocalRun:
             if skipped:
                 view.line(f"loss plot skipped: {skipped}", always=True)
             loss = f"{p.loss:.4f}" if p and p.loss is not None else "-"
-            tps = f"{p.tokens_per_second:,.0f}" if p and p.tokens_per_second is not None else "-"
             view.line(f"{name}: Succeeded at step {p.step if p else 0}/{self.job.spec.training.steps}, loss {loss}, "
-                      f"{tps} tok/s, {status.restarts} restart(s), {elapsed:.0f}s; run folder {self.workdir}",
-                      always=True)
+                      f"{self._throughput(p)}, {status.restarts} restart(s), {elapsed:.0f}s; run folder "
+                      f"{self.workdir}", always=True)
             return EXIT_OK
         view.line(f"{name}: Failed: {status.message}", always=True)
         if self.last_failed is not None:
@@ -279,6 +385,16 @@ class LocalRun:
             if log:
                 view.line(f"--- last lines of {log} ---\n{_tail(log, 20)}", always=True)
         return EXIT_FAILED
+
+
+    def _throughput(self, p: Progress | None) -> str:
+        """'2,012 tok/s average (last step 1,693)': the run's average from metrics.jsonl, the last step's labelled."""
+        average, last = run_throughput(read_metrics(os.path.join(self.workdir, "metrics.jsonl")))
+        if average is None:
+            average = p.tokens_per_second if p else None
+        if average is None:
+            return "- tok/s"
+        return f"{average:,.0f} tok/s average" + (f" (last step {last:,.0f})" if last is not None else "")
 
 
 def _log_of(r: ReplicaObservation) -> str | None:
