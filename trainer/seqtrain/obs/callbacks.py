@@ -108,7 +108,8 @@ class ProgressPublisher(BaseCallback):
             self._step_times.append(float(metrics["step_time_s"]))
         # checkpointPolicy, workAtRisk (as of this step: its own save, if due, comes after the callbacks)
         self.reporter.update(flush=bool(saved), step=step, loss=metrics.get("loss"),
-                             tokens_per_second=metrics.get("tokens_per_s"), mfu=metrics.get("mfu"),
+                             tokens_per_second=metrics.get("run_tokens_per_s"), eta_seconds=metrics.get("eta_s"),
+                             last_tokens_per_second=metrics.get("tokens_per_s"), mfu=metrics.get("mfu"),
                              checkpoint_seconds=round(trainer.checkpoint_seconds, 3),
                              step_seconds=self._mean_step_seconds(), **saved, **trainer.checkpoint_report())
 

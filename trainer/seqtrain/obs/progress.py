@@ -9,7 +9,7 @@ the container's termination-message file so the operator reads it from the pod s
 
 from __future__ import annotations
 
-import json
+import math
 import os
 import threading
 import time
@@ -18,6 +18,7 @@ from typing import Any
 
 from seqtrain.obs.httpserve import BoundedServer, serve
 from seqtrain.obs.push import ProgressPusher
+from seqtrain.spec.progress_doc import MAX_LOSS, dumps
 from seqtrain.spec.status import Progress
 
 PROGRESS_FILE = "progress.json"
@@ -39,7 +40,7 @@ def write_json_atomic(path: str, obj: Any) -> None:
     """Readers never see a half-written file: write a sibling, then rename over the target."""
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f)
+        f.write(dumps(obj))  # strict JSON: a non-finite figure is written as null
     os.replace(tmp, path)
 
 
@@ -57,6 +58,8 @@ class ProgressReporter:
         self._lock = threading.Lock()
         self._progress = Progress(step=0, total_steps=total_steps)
         self._written = -FILE_INTERVAL_S
+        self._non_finite = 0  # steps whose loss was not finite (progress.nonFiniteSteps)
+        self._non_finite_step: int | None = None
         self._server: BoundedServer | None = None
         if port is not None:
             self._server = self._start(port, addr)
@@ -65,7 +68,7 @@ class ProgressReporter:
 
     def document(self) -> bytes:
         """The progress as served, pushed and written: JSON of `status.progress`'s shape."""
-        return json.dumps(self.progress.model_dump(by_alias=True, mode="json", exclude_none=True)).encode()
+        return dumps(self.progress.model_dump(by_alias=True, mode="json", exclude_none=True)).encode()
 
     @property
     def port(self) -> int | None:
@@ -82,6 +85,12 @@ class ProgressReporter:
         rewritten at most every `FILE_INTERVAL_S` (a write costs milliseconds on some filesystems, more than
         the rest of the observability per step), and always with `flush=True` (evaluations, the end)."""
         with self._lock:
+            if "loss" in fields:
+                fields |= self._loss_fields(fields["loss"], fields.get("step", self._progress.step))
+            # any other figure that is not finite (an MFU from a zero step time) is unknown, never NaN
+            fields = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in fields.items()}
+            if "step" in fields and self._progress.total_steps > 0:
+                fields["percent"] = round(min(100.0, 100.0 * fields["step"] / self._progress.total_steps), 1)
             self._progress = self._progress.model_copy(update={**fields, "updated_at": now_iso()})
             due = flush or time.monotonic() - self._written >= FILE_INTERVAL_S
             if due:
@@ -92,6 +101,16 @@ class ProgressReporter:
         if self.pusher is not None:
             self.pusher.poke()  # sent by its thread, at most every few seconds
 
+    def _loss_fields(self, loss: Any, step: int) -> dict[str, Any]:
+        """A loss that is not a finite number (NaN, Infinity, beyond MAX_LOSS: the step diverged) is reported as
+        null with lossNonFinite, and counted once per step in nonFiniteSteps: JSON has no NaN, and the operator's
+        status write would be refused with one."""
+        if not isinstance(loss, int | float) or (math.isfinite(loss) and abs(loss) <= MAX_LOSS):
+            return {"loss": loss, "loss_non_finite": None}
+        if self._non_finite_step != step:
+            self._non_finite, self._non_finite_step = self._non_finite + 1, step
+        return {"loss": None, "loss_non_finite": True, "non_finite_steps": self._non_finite}
+
     def finish(self) -> None:
         """Leave the final progress where the operator can read it after the process is gone."""
         self.update(flush=True)
@@ -101,7 +120,7 @@ class ProgressReporter:
                 if not _holds_progress_or_nothing(path):
                     return  # another rank of this pod failed and left its error line: that is the pod's message
                 with open(path, "w", encoding="utf-8") as f:
-                    json.dump(self.progress.model_dump(by_alias=True, mode="json", exclude_none=True), f)
+                    f.write(self.document().decode())
             except OSError:
                 pass  # best effort: progress.json in the workdir still has it
 

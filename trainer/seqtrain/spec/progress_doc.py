@@ -46,8 +46,8 @@ MAX_LOSS = 1e9  # a loss beyond this is a diverged run, as NaN is: reported as l
 # it could be clamped.
 MAX_STAMP_AGE_SECONDS = 31 * 24 * 3600
 _LOSSES = frozenset({"loss", "val_loss", "best_val_loss"})
-# Derived by the reader or carried by the document's own sub-objects, not read as plain Progress fields.
-_DERIVED = frozenset({"percent", "loss_non_finite"})
+# Derived by the reader from other fields, never taken from the document.
+_DERIVED = frozenset({"percent"})
 
 
 class ProgressError(ValueError):
@@ -94,15 +94,13 @@ def read_progress(data: Any, now: datetime | None = None) -> Reported:
         raise ProgressError(f"a progress document is a JSON object, not {_kind(data)}")
     if _depth(data) > MAX_DEPTH:
         raise ProgressError(f"nested more than {MAX_DEPTH} deep: not a progress document")
-    if "step" not in data:
+    if data.get("step") is None:
         raise ProgressError("no step: a progress document names the step it reports")
     notes: list[str] = []
     fields = _clean(Progress, data, "", exclude=_DERIVED)
     loss = data.get("loss")
     if loss is not None and fields.get("loss") is None:
         fields["lossNonFinite"] = True  # NaN, Infinity or beyond MAX_LOSS: diverging
-    elif data.get("lossNonFinite") is True:
-        fields["lossNonFinite"] = True  # the trainer's own word (it writes null for such a loss)
     if fields.get("updatedAt") is not None:
         fields["updatedAt"], note = _stamp(fields["updatedAt"], now)
         if note:
