@@ -30,6 +30,7 @@ from kubernetes.client.rest import ApiException
 
 from seqtrain.spec import JobStatus, SeqTrainJob, SpecError, parse_job
 from seqtrain.spec.policy import job_policy_problems
+from seqtrain.spec.problems import Problem
 from seqtrain.spec.runtime import FailureHistory
 from seqtrain.spec.status import TERMINAL_PHASES
 from seqtrain_operator.controller import (
@@ -307,6 +308,8 @@ async def reconcile(kube: Kube, cfg: Config, namespace: str, name: str, emit: Ev
     # than when the job was admitted); running pods are left as they are, as Pod Security Admission does.
     if (admitting or growing) and (refused := job_policy_problems(job.spec, cfg.settings.pod_policy, name)):
         return await _invalid(kube, body, status, SpecError(refused), emit, now, reason="PodPolicy")
+    if (admitting or growing) and (unbuildable := _unbuildable(job, name, namespace, status.attempt + 1, cfg)):
+        return await _invalid(kube, body, status, unbuildable, emit, now, reason="InvalidSpec")
     if growing:
         observed = replace(observed, capacity=await _free(kube, cfg, views, nodes, (namespace, name)))
     owner = m.Owner(name=name, namespace=namespace, uid=body["metadata"]["uid"])
@@ -342,6 +345,21 @@ async def reconcile(kube: Kube, cfg: Config, namespace: str, name: str, emit: Ev
     except BaseException:
         cfg.busy.release(reserved)  # still listed only if not created (or not all of it): it takes no capacity
         raise
+
+
+def _unbuildable(job: SeqTrainJob, name: str, namespace: str, attempt: int, cfg: Config) -> SpecError | None:
+    """Why the job's objects cannot be built (None: they can), tried on its ConfigMap and first pod before any is
+    created: a spec that passed validation but breaks a builder (a shape no rule checks yet) gets one Failed
+    condition naming the error, not a pass that raises the same error every time."""
+    owner = m.Owner(name=name, namespace=namespace, uid="")
+    try:
+        m.build_configmap(job, owner, attempt, cfg.settings, None)
+        m.build_pod(job, owner, attempt, 0, cfg.settings, None)
+    except Exception as exc:  # noqa: BLE001 - any builder error is this job's, and the same on every pass
+        log.warning("%s/%s: its objects cannot be built (%s: %s)", namespace, name, type(exc).__name__, exc)
+        return SpecError([Problem("spec", f"the job's pods cannot be built from this spec ({type(exc).__name__}: "
+                                          f"{str(exc)[:200]}); check spec.podTemplate against core/v1's shapes")])
+    return None
 
 
 def _placed_pods(job: SeqTrainJob, decision: Decision, owner: m.Owner, cfg: Config) -> list[dict]:

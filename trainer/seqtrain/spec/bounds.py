@@ -45,7 +45,8 @@ def document_problems(doc: Any, root: str = "") -> list[tuple[str, Problem]]:
     def add(kind: str, path: str, message: str) -> None:
         if kind not in seen:
             seen.add(kind)
-            out.append((kind, Problem(path or "<document>", message)))
+            shown = path if len(path) <= 160 else path[:120] + f"... ({len(path)} characters)"
+            out.append((kind, Problem(shown or "<document>", message)))
 
     size = nodes = 0
     stack: list[tuple[Any, str, int]] = [(doc, root, 0)]

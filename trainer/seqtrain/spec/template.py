@@ -264,6 +264,46 @@ def _metadata(t: PodTemplate, out: list[tuple[str, str]]) -> None:
                                             "into a ConfigMap or a volume"))
 
 
+_REQ, _PREF = "requiredDuringSchedulingIgnoredDuringExecution", "preferredDuringSchedulingIgnoredDuringExecution"
+
+
+def _affinity(a: dict[str, Any], out: list[tuple[str, str]]) -> None:
+    """The shapes the operator merges (k8s/template.py ANDs node terms with its own placement): each level an
+    object or a list of objects as core/v1 has it, so a merge never meets a string where a term belongs."""
+    for key, value in a.items():
+        where = f"spec.affinity.{key}"
+        if key not in ("nodeAffinity", "podAffinity", "podAntiAffinity"):
+            out.append((where, "unknown affinity kind"))
+            continue
+        if not isinstance(value, dict):
+            out.append((where, f"must be an object, not {type(value).__name__}"))
+            continue
+        if key == "nodeAffinity":
+            req = _typed(value, _REQ, dict, where, out)
+            for i, term in enumerate(_typed(req, "nodeSelectorTerms", list, f"{where}.{_REQ}", out)):
+                _term(term, f"{where}.{_REQ}.nodeSelectorTerms[{i}]", out)
+            for i, pref in enumerate(_typed(value, _PREF, list, where, out)):
+                if not isinstance(pref, dict):
+                    out.append((f"{where}.{_PREF}[{i}]", "must be an object with weight and preference"))
+                else:
+                    _term(pref.get("preference") or {}, f"{where}.{_PREF}[{i}].preference", out)
+        else:
+            for rule in (_REQ, _PREF):
+                for i, item in enumerate(_typed(value, rule, list, where, out)):
+                    if not isinstance(item, dict):
+                        out.append((f"{where}.{rule}[{i}]", f"must be an object, not {type(item).__name__}"))
+
+
+def _term(term: Any, where: str, out: list[tuple[str, str]]) -> None:
+    if not isinstance(term, dict):
+        out.append((where, f"must be an object (a node selector term), not {type(term).__name__}"))
+        return
+    for key in ("matchExpressions", "matchFields"):
+        for i, expr in enumerate(_typed(term, key, list, where, out)):
+            if not isinstance(expr, dict):
+                out.append((f"{where}.{key}[{i}]", "must be an object with key, operator and values"))
+
+
 def template_problems(t: PodTemplate) -> list[tuple[str, str]]:
     """(path relative to spec.podTemplate, message) for every override of an operator-owned field and every name
     Kubernetes itself would refuse."""
@@ -298,11 +338,7 @@ def template_problems(t: PodTemplate) -> list[tuple[str, str]]:
                 out.append((f"spec.containers[{c.get('name')}].volumeMounts",
                             f"mounts volume {vol!r}, which spec.podTemplate.spec.volumes does not declare"))
     if s.affinity is not None:
-        for key in s.affinity:
-            if key not in ("nodeAffinity", "podAffinity", "podAntiAffinity"):
-                out.append((f"spec.affinity.{key}", "unknown affinity kind"))
-            elif not isinstance(s.affinity[key], dict):
-                out.append((f"spec.affinity.{key}", f"must be an object, not {type(s.affinity[key]).__name__}"))
+        _affinity(s.affinity, out)
     if s.service_account_name is not None and (len(s.service_account_name) > MAX_SUBDOMAIN or
                                                not DNS1123_SUBDOMAIN.match(s.service_account_name)):
         out.append(("spec.serviceAccountName", f"{s.service_account_name[:80]!r} is not a valid name (a DNS-1123 "
