@@ -92,9 +92,9 @@ def test_cpu_job_trains_and_a_killed_rank_restarts_the_gang_from_its_checkpoint(
     done = wait_phase(testbed, op, ns, "cpu-ref", "Succeeded")
     assert done["progress"]["step"] == STEPS
     table = testbed.kubectl("get", "stj", "-n", ns).stdout.splitlines()
-    assert table[0].split() == ["NAME", "PHASE", "REPLICAS", "STEP", "LOSS", "TOK/S", "RESTARTS", "AGE"]
+    assert table[0].split() == ["NAME", "PHASE", "REPLICAS", "STEP", "LOSS", "TOK/S", "ETA", "RESTARTS", "AGE"]
     row = next(r.split() for r in table[1:] if r.startswith("cpu-ref "))
-    assert row[1:4] == ["Succeeded", "2", str(STEPS)]
+    assert row[1:4] == ["Succeeded", "2", f"{STEPS}/{STEPS}"]
     reference = losses(ns, "cpu-ref")
     assert sorted(reference) == list(range(1, STEPS + 1))
 

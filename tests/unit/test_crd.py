@@ -61,7 +61,9 @@ def test_status_subresource_columns_and_names():
     v = doc["spec"]["versions"][0]
     assert v["subresources"] == {"status": {}}
     assert [c["name"] for c in v["additionalPrinterColumns"]] == [
-        "Phase", "Replicas", "Step", "Loss", "Tok/s", "Restarts", "Age"]
+        "Phase", "Replicas", "Step", "Loss", "Tok/s", "ETA", "Restarts", "Age"]
+    step = next(c for c in v["additionalPrinterColumns"] if c["name"] == "Step")
+    assert step["jsonPath"] == ".status.progress.stepDisplay"  # N/TOTAL: spec.status.Progress writes it
     assert "stj" in doc["spec"]["names"]["shortNames"]
     assert doc["metadata"]["name"] == "seqtrainjobs.seqtrain.dev"
 

@@ -255,9 +255,12 @@ def openapi_schema() -> dict[str, Any]:
 PRINTER_COLUMNS = [
     {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
     {"name": "Replicas", "type": "integer", "jsonPath": ".status.replicas"},
-    {"name": "Step", "type": "integer", "jsonPath": ".status.progress.step"},
+    {"name": "Step", "type": "string", "jsonPath": ".status.progress.stepDisplay",
+     "description": "step/totalSteps"},
     {"name": "Loss", "type": "number", "jsonPath": ".status.progress.loss"},
     {"name": "Tok/s", "type": "number", "jsonPath": ".status.progress.tokensPerSecond"},
+    {"name": "ETA", "type": "string", "jsonPath": ".status.progress.etaDisplay",
+     "description": "time until totalSteps at the recent step rate"},
     {"name": "Restarts", "type": "integer", "jsonPath": ".status.restarts"},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]

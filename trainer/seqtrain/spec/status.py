@@ -5,7 +5,14 @@ from __future__ import annotations
 import math
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializationInfo,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+)
 from pydantic.alias_generators import to_camel
 
 Phase = Literal["Pending", "Scheduling", "Running", "Restarting", "Succeeded", "Failed", "Suspended"]
@@ -43,6 +50,10 @@ class ReplicaPlacement(_StatusModel):
 class Progress(_StatusModel):
     step: int = 0
     total_steps: int = 0
+    # JSONPath cannot concatenate, so the Step and ETA printer columns read these texts; derived from step,
+    # totalSteps and etaSeconds on every dump (the serializer below), never set by hand.
+    step_display: str | None = Field(None, description="`step/totalSteps` (the Step printer column).")
+    eta_display: str | None = Field(None, description="etaSeconds as a duration, e.g. 4m10s (the ETA printer column).")
     percent: float | None = Field(None, description="step / totalSteps, in percent (one decimal).")
     eta_seconds: float | None = Field(None, description="Seconds until totalSteps at the wall time per step of this "
                                       "attempt's recent steps (checkpoint saves and evaluations included, restarts "
@@ -79,6 +90,16 @@ class Progress(_StatusModel):
                                      "started from scratch): with stepReachedBefore, the steps it redoes.")
     restart_round: int | None = Field(None, description="In-place restarts of that incarnation so far (0: its first "
                                       "start).")
+
+    @model_serializer(mode="wrap")
+    def _with_displays(self, handler: SerializerFunctionWrapHandler, info: SerializationInfo) -> dict[str, Any]:
+        out = handler(self)
+        step, eta = ("stepDisplay", "etaDisplay") if info.by_alias else ("step_display", "eta_display")
+        out[step] = f"{self.step}/{self.total_steps}" if self.total_steps else str(self.step)
+        out.pop(eta, None)
+        if self.eta_seconds is not None and math.isfinite(self.eta_seconds) and self.eta_seconds >= 0:
+            out[eta] = short_duration(self.eta_seconds)
+        return out
 
 
 class CheckpointRef(_StatusModel):
@@ -203,3 +224,15 @@ def json_safe(obj: Any) -> Any:
     if isinstance(obj, list | tuple):
         return [json_safe(v) for v in obj]
     return obj
+
+
+def short_duration(seconds: float) -> str:
+    """kubectl's short durations: 45s, 3m12s (under 10 minutes), 12m, 2h5m, 3d4h."""
+    s = int(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60}s" if s < 600 and s % 60 else f"{s // 60}m"
+    if s < 86400:
+        return f"{s // 3600}h{(s % 3600) // 60}m" if (s % 3600) // 60 else f"{s // 3600}h"
+    return f"{s // 86400}d{(s % 86400) // 3600}h" if (s % 86400) // 3600 else f"{s // 86400}d"
