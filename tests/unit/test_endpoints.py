@@ -61,6 +61,7 @@ def test_an_idle_connection_is_closed_by_the_server(reporter):
 def test_connections_over_the_limit_are_closed_without_a_thread(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(httpserve, "MAX_CONNECTIONS", 4)
     monkeypatch.setattr(httpserve, "TIMEOUT_S", 600.0)  # the four idle clients keep their slots for the test
+    monkeypatch.setattr(httpserve, "EVICT_AFTER_S", 600.0)  # and are not closed for newcomers (test_server_limits)
     rep = ProgressReporter(str(tmp_path), total_steps=10, port=0, addr="127.0.0.1")
     before = threading.active_count()
     idle = [_connect(rep.port) for _ in range(4)]

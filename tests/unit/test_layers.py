@@ -43,7 +43,7 @@ LAYERS: dict[str, int] = {
 # The operator image has no torch: from the trainer it may import only these torch-free packages/modules.
 OPERATOR_MAY_IMPORT = ("seqtrain.spec", "seqtrain.layout", "seqtrain.runtime.exitcodes", "seqtrain.runtime.launch",
                        "seqtrain.runtime.restart", "seqtrain.train.metrics",
-                       "seqtrain.checkpoint.discovery", "seqtrain.obs.push")
+                       "seqtrain.checkpoint.discovery", "seqtrain.obs.push", "seqtrain.obs.httpserve")
 # The one console script: its trainer commands (train, report, bench, ...) import the trainer inside the command
 # function, so `seqtrain validate` and `seqtrain operator` stay torch-free; only its module-level imports count.
 LAZY_ENTRY_POINTS = {"seqtrain_operator.cli"}

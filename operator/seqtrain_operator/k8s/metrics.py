@@ -7,11 +7,12 @@ from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Gauge, Histogram, start_http_server
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, Histogram, generate_latest
 from prometheus_client import Counter as PromCounter
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from seqtrain.obs import httpserve
 from seqtrain.spec.status import JobStatus, LostSeconds
 
 PHASES = ("Pending", "Scheduling", "Running", "Restarting", "Succeeded", "Failed", "Suspended")
@@ -76,8 +77,17 @@ class OperatorMetrics:
         if infra > 0:
             self.restarts.labels(kind="infrastructure").inc(infra)
 
-    def serve(self, port: int, addr: str = "0.0.0.0") -> None:
-        start_http_server(port, addr=addr, registry=self.registry)
+    def serve(self, port: int, addr: str = "0.0.0.0") -> httpserve.BoundedServer:
+        """Serve `/metrics` on a daemon thread with the trainer's bounded server (seqtrain.obs.httpserve): a deadline
+        per connection, a cap on connections, no request body. It shares the process with the watches and the push
+        endpoint, so a client must not be able to hold its threads or descriptors. A taken port raises."""
+
+        def scrape() -> tuple[int, str, bytes]:
+            return 200, CONTENT_TYPE_LATEST, generate_latest(self.registry)
+
+        server = httpserve.BoundedServer((addr, port), {"/metrics": scrape, "/": scrape})
+        httpserve.start(server, "metrics")
+        return server
 
 
 def _camel(name: str) -> str:

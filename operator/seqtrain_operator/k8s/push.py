@@ -15,6 +15,7 @@ with several replicas a push reaches one of them (one connection per push, so th
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -64,7 +65,7 @@ class PushedProgress:
             return 413, f"a progress document is at most {MAX_BODY_BYTES} bytes"
         try:
             reported = progress_from_json(json.loads(body))
-        except ValueError:
+        except (ValueError, RecursionError, TypeError):  # a 5000-deep array is a bad body, not a server error
             reported = Reported()
         if reported.progress is None:
             return 400, "not a progress document"
@@ -87,27 +88,181 @@ class PushedProgress:
         self.jobs.pop((namespace, name), None)
 
 
-async def serve(store: PushedProgress, key: bytes, port: int, addr: str = "0.0.0.0"):  # noqa: ANN201 - aiohttp's AppRunner
-    """Serve the push endpoint in the running event loop (kopf's); returns the runner (`await runner.cleanup()`)."""
-    from aiohttp import web
+# The server's limits (module constants so a test can shrink them): connections served at once, seconds from
+# accept to the last byte of the reply, bytes of request line and headers, and when, at the cap, a connection
+# whose request has not arrived may be closed for a newcomer (a valid push arrives in milliseconds).
+MAX_CONNECTIONS = 64
+DEADLINE_S = 10.0
+EVICT_AFTER_S = 1.0
+MAX_HEAD_BYTES = 8192
+LOG_EVERY_S = 60.0  # at most one summary line of what was refused per this many seconds
 
-    async def push(request: web.Request) -> web.Response:
-        m = request.match_info
-        length = request.content_length
-        if length is not None and length > MAX_BODY_BYTES:
-            store.refused[413] += 1
-            return web.Response(status=413, text=f"a progress document is at most {MAX_BODY_BYTES} bytes\n")
-        body = await request.content.read(MAX_BODY_BYTES + 1)
-        status, reason = store.accept(key, m["namespace"], m["name"], m["uid"], request.headers.get("Authorization"),
-                                      body)
-        if status != 204:
-            log.debug("progress push for %s/%s refused: %d %s", m["namespace"], m["name"], status, reason)
-            return web.Response(status=status, text=reason + "\n")
-        return web.Response(status=204)
+_REASONS = {204: "No Content", 400: "Bad Request", 403: "Forbidden", 404: "Not Found", 405: "Method Not Allowed",
+            408: "Request Timeout", 409: "Conflict", 411: "Length Required", 413: "Content Too Large",
+            431: "Request Header Fields Too Large", 500: "Internal Server Error", 503: "Service Unavailable"}
 
-    app = web.Application(client_max_size=MAX_BODY_BYTES + 1)
-    app.router.add_post(PUSH_PATH + "/{namespace}/{name}/{uid}", push)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, addr, port).start()
-    return runner
+
+class _Refused(Exception):
+    def __init__(self, status: int, reason: str) -> None:
+        super().__init__(reason)
+        self.status, self.reason = status, reason
+
+
+@dataclass(eq=False)
+class _Conn:
+    writer: asyncio.StreamWriter
+    accepted: float  # time.monotonic()
+    requested: bool = False  # the whole request arrived: never closed for a newcomer
+
+
+class PushServer:
+    """The push endpoint on asyncio streams, in the operator's event loop, with every limit in one place: at most
+    `MAX_CONNECTIONS` at once (at the cap a newcomer replaces the oldest connection still waiting for its request
+    after `EVICT_AFTER_S`, or gets 503), `DEADLINE_S` for the whole exchange (request line, headers, body, reply:
+    not per read, so a byte a second does not keep a connection), `MAX_HEAD_BYTES` of head (431), a body of at most
+    `MAX_BODY_BYTES` read whole as its Content-Length declares however it is split over TCP writes (413 beyond),
+    one request per connection. Bad requests get 4xx; what was refused is logged as one summary line a minute."""
+
+    def __init__(self, store: PushedProgress, key: bytes) -> None:
+        self.store, self.key = store, key
+        self.max_connections, self.deadline, self.evict_after = MAX_CONNECTIONS, DEADLINE_S, EVICT_AFTER_S
+        self._open: set[_Conn] = set()
+        self._server: asyncio.AbstractServer | None = None
+        self.cut = 0  # connections closed at their deadline or for a newcomer
+        self._unlogged: Counter[int] = Counter()
+        self._logged_at = float("-inf")
+
+    async def start(self, addr: str, port: int) -> None:
+        self._server = await asyncio.start_server(self._connection, addr, port, limit=MAX_HEAD_BYTES)
+
+    @property
+    def port(self) -> int:
+        assert self._server is not None
+        return self._server.sockets[0].getsockname()[1]
+
+    async def cleanup(self) -> None:
+        """Stop accepting and close every open connection (the name aiohttp's AppRunner has)."""
+        if self._server is not None:
+            self._server.close()
+            for conn in list(self._open):
+                conn.writer.transport.abort()
+            await self._server.wait_closed()
+            self._server = None
+
+    def _admit(self, conn: _Conn) -> bool:
+        if len(self._open) >= self.max_connections:
+            stale = [c for c in self._open if not c.requested and conn.accepted - c.accepted >= self.evict_after]
+            if not stale:
+                return False
+            victim = min(stale, key=lambda c: c.accepted)
+            self._open.discard(victim)
+            victim.writer.transport.abort()  # its task sees the connection reset and ends
+            self.cut += 1
+        self._open.add(conn)
+        return True
+
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        conn = _Conn(writer, time.monotonic())
+        try:
+            if not self._admit(conn):
+                status, reason = 503, "too many connections"
+            else:
+                try:
+                    status, reason = await asyncio.wait_for(self._exchange(reader, conn), self.deadline)
+                except asyncio.TimeoutError:
+                    self.cut += 1
+                    status, reason = 408, f"the request did not arrive within {self.deadline:g}s"
+                except _Refused as exc:
+                    status, reason = exc.status, exc.reason
+                except (ConnectionError, asyncio.IncompleteReadError):
+                    return  # hung up, or closed for a newcomer: nobody to answer
+            if status != 204:
+                self._note(status)
+            await asyncio.wait_for(self._reply(writer, status, reason), 2.0)
+        except (ConnectionError, asyncio.TimeoutError, OSError):
+            pass
+        finally:
+            self._open.discard(conn)
+            await _close(writer)
+
+    async def _exchange(self, reader: asyncio.StreamReader, conn: _Conn) -> tuple[int, str]:
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+        except asyncio.LimitOverrunError:
+            raise _Refused(431, f"request line and headers are at most {MAX_HEAD_BYTES} bytes") from None
+        method, path, headers = _parse_head(head)
+        if method != "POST":
+            raise _Refused(405, "POST only")
+        parts = path.split("?", 1)[0].split("/")
+        prefix = PUSH_PATH.strip("/").split("/")
+        if len(parts) != len(prefix) + 4 or parts[1:len(prefix) + 1] != prefix or not all(parts[len(prefix) + 1:]):
+            raise _Refused(404, f"POST {PUSH_PATH}/<namespace>/<job>/<uid>")
+        namespace, name, uid = parts[len(prefix) + 1:]
+        if "transfer-encoding" in headers:
+            raise _Refused(411, "a Content-Length body only")
+        try:
+            length = int(headers.get("content-length", ""))
+        except ValueError:
+            raise _Refused(411, "a Content-Length body only") from None
+        if length < 0:
+            raise _Refused(400, "a negative Content-Length")
+        if length > MAX_BODY_BYTES:
+            raise _Refused(413, f"a progress document is at most {MAX_BODY_BYTES} bytes")
+        body = await reader.readexactly(length)  # however many TCP writes it came in
+        conn.requested = True
+        return self.store.accept(self.key, namespace, name, uid, headers.get("authorization"), body)
+
+    @staticmethod
+    async def _reply(writer: asyncio.StreamWriter, status: int, reason: str) -> None:
+        text = b"" if status == 204 else (reason + "\n").encode()
+        writer.write(f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}\r\nContent-Type: text/plain\r\n"
+                     f"Content-Length: {len(text)}\r\nConnection: close\r\n\r\n".encode() + text)
+        await writer.drain()
+
+    def _note(self, status: int) -> None:
+        """Count a refusal; log the counts at most once per LOG_EVERY_S (one line, not one per connection)."""
+        self._unlogged[status] += 1
+        now = time.monotonic()
+        if now - self._logged_at >= LOG_EVERY_S:
+            counts = ", ".join(f"{n} x {s}" for s, n in sorted(self._unlogged.items()))
+            log.info("progress push: refused %s (since the last such line; at most one a minute)", counts)
+            self._unlogged.clear()
+            self._logged_at = now
+
+
+async def _close(writer: asyncio.StreamWriter) -> None:
+    """Close after the reply is flushed (a few dozen bytes: the socket takes them at once), or abort within 1 s."""
+    writer.close()
+    try:
+        await asyncio.wait_for(writer.wait_closed(), 1.0)
+    except (asyncio.TimeoutError, OSError):
+        writer.transport.abort()
+
+
+def _parse_head(head: bytes) -> tuple[str, str, dict[str, str]]:
+    """(method, path, headers with lower-case names) of an HTTP/1.x request head; 400 when it is not one."""
+    try:
+        lines = head.decode("latin-1").split("\r\n")
+        method, path, version = lines[0].split(" ")
+        if not version.startswith("HTTP/1.") or not path.startswith("/"):
+            raise ValueError(lines[0])
+        headers: dict[str, str] = {}
+        for line in lines[1:]:
+            if not line:
+                continue
+            name, sep, value = line.partition(":")
+            if not sep or not name or name != name.strip():
+                raise ValueError(line)
+            if name.lower() in headers and name.lower() in ("content-length", "authorization"):
+                raise ValueError(f"{name} twice")
+            headers[name.lower()] = value.strip()
+    except ValueError:
+        raise _Refused(400, "not an HTTP/1.x request") from None
+    return method, path, headers
+
+
+async def serve(store: PushedProgress, key: bytes, port: int, addr: str = "0.0.0.0") -> PushServer:
+    """Serve the push endpoint in the running event loop (kopf's); `await server.cleanup()` stops it."""
+    server = PushServer(store, key)
+    await server.start(addr, port)
+    return server

@@ -1,22 +1,34 @@
-"""A small HTTP server for the trainer's read-only endpoints (progress, Prometheus metrics), bounded so that no
-client can hold the trainer's resources: at most `max_connections` served at once (more are closed at once,
-without a thread), each connection closed after `timeout` seconds of silence, a request (line and headers) of at
-most `max_request_bytes`, GET only and no body, one request per connection (HTTP/1.0).
+"""A small HTTP server for read-only endpoints (the trainer's progress and Prometheus metrics, the operator's
+`/metrics`), bounded so that no client can hold the process's resources:
 
-Both endpoints listen on every interface of the pod without authentication (the operator and Prometheus poll
-them); what they answer is public by design (step, loss, throughput). The chart's per-job NetworkPolicy narrows
+- at most `max_connections` served at once. At that cap a new connection takes the place of the oldest one whose
+  request has not arrived after `evict_after` seconds (a client that sends a request sends it in milliseconds;
+  one that dribbles it is the likelier attacker); when there is none it is closed at once, without a thread;
+- a deadline per connection, `timeout` seconds from accept for the whole exchange (request line, headers and
+  reply), not per read: a client sending one byte a second is cut off at the deadline all the same;
+- a request (line and headers) of at most `max_request_bytes`, GET only and no body (413), one request per
+  connection (HTTP/1.0);
+- no log line per connection: what was cut off or turned away is counted (`cut`, `turned_away`).
+
+Both trainer endpoints listen on every interface of the pod without authentication (the operator and Prometheus
+poll them); what they answer is public by design (step, loss, throughput). The chart's per-job NetworkPolicy narrows
 who may connect at all (docs/user-guide.md "Security: what is trusted")."""
 
 from __future__ import annotations
 
+import contextlib
+import socket
 import sys
 import threading
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 MAX_CONNECTIONS = 16
 TIMEOUT_S = 10.0
+EVICT_AFTER_S = 1.0
 MAX_REQUEST_BYTES = 8192
 
 # path -> (status, content type, body); called per request, so it reads the current state
@@ -51,43 +63,96 @@ class _CappedReader:
         self._raw.close()
 
 
+@dataclass
+class _Conn:
+    sock: socket.socket
+    accepted: float  # time.monotonic()
+    requested: bool = False  # the whole request has arrived: never evicted for a newcomer
+
+    def cut(self) -> None:
+        """Wake the connection's thread out of any read or write (it sees EOF or an error and ends)."""
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+
+
 class BoundedServer(ThreadingHTTPServer):
     daemon_threads = True
 
     def __init__(self, addr: tuple[str, int], routes: dict[str, Route], max_connections: int | None = None,
-                 timeout: float | None = None, max_request_bytes: int | None = None) -> None:
+                 timeout: float | None = None, max_request_bytes: int | None = None,
+                 evict_after: float | None = None) -> None:
         self.routes = routes
-        self.slots = threading.BoundedSemaphore(max_connections or MAX_CONNECTIONS)
+        self.max_connections = max_connections or MAX_CONNECTIONS
         self.conn_timeout = timeout or TIMEOUT_S
+        self.evict_after = EVICT_AFTER_S if evict_after is None else evict_after
         self.max_request_bytes = max_request_bytes or MAX_REQUEST_BYTES
+        self._open: dict[int, _Conn] = {}  # by id(socket); guarded by _lock (accept loop and handler threads)
+        self._lock = threading.Lock()
+        self.cut = 0  # connections closed at their deadline or evicted for a newcomer
+        self.turned_away = 0  # connections closed at accept: at the cap with none to evict
         super().__init__(addr, _Handler)
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        # Over the limit: close now, in the accept loop, instead of starting one more thread.
-        if not self.slots.acquire(blocking=False):
-            self.shutdown_request(request)
-            return
+        now = time.monotonic()
+        with self._lock:
+            if len(self._open) >= self.max_connections:
+                stale = [c for c in self._open.values() if not c.requested and now - c.accepted >= self.evict_after]
+                if not stale:  # over the cap: close now, in the accept loop, instead of starting one more thread
+                    self.turned_away += 1
+                    self.shutdown_request(request)
+                    return
+                victim = min(stale, key=lambda c: c.accepted)
+                del self._open[id(victim.sock)]  # its thread ends at once; its slot is the newcomer's now
+                victim.cut()
+                self.cut += 1
+            self._open[id(request)] = _Conn(request, now)
         try:
             super().process_request(request, client_address)
         except BaseException:
-            self.slots.release()
+            self._forget(request)
             raise
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self.slots.release()
+            self._forget(request)
+
+    def _forget(self, request: Any) -> None:
+        with self._lock:
+            conn = self._open.get(id(request))
+            if conn is not None and conn.sock is request:
+                del self._open[id(request)]
+
+    def requested(self, request: Any) -> None:
+        with self._lock:
+            if (conn := self._open.get(id(request))) is not None and conn.sock is request:
+                conn.requested = True
+
+    def service_actions(self) -> None:
+        # serve_forever calls this every poll interval (0.5 s): connections past their deadline are cut here
+        now = time.monotonic()
+        with self._lock:
+            late = [c for c in self._open.values() if now - c.accepted >= self.conn_timeout]
+            for c in late:
+                del self._open[id(c.sock)]
+        for c in late:
+            c.cut()
+        self.cut += len(late)
+
+    def open_connections(self) -> int:
+        with self._lock:
+            return len(self._open)
 
     def handle_error(self, request: Any, client_address: Any) -> None:
-        pass  # a client that hung up or timed out is not the trainer's problem; no traceback on stderr
+        pass  # a client that hung up or was cut off is not the server's problem; no traceback on stderr
 
 
 class _Handler(BaseHTTPRequestHandler):
     server: BoundedServer
 
     def setup(self) -> None:
-        self.timeout = self.server.conn_timeout  # StreamRequestHandler sets it on the socket
+        self.timeout = self.server.conn_timeout  # per read too (StreamRequestHandler sets it on the socket)
         super().setup()
         self.rfile = _CappedReader(self.rfile, self.server.max_request_bytes)  # type: ignore[assignment]
 
@@ -104,6 +169,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+        self.server.requested(self.request)
         if (self.headers.get("Content-Length") or "0").strip() != "0":
             self._reply(413, "application/json", b'{"error": "GET takes no body"}')
             return
@@ -137,5 +203,11 @@ def serve(port: int, addr: str, routes: dict[str, Route], what: str, **limits: A
     except OSError as exc:
         print(f"seqtrain: warning: cannot serve {what} on port {port}: {exc}", file=sys.stderr)
         return None
-    threading.Thread(target=server.serve_forever, name=f"seqtrain-{what.strip('/')}", daemon=True).start()
+    start(server, what)
     return server
+
+
+def start(server: BoundedServer, what: str) -> None:
+    """Run `server` on a daemon thread (its accept loop also cuts connections at their deadline)."""
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.25}, name=f"seqtrain-{what.strip('/')}",
+                     daemon=True).start()
