@@ -47,7 +47,7 @@ MAX_LOSS = 1e9  # a loss beyond this is a diverged run, as NaN is: reported as l
 MAX_STAMP_AGE_SECONDS = 31 * 24 * 3600
 _LOSSES = frozenset({"loss", "val_loss", "best_val_loss"})
 # Derived by the reader from other fields, never taken from the document.
-_DERIVED = frozenset({"percent"})
+_DERIVED = frozenset({"percent", "step_display", "eta_display"})
 
 
 class ProgressError(ValueError):
