@@ -392,3 +392,52 @@ def test_the_kueue_priority_boost_is_off_unless_the_chart_sets_it():
     bad = subprocess.run([helm(), "template", "rel", str(CHART), "--set", "operator.kueuePriorityBoost.max=-1"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and "max" in bad.stderr
+
+
+def test_the_operators_pods_take_ingress_only_on_their_ports_from_who_needs_them():
+    """operatorNetworkPolicy (on by default): the push port from trainer pods of any namespace (selected by the
+    labels the operator's pod builder gives them), metrics from the monitoring namespaces, the webhook from anywhere
+    (the API server's address is not portably selectable), every other port (health: the kubelet, from the node)
+    from nobody; off with its value; every variant passes the Kubernetes schema."""
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    from seqtrain.spec import SeqTrainJob
+    from seqtrain_operator.k8s import manifests as m
+
+    docs = render()
+    (policy,) = by_kind(docs, "NetworkPolicy")
+    deployment = by_kind(docs, "Deployment")[0]
+    assert policy["metadata"]["namespace"] == "seqtrain-system"
+    assert policy["spec"]["podSelector"] == deployment["spec"]["selector"]
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    ports = {p["name"]: p["containerPort"] for p in deployment["spec"]["template"]["spec"]["containers"][0]["ports"]}
+    rules = {r["ports"][0]["port"]: r.get("from") for r in policy["spec"]["ingress"]}
+    assert all(len(r["ports"]) == 1 for r in policy["spec"]["ingress"])
+    assert set(rules) == {ports["progress-push"], ports["metrics"], ports["webhook"]}  # not health
+    assert rules[ports["webhook"]] is None  # from anywhere
+    assert rules[ports["metrics"]] == [{"namespaceSelector": {"matchLabels": {
+        "kubernetes.io/metadata.name": "monitoring"}}}]
+    (trainers,) = rules[ports["progress-push"]]
+    assert trainers["namespaceSelector"] == {}  # jobs run in any namespace
+    job = SeqTrainJob.model_validate({"apiVersion": "seqtrain.dev/v1alpha1", "kind": "SeqTrainJob",
+                                      "metadata": {"name": "gpt", "namespace": "ml"},
+                                      "spec": {"replicas": 1, "resources": {"gpus": 0, "cpu": "1", "memory": "1Gi"}}})
+    pod_labels = m.build_pod(job, m.Owner("gpt", "ml", "u1"), 1, 0, m.Settings())["metadata"]["labels"]
+    selector = trainers["podSelector"]
+    assert selector["matchLabels"].items() <= pod_labels.items()
+    assert all(e["operator"] == "Exists" and e["key"] in pod_labels for e in selector["matchExpressions"])
+    assert not {"app.kubernetes.io/managed-by": "seqtrain-operator"}.items() <= deployment["spec"]["template"][
+        "metadata"]["labels"].items()  # the operator's own pods are not "trainer pods"
+
+    custom = render("operatorNetworkPolicy.monitoringNamespaceSelector.matchLabels.team=observability",
+                    "operatorNetworkPolicy.monitoringPodSelector.matchLabels.app=prometheus")
+    (policy,) = by_kind(custom, "NetworkPolicy")
+    metrics_from = next(r["from"] for r in policy["spec"]["ingress"] if r["ports"][0]["port"] == ports["metrics"])
+    assert metrics_from == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring",
+                                                                   "team": "observability"}},
+                             "podSelector": {"matchLabels": {"app": "prometheus"}}}]
+    assert not by_kind(render("operatorNetworkPolicy.enabled=false"), "NetworkPolicy")
+    none_open = render("progressPush.enabled=false", "metrics.enabled=false", "webhook.enabled=false")
+    (closed,) = by_kind(none_open, "NetworkPolicy")
+    assert closed["spec"]["ingress"] == []  # every port refused
+    for p in (policy, closed, *by_kind(docs, "NetworkPolicy")):
+        kubernetes_validate.validate(p, K8S_VERSION, strict=True)
