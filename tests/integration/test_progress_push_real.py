@@ -27,6 +27,7 @@ from operator_harness import (
     status,
     submit,
     wait_for,
+    wait_phase,
 )
 
 from seqtrain_operator.k8s import reconcile
@@ -104,3 +105,103 @@ def test_pushed_progress_reaches_the_status_and_a_hang_is_detected_when_polling_
         assert "ProgressUnknown" not in {r for r, _ in events(cp, ns)}
     finally:
         op.stop()
+
+
+# Hostile progress documents (issue 35, item 4), polled by the real operator from a server that stands between it
+# and the trainer: the trainer's own document with a NaN / +-Infinity loss, a step of 1e30, a 5000-deep body, an
+# updatedAt from the future. Each pass is answered by the next one in turn.
+HOSTILE = ("future", "nan", "step1e30", "inf", "deep", "-inf")
+
+
+class HostileProgress:
+    """Serves GET /progress: the trainer's document (fetched from where the operator meant to poll) made hostile."""
+
+    def __init__(self) -> None:
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.target: tuple[str, int] | None = None
+        self.served: dict[str, int] = dict.fromkeys(HOSTILE, 0)
+        self._turn = 0
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+                body = outer.body()
+                self.send_response(200 if body is not None else 502)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body or b"")))
+                self.end_headers()
+                self.wfile.write(body or b"")
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def body(self) -> bytes | None:
+        import json
+        import urllib.request
+
+        if self.target is None:
+            return None
+        ip, port = self.target
+        try:
+            with urllib.request.urlopen(f"http://{ip}:{port}/progress", timeout=1.0) as resp:
+                doc = json.loads(resp.read(65536))
+        except (OSError, ValueError):
+            return None
+        mode = HOSTILE[self._turn % len(HOSTILE)]
+        self._turn += 1
+        self.served[mode] += 1
+        if mode == "deep":
+            return b'{"step": 1, "x": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+        doc |= {"nan": {"loss": float("nan")}, "inf": {"loss": float("inf")}, "-inf": {"loss": float("-inf")},
+                "step1e30": {"step": 1e30}, "future": {"updatedAt": "2999-01-01T00:00:00Z"}}[mode]
+        return json.dumps(doc).encode()  # json.dumps writes NaN / Infinity bare, as a broken trainer would
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_hostile_progress_is_made_safe_and_the_job_still_finishes(env, seqtrain_operator, monkeypatch):
+    b, pools = env
+    cp = b.cp
+    ns = namespace(cp, "nanprog")
+    pools.append(ns)
+    hostile, real_poll = HostileProgress(), reconcile.poll_progress
+
+    async def hostile_poll(ip: str, port: int, timeout: float = 2.0):
+        hostile.target = (ip, port)
+        return await real_poll("127.0.0.1", hostile.port, timeout)  # the real poll and reader, a hostile answer
+
+    monkeypatch.setattr(reconcile, "poll_progress", hostile_poll)
+    cfg = fast_config(progress_port=free_port(), master_port=seqtrain_operator.master_port,
+                      termination_grace_seconds=30)
+    op = OperatorThread(cfg, b.webhook()).start()
+    try:
+        job = held_job("nanprog", ns)
+        job["spec"]["training"]["steps"] = 30
+        job["spec"]["faultTolerance"] = {"maxRestarts": 0, "backoffSeconds": 0, "inPlaceRestarts": 0}
+        # held after step 3 for 45 s (a window of hostile polls however fast the machine trains), then on to the end
+        job["spec"]["podTemplate"]["spec"]["containers"][0]["env"][0]["value"] = f"{HOLD_AT}:45"
+        submit(cp, job)
+
+        def diverging() -> dict[str, Any] | None:
+            st = status(cp, ns, "nanprog")
+            assert st.get("phase") not in ("Failed", "Succeeded"), (st, hostile.served)
+            p = st.get("progress") or {}
+            # a NaN or Infinity loss reached the status as null, flagged, in a status write the API server took
+            return st if p.get("lossNonFinite") is True and "loss" not in p and p.get("step", 0) >= 1 else None
+
+        wait_for(diverging, START_TIMEOUT, what="status.progress.lossNonFinite from a polled NaN loss", interval=0.5)
+        done = wait_phase(cp, ns, "nanprog", "Succeeded", timeout=START_TIMEOUT)
+        assert done["progress"]["step"] == 30, done["progress"]  # the termination message's final word
+        assert done.get("restarts", 0) == 0, done
+        assert all(n >= 1 for n in hostile.served.values()), hostile.served  # every hostile answer was polled
+    finally:
+        op.stop()
+        hostile.close()
