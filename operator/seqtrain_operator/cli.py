@@ -61,6 +61,10 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         if not args.quiet:
             names = ", ".join(j.name for j in jobs)
             print(f"{path}: valid ({names})")
+            from seqtrain.spec.resolve import job_notes
+
+            for j in jobs:  # derived model fields with their origin; warnings that are not errors
+                print("\n".join(f"{path}: note: {n}" for n in job_notes(j)))
     return EXIT_INVALID if bad else EXIT_OK
 
 
@@ -194,7 +198,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 def _cmd_prepare_data(args: argparse.Namespace) -> int:
     from seqtrain.data.prepare import prepare_command
 
-    return prepare_command(args.inputs, args.out, args.tokenizer, args.workers, args.field, quiet=args.quiet)
+    return prepare_command(args.inputs, args.out, args.tokenizer, args.workers, args.field, quiet=args.quiet,
+                           overwrite=args.overwrite)
 
 
 # ---- cluster commands (seqtrain_operator.client; --local: the same against run folders) --------------------------
@@ -485,6 +490,8 @@ def build_parser() -> argparse.ArgumentParser:
     pd.add_argument("--workers", type=_positive_int, default=1, metavar="N", help="parallel worker processes")
     pd.add_argument("--field", default="text", help="text field of jsonl records, parquet and dataset columns")
     pd.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    pd.add_argument("--overwrite", action="store_true",
+                    help="replace what an earlier prepare-data wrote into --out (other inputs or settings)")
     pd.set_defaults(func=_cmd_prepare_data)
 
     _add_cluster_commands(sub, set_help)

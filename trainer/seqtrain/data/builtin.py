@@ -7,12 +7,13 @@ the same on every rank and every run, and a file never lands on both sides.
 from __future__ import annotations
 
 import functools
-import hashlib
 import os
 import sysconfig
 from dataclasses import dataclass
 
 import numpy as np
+
+from seqtrain.spec.datafiles import in_validation  # one split rule for every source and for validate
 
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 
@@ -42,12 +43,6 @@ def stdlib_files(root: str | None = None) -> list[str]:
         dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS)
         out += [os.path.relpath(os.path.join(dirpath, f), root) for f in filenames if f.endswith(".py")]
     return sorted(out)
-
-
-def in_validation(rel_path: str, fraction: float) -> bool:
-    """Deterministic split: the first 8 bytes of sha256(path) as a number in [0, 1)."""
-    h = int.from_bytes(hashlib.sha256(rel_path.encode()).digest()[:8], "big") / 2**64
-    return h < fraction
 
 
 @functools.lru_cache(maxsize=4)  # train + validation, read once per process (about 30 MB, read-only arrays)

@@ -19,6 +19,7 @@ import glob
 import hashlib
 import json
 import os
+import re
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -81,7 +82,12 @@ class _Tok:
         if self._tok is None:
             return [np.frombuffer(t if isinstance(t, bytes) else t.encode("utf-8"), dtype=np.uint8) for t in texts]
         strs = [t.decode("utf-8", errors="replace") if isinstance(t, bytes) else t for t in texts]
-        return [np.asarray(e.ids, dtype=self.dtype) for e in self._tok.encode_batch(strs, add_special_tokens=False)]
+        try:
+            encoded = self._tok.encode_batch(strs, add_special_tokens=False)
+        except Exception as exc:  # noqa: BLE001 - tokenizers raises a bare Exception
+            raise PrepareError(f"--tokenizer {self.spec}: cannot encode the text "
+                               f"({str(exc).splitlines()[0][:160]})") from None
+        return [np.asarray(e.ids, dtype=self.dtype) for e in encoded]
 
     def describe(self, out_dir: str) -> dict[str, Any]:
         if self._tok is None:
@@ -287,9 +293,20 @@ def _fingerprint(units: list[Unit], tok: _Tok, field: str) -> str:
     return h.hexdigest()
 
 
+_OWN_FILE = re.compile(r"^(shard-\d{5}(\.bin|\.docs\.npy|\.bin\.tmp|\.docs\.tmp\.npy)|plan\.json(\.tmp)?"
+                       r"|index\.json(\.tmp)?|tokenizer\.json)$")
+
+
+def _own_files(out: str) -> list[str]:
+    """The files an earlier prepare-data wrote into out (what --overwrite removes; nothing else is touched)."""
+    return sorted(os.path.join(out, f) for f in os.listdir(out) if _OWN_FILE.match(f))
+
+
 def prepare(inputs: Sequence[str], out: str, tokenizer: str = "byte", workers: int = 1, field: str = "text",
-            progress: bool = True) -> dict[str, Any]:
-    """Tokenize `inputs` into `out`; resumes a previous run with the same inputs and settings. Returns the
+            progress: bool = True, overwrite: bool = False) -> dict[str, Any]:
+    """Tokenize `inputs` into `out`; resumes a previous run with the same inputs and settings. A folder holding
+    another run's shards is refused unless `overwrite`, which first removes that run's files (only those). A
+    folder whose earlier run wrote its plan but no shard (it failed first) is simply re-planned. Returns the
     index (also written to out/index.json) plus timing."""
     t0 = time.perf_counter()
     tok = _tok_cache(tokenizer)
@@ -299,13 +316,22 @@ def prepare(inputs: Sequence[str], out: str, tokenizer: str = "byte", workers: i
     os.makedirs(out, exist_ok=True)
     fp = _fingerprint(units, tok, field)
     plan_path = os.path.join(out, PLAN)
+    if overwrite:
+        for f in _own_files(out):
+            os.remove(f)
+    old: dict[str, Any] = {}
     if os.path.isfile(plan_path):
-        with open(plan_path, encoding="utf-8") as f:
-            old = json.load(f)
-        if old.get("fingerprint") != fp:
-            raise PrepareError(f"--out {out}: holds shards of other inputs or settings (plan.json differs); "
-                               "use an empty folder")
-    else:
+        try:
+            with open(plan_path, encoding="utf-8") as f:
+                old = json.load(f)
+        except ValueError:
+            old = {}
+        old = old if isinstance(old, dict) else {}
+        shards = [f for f in os.listdir(out) if f.startswith("shard-") and f.endswith(".bin")]
+        if old.get("fingerprint") != fp and shards:
+            raise PrepareError(f"--out {out}: holds {len(shards)} shard(s) of other inputs or settings (plan.json "
+                               "differs); add --overwrite to replace them, or use an empty folder")
+    if old.get("fingerprint") != fp:
         with open(plan_path + ".tmp", "w", encoding="utf-8") as f:
             json.dump({"fingerprint": fp, "field": field, "tokenizer": tokenizer,
                        "units": [asdict(u) for u in units]}, f, indent=1)
@@ -362,9 +388,10 @@ def prepare(inputs: Sequence[str], out: str, tokenizer: str = "byte", workers: i
 
 
 def prepare_command(inputs: Sequence[str], out: str, tokenizer: str, workers: int, field: str,
-                    quiet: bool = False) -> int:
+                    quiet: bool = False, overwrite: bool = False) -> int:
     try:
-        info = prepare(inputs, out, tokenizer, workers, field, progress=not quiet and sys.stderr.isatty())
+        info = prepare(inputs, out, tokenizer, workers, field, progress=not quiet and sys.stderr.isatty(),
+                       overwrite=overwrite)
     except (PrepareError, OSError) as exc:
         print(f"seqtrain prepare-data: {exc}", file=sys.stderr)
         return 2

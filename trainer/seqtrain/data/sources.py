@@ -1,14 +1,14 @@
 """Data sources beyond the built-in corpus: text files, jsonl, pre-tokenized token files; tokenizer.json.
 
 Every source returns a `Corpus` (all documents of one split concatenated, plus where each starts), so batching,
-packing and sharding are the same for all of them. Train/validation split is deterministic: per document by a
-hash of its name (text: the path; jsonl: path and line number); token files keep their last
-`validationFraction` of tokens for validation.
+packing and sharding are the same for all of them. The validation split is `data.validation` when named (then all
+of `data.paths` trains); otherwise it is deterministic: per document by a hash of its name (text: the path; jsonl:
+path and line number); token files keep their last `validationFraction` of tokens for validation (the rules in
+`seqtrain.spec.datafiles`, which `validate` checks).
 """
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 from collections.abc import Iterator, Sequence
@@ -16,10 +16,11 @@ from typing import Any
 
 import numpy as np
 
-from seqtrain.data.builtin import Corpus, in_validation
+from seqtrain.data.builtin import Corpus
 from seqtrain.data.tokenizer import ByteTokenizer, read_tokenizer_json
 from seqtrain.runtime.exitcodes import InvalidConfig
 from seqtrain.spec.data import DataSpec
+from seqtrain.spec.datafiles import expand, in_validation
 
 EOS_TOKENS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "[EOS]", "<|eot_id|>")
 
@@ -69,15 +70,10 @@ def build_tokenizer(spec: DataSpec) -> Tokenizer:
     return FileTokenizer(os.path.expanduser(spec.tokenizer.path))
 
 
-def expand_paths(patterns: Sequence[str], field: str = "spec.data.paths") -> list[str]:
-    """Sorted, de-duplicated files matched by the globs (`**` recursive); error naming the pattern if none."""
-    out: list[str] = []
-    for pattern in patterns:
-        matches = sorted(p for p in glob.glob(os.path.expanduser(pattern), recursive=True) if os.path.isfile(p))
-        if not matches:
-            raise FileNotFoundError(f"{field}: {pattern!r} matches no file")
-        out += matches
-    return list(dict.fromkeys(out))
+def expand_paths(patterns: Sequence[str], field: str = "spec.data.paths", folders: bool = True) -> list[str]:
+    """Sorted, de-duplicated files matched by the globs (`**` recursive) or below the folders; error naming the
+    pattern if none (the rule `validate` applies too: `seqtrain.spec.datafiles.expand`)."""
+    return expand(patterns, field, folders)
 
 
 def corpus_from_documents(docs: Sequence[np.ndarray], dtype: Any = None) -> Corpus:
@@ -115,7 +111,8 @@ def load_text(spec: DataSpec, split: str, tok: Tokenizer) -> Corpus:
             texts.append(f.read())
     if not texts:
         raise ValueError(f"spec.data.paths: no file falls into the {split} split "
-                         f"(validationFraction {spec.validation_fraction}); add files or change the fraction")
+                         f"(validationFraction {spec.validation_fraction}, per file by a hash of its path); name "
+                         "held-out files in data.validation, or add files")
     return corpus_from_documents(_documents(tok, texts))
 
 
@@ -182,7 +179,7 @@ def load_tokens(spec: DataSpec, split: str) -> Corpus:
     """
     dtype = np.dtype(spec.token_dtype)
     parts: list[np.ndarray] = []
-    for path in expand_paths(spec.paths):
+    for path in expand_paths(spec.paths, folders=False):
         size = os.path.getsize(path)
         if size % dtype.itemsize:
             raise ValueError(f"{path}: {size} bytes is not a whole number of {spec.token_dtype} tokens; "
@@ -209,10 +206,20 @@ def max_token_id(corpus: Corpus, sample: int = 1 << 20) -> int:
     return int(np.asarray(corpus.tokens[np.arange(n)]).max()) if n else 0
 
 
+def whole_split(spec: DataSpec, split: str) -> DataSpec:
+    """With data.validation named, each split is the whole of its own list: a copy of spec whose paths are that
+    list and whose validationFraction is 0 (so the loaders below hold nothing out), to be read as "train"."""
+    paths = spec.validation if split == "validation" else spec.paths
+    return spec.model_copy(update={"paths": list(paths or []), "validation_fraction": 0.0,
+                                   "weights": spec.weights if split == "train" else None, "validation": None})
+
+
 def load_source(spec: DataSpec, split: str, seed: int = 0) -> Corpus:
     """The corpus of one split for any `data.source` (the builtin corpus re-encoded with a tokenizer.json)."""
     if split not in ("train", "validation"):
         raise ValueError(f"split must be train or validation, not {split!r}")
+    if spec.validation and spec.source in ("text", "jsonl", "tokens"):
+        return load_source(whole_split(spec, split), "train", seed)
     if spec.source == "synthetic":
         from seqtrain.data.synthetic import load_synthetic
 

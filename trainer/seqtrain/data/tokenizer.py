@@ -31,6 +31,13 @@ def read_tokenizer_json(path: str) -> tuple[Any, str]:
     if not os.path.isfile(path):
         return None, "is not a file"
     try:
-        return Tokenizer.from_file(path), ""
+        tok = Tokenizer.from_file(path)
     except Exception as exc:  # noqa: BLE001 - tokenizers raises a bare Exception for any bad file
         return None, f"not a tokenizer.json the `tokenizers` library reads ({str(exc).splitlines()[0][:160]})"
+    unk = getattr(tok.model, "unk_token", None)
+    if isinstance(unk, str) and unk and tok.token_to_id(unk) is None:
+        # encoding any word outside the vocabulary would raise "Missing [UNK] token from the vocabulary"
+        return None, (f"its unknown-word token {unk!r} is not in its vocabulary, so text with any other word "
+                      "cannot be encoded; add the token to the vocabulary (or train the tokenizer with it as a "
+                      "special token)")
+    return tok, ""

@@ -2,7 +2,8 @@
 and blends of several such datasets with weights.
 
 Each shard's documents (every one ending with the end-of-document token) are split per shard: the last
-`validationFraction` of its documents are validation, the rest train. A blend draws documents from each dataset
+`validationFraction` of its documents are validation, the rest train (by tokens when the shard has too few
+documents: `split_shard`). A blend draws documents from each dataset
 so that its share of the epoch's tokens is its weight (seeded; a dataset whose share exceeds its size repeats).
 The result is a `Corpus` whose `tokens` is a `DocumentView`: a virtual concatenation of the chosen documents that
 reads only the positions asked for, so packing, bucketing and document masks work on billions of tokens without
@@ -120,11 +121,7 @@ def _dataset_docs(path: str, split: str, fraction: float, src_base: int
             raise InvalidConfig(f"{base}.bin: {size} bytes, but index.json says {n} tokens of {dtype.name} "
                                 f"({n * dtype.itemsize} bytes): truncated or replaced; {_FIX}")
         mm = np.memmap(base + ".bin", dtype=dtype, mode="r", shape=(n,))
-        doc_starts = _doc_starts(base, n)
-        ends = np.append(doc_starts[1:], n)
-        cut = len(doc_starts) - int(round(len(doc_starts) * fraction))
-        sel = slice(0, cut) if split == "train" else slice(cut, None)
-        s, e = doc_starts[sel], ends[sel]
+        s, e = split_shard(_doc_starts(base, n), n, fraction, split)
         if len(s) == 0:
             continue
         srcs.append(np.full(len(s), src_base + len(maps), dtype=np.int64))
@@ -134,6 +131,22 @@ def _dataset_docs(path: str, split: str, fraction: float, src_base: int
     if not maps:
         return [], np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0, np.int64), index
     return maps, np.concatenate(srcs), np.concatenate(starts), np.concatenate(lengths), index
+
+
+def split_shard(doc_starts: np.ndarray, n: int, fraction: float, split: str) -> tuple[np.ndarray, np.ndarray]:
+    """(starts, ends) of one shard's documents in a split: the last `fraction` of its documents are validation.
+    A shard with too few documents for that (one large text is one document) is split by tokens instead: the
+    last `fraction` of its tokens are validation, and the document the cut falls in becomes two pieces."""
+    ends = np.append(doc_starts[1:], n)
+    held = int(round(len(doc_starts) * fraction))
+    if held == 0 and fraction > 0:
+        cut = n - int(round(n * fraction))
+        keep = doc_starts < cut if split == "train" else ends > cut
+        if split == "train":
+            return doc_starts[keep], np.minimum(ends[keep], cut)
+        return np.maximum(doc_starts[keep], cut), ends[keep]
+    sel = slice(0, len(doc_starts) - held) if split == "train" else slice(len(doc_starts) - held, None)
+    return doc_starts[sel], ends[sel]
 
 
 def blend_counts(lengths: Sequence[np.ndarray], weights: Sequence[float], rng: np.random.Generator

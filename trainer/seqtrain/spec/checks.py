@@ -8,6 +8,7 @@ from __future__ import annotations
 import glob
 import os
 
+from seqtrain.spec.datafiles import data_problems
 from seqtrain.spec.elastic import divisors_hint, elastic_problems, size_problems
 from seqtrain.spec.job import SeqTrainJob
 from seqtrain.spec.problems import Problem
@@ -145,6 +146,7 @@ def check(job: SeqTrainJob) -> list[Problem]:
         missing = [p for p in d.paths if "://" not in p and not glob.glob(os.path.expanduser(p))]
         for p in missing:
             out.append(Problem("spec.data.paths", f"{p!r} matches no file"))
+    out += data_problems(job, paths_readable())
 
     ev = tr.eval
     if ev.every > 0 and ev.batches == 0:

@@ -31,6 +31,11 @@ class DataSpec(SpecModel):
     paths: list[str] = Field(
         default_factory=list, description="Files or globs (text, jsonl, tokens); for tokens also folders written by "
         "`seqtrain prepare-data` (one dataset each).")
+    validation: list[str] | None = Field(
+        None, description="Validation data named explicitly: files, globs or folders of the same kind as paths (for "
+        "tokens: `seqtrain prepare-data` folders or raw token files such as nanoGPT's val.bin). Then nothing of "
+        "paths is held out, and an entry that is also training data is refused. Default: a validationFraction "
+        "of paths.")
     weights: list[float] | None = Field(
         None, description="Blend weights, one per entry of paths (source tokens with prepare-data folders): each "
         "dataset's share of the training tokens. Default: every document once.")
@@ -40,7 +45,9 @@ class DataSpec(SpecModel):
     tokenizer: TokenizerSpec = Field(default_factory=TokenizerSpec, description="How text becomes token ids.")
     seq_len: int = Field(256, ge=2, le=MAX_SEQ_LEN, description="Tokens per training sequence (context length).")
     validation_fraction: float = Field(
-        0.01, ge=0.0, lt=0.5, description="Share of documents held out for validation (deterministic split)."
+        0.01, ge=0.0, lt=0.5, description="Share of paths held out for validation when data.validation is not set "
+        "(deterministic): text files by a hash of their path, jsonl records by path and line, the last share of each "
+        "raw token file, the last documents of each prepared shard (its last tokens when it has too few documents)."
     )
     packing: bool = Field(
         False, description="Pack several documents per sequence; attention and recurrent state never cross documents."

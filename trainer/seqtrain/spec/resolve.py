@@ -6,6 +6,7 @@ import json
 import os
 from dataclasses import dataclass
 
+from seqtrain.spec.datafiles import data_notes
 from seqtrain.spec.init_source import describe_init
 from seqtrain.spec.job import SeqTrainJob
 from seqtrain.spec.model import ModelSpec
@@ -163,6 +164,12 @@ def swiglu_hidden(dim: int) -> int:
     """LLaMA's SwiGLU width: 2/3 of 4*dim (the same parameters as a 4*dim GELU MLP), rounded up."""
     hidden, mult = int(8 * dim / 3), ffn_multiple(dim)
     return (hidden + mult - 1) // mult * mult
+
+
+def job_notes(job: SeqTrainJob) -> list[str]:
+    """What `validate` and `plan` print beside a valid job: the model's derived fields with their origins, and
+    warnings that are not errors (training data named like held-out data)."""
+    return [resolve_model(job).derivations(), *data_notes(job, paths_readable())]
 
 
 def resolve(job: SeqTrainJob) -> SeqTrainJob:

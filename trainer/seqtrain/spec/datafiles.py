@@ -1,0 +1,191 @@
+"""The files a job's data section names: how `data.paths` and `data.validation` expand, which documents the
+per-file split holds out, and what `validate` checks about them. Torch- and numpy-free, so the loaders in
+`seqtrain.data` and the spec's checks share one rule (and validate says before a run what the run would find).
+
+Split rules (what the loaders do):
+- `data.validation` named: it is the whole validation split and nothing of `data.paths` is held out;
+- text: per file, by a hash of its path (`in_validation`); jsonl: per record, by a hash of `path:line`;
+- raw token files: the last `validationFraction` of each file's tokens;
+- prepare-data folders: per shard, the last `validationFraction` of its documents, or of its tokens when the
+  shard holds too few documents for that (one large text is one document).
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import os
+import re
+from collections.abc import Sequence
+
+from seqtrain.spec.job import SeqTrainJob
+from seqtrain.spec.problems import Problem
+
+PREPARED_INDEX = "index.json"  # seqtrain.data.prepare.INDEX
+JSONL_SCAN_BYTES = 256 << 20  # validate counts jsonl records up to this much text (the loader reads it all anyway)
+# File names that say "held-out data" (nanoGPT's val.bin, valid.txt, test.jsonl, dev.txt ...).
+_HELD_OUT_NAME = re.compile(r"(^|[^a-z])(val|valid|validation|dev|test|eval)([^a-z]|$)")
+
+
+def in_validation(name: str, fraction: float) -> bool:
+    """Deterministic split: the first 8 bytes of sha256(name) as a number in [0, 1), below fraction."""
+    h = int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big") / 2**64
+    return h < fraction
+
+
+def is_prepared(path: str) -> bool:
+    return os.path.isfile(os.path.join(os.path.expanduser(path), PREPARED_INDEX))
+
+
+def expand(patterns: Sequence[str], field: str = "spec.data.paths", folders: bool = True) -> list[str]:
+    """Sorted, de-duplicated files matched by the globs (`**` recursive); with folders, a folder stands for every
+    file below it (names starting with '.' skipped). FileNotFoundError naming the field and pattern if none."""
+    out: list[str] = []
+    for pattern in patterns:
+        path = os.path.expanduser(pattern)
+        if folders and os.path.isdir(path):
+            matches = _walk(path)
+        else:
+            matches = sorted(p for p in glob.glob(path, recursive=True) if os.path.isfile(p))
+        if not matches:
+            raise FileNotFoundError(f"{field}: {pattern!r} matches no file")
+        out += matches
+    return list(dict.fromkeys(out))
+
+
+def _walk(folder: str) -> list[str]:
+    out: list[str] = []
+    for here, dirs, files in os.walk(folder):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        out += [os.path.join(here, f) for f in files if not f.startswith(".")]
+    return sorted(out)
+
+
+def _identity(path: str) -> tuple[int, int] | str:
+    """What makes two names the same file or folder: device and inode (hard links too), else the real path."""
+    try:
+        st = os.stat(path)
+        return (st.st_dev, st.st_ino)
+    except OSError:
+        return os.path.realpath(path)
+
+
+def _entries(job: SeqTrainJob, patterns: Sequence[str], field: str) -> dict[tuple[int, int] | str, str]:
+    """identity -> the name as the user wrote it (or as its glob/folder expanded) for one list of data paths."""
+    source = job.spec.data.source
+    out: dict[tuple[int, int] | str, str] = {}
+    for pattern in patterns:
+        if "://" in pattern:
+            continue
+        if source == "tokens" and is_prepared(pattern):
+            out[_identity(os.path.expanduser(pattern))] = pattern
+            continue
+        try:
+            files = expand([pattern], field, folders=source != "tokens")
+        except FileNotFoundError:
+            continue  # reported as "matches no file"
+        for f in files:
+            out[_identity(f)] = f
+    return out
+
+
+def data_problems(job: SeqTrainJob, readable: bool) -> list[Problem]:
+    """data.validation's rules, and splits that would leave the run without training or validation data."""
+    d = job.spec.data
+    out: list[Problem] = []
+    if d.validation is not None:
+        if d.source not in ("text", "jsonl", "tokens"):
+            out.append(Problem("spec.data.validation", f"applies to source text, jsonl and tokens, not {d.source}; "
+                                                       "remove it"))
+            return out
+        if not d.validation:
+            out.append(Problem("spec.data.validation", "name at least one file, glob or folder, or remove it"))
+        if "validation_fraction" in d.model_fields_set:
+            out.append(Problem("spec.data.validationFraction", "data.validation names the validation data, so "
+                                                               "nothing of data.paths is held out; remove it"))
+    if not readable or d.source not in ("text", "jsonl", "tokens") or not d.paths:
+        return out
+    if d.validation:
+        missing = [p for p in d.validation if "://" not in p and not is_prepared(p)
+                   and not glob.glob(os.path.expanduser(p)) and not os.path.isdir(os.path.expanduser(p))]
+        out += [Problem("spec.data.validation", f"{p!r} matches no file") for p in missing]
+        if d.source == "tokens":
+            kinds = {is_prepared(p) for p in d.validation if "://" not in p}
+            if len(kinds) > 1:
+                out.append(Problem("spec.data.validation", "mixes `seqtrain prepare-data` folders and raw token "
+                                                           "files; list only one kind"))
+        train = _entries(job, d.paths, "spec.data.paths")
+        for key, name in _entries(job, d.validation, "spec.data.validation").items():
+            if key in train:
+                out.append(Problem("spec.data.validation", f"{name!r} is also training data (data.paths: "
+                                                           f"{train[key]!r}); remove it from one of the two"))
+        return out
+    return out + _split_problems(job)
+
+
+def _split_problems(job: SeqTrainJob) -> list[Problem]:
+    """Without data.validation: would the per-file split leave a side empty? (What the loaders would raise.)"""
+    d = job.spec.data
+    f = d.validation_fraction
+    evaluates = job.spec.training.eval.batches > 0
+    fix = ("name held-out files in data.validation (e.g. data.validation: [val.txt]) or list more files in "
+           "data.paths")
+    if d.source == "text":
+        try:
+            files = expand(d.paths)
+        except FileNotFoundError:
+            return []
+        val = [p for p in files if in_validation(p, f)]
+        if len(val) == len(files):
+            return [Problem("spec.data.paths", f"every file falls into the validation split (validationFraction "
+                                               f"{f}, chosen per file by a hash of its path); {fix}")]
+        if evaluates and not val:
+            return [Problem("spec.data.validation", f"none of the {len(files)} file(s) of data.paths falls into "
+                                                    f"the validation split (validationFraction {f}, chosen per file "
+                                                    f"by a hash of its path), and training.eval needs one; {fix}")]
+    elif d.source == "jsonl" and evaluates:
+        try:
+            files = expand(d.paths)
+        except FileNotFoundError:
+            return []
+        if sum(os.path.getsize(p) for p in files) > JSONL_SCAN_BYTES:
+            return []
+        if not any(in_validation(f"{p}:{n}", f) for p in files for n in _record_lines(p)):
+            return [Problem("spec.data.validation", f"no jsonl record falls into the validation split "
+                                                    f"(validationFraction {f}, per record by a hash of file:line), "
+                                                    f"and training.eval needs one; name held-out files in "
+                                                    "data.validation or raise data.validationFraction")]
+    elif d.source == "tokens" and evaluates and f == 0:
+        return [Problem("spec.data.validation", "validationFraction 0 holds nothing out and training.eval needs "
+                                                "validation data; name it in data.validation or raise "
+                                                "data.validationFraction")]
+    return []
+
+
+def _record_lines(path: str) -> list[int]:
+    """Line numbers (from 1) of a jsonl file's non-blank lines: the loader's record names are `path:line`."""
+    with open(path, "rb") as f:
+        return [n for n, line in enumerate(f, start=1) if line.strip()]
+
+
+def data_notes(job: SeqTrainJob, readable: bool) -> list[str]:
+    """Warnings that are not errors: a training file named like held-out data (nanoGPT's val.bin listed in
+    data.paths is mostly trained on; the per-file split holds out only a slice of it, or nothing)."""
+    d = job.spec.data
+    if not readable or d.validation or d.source not in ("text", "jsonl", "tokens"):
+        return []
+    names = []
+    for p in d.paths:
+        if "://" in p:
+            continue
+        try:
+            files = [p] if d.source == "tokens" and is_prepared(p) else expand([p], folders=d.source != "tokens")
+        except FileNotFoundError:
+            continue
+        names += [f for f in files if _HELD_OUT_NAME.search(os.path.splitext(os.path.basename(f.rstrip("/")))[0].lower())
+                  and not (d.source == "text" and in_validation(f, d.validation_fraction))]
+    if not names:
+        return []
+    shown = ", ".join(repr(n) for n in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    return [f"data.paths lists {shown}, named like held-out data, as training data; name validation data in "
+            f"data.validation to keep it out of training"]
