@@ -13,6 +13,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
+from seqtrain.spec.progress_doc import read_checkpoint_report
 from seqtrain.spec.runtime import FailureHistory
 from seqtrain.spec.status import CheckpointPolicy, JobStatus, WorkAtRisk
 from seqtrain_operator.controller.clock import parse, seconds_between
@@ -26,17 +27,9 @@ def failure_history(status: JobStatus, rank_mtbf_hours: float | None = None) -> 
 
 
 def checkpoint_report(data: Any) -> tuple[CheckpointPolicy | None, WorkAtRisk | None]:
-    """`checkpointPolicy` and `workAtRisk` of a progress document; None for what is absent or malformed (the pod
-    is the user's: a bad document loses these figures, never the reconcile)."""
-    if not isinstance(data, dict):
-        return None, None
-    out: list[Any] = []
-    for key, model in (("checkpointPolicy", CheckpointPolicy), ("workAtRisk", WorkAtRisk)):
-        try:
-            out.append(model.model_validate(data[key]) if isinstance(data.get(key), dict) else None)
-        except ValueError:
-            out.append(None)
-    return out[0], out[1]
+    """`checkpointPolicy` and `workAtRisk` of a progress document, read by the one progress reader; None for what is
+    absent or malformed (the pod is the user's: a bad document loses these figures, never the reconcile)."""
+    return read_checkpoint_report(data)
 
 
 def record(st: JobStatus, policy: CheckpointPolicy | None, at_risk: WorkAtRisk | None, now: datetime) -> None:

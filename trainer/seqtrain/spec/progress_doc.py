@@ -119,6 +119,15 @@ def read_progress(data: Any, now: datetime | None = None) -> Reported:
                     tuple(notes))
 
 
+def read_checkpoint_report(data: Any) -> tuple[CheckpointPolicy | None, WorkAtRisk | None]:
+    """`checkpointPolicy` and `workAtRisk` of a progress document (None for what is absent or malformed)."""
+    if not isinstance(data, Mapping) or _depth(data) > MAX_DEPTH:
+        return None, None
+    notes: list[str] = []
+    return (_sub(CheckpointPolicy, data.get("checkpointPolicy"), "checkpointPolicy", notes),
+            _sub(WorkAtRisk, data.get("workAtRisk"), "workAtRisk", notes))
+
+
 def dumps(obj: Any, **kwargs: Any) -> str:
     """`json.dumps` of `json_safe(obj)`: never a bare NaN or Infinity."""
     return json.dumps(json_safe(obj), allow_nan=False, **kwargs)
