@@ -165,6 +165,53 @@ def _pid_in(fd: int) -> int | None:
     return int(text) if text.isdigit() else None
 
 
+def tokenizer_file(job: SeqTrainJob) -> str | None:
+    """The tokenizer.json a (resolved) job trains with: data.tokenizer's file, or the one a `prepare-data` folder's
+    index.json names; None for byte-level and synthetic data."""
+    data = job.spec.data
+    if data.source == "synthetic":
+        return None
+    if data.source == "tokens":
+        for folder in data.paths:
+            try:
+                with open(os.path.join(os.path.expanduser(folder), "index.json"), encoding="utf-8") as f:
+                    described = json.load(f).get("tokenizer") or {}
+            except (OSError, ValueError, AttributeError):
+                continue
+            if described.get("type") == "file" and described.get("path"):
+                return os.path.abspath(os.path.expanduser(str(described["path"])))
+            return None
+    if data.tokenizer.type == "file" and data.tokenizer.path:
+        return os.path.abspath(os.path.expanduser(data.tokenizer.path))
+    return None
+
+
+def keep_tokenizer(job: SeqTrainJob, workdir: str) -> str | None:
+    """Copy the job's tokenizer file into the run folder as tokenizer.json, so that the folder is self-contained:
+    `export` and `generate` take a tokenizer only from inside the folder they read (its records may not point
+    elsewhere), and the file the run trained with stays with its checkpoints. Returns a problem line or None."""
+    src = tokenizer_file(job)
+    if src is None:
+        return None
+    dst = os.path.join(workdir, "tokenizer.json")
+    try:
+        with open(src, "rb") as f:
+            data = f.read()
+    except OSError as exc:
+        return f"spec.data.tokenizer: cannot read {src} ({exc.strerror}); name a readable tokenizer.json"
+    try:
+        with open(dst, "rb") as f:
+            if f.read() == data:
+                return None
+    except OSError:
+        pass
+    tmp = f"{dst}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, dst)
+    return None
+
+
 def _local_problem(job: SeqTrainJob) -> str | None:
     ck = job.spec.checkpoint.path
     if ck and "://" in ck:
@@ -238,6 +285,9 @@ class LocalRun:
             print(f"{job.name}: {problem}", file=sys.stderr)
             return EXIT_INVALID
         atomic_write_text(os.path.join(self.workdir, "job.yaml"), yaml.safe_dump(job.to_dict(), sort_keys=False))
+        if (problem := keep_tokenizer(resolve(job), self.workdir)) is not None:
+            print(f"{job.name}: {problem}", file=sys.stderr)
+            return EXIT_INVALID
         if kill_leftovers(self._gang_file()):
             print(f"{job.name}: stopped rank processes left behind by an earlier run", file=sys.stderr)
         status = self._initial_status(prev)
