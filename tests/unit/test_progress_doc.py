@@ -333,3 +333,25 @@ def test_stamps_are_clamped_only_beyond_the_longest_hang_timeout() -> None:
 
     bound = next(m.le for m in FaultToleranceSpec.model_fields["hang_timeout_seconds"].metadata if hasattr(m, "le"))
     assert bound < MAX_STAMP_AGE_SECONDS  # a hung trainer's stamp is judged a hang before it could be clamped
+
+
+def test_a_non_finite_loss_sets_the_diverging_condition_once_and_a_finite_one_clears_it() -> None:
+    from seqtrain.spec import SeqTrainJob
+    from seqtrain_operator.controller import Observed, decide
+    from seqtrain_operator.controller.types import Event, ReplicaObservation
+
+    job = SeqTrainJob.model_validate({"apiVersion": "seqtrain.dev/v1alpha1", "kind": "SeqTrainJob",
+                                      "metadata": {"name": "t"}, "spec": {"replicas": 1, "training": {"steps": 100}}})
+    running = (ReplicaObservation(replica=0, attempt=1, phase="Running", node="node-0"),)
+    st = decide(job, JobStatus(), Observed(), NOW).status
+    st = decide(job, st, Observed(replicas=running), NOW).status
+    nan_doc = parse_progress(b'{"step": 7, "loss": NaN, "nonFiniteSteps": 1}', NOW).progress
+    d = decide(job, st, Observed(replicas=running, progress=nan_doc), NOW)
+    div = next(c for c in d.status.conditions if c.type == "Diverging")
+    assert (div.status, div.reason) == ("True", "NonFiniteLoss") and "step 7" in div.message
+    assert [e.reason for e in d.of(Event) if e.type == "Warning"] == ["NonFiniteLoss"]
+    json.dumps(d.status.to_dict(), allow_nan=False)
+    again = decide(job, d.status, Observed(replicas=running, progress=nan_doc.model_copy(update={"step": 8})), NOW)
+    assert not [e for e in again.of(Event) if e.reason == "NonFiniteLoss"]  # once, on the transition
+    ok = decide(job, again.status, Observed(replicas=running, progress=Progress(step=9, loss=2.0)), NOW)
+    assert next(c for c in ok.status.conditions if c.type == "Diverging").status == "False"

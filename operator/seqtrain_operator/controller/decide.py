@@ -117,6 +117,7 @@ def decide(job: SeqTrainJob, status: JobStatus, observed: Observed, now: datetim
     if observed.generation is not None:
         st.observed_generation = observed.generation
     _record_progress(ctx)
+    _record_divergence(ctx)
     _record_skipped_checkpoints(ctx)
     _prune_failed_nodes(ctx)
 
@@ -163,6 +164,25 @@ def _record_progress(ctx: _Ctx) -> None:
         # then; a SIGTERM save published after it, which the operator may learn only now, leaves fewer).
         st.steps_lost[-1] = min(st.steps_lost[-1], max(0, p.step_reached_before - p.resumed_from))
     checkpoint_policy.record(st, obs.checkpoint_policy, obs.work_at_risk, ctx.now)
+
+
+def _record_divergence(ctx: _Ctx) -> None:
+    """Diverging=True (with one Warning event) when rank 0 reports a step whose loss was not a finite number (the
+    progress reader's lossNonFinite: NaN, Infinity, beyond 1e9), False once a finite loss is reported again. Set on
+    the transition only, so a diverging run costs no status write per pass. The job goes on: stopping is the user's
+    call (a loss scaler skips such steps, a run may recover)."""
+    p = ctx.observed.progress
+    if p is None:
+        return
+    prev = cond.get(ctx.st, "Diverging")
+    if p.loss_non_finite and (prev is None or prev.status != "True"):
+        msg = (f"step {p.step}: the training loss is not a finite number (NaN or Infinity); "
+               "status.progress.nonFiniteSteps counts such steps")
+        cond.set_condition(ctx.st, "Diverging", "True", "NonFiniteLoss", msg, ctx.now)
+        ctx.event("Warning", "NonFiniteLoss", msg)
+    elif not p.loss_non_finite and p.loss is not None and prev is not None and prev.status == "True":
+        cond.set_condition(ctx.st, "Diverging", "False", "FiniteLoss", f"step {p.step}: the loss is finite again",
+                           ctx.now)
 
 
 def _record_skipped_checkpoints(ctx: _Ctx) -> None:
