@@ -37,7 +37,8 @@ class CheckpointInfo:
 
     @property
     def time(self) -> str | None:
-        return self.meta.get("time")
+        value = self.meta.get("time")
+        return value if isinstance(value, str) else None  # meta.json is the storage's: any JSON may stand there
 
 
 def step_dir(directory: str, step: int) -> str:
@@ -84,6 +85,30 @@ def symlink_in(path: str) -> str | None:
     return None
 
 
+META_MAX_BYTES = 64 << 20  # a meta.json lists every file with its size and hash: far below this
+
+
+class MetaError(ValueError):
+    """A meta.json that is not a JSON object (unparsable, too large or too deep): the message names the file."""
+
+
+def read_meta(meta_path: str) -> dict[str, Any]:
+    """A checkpoint's meta.json as a dict; MetaError for anything else (an OSError propagates: missing, or the
+    storage's fault). Bounded: a huge file is not read whole, a deeply nested one is not followed down."""
+    with open(meta_path, "rb") as f:
+        raw = f.read(META_MAX_BYTES + 1)
+    if len(raw) > META_MAX_BYTES:
+        raise MetaError(f"{meta_path}: larger than {META_MAX_BYTES >> 20} MiB (not a checkpoint's meta.json)")
+    try:
+        meta = json.loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError) as exc:  # RecursionError: nesting deeper than the parser follows
+        why = (str(exc).splitlines() or [type(exc).__name__])[0][:160]
+        raise MetaError(f"{meta_path}: not JSON ({why})") from None
+    if not isinstance(meta, dict):
+        raise MetaError(f"{meta_path}: not a JSON object")
+    return meta
+
+
 def _contained(path: str, name: str) -> bool:
     """`name` (from meta.json) stays inside `path`: relative, no `..`."""
     norm = os.path.normpath(name)
@@ -100,35 +125,37 @@ def problem(path: str, require_step_name: bool = True) -> str | None:
         return f"{link}: a symbolic link inside a checkpoint (never followed; replace it with the file itself)"
     meta_path = os.path.join(path, META_FILE)
     try:
-        with open(meta_path, encoding="utf-8") as f:
-            meta = json.load(f)
+        meta = read_meta(meta_path)
     except OSError:
         return f"{meta_path}: missing (not published)"
-    except ValueError as exc:
-        return f"{meta_path}: not JSON ({exc})"
-    if not isinstance(meta, dict) or (m is not None and meta.get("step") != int(m.group(1))):
+    except MetaError as exc:
+        return str(exc)
+    if m is not None and meta.get("step") != int(m.group(1)):
         return f"{meta_path}: does not describe step {m.group(1) if m else '?'}"
     files = meta.get("files", [])
     # entries may be folders: sharded engines (DeepSpeed zero/, FSDP2 DCP fsdp/) write one per checkpoint
     if not isinstance(files, list):
         return f"{meta_path}: `files` is not a list"
     for name in files:
-        if not _contained(path, str(name)):
-            return f"{meta_path}: file entry {name!r} points outside the checkpoint folder"
-        if not os.path.exists(os.path.join(path, str(name))):
-            return f"{os.path.join(path, str(name))}: missing"
+        if not isinstance(name, str):
+            return f"{meta_path}: a `files` entry is a {type(name).__name__}, not a file name"
+        if not _contained(path, name):
+            return f"{meta_path}: file entry {name[:200]!r} points outside the checkpoint folder"
+        if not os.path.exists(os.path.join(path, name)):
+            return f"{os.path.join(path, name[:200])}: missing"
     sizes = meta.get("sizes")
     if isinstance(sizes, dict):
         for name, size in sorted(sizes.items()):
-            if not _contained(path, str(name)):
-                return f"{meta_path}: file entry {name!r} points outside the checkpoint folder"
-            full = os.path.join(path, str(name))
+            if not _contained(path, name):
+                return f"{meta_path}: file entry {name[:200]!r} points outside the checkpoint folder"
+            full = os.path.join(path, name)
             try:
                 actual = os.path.getsize(full)
-            except OSError:
-                return f"{full}: missing"
+            except (OSError, ValueError):  # ValueError: a NUL in the name
+                return f"{full[:300]}: missing"
             if actual != size:
-                return f"{full}: {actual} bytes, but {size} when it was saved (truncated or replaced)"
+                said = size if isinstance(size, int) else f"a {type(size).__name__}"
+                return f"{full[:300]}: {actual} bytes, but {said} when it was saved (truncated or replaced)"
     return None
 
 
@@ -136,18 +163,22 @@ def verify_hashes(path: str) -> str | None:
     """Why the files of checkpoint `path` differ from the sha256 its meta.json recorded at publish time (a bit
     flip, a replaced file), or None (also for checkpoints published before hashes were recorded). An I/O error
     while reading propagates: that is the storage's fault, not the checkpoint's."""
-    with open(os.path.join(path, META_FILE), encoding="utf-8") as f:
-        hashes = json.load(f).get("sha256")
+    try:
+        hashes = read_meta(os.path.join(path, META_FILE)).get("sha256")
+    except MetaError as exc:
+        return str(exc)
     if not isinstance(hashes, dict):
         return None
     for name, want in sorted(hashes.items()):
-        if not _contained(path, str(name)):
-            return f"{os.path.join(path, META_FILE)}: file entry {name!r} points outside the checkpoint folder"
-        full = os.path.join(path, str(name))
+        if not isinstance(want, str):
+            return f"{os.path.join(path, META_FILE)}: sha256 of {str(name)[:80]!r} is not a hex string"
+        if not _contained(path, name):
+            return f"{os.path.join(path, META_FILE)}: file entry {name[:200]!r} points outside the checkpoint folder"
+        full = os.path.join(path, name)
         try:
             got = sha256_of(full)
-        except FileNotFoundError:
-            return f"{full}: missing"
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError, ValueError):  # ValueError: a NUL
+            return f"{full[:300]}: missing"
         if got != want:
             return f"{full}: sha256 {got[:12]}... but {str(want)[:12]}... when it was saved (corrupt or replaced)"
     return None
@@ -157,8 +188,10 @@ def read_complete(path: str) -> CheckpointInfo | None:
     """The checkpoint at `path` if it is complete, else None."""
     if problem(path) is not None:
         return None
-    with open(os.path.join(path, META_FILE), encoding="utf-8") as f:
-        meta = json.load(f)
+    try:
+        meta = read_meta(os.path.join(path, META_FILE))
+    except (OSError, MetaError):  # replaced since `problem` read it
+        return None
     m = _STEP_DIR.match(os.path.basename(os.path.normpath(path)))
     assert m is not None
     return CheckpointInfo(step=int(m.group(1)), path=path, meta=meta)

@@ -504,19 +504,24 @@ def require_layout(directory: str, engine: str, **layout: int) -> None:
     """Before a library loads its own files (DeepSpeed's shards, DCP's folder): the checkpoint's meta.json must
     name this engine and these layout degrees (dp/tp/pp given as keywords). A mismatch is the job's change, not
     damage: InvalidConfig (the job fails at once, the checkpoint is kept)."""
-    import json
+    from seqtrain.checkpoint.discovery import MetaError, read_meta
 
     path = os.path.join(directory, "meta.json")
     try:
-        with open(path, encoding="utf-8") as f:
-            meta = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise UnusableCheckpoint(f"{path}: unreadable: {_first_line(exc)}") from None
+        meta = read_meta(path)
+    except OSError as exc:
+        raise classify(path, exc) from None
+    except MetaError as exc:
+        raise UnusableCheckpoint(f"{path}: unreadable: {exc}") from None
     if meta.get("engine") != engine:
-        raise InvalidConfig(f"{path}: written by engine {meta.get('engine')!r}, but this job runs {engine!r}: "
+        said = meta.get("engine") if isinstance(meta.get("engine"), str | None) else "?"
+        raise InvalidConfig(f"{path}: written by engine {said if said is None else said[:40]!r}, but this job runs {engine!r}: "
                             "resume with the engine in its meta.json, or use a new checkpoint folder")
     saved = meta.get("layout") or {}
+    if not isinstance(saved, dict):
+        raise UnusableCheckpoint(f"{path}: `layout` is not an object of dp/tp/pp degrees")
     for key, want in layout.items():
         if saved.get(key) != want:
-            raise InvalidConfig(f"{path}: layout {key}={saved.get(key)} but this job runs {key}={want}: resume "
+            said = saved.get(key) if isinstance(saved.get(key), int | None) else "?"
+            raise InvalidConfig(f"{path}: layout {key}={said} but this job runs {key}={want}: resume "
                                 "with the layout in its meta.json, or use a new checkpoint folder")

@@ -21,6 +21,9 @@ class ByteTokenizer:
         return bytes(int(i) & 0xFF for i in ids).decode("utf-8", errors="replace")
 
 
+TOKENIZER_MAX_BYTES = 1 << 30  # the largest vocabularies' tokenizer.json are tens of MiB
+
+
 def read_tokenizer_json(path: str) -> tuple[Any, str]:
     """`tokenizers.Tokenizer.from_file(path)`, or (None, why) for a missing or unreadable file: the callers name
     their own field (`--tokenizer`, spec.data.tokenizer.path) and exit code around `why`."""
@@ -30,14 +33,28 @@ def read_tokenizer_json(path: str) -> tuple[Any, str]:
 
     if not os.path.isfile(path):
         return None, "is not a file"
+    if os.path.getsize(path) > TOKENIZER_MAX_BYTES:  # read whole by the library: not a file of any size
+        return None, f"larger than {TOKENIZER_MAX_BYTES >> 20} MiB, not a tokenizer.json"
     try:
         tok = Tokenizer.from_file(path)
-    except Exception as exc:  # noqa: BLE001 - tokenizers raises a bare Exception for any bad file
-        return None, f"not a tokenizer.json the `tokenizers` library reads ({str(exc).splitlines()[0][:160]})"
+    except BaseException as exc:  # noqa: BLE001 - a bare Exception for a bad file; a panic is pyo3's BaseException
+        if isinstance(exc, KeyboardInterrupt | SystemExit | MemoryError):
+            raise
+        return None, f"not a tokenizer.json the `tokenizers` library reads ({_first_line(exc)})"
     unk = getattr(tok.model, "unk_token", None)
     if isinstance(unk, str) and unk and tok.token_to_id(unk) is None:
         # encoding any word outside the vocabulary would raise "Missing [UNK] token from the vocabulary"
         return None, (f"its unknown-word token {unk!r} is not in its vocabulary, so text with any other word "
                       "cannot be encoded; add the token to the vocabulary (or train the tokenizer with it as a "
                       "special token)")
+    try:  # a file the library reads may still fail on use (a panic inside it): find out here, not mid-run
+        tok.decode(tok.encode("seqtrain 0 \u00e9\n", add_special_tokens=False).ids)
+    except BaseException as exc:  # noqa: BLE001 - as above
+        if isinstance(exc, KeyboardInterrupt | SystemExit | MemoryError):
+            raise
+        return None, f"the `tokenizers` library reads it but cannot encode text with it ({_first_line(exc)})"
     return tok, ""
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]

@@ -30,40 +30,66 @@ def is_prepared(path: str) -> bool:
     return os.path.isfile(os.path.join(os.path.expanduser(path), INDEX))
 
 
+INDEX_MAX_BYTES = 64 << 20  # an index lists each shard in about 100 bytes: far below this
+
+
 def read_index(path: str) -> dict[str, Any]:
     """A prepared folder's index.json, checked for the fields the loader uses (InvalidConfig naming the file)."""
     where = os.path.join(os.path.expanduser(path), INDEX)
     try:
-        with open(where, encoding="utf-8") as f:
-            index = json.load(f)
+        with open(where, "rb") as f:
+            raw = f.read(INDEX_MAX_BYTES + 1)
     except OSError as exc:
         raise InvalidConfig(f"{where}: cannot read: {exc.strerror}") from None
-    except ValueError as exc:
-        raise InvalidConfig(f"{where}: not JSON ({exc}); {_FIX}") from None
+    if len(raw) > INDEX_MAX_BYTES:
+        raise InvalidConfig(f"{where}: larger than {INDEX_MAX_BYTES >> 20} MiB: not a seqtrain-tokens index; {_FIX}")
+    try:
+        index = json.loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested deeper than the parser follows
+        raise InvalidConfig(f"{where}: not JSON ({(str(exc).splitlines() or [type(exc).__name__])[0][:160]}); "
+                            f"{_FIX}") from None
     if not isinstance(index, dict) or index.get("dtype") not in ("uint16", "uint32") \
             or not isinstance(index.get("shards"), list):
         raise InvalidConfig(f"{where}: not a seqtrain-tokens index (dtype uint16/uint32 and a shards list); {_FIX}")
+    vocab = index.get("vocab_size")
+    if not isinstance(vocab, int) or isinstance(vocab, bool) or not 0 < vocab <= 2**32:
+        raise InvalidConfig(f"{where}: vocab_size {_show(vocab)} must be a positive count of token ids; {_FIX}")
+    if not isinstance(index.get("tokenizer"), dict | None):
+        raise InvalidConfig(f"{where}: tokenizer must be an object saying how the folder was tokenized; {_FIX}")
     for i, shard in enumerate(index["shards"]):
         name = shard.get("name") if isinstance(shard, dict) else None
-        if not isinstance(name, str) or not name or os.path.basename(name) != name or name in (".", ".."):
-            raise InvalidConfig(f"{where}: shards[{i}].name {name!r} must be a file name in the folder (no path, "
-                                f"no ..); {_FIX}")
+        if not isinstance(name, str) or not name or os.path.basename(name) != name or name in (".", "..") \
+                or "\0" in name:
+            raise InvalidConfig(f"{where}: shards[{i}].name {_show(name)} must be a file name in the folder (no "
+                                f"path, no ..); {_FIX}")
         tokens = shard.get("tokens")
         if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
-            raise InvalidConfig(f"{where}: shards[{i}].tokens {tokens!r} must be a count of tokens; {_FIX}")
+            raise InvalidConfig(f"{where}: shards[{i}].tokens {_show(tokens)} must be a count of tokens; {_FIX}")
     return index
+
+
+def _show(value: Any) -> str:
+    """A value from a file for a message: scalars shown (shortened), containers by their type only."""
+    if isinstance(value, str | int | float | bool | None):
+        return repr(value)[:80]
+    return f"a {type(value).__name__}"
 
 
 def _doc_starts(base: str, n: int) -> np.ndarray:
     """A shard's document offsets: 1-D integers, starting at 0, increasing, all inside the shard's n tokens."""
     path = base + ".docs.npy"
     try:
-        starts = np.load(path, allow_pickle=False)
+        # mapped, not read: a header that declares more entries than the file holds is refused by the mapping
+        # instead of allocating them
+        mapped = np.load(path, mmap_mode="r", allow_pickle=False)
     except (OSError, ValueError, EOFError) as exc:
-        raise InvalidConfig(f"{path}: unreadable ({str(exc).splitlines()[0][:160]}); {_FIX}") from None
-    if starts.ndim != 1 or starts.dtype.kind not in "iu" or len(starts) == 0:
-        raise InvalidConfig(f"{path}: not a 1-D integer array of document offsets; {_FIX}")
-    starts = starts.astype(np.int64)
+        raise InvalidConfig(f"{path}: unreadable ({(str(exc).splitlines() or [type(exc).__name__])[0][:160]}); "
+                            f"{_FIX}") from None
+    if not isinstance(mapped, np.ndarray) or mapped.ndim != 1 or mapped.dtype.kind not in "iu" \
+            or not 0 < len(mapped) <= n:
+        raise InvalidConfig(f"{path}: not a 1-D integer array of at most {n} document offsets; {_FIX}")
+    starts = np.asarray(mapped, dtype=np.int64).copy()
+    del mapped
     if starts[0] != 0 or (np.diff(starts) <= 0).any() or starts[-1] >= n:
         bad = int(starts.max())
         raise InvalidConfig(f"{path}: document offsets must start at 0, increase and stay below the shard's {n} "
@@ -120,7 +146,10 @@ def _dataset_docs(path: str, split: str, fraction: float, src_base: int
         if size != n * dtype.itemsize:
             raise InvalidConfig(f"{base}.bin: {size} bytes, but index.json says {n} tokens of {dtype.name} "
                                 f"({n * dtype.itemsize} bytes): truncated or replaced; {_FIX}")
-        mm = np.memmap(base + ".bin", dtype=dtype, mode="r", shape=(n,))
+        try:
+            mm = np.memmap(base + ".bin", dtype=dtype, mode="r", shape=(n,))
+        except (OSError, ValueError) as exc:  # a folder or a special file in the shard's place
+            raise InvalidConfig(f"{base}.bin: cannot be mapped ({exc}); {_FIX}") from None
         s, e = split_shard(_doc_starts(base, n), n, fraction, split)
         if len(s) == 0:
             continue

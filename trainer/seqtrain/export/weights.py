@@ -53,14 +53,26 @@ def _clean_name(name: str) -> str:
     return name
 
 
+JSON_MAX_BYTES = 64 << 20  # config, index and record files of a model folder: far below this
+
+
 def _read_json(path: str) -> dict[str, Any]:
+    """A JSON object from a source folder's file; WeightsError naming it for anything else (unreadable, not JSON,
+    not an object, larger than JSON_MAX_BYTES, nested deeper than the parser follows)."""
     try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
+        with open(path, "rb") as f:
+            raw = f.read(JSON_MAX_BYTES + 1)
     except OSError as exc:
         raise WeightsError(f"{path}: cannot read: {exc.strerror}") from None
-    except ValueError as exc:
-        raise WeightsError(f"{path}: not JSON: {exc}") from None
+    if len(raw) > JSON_MAX_BYTES:
+        raise WeightsError(f"{path}: larger than {JSON_MAX_BYTES >> 20} MiB: not a model folder's JSON file")
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError) as exc:
+        raise WeightsError(f"{path}: not JSON: {(str(exc).splitlines() or [type(exc).__name__])[0][:160]}") from None
+    if not isinstance(data, dict):
+        raise WeightsError(f"{path}: not a JSON object")
+    return data
 
 
 def _load_safetensors_file(path: str) -> dict[str, torch.Tensor]:
@@ -113,8 +125,12 @@ def _job_from_run(run_dir: str) -> tuple[SeqTrainJob, str] | None:
                          if os.path.basename(os.path.dirname(p)).isdigit() else 0, reverse=True)
     for path in candidates:
         if os.path.isfile(path):
-            cfg = read_trainer_config(path)
-            return cfg.load_job(), cfg.runtime.checkpoint_dir
+            try:
+                cfg = read_trainer_config(path)
+                return cfg.load_job(), cfg.runtime.checkpoint_dir
+            except (OSError, ValueError, RecursionError) as exc:  # pydantic's ValidationError is a ValueError
+                raise WeightsError(f"{path}: not a seqtrain trainer config: "
+                                   f"{(str(exc).splitlines() or [type(exc).__name__])[0][:160]}") from None
     return None
 
 
@@ -135,7 +151,10 @@ def _tokenizer_of(job: SeqTrainJob, root: str | None = None, named_by: str = "")
         for p in job.spec.data.paths:
             index = os.path.join(os.path.expanduser(p), "index.json")
             if os.path.isfile(index):
-                described = dict(_read_json(index).get("tokenizer") or {"type": "byte"})
+                described = _read_json(index).get("tokenizer") or {"type": "byte"}
+                if not isinstance(described, dict):
+                    raise WeightsError(f"{index}: tokenizer is not an object")
+                described = dict(described)
                 if root is None or described.get("type") != "file":
                     return described
                 path = str(described.get("path") or "")
@@ -182,13 +201,27 @@ def _from_checkpoint(step_dir: str, job: SeqTrainJob | None, records: tuple[str,
     if job is None:
         raise WeightsError(f"{step_dir}: the checkpoint does not say which model it holds (no job in meta.json and "
                            "no trainer config in its run folder); export from the run folder instead")
-    job = resolve(job)
+    try:
+        job = resolve(job)
+    except ValueError as exc:
+        raise WeightsError(f"{named_by}: job: {(str(exc).splitlines() or ['invalid'])[0][:200]}") from None
     try:
         state = consolidate(step_dir)
     except UnusableCheckpoint as exc:  # refused or corrupt: the file's fault (CheckpointUnavailable propagates)
         raise WeightsError(str(exc)) from None
     except (FileNotFoundError, KeyError) as exc:
         raise WeightsError(f"{step_dir}: {exc}") from None
+    except (TypeError, ValueError, IndexError, AttributeError, RuntimeError) as exc:  # a file of other contents
+        from seqtrain.checkpoint.safe_load import CheckpointUnavailable, classify
+
+        err = classify(step_dir, exc)
+        if isinstance(err, CheckpointUnavailable):
+            raise err from None
+        raise WeightsError(str(err)) from None
+    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                              for k, v in state.items()):
+        raise WeightsError(f"{step_dir}: its model state is not a dict of parameter names to tensors (corrupt or "
+                           "not written by seqtrain)")
     state = {_clean_name(k): v.detach().float().cpu().contiguous() for k, v in state.items()}
     lora = getattr(job.spec.model, "lora", None)
     tokenizer = _tokenizer_of(job) if trusted else _tokenizer_of(job, root or step_dir, named_by)
@@ -199,18 +232,38 @@ def _from_checkpoint(step_dir: str, job: SeqTrainJob | None, records: tuple[str,
     return w
 
 
+def _seqtrain_info(info_path: str) -> tuple[ModelSpec, dict[str, Any], dict[str, Any]]:
+    """(model, tokenizer entry, whole file) of an export's seqtrain.json, its model, LoRA and tokenizer checked."""
+    from pydantic import ValidationError
+
+    from seqtrain.spec.model import LoraSpec
+
+    info = _read_json(info_path)
+    try:
+        spec = ModelSpec.model_validate(info.get("model"))
+        if info.get("lora") is not None:
+            LoraSpec.model_validate(info["lora"])
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        raise WeightsError(f"{info_path}: {'.'.join(str(x) for x in first.get('loc', ())) or 'model'}: "
+                           f"{first.get('msg')}") from None
+    tok = info.get("tokenizer") or {}
+    if not isinstance(tok, dict) or not isinstance(tok.get("eod"), int | None):
+        raise WeightsError(f"{info_path}: tokenizer is not an object with an integer eod")
+    return spec, tok, info
+
+
 def _from_folder(folder: str) -> Weights:
     info_path = os.path.join(folder, SEQTRAIN_JSON)
     tokenizer: dict[str, Any] = {"type": "byte"}
     if os.path.isfile(os.path.join(folder, "tokenizer.json")):
         tokenizer = {"type": "file", "path": os.path.abspath(os.path.join(folder, "tokenizer.json"))}
     if os.path.isfile(info_path):
-        info = _read_json(info_path)
-        spec = ModelSpec.model_validate(info["model"])
-        if info.get("tokenizer", {}).get("type") in ("byte", "synthetic"):
-            tokenizer = info["tokenizer"]
-        elif "eod" in info.get("tokenizer", {}):
-            tokenizer["eod"] = info["tokenizer"]["eod"]
+        spec, tok, info = _seqtrain_info(info_path)
+        if tok.get("type") in ("byte", "synthetic"):
+            tokenizer = tok
+        elif "eod" in tok:
+            tokenizer["eod"] = tok["eod"]
         raw = _read_safetensors(folder)
         if info.get("format") == "hf":
             state = {}
