@@ -13,10 +13,10 @@ import pytest
 from test_admission_lock import Index, Kube
 from webhook_engine import answer, review_of
 
-from seqtrain.spec.bounds import MAX_DEPTH, MAX_SPEC_BYTES
+from seqtrain.spec.bounds import MAX_DEPTH, MAX_SPEC_BYTES, bracket_depth
 from seqtrain_operator.k8s import manifests as m
 from seqtrain_operator.k8s import reconcile
-from seqtrain_operator.k8s.webhook import MAX_REVIEW_BYTES, depth_of
+from seqtrain_operator.k8s.webhook import MAX_REVIEW_BYTES
 
 GOOD = {"apiVersion": "seqtrain.dev/v1alpha1", "kind": "SeqTrainJob",
         "metadata": {"name": "j", "namespace": "ml", "uid": "uid-j", "resourceVersion": "1", "generation": 1},
@@ -99,8 +99,9 @@ def test_a_body_that_is_not_a_review_is_refused_with_a_message(raw: bytes) -> No
 
 
 def test_depth_is_counted_without_parsing_and_strings_do_not_count() -> None:
-    assert depth_of(b'{"a": [1, {"b": "[[[[{{{{"}], "c": "\\"[["}', 100) == 3
-    assert depth_of(b"[" * 10_000, 40) == 41  # stops counting past the limit
+    assert bracket_depth(b'{"a": [1, {"b": "[[[[{{{{"}], "c": "\\"[["}', 100) == 3
+    assert bracket_depth(b"a: ['[[[', '''']\n", 100) == 1  # YAML's single quotes too
+    assert bracket_depth(b"[" * 10_000, 40) == 41  # stops counting past the limit
 
 
 @pytest.fixture

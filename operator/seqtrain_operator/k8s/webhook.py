@@ -24,32 +24,14 @@ import aiohttp.web
 import kopf
 from kopf._core.engines.admission import WebhookError
 
-from seqtrain.spec.bounds import MAX_DEPTH
+from seqtrain.spec.bounds import MAX_DEPTH, bracket_depth
 
 log = logging.getLogger("seqtrain.operator")
 MAX_REVIEW_BYTES = 1024 * 1024
 # review -> request -> object -> spec ...; managedFields[].fieldsV1 mirror the object a few levels further down
 MAX_REVIEW_DEPTH = MAX_DEPTH + 8
-_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
-_BRACKETS = re.compile(rb"[\[\]{}]")
 _UID = re.compile(rb'"request"\s*:\s*\{[^{}]*?"uid"\s*:\s*"([0-9A-Za-z-]{1,64})"')
 ReviewFn = Callable[..., Awaitable[dict[str, Any]]]
-
-
-def depth_of(raw: bytes, limit: int) -> int:
-    """The deepest nesting of JSON objects and lists in `raw`, counted without parsing (strings skipped); stops
-    counting once past `limit`."""
-    depth = deepest = 0
-    for m in _BRACKETS.finditer(_STRING.sub(b'""', raw)):
-        if m.group() in (b"[", b"{"):
-            depth += 1
-            if depth > deepest:
-                deepest = depth
-                if deepest > limit:
-                    break
-        else:
-            depth -= 1
-    return deepest
 
 
 def refusal(raw: bytes | None, code: int, message: str, data: Any = None) -> dict[str, Any]:
@@ -70,7 +52,7 @@ def review_problem(raw: bytes) -> tuple[int, str] | None:
     if len(raw) > MAX_REVIEW_BYTES:
         return 413, (f"the SeqTrainJob is too large: the admission review is more than {MAX_REVIEW_BYTES // 1024} "
                      "KiB (a spec may be at most 256 KiB): move data into a ConfigMap, a Secret or a volume")
-    if depth_of(raw, MAX_REVIEW_DEPTH) > MAX_REVIEW_DEPTH:
+    if bracket_depth(raw, MAX_REVIEW_DEPTH) > MAX_REVIEW_DEPTH:
         return 422, (f"the SeqTrainJob is nested more than {MAX_DEPTH} levels deep; no SeqTrainJob field is: "
                      "flatten it")
     return None

@@ -11,6 +11,7 @@ docs/user-guide.md ("Security: what is trusted", Spec).
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 from seqtrain.spec.problems import Problem
@@ -29,6 +30,27 @@ def _scalar_bytes(value: Any) -> int:
     if isinstance(value, int):
         return value.bit_length() // 3 + 2  # digits, without str() (Python refuses str() of > 4300 digits)
     return 24
+
+
+_QUOTED = re.compile(rb'"(?:[^"\\]|\\.)*"' + rb"|'(?:[^']|'')*'")
+_BRACKETS = re.compile(rb"[\[\]{}]")
+
+
+def bracket_depth(raw: bytes, limit: int) -> int:
+    """How deep `[` and `{` nest in JSON or flow-style YAML text, without parsing it (quoted strings skipped);
+    counting stops past `limit`. Parsers recurse per level (PyYAML takes seconds on 2000 levels before it raises
+    RecursionError), so a text is refused by this count first."""
+    depth = deepest = 0
+    for m in _BRACKETS.finditer(_QUOTED.sub(b'""', raw)):
+        if m.group() in (b"[", b"{"):
+            depth += 1
+            if depth > deepest:
+                deepest = depth
+                if deepest > limit:
+                    break
+        else:
+            depth = max(0, depth - 1)
+    return deepest
 
 
 SHAPE = ("depth", "nodes", "size")  # kinds after which nothing else may look at the document

@@ -8,7 +8,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from seqtrain.spec.bounds import MAX_NODES, SHAPE, document_problems
+from seqtrain.spec.bounds import MAX_DEPTH, MAX_NODES, SHAPE, bracket_depth, document_problems
 from seqtrain.spec.checks import check
 from seqtrain.spec.features import unavailable
 from seqtrain.spec.job import API_VERSION, KIND, SeqTrainJob
@@ -78,6 +78,9 @@ def _expanded_size(root: yaml.Node) -> int:
 
 
 def _load_all(text: str) -> list[Any]:
+    if bracket_depth(text.encode("utf-8", "surrogatepass"), 2 * MAX_DEPTH) > 2 * MAX_DEPTH:
+        raise SpecError([Problem("<yaml>", f"[ and {{ nested more than {2 * MAX_DEPTH} deep; a SeqTrainJob is "
+                                           f"at most {MAX_DEPTH} levels deep")])
     loader = _SpecLoader(text)
     docs = []
     try:
@@ -133,6 +136,9 @@ def apply_overrides(doc: dict[str, Any], sets: Iterable[str]) -> dict[str, Any]:
         try:
             values = _load_all(raw) if raw.strip() else [""]
             value = values[0] if values else None
+        except yaml.constructor.ConstructorError as exc:  # YAML, but not a value a spec holds (tag, duplicate, int)
+            problems.append(Problem("--set", f"{key}: {exc.problem or exc}"))
+            continue
         except yaml.YAMLError:
             value = raw  # not YAML: the text itself
         except SpecError as err:

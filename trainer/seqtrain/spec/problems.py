@@ -3,16 +3,31 @@
 from __future__ import annotations
 
 import difflib
+import re
 from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
+
+# Characters that would break a problem over lines (str.splitlines splits on all of them) or hide text in a
+# terminal; a key or value from the input may hold any of them.
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def one_line(text: str) -> str:
+    """`text` with control characters and line separators escaped (\\n, \\x1b ...)."""
+    return _CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text)
 
 
 @dataclass(frozen=True)
 class Problem:
     path: str  # dotted field path, e.g. "spec.training.steps"; "<yaml>" / "--set" for input that never parsed
     message: str
+
+    def __post_init__(self) -> None:
+        # one problem, one line, whatever the input's keys and values hold
+        object.__setattr__(self, "path", one_line(str(self.path)))
+        object.__setattr__(self, "message", one_line(str(self.message)))
 
     def __str__(self) -> str:
         return f"{self.path}: {self.message}"
@@ -75,6 +90,7 @@ def from_validation_error(err: ValidationError, model: Any) -> list[Problem]:
             if msg.startswith("Value error, "):
                 msg = msg[len("Value error, "):]
             if "input" in e and not isinstance(e["input"], dict | list):
-                msg += f" (got {e['input']!r})"
+                got = repr(e["input"]) if not isinstance(e["input"], int) or abs(e["input"]) < 10**40 else "a huge int"
+                msg += f" (got {got if len(got) <= 80 else got[:60] + f'... ({len(got)} characters)'})"
         problems.append(Problem(path, msg))
     return problems
