@@ -1,0 +1,200 @@
+#!/usr/bin/env python3
+"""Write charts/seqtrain/README.md from the chart's Chart.yaml and values.yaml (helm-docs style, no Go tool needed).
+
+Every value is listed with its default (from the parsed YAML) and its meaning (the comment block above its key and
+its inline comment, continuation lines included). A top-level section's own comment becomes the section's text.
+`--check` exits 1 when the README differs from what it would write; tests/unit/test_client_chart.py runs that check
+and fails on a value without a description.
+
+    python scripts/chart-readme.py            # rewrite charts/seqtrain/README.md
+    python scripts/chart-readme.py --check
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+CHART = ROOT / "charts" / "seqtrain"
+OCI = "oci://ghcr.io/seqtrain/charts/seqtrain"
+_KEY = re.compile(r"^(\s*)([A-Za-z0-9_.-]+):(\s.*|)$")
+
+
+def _split_comment(rest: str) -> tuple[str, str]:
+    """(value, inline comment) of what follows `key:`; a '#' inside quotes is part of the value."""
+    quote = None
+    for i, ch in enumerate(rest):
+        if quote:
+            quote = None if ch == quote else quote
+        elif ch in "\"'":
+            quote = ch
+        elif ch == "#" and (i == 0 or rest[i - 1].isspace()):
+            return rest[:i].strip(), rest[i + 1:].strip()
+    return rest.strip(), ""
+
+
+def descriptions(text: str) -> dict[str, str]:
+    """dotted key path -> its comment: the block of `#` lines right above the key (a blank line ends a block) and
+    the inline comment after its value, with the more-indented comment lines that continue it."""
+    out: dict[str, str] = {}
+    stack: list[tuple[int, str]] = []
+    pending: list[str] = []
+    last: tuple[str, int] | None = None  # (path, indent) of the key line before, while an inline comment continues
+    for line in text.splitlines():
+        stripped = line.strip()
+        if not stripped:
+            pending, last = [], None
+            continue
+        indent = len(line) - len(line.lstrip())
+        if stripped.startswith("#"):
+            comment = stripped[1:].strip()
+            if last is not None and indent > last[1]:
+                out[last[0]] = (out.get(last[0], "") + " " + comment).strip()
+            else:
+                pending.append(comment)
+                last = None
+            continue
+        m = _KEY.match(line)
+        if m is None:  # a list item or a flow continuation: part of the value above
+            pending, last = [], None
+            continue
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        path = ".".join([k for _, k in stack] + [m.group(2)])
+        value, inline = _split_comment(m.group(3))
+        parts = [*pending, inline] if inline else pending
+        if parts:
+            out[path] = "\n".join(parts)
+        pending = []
+        last = (path, indent) if inline else None
+        if not value:
+            stack.append((indent, m.group(2)))
+    return out
+
+
+def _leaves(values: Any, described: dict[str, str], prefix: str = "") -> list[tuple[str, Any]]:
+    """(dotted path, default) of every value. A map is one value (its default the whole map: labels, selectors, a
+    securityContext) unless a key inside it has a description of its own; then each key is listed."""
+    inside = [p for p in described if p.startswith(prefix + ".")] if prefix else list(described)
+    if isinstance(values, dict) and values and inside:
+        out = []
+        for k, v in values.items():
+            out += _leaves(v, described, f"{prefix}.{k}" if prefix else str(k))
+        return out
+    return [(prefix, values)]
+
+
+def _text(text: str) -> str:
+    """Markdown-safe: a `<release>` in a comment is text, not an HTML tag."""
+    return text.replace("<", "&lt;").replace(">", "&gt;")
+
+
+def _cell(text: str) -> str:
+    return _text(" ".join(text.split())).replace("|", "\\|")
+
+
+def _default(value: Any) -> str:
+    return "`" + json.dumps(value, separators=(", ", ": ")).replace("|", "\\|") + "`"
+
+
+def undescribed(values_text: str) -> list[str]:
+    """Values without a description of their own; an `enabled` switch is described by its section's comment."""
+    described = descriptions(values_text)
+    out = []
+    for path, _ in _leaves(yaml.safe_load(values_text), described):
+        section = path.rpartition(".")[0]
+        if path not in described and not (path.endswith(".enabled") and section in described):
+            out.append(path)
+    return out
+
+
+def readme(chart_dir: Path = CHART) -> str:
+    chart = yaml.safe_load((chart_dir / "Chart.yaml").read_text())
+    values_text = (chart_dir / "values.yaml").read_text()
+    values = yaml.safe_load(values_text)
+    described = descriptions(values_text)
+    version = chart["version"]
+    lines = [
+        f"# {chart['name']} (Helm chart)",
+        "",
+        "<!-- Generated by scripts/chart-readme.py from Chart.yaml and values.yaml: edit those, then run it. -->",
+        "",
+        chart["description"],
+        "",
+        f"Chart {version}, operator {chart['appVersion']}, Kubernetes {chart.get('kubeVersion', 'any')}.",
+        "",
+        "## Install",
+        "",
+        "```bash",
+        f"helm install seqtrain {OCI} --version {version} \\",
+        "  --namespace seqtrain-system --create-namespace",
+        "```",
+        "",
+        "The CRD (`crds/`) is installed with the chart and never deleted by it. The install notes print a first job",
+        "to `kubectl apply`, and the `seqtrain` CLI commands (`submit`, `list`, `status`, `logs -f`, `wait`,",
+        "`delete`) that follow it; the user guide is docs/user-guide.md in the repository.",
+        "",
+        "## Values",
+        "",
+    ]
+    table: list[str] = []
+
+    def flush() -> None:
+        if table:
+            lines.extend(["| Key | Default | Description |", "|---|---|---|", *table, ""])
+            table.clear()
+
+    def section(key: str, value: Any) -> bool:
+        return isinstance(value, dict) and bool(value) and any(p.startswith(key + ".") for p in described)
+
+    lines.extend(["### Top level", ""])
+    for key, value in values.items():
+        if not section(key, value):
+            table.append(f"| `{key}` | {_default(value)} | {_cell(described.get(key, ''))} |")
+    flush()
+    for key, value in values.items():
+        if not section(key, value):
+            continue
+        lines.append(f"### `{key}`")
+        lines.append("")
+        if key in described:
+            lines.extend([_text(described[key]), ""])
+        seen_parents: set[str] = set()
+        for path, default in _leaves(value, described, key):
+            parts = path.split(".")
+            for i in range(2, len(parts)):  # a nested section's own comment, once, before its first value
+                parent = ".".join(parts[:i])
+                if parent in described and parent not in seen_parents:
+                    seen_parents.add(parent)
+                    table.append(f"| `{parent}` |  | {_cell(described[parent])} |")
+            text = described.get(path) or ("on or off (the section's text above)" if path.endswith(".enabled") else "")
+            table.append(f"| `{path}` | {_default(default)} | {_cell(text)} |")
+        flush()
+    flush()
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--check", action="store_true", help="exit 1 when the README is not what this would write")
+    args = p.parse_args(argv)
+    target = CHART / "README.md"
+    text = readme()
+    if args.check:
+        if not target.exists() or target.read_text() != text:
+            print(f"{target.relative_to(ROOT)} is out of date: run `python scripts/chart-readme.py`", file=sys.stderr)
+            return 1
+        return 0
+    target.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
