@@ -75,3 +75,22 @@ def test_the_derivation_line_names_each_fields_origin() -> None:
     line = resolve_model(job(**{"model.dim": 128, "model.layers": 4, "model.heads": 4})).derivations()
     assert "ffnDim 344 (from dim 128" in line
     assert "dim 128 (set)" in line and "maxSeqLen 64 (data.seqLen)" in line
+
+
+def test_vocab_advice_for_a_byte_model_on_prepared_byte_data_does_not_go_in_a_circle(tmp_path) -> None:
+    import json
+
+    from seqtrain.data.prepare import prepare
+
+    (tmp_path / "exp").mkdir()
+    (tmp_path / "exp" / "seqtrain.json").write_text(json.dumps({"model": {
+        "arch": "gpt", "vocab_size": 256, "dim": 64, "layers": 2, "heads": 4, "kv_heads": 4, "ffn_dim": 176}}))
+    (tmp_path / "a.txt").write_text("hello world\n" * 20)
+    prepare([str(tmp_path / "a.txt")], str(tmp_path / "prep"), progress=False)  # byte data: vocab 257 (EOD 256)
+    sets = {"model.init": str(tmp_path / "exp"), "data.source": "tokens", "data.paths": f"[{tmp_path / 'prep'}]"}
+    advice = [spec_problems(**sets), spec_problems(**sets, **{"model.vocabSize": 257}),
+              spec_problems(**sets, **{"model.vocabSize": 256})]
+    for got in advice:  # the same one message whatever vocabSize says, and it does not suggest a vocabSize
+        assert list(got) == ["spec.model.init"], got
+        assert "data.source text" in got["spec.model.init"] and "without model.init" in got["spec.model.init"]
+    assert advice[0] == advice[1] == advice[2]

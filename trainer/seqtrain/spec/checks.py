@@ -12,7 +12,7 @@ from seqtrain.spec.datafiles import data_problems
 from seqtrain.spec.elastic import divisors_hint, elastic_problems, size_problems
 from seqtrain.spec.job import SeqTrainJob
 from seqtrain.spec.problems import Problem
-from seqtrain.spec.resolve import paths_readable, resolved_model
+from seqtrain.spec.resolve import paths_readable, resolved_model, vocab_conflict
 from seqtrain.spec.template import template_problems
 
 
@@ -82,7 +82,9 @@ def check(job: SeqTrainJob) -> list[Problem]:
             if name in s.model.model_fields_set and getattr(s.model, name) is not None:
                 alias = {"heads": "heads", "kv_heads": "kvHeads", "ffn_dim": "ffnDim"}[name]
                 out.append(Problem(f"spec.model.{alias}", f"only applies to arch gpt, not {m.arch}; remove it"))
-    out += _init_problems(job, m)
+    conflict = vocab_conflict(job)  # weights and data disagree on the vocabulary: one message, not two
+    out += [conflict] if conflict else []
+    out += [p for p in _init_problems(job, m) if not (conflict and p.path == "spec.model.vocabSize")]
     if m.lora is not None:
         from seqtrain.layout.rules import engine_of
         from seqtrain.spec.lora import unknown_targets
@@ -128,7 +130,7 @@ def check(job: SeqTrainJob) -> list[Problem]:
                                                     "weight per entry of data.paths"))
         elif any(w <= 0 for w in d.weights):
             out.append(Problem("spec.data.weights", "every weight must be above 0 (drop a dataset from paths instead)"))
-    if d.source == "tokens" and m.vocab_size is not None and paths_readable():
+    if d.source == "tokens" and m.vocab_size is not None and paths_readable() and not conflict:
         from seqtrain.spec.resolve import _prepared_vocab
 
         need = _prepared_vocab(d.paths)

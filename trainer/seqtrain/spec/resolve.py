@@ -119,6 +119,9 @@ def resolve_model(job: SeqTrainJob) -> ResolvedModel:
     for key, val in (source or {}).items():  # the weights fix the shapes; explicit fields are checked against them
         if key not in explicit:
             values[key], origin[key] = val, "model.init"
+    if values.get("dim") is None or values.get("layers") is None:  # a weight source that names no dims
+        raise SpecError([Problem("spec.model.init", f"{m.init!r} does not say the model's dim and layers; set "
+                                                    "model.preset, or model.dim and model.layers, as it was trained")])
     if values.get("vocab_size") is None:
         vocab, why = tokenizer_vocab(job)
         values["vocab_size"], origin["vocab_size"] = (vocab, why) if vocab else (BYTE_VOCAB, "byte-level default")
@@ -130,7 +133,9 @@ def resolve_model(job: SeqTrainJob) -> ResolvedModel:
             values["heads"], origin["heads"] = max(1, dim // 64), f"from dim {dim}: heads of 64"
         if values.get("kv_heads") is None:
             values["kv_heads"], origin["kv_heads"] = values["heads"], "= heads"
-        if values.get("ffn_dim") is None:
+        if values.get("ffn_dim") is None and values.get("mlp") == "gelu":  # GPT-2's MLP
+            values["ffn_dim"], origin["ffn_dim"] = 4 * dim, f"from dim {dim}: 4 x dim (mlp gelu)"
+        elif values.get("ffn_dim") is None:
             values["ffn_dim"] = swiglu_hidden(dim)
             origin["ffn_dim"] = f"from dim {dim}: 8/3 x dim rounded up to a multiple of {ffn_multiple(dim)}"
     return ResolvedModel(ModelSpec.model_validate(values), origin)
@@ -164,6 +169,40 @@ def swiglu_hidden(dim: int) -> int:
     """LLaMA's SwiGLU width: 2/3 of 4*dim (the same parameters as a 4*dim GELU MLP), rounded up."""
     hidden, mult = int(8 * dim / 3), ffn_multiple(dim)
     return (hidden + mult - 1) // mult * mult
+
+
+def vocab_conflict(job: SeqTrainJob) -> Problem | None:
+    """The one vocabulary rule: the model's vocabulary holds every id of the data. When model.init's weights fix
+    the vocabulary and the data needs more ids, no model.vocabSize can satisfy both (the two separate messages
+    sent a user from "use at least 257" to "set it to 256" and back): say so once, with the fixes that work."""
+    m, d = job.spec.model, job.spec.data
+    if not m.init or not paths_readable() or d.source != "tokens":
+        return None
+    have = (describe_init(m.init) or {}).get("vocab_size")
+    need = _prepared_vocab(d.paths)
+    if have is None or need is None or need <= have:
+        return None
+    byte = (tokenizer_of_prepared(d.paths) or {}).get("type") == "byte"
+    fix = ("prepare-data's byte tokenizer adds an end-of-document id 256 that a byte model does not have: train "
+           "on the text with data.source text (byte documents end with NUL, id 0), or"
+           if byte else "prepare the data with the model's own tokenizer (seqtrain prepare-data --tokenizer "
+           "<its tokenizer.json>), or")
+    return Problem("spec.model.init", f"its weights have {have} token ids but the prepared data in data.paths uses "
+                                      f"{need} (end-of-document id included), and the weights fix the vocabulary "
+                                      f"(model.vocabSize cannot change it); {fix} train from scratch without "
+                                      "model.init")
+
+
+def tokenizer_of_prepared(paths: list[str]) -> dict | None:
+    """The tokenizer record of the first `seqtrain prepare-data` folder in paths (its index.json)."""
+    for p in paths:
+        try:
+            with open(os.path.join(os.path.expanduser(p), "index.json"), encoding="utf-8") as f:
+                tok = json.load(f).get("tokenizer")
+        except (OSError, ValueError, AttributeError):
+            continue
+        return tok if isinstance(tok, dict) else None
+    return None
 
 
 def job_notes(job: SeqTrainJob) -> list[str]:
