@@ -161,6 +161,9 @@ def _cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
 def _cmd_report(args: argparse.Namespace) -> int:
     from seqtrain.obs.report import report_command
 
+    if args.out and (os.path.isdir(args.out) or not os.path.isdir(os.path.dirname(os.path.abspath(args.out)))):
+        print(f"seqtrain report: --out {args.out}: name a PNG file in an existing folder", file=sys.stderr)
+        return EXIT_INVALID
     return report_command(args.workdir, out=args.out)
 
 
