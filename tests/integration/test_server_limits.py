@@ -15,7 +15,7 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -31,7 +31,7 @@ CAP = 8  # connections each server takes at once, for these tests
 DEADLINE = 2.0  # seconds a connection may take for its whole request, for these tests
 KEY = b"k" * 32
 DOC = json.dumps({"step": 7, "totalSteps": 10, "attempt": 1, "updatedAt": "2026-01-01T00:00:00Z"}).encode()
-PUSH_PATH = "/v1/progress/ml/gpt/u1"
+PUSH_PATH = "/v1/progress/ml/gpt/u1/1"
 
 
 def _free_port() -> int:
@@ -71,10 +71,15 @@ def _status(answer: bytes) -> int:
     return int(answer.split(b" ", 2)[1]) if answer.startswith(b"HTTP/1.") else 0
 
 
+_SEQUENCE = [0]  # every request another number: a repeated one is ignored (409) as a replay
+
+
 def _push_request(body: bytes = DOC, token: str | None = None, path: str = PUSH_PATH,
                   length: int | None = None) -> bytes:
-    token = token if token is not None else job_token(KEY, "ml", "gpt", "u1")
+    token = token if token is not None else job_token(KEY, "ml", "gpt", "u1", 1)
+    _SEQUENCE[0] += 1
     return (f"POST {path} HTTP/1.1\r\nHost: operator\r\nAuthorization: Bearer {token}\r\n"
+            f"Seqtrain-Push-Sequence: {_SEQUENCE[0]}\r\n"
             f"Content-Type: application/json\r\nContent-Length: {len(body) if length is None else length}\r\n\r\n"
             ).encode()
 
@@ -165,7 +170,8 @@ def push_server(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[int, PushedPr
         loop.close()
 
 
-def _slow_then_valid(port: int, head: bytes, valid: bytes, expect: int) -> tuple[list[int], list[bytes]]:
+def _slow_then_valid(port: int, head: bytes, valid: Callable[[], bytes], expect: int
+                     ) -> tuple[list[int], list[bytes]]:
     """Hold CAP slow connections; while they are held, send three valid requests (each must be answered within
     the deadline: the socket's timeout); then the slow connections the server left open."""
     slow = Slowloris(port, head, CAP, give_up=4 * DEADLINE)
@@ -173,7 +179,7 @@ def _slow_then_valid(port: int, head: bytes, valid: bytes, expect: int) -> tuple
     try:
         slow.wait_ticks(2)  # every slow connection has sent two bytes and is older than the eviction age
         for _ in range(3):
-            answers.append(_exchange(port, [valid], timeout=DEADLINE))
+            answers.append(_exchange(port, [valid()], timeout=DEADLINE))
     finally:
         still_open = slow.finish()
     assert [_status(a) for a in answers] == [expect] * 3, answers
@@ -183,7 +189,7 @@ def _slow_then_valid(port: int, head: bytes, valid: bytes, expect: int) -> tuple
 def test_pushes_are_served_while_slow_connections_are_held_and_those_are_cut_at_the_deadline(monkeypatch, caplog):
     caplog.set_level(logging.DEBUG)
     with push_server(monkeypatch) as (port, store):
-        still_open, _ = _slow_then_valid(port, _push_request(), _push_request() + DOC, 204)
+        still_open, _ = _slow_then_valid(port, _push_request(), lambda: _push_request() + DOC, 204)
         assert still_open == [], f"slow connections {still_open} were never closed by the server"
         assert store.fresh("ml", "gpt", "u1", 30) is not None
     # one summary line at most, not one per connection
@@ -225,7 +231,7 @@ def test_metrics_are_scraped_while_slow_connections_are_held_and_those_are_cut_a
     server = metrics.serve(port, HOST)
     try:
         head = b"GET /metrics HTTP/1.1\r\nHost: operator\r\nUser-Agent: slow\r\n\r\n"
-        still_open, answers = _slow_then_valid(port, head, b"GET /metrics HTTP/1.1\r\nHost: operator\r\n\r\n", 200)
+        still_open, answers = _slow_then_valid(port, head, lambda: b"GET /metrics HTTP/1.1\r\nHost: operator\r\n\r\n", 200)
         assert all(b"seqtrain_jobs" in a for a in answers)
         assert still_open == [], f"slow connections {still_open} were never closed by the server"
     finally:
@@ -242,7 +248,7 @@ def test_the_trainers_server_cuts_a_connection_that_sends_a_byte_a_second(monkey
     try:
         port = server.server_address[1]
         head = b"GET /progress HTTP/1.0\r\nHost: trainer\r\nUser-Agent: slow\r\n\r\n"
-        still_open, answers = _slow_then_valid(port, head, b"GET /progress HTTP/1.0\r\n\r\n", 200)
+        still_open, answers = _slow_then_valid(port, head, lambda: b"GET /progress HTTP/1.0\r\n\r\n", 200)
         assert all(a.endswith(b'{"step": 3}') for a in answers)
         assert still_open == [], f"slow connections {still_open} were never closed by the server"
     finally:

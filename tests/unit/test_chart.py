@@ -101,6 +101,7 @@ OPERATOR_NAMESPACED = {
     # get, delete: a name taken by a deleted job's namesake (Kube.create reads whose it is; delete_exact)
     *(("", r, v) for r in ("pods", "services", "configmaps") for v in ("get", "delete")),
     ("", "events", "create"), ("", "persistentvolumeclaims", "get"),
+    ("", "secrets", "create"),  # progressPush: each attempt's token Secret; never get, list or delete
     *(("policy", "poddisruptionbudgets", v) for v in ("get", "create", "delete")),  # scheduling.podDisruptionBudget  # the webhook: the checkpoint claim's modes
     *((g, "podgroups", v) for g in ("scheduling.x-k8s.io", "scheduling.volcano.sh", "scheduling.run.ai")
       for v in ("get", "create", "delete")),

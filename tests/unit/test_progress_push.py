@@ -23,14 +23,14 @@ from seqtrain_operator.k8s import manifests as m
 from seqtrain_operator.k8s import reconcile
 from seqtrain_operator.k8s.progress import MAX_BODY_BYTES
 from seqtrain_operator.k8s.push import PushedProgress, serve
-from seqtrain_operator.k8s.pushauth import TOKEN_ENV, URL_ENV, job_token, push_url
+from seqtrain_operator.k8s.pushauth import TOKEN_FILE, TOKEN_FILE_ENV, URL_ENV, job_token, push_url
 
 KEY = b"k" * 32
 DOC = json.dumps({"step": 7, "totalSteps": 10, "attempt": 2, "updatedAt": "2026-01-01T00:00:00Z"}).encode()
 
 
-def bearer(ns: str = "ml", name: str = "gpt", uid: str = "u1", key: bytes = KEY) -> str:
-    return f"Bearer {job_token(key, ns, name, uid)}"
+def bearer(ns: str = "ml", name: str = "gpt", uid: str = "u1", key: bytes = KEY, attempt: int = 2) -> str:
+    return f"Bearer {job_token(key, ns, name, uid, attempt)}"
 
 
 # ---- the operator's checks ------------------------------------------------------------------------------------
@@ -39,8 +39,9 @@ def bearer(ns: str = "ml", name: str = "gpt", uid: str = "u1", key: bytes = KEY)
     (bearer(), DOC, 204),
     (bearer(name="other"), DOC, 403),  # another job's token
     (bearer(uid="u0"), DOC, 403),  # the token of an earlier job of the same name
+    (bearer(attempt=1), DOC, 403),  # the token of another attempt
     (bearer(key=b"x" * 32), DOC, 403),  # not signed with this operator's key
-    (job_token(KEY, "ml", "gpt", "u1"), DOC, 403),  # no scheme
+    (job_token(KEY, "ml", "gpt", "u1", 2), DOC, 403),  # no scheme
     (None, DOC, 403),
     (bearer(), b"{" + b" " * MAX_BODY_BYTES + b"}", 413),
     (bearer(), b"not json", 400),
@@ -48,18 +49,18 @@ def bearer(ns: str = "ml", name: str = "gpt", uid: str = "u1", key: bytes = KEY)
 ])
 def test_a_push_is_stored_only_with_its_own_jobs_token_and_a_progress_document(auth, body, status):
     store = PushedProgress()
-    assert store.accept(KEY, "ml", "gpt", "u1", auth, body, now=100.0)[0] == status
+    assert store.accept(KEY, "ml", "gpt", "u1", 2, auth, "1", body, now=100.0)[0] == status
     assert (store.fresh("ml", "gpt", "u1", 30, now=100.0) is not None) == (status == 204)
     assert store.accepted + sum(store.refused.values()) == 1
 
 
 def test_without_a_key_nothing_is_accepted():
-    assert PushedProgress().accept(b"", "ml", "gpt", "u1", bearer(key=b""), DOC)[0] == 404
+    assert PushedProgress().accept(b"", "ml", "gpt", "u1", 2, bearer(key=b""), "1", DOC)[0] == 404
 
 
 def test_pushed_progress_counts_while_fresh_for_this_uid_and_attempt():
     store = PushedProgress()
-    store.accept(KEY, "ml", "gpt", "u1", bearer(), DOC, now=100.0)
+    store.accept(KEY, "ml", "gpt", "u1", 2, bearer(), "1", DOC, now=100.0)
     got = store.fresh("ml", "gpt", "u1", 30, attempt=2, now=129.0)
     assert got is not None and got.progress.step == 7
     assert store.fresh("ml", "gpt", "u1", 30, now=131.0) is None  # stale: the pass polls instead
@@ -76,12 +77,14 @@ class Sink:
 
     def __init__(self, status: int = 204) -> None:
         self.requests: list[tuple[str, str | None, bytes]] = []
+        self.sequences: list[int] = []
         sink = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:  # noqa: N802 - http.server's name
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 sink.requests.append((self.path, self.headers.get("Authorization"), body))
+                sink.sequences.append(int(self.headers.get("Seqtrain-Push-Sequence") or 0))
                 self.send_response(status)
                 self.send_header("Content-Length", "0")
                 self.end_headers()
@@ -158,14 +161,33 @@ def test_close_sends_the_final_document():
     assert json.loads(sink.requests[-1][2]) == {"step": 9, "stopReason": "EarlyStopped"}
 
 
-def test_the_pusher_is_configured_from_the_pod_env(monkeypatch):
+def test_the_pusher_is_configured_from_the_pod_env_and_reads_its_token_from_a_file(monkeypatch, tmp_path):
     monkeypatch.delenv(URL_ENV, raising=False)
     assert ProgressPusher.from_env(lambda: DOC) is None
     monkeypatch.setenv(URL_ENV, "http://127.0.0.1:9/x")
-    monkeypatch.setenv(TOKEN_ENV, "t")
+    monkeypatch.setenv(TOKEN_FILE_ENV, str(tmp_path / "token"))
+    assert ProgressPusher.from_env(lambda: DOC) is None  # no token file (yet): the operator polls
+    (tmp_path / "token").write_text("t0k\n")
     pusher = ProgressPusher.from_env(lambda: DOC, timeout=0.2)
-    assert pusher is not None and pusher.url == "http://127.0.0.1:9/x"
+    assert pusher is not None and pusher.url == "http://127.0.0.1:9/x" and pusher._token == "t0k"
     pusher.close()
+
+
+def test_every_push_carries_a_larger_sequence_number_than_the_last_even_after_a_restart():
+    sink = Sink()
+    first = ProgressPusher(sink.url, "tok", lambda: DOC, interval=0.01, heartbeat=0.02)
+    try:
+        wait_until(lambda: len(sink.sequences) >= 5)
+    finally:
+        first.close()
+    again = ProgressPusher(sink.url, "tok", lambda: DOC, interval=0.01, heartbeat=0.02)  # the process restarted
+    try:
+        n = len(sink.sequences)
+        wait_until(lambda: len(sink.sequences) >= n + 3)
+    finally:
+        again.close()
+        sink.close()
+    assert sink.sequences == sorted(set(sink.sequences)) and sink.sequences[0] > 0, sink.sequences
 
 
 # ---- trainer -> operator, over the wire ------------------------------------------------------------------------
@@ -187,9 +209,9 @@ def test_a_trainers_push_reaches_the_operators_endpoint_and_a_forged_one_does_no
     assert ready.wait(10)
     base = f"http://127.0.0.1:{port}"
     try:
-        forged = ProgressPusher(push_url(base, "ml", "other", "u9"), job_token(KEY, "ml", "gpt", "u1"), lambda: DOC,
-                                heartbeat=60)
-        good = ProgressPusher(push_url(base, "ml", "gpt", "u1"), job_token(KEY, "ml", "gpt", "u1"), lambda: DOC,
+        forged = ProgressPusher(push_url(base, "ml", "other", "u9", 2), job_token(KEY, "ml", "gpt", "u1", 2),
+                                lambda: DOC, heartbeat=60)
+        good = ProgressPusher(push_url(base, "ml", "gpt", "u1", 2), job_token(KEY, "ml", "gpt", "u1", 2), lambda: DOC,
                               heartbeat=60)
         forged.poke()
         good.poke()
@@ -211,14 +233,14 @@ def _job() -> SeqTrainJob:
                                        "spec": {"replicas": 1, "resources": {"gpus": 0, "cpu": "1", "memory": "1Gi"}}})
 
 
-def test_pods_get_their_jobs_push_url_and_token_only_when_push_is_configured():
+def test_pods_get_their_attempts_push_url_and_token_file_only_when_push_is_configured():
     owner = m.Owner(name="gpt", namespace="ml", uid="u1")
     env = lambda s: {e["name"]: e.get("value") for e in m.build_pod(_job(), owner, 1, 0, s, None)  # noqa: E731
                      ["spec"]["containers"][0]["env"]}
     assert URL_ENV not in env(m.Settings())
     on = env(m.Settings(progress_push_url="http://op.seqtrain-system.svc:8472/", push_key=KEY))
-    assert on[URL_ENV] == "http://op.seqtrain-system.svc:8472/v1/progress/ml/gpt/u1"
-    assert on[TOKEN_ENV] == job_token(KEY, "ml", "gpt", "u1")
+    assert on[URL_ENV] == "http://op.seqtrain-system.svc:8472/v1/progress/ml/gpt/u1/1"
+    assert on[TOKEN_FILE_ENV] == TOKEN_FILE
     assert KEY.decode() not in repr(m.Settings(push_key=KEY))
 
 
@@ -238,7 +260,7 @@ async def _answers(step: int | None):
 
 def test_a_pass_uses_fresh_pushed_progress_without_polling(monkeypatch):
     cfg = _cfg()
-    cfg.pushed.accept(KEY, "ml", "gpt", "u1", bearer(), DOC)
+    cfg.pushed.accept(KEY, "ml", "gpt", "u1", 2, bearer(), "1", DOC)
 
     async def no_poll(*a, **k):
         raise AssertionError("polled although a fresh push was there")

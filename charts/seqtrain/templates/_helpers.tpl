@@ -96,6 +96,13 @@ with `kubectl auth can-i --list` as the ServiceAccount.
 - apiGroups: ["kopf.dev"]
   resources: ["kopfpeerings"]
   verbs: ["get", "list", "watch", "patch"]
+{{- if .Values.progressPush.enabled }}
+# progressPush: each attempt's push token as a Secret owned by the job (deleted with it). Create only: the operator
+# never reads or deletes a Secret (neither could be narrowed to its own), so an attempt's stays until the job goes.
+- apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["create"]
+{{- end }}
 {{- if .Values.networkPolicy.enabled }}
 - apiGroups: ["networking.k8s.io"]  # networkPolicy.enabled: one per job (owned by it, so GC deletes it)
   resources: ["networkpolicies"]

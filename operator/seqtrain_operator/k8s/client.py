@@ -361,7 +361,8 @@ class Kube:
         try:
             if api_version == "v1":
                 fn = {"Pod": self.core.create_namespaced_pod, "Service": self.core.create_namespaced_service,
-                      "ConfigMap": self.core.create_namespaced_config_map}[kind]
+                      "ConfigMap": self.core.create_namespaced_config_map,
+                      "Secret": self.core.create_namespaced_secret}[kind]
                 await self._call(fn, ns, obj, bulk=bulk)
             else:
                 group, version = api_version.split("/")
@@ -371,6 +372,8 @@ class Kube:
         except ApiException as exc:
             if exc.status != 409:
                 raise
+        if kind == "Secret":  # the operator may create Secrets, never read them; its own are named by job uid
+            return False
         mine = owner_uid(obj)
         there = await self.read(api_version, kind, ns, name)
         theirs = owner_uid(there) if there is not None else None

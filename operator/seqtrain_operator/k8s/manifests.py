@@ -23,7 +23,16 @@ from seqtrain.spec.policy import PodPolicy
 from seqtrain.spec.runtime import FailureHistory
 from seqtrain_operator.k8s.gangs import ADAPTERS, adapter_for
 from seqtrain_operator.k8s.owner import LABEL_UID
-from seqtrain_operator.k8s.pushauth import TOKEN_ENV, URL_ENV, job_token, push_url
+from seqtrain_operator.k8s.pushauth import (
+    TOKEN_DIR,
+    TOKEN_FILE,
+    TOKEN_FILE_ENV,
+    TOKEN_KEY,
+    URL_ENV,
+    job_token,
+    push_url,
+    secret_name,
+)
 from seqtrain_operator.k8s.template import apply_pod_template
 from seqtrain_operator.planner.inventory import GPU_PRODUCT_LABEL, GPU_RESOURCE
 from seqtrain_operator.planner.placement import pod_tolerations
@@ -243,13 +252,32 @@ def _env(job: SeqTrainJob, owner: Owner, attempt: int, replica: int, settings: S
     # SIGTERM only when its last save fits in what is left of this
     grace = max(1, settings.termination_grace_seconds - TERM_GRACE_MARGIN_SECONDS)
     env.append({"name": "SEQTRAIN_TERM_GRACE_SECONDS", "value": str(grace)})
-    if settings.progress_push_url and settings.push_key:  # rank 0 pushes its progress (k8s/push.py)
-        env += [{"name": URL_ENV, "value": push_url(settings.progress_push_url, owner.namespace, owner.name, owner.uid)},
-                {"name": TOKEN_ENV, "value": job_token(settings.push_key, owner.namespace, owner.name, owner.uid)}]
+    if _pushes(settings):  # rank 0 pushes its progress (k8s/push.py); the token is a file, never in the env
+        env += [{"name": URL_ENV,
+                 "value": push_url(settings.progress_push_url or "", owner.namespace, owner.name, owner.uid, attempt)},
+                {"name": TOKEN_FILE_ENV, "value": TOKEN_FILE}]
     if in_place_delays:
         env += [{"name": "SEQTRAIN_INPLACE_DELAYS", "value": ",".join(f"{d:g}" for d in in_place_delays)},
                 {"name": "SEQTRAIN_RESTART_PORT", "value": str(restart_port(settings))}]
     return env
+
+
+def _pushes(settings: Settings) -> bool:
+    return bool(settings.progress_push_url and settings.push_key)
+
+
+PUSH_VOLUME = "seqtrain-push-token"
+
+
+def build_push_secret(owner: Owner, attempt: int, settings: Settings) -> dict[str, Any] | None:
+    """The attempt's push token (k8s/pushauth.py) as a Secret owned by the job (None: pods do not push). Mounted as
+    a file, so `get pods` (the built-in view role) does not show it."""
+    if not _pushes(settings):
+        return None
+    token = job_token(settings.push_key, owner.namespace, owner.name, owner.uid, attempt)
+    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque", "immutable": True,
+            "metadata": _meta(secret_name(owner.name, owner.uid, attempt), owner, attempt_labels(owner.name, attempt)),
+            "stringData": {TOKEN_KEY: token}}
 
 
 def _resources(job: SeqTrainJob) -> dict[str, Any]:
@@ -358,6 +386,10 @@ def build_pod(job: SeqTrainJob, owner: Owner, attempt: int, replica: int, settin
         "containers": [container],
         "volumes": _volumes(job, owner, attempt),
     }
+    if _pushes(settings):  # the push token (build_push_secret), read-only, only in the trainer container
+        spec["volumes"].append({"name": PUSH_VOLUME, "secret": {
+            "secretName": secret_name(owner.name, owner.uid, attempt), "defaultMode": 0o444}})
+        container["volumeMounts"].append({"name": PUSH_VOLUME, "mountPath": TOKEN_DIR, "readOnly": True})
     if node_selector:
         spec["nodeSelector"] = node_selector
     if tolerations := pod_tolerations(job):  # the user's, and nvidia.com/gpu on GPU pods (ExtendedResourceToleration)
@@ -395,6 +427,7 @@ class Gang:
     configmap: dict[str, Any]
     podgroup: dict[str, Any] | None
     pods: tuple[dict[str, Any], ...]
+    push_secret: dict[str, Any] | None = None  # build_push_secret; pods mount it
 
 
 def build_gang(job: SeqTrainJob, owner: Owner, attempt: int, settings: Settings, plan: Plan | None,
@@ -405,4 +438,5 @@ def build_gang(job: SeqTrainJob, owner: Owner, attempt: int, settings: Settings,
     nodes = {a.replica: a.node for a in plan.replicas} if plan is not None else {}
     pods = tuple(build_pod(job, owner, attempt, r, settings, nodes.get(r), in_place_delays)
                  for r in range(job.spec.replicas))
-    return Gang(build_configmap(job, owner, attempt, settings, history), build_podgroup(job, owner, attempt), pods)
+    return Gang(build_configmap(job, owner, attempt, settings, history), build_podgroup(job, owner, attempt), pods,
+                build_push_secret(owner, attempt, settings))

@@ -1,11 +1,19 @@
-"""Progress pushed by rank 0 to the operator (`POST <url>/v1/progress/<namespace>/<job>/<job uid>`), for clusters
-where the operator cannot reach the pods (a default-deny NetworkPolicy, an mTLS mesh, an operator outside the
-cluster): the trainer opens the connection, so only egress from the pod to the operator's Service is needed.
+"""Progress pushed by rank 0 to the operator (`POST <url>/v1/progress/<namespace>/<job>/<job uid>/<attempt>`), for
+clusters where the operator cannot reach the pods (a default-deny NetworkPolicy, an mTLS mesh, an operator outside
+the cluster): the trainer opens the connection, so only egress from the pod to the operator's Service is needed.
 
-Authentication: each job's pods get a token, HMAC-SHA256(operator key, "<namespace>/<job>/<uid>"), from the pod
-manifest (env SEQTRAIN_PROGRESS_PUSH_TOKEN); the operator recomputes it from the URL and compares in constant time.
-A pod thus can push only its own job's progress: another job's token needs the key, and a re-created job of the
-same name has another uid. The body is read up to MAX_BODY_BYTES (as a polled one) and parsed by the same parser.
+Authentication (k8s/pushauth.py): the token is HMAC-SHA256(operator key, "<namespace>/<job>/<uid>/<attempt>"),
+mounted into the pods as a file from a per-attempt Secret the job owns; the operator recomputes it from the URL and
+compares in constant time. So a pod can push only for its own job incarnation and attempt. Beyond the signature the
+store refuses what it knows to be over: the token of a deleted job, of an earlier incarnation of the same name
+(another uid) and of an attempt earlier than the one the last pass saw. Entries are kept by uid, so no push for
+one incarnation can replace another's.
+
+Each push carries a sequence number (header `Seqtrain-Push-Sequence`, growing with every push of the attempt): a
+document whose number is not above the last stored one of its attempt is ignored (409), so a replayed or late
+document neither refreshes the entry nor sets progress back, and can never pass for a fresh push of an old step
+(which a pass reads as a hang). The body is read up to MAX_BODY_BYTES (as a polled one) and parsed by the same
+parser.
 
 What was pushed is kept in memory (`PushedProgress`, in `reconcile.Config`) with the time it arrived; a pass uses
 it while it is fresh (rank 0 repeats its document every few seconds even when no step completed, so a fresh but
@@ -19,73 +27,120 @@ import asyncio
 import json
 import logging
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
 from seqtrain_operator.k8s.observe import Reported, progress_from_json
 from seqtrain_operator.k8s.progress import MAX_BODY_BYTES
-from seqtrain_operator.k8s.pushauth import PUSH_PATH, valid_token
+from seqtrain_operator.k8s.pushauth import PUSH_PATH, SEQUENCE_HEADER, valid_token
 
 log = logging.getLogger("seqtrain.operator")
+
+MAX_GONE = 4096  # uids of deleted jobs remembered, to refuse their tokens with a reason
+MAX_SEQUENCE = 2**63 - 1
 
 
 @dataclass(frozen=True)
 class Pushed:
-    uid: str
+    namespace: str
+    name: str
+    attempt: int
+    sequence: int
     reported: Reported
     received: float  # time.monotonic() when it arrived
 
 
 @dataclass
 class PushedProgress:
-    """The last accepted push per job, and counts of what was refused (by HTTP status)."""
+    """The last accepted push per job incarnation (by uid), what the passes last saw of each job, and counts of what
+    was refused (by HTTP status)."""
 
-    jobs: dict[tuple[str, str], Pushed] = field(default_factory=dict)
+    jobs: dict[str, Pushed] = field(default_factory=dict)  # by job uid
+    live: dict[tuple[str, str], tuple[str, int | None]] = field(default_factory=dict)  # (ns, job) -> (uid, attempt)
+    gone: OrderedDict[str, None] = field(default_factory=OrderedDict)  # uids of deleted jobs, oldest first
     refused: Counter[int] = field(default_factory=Counter)
     accepted: int = 0
 
-    def accept(self, key: bytes, namespace: str, name: str, uid: str, authorization: str | None, body: bytes,
-               now: float | None = None) -> tuple[int, str]:
+    def accept(self, key: bytes, namespace: str, name: str, uid: str, attempt: int, authorization: str | None,
+               sequence: str | None, body: bytes, now: float | None = None) -> tuple[int, str]:
         """(HTTP status, reason) of one push, checked against the operator's `key`; 204 when it was stored."""
-        status, reason = self._check(key, namespace, name, uid, authorization, body, now)
+        status, reason = self._check(key, namespace, name, uid, attempt, authorization, sequence, body, now)
         if status == 204:
             self.accepted += 1
         else:
             self.refused[status] += 1
         return status, reason
 
-    def _check(self, key: bytes, namespace: str, name: str, uid: str, authorization: str | None, body: bytes,
-               now: float | None) -> tuple[int, str]:
+    def _check(self, key: bytes, namespace: str, name: str, uid: str, attempt: int, authorization: str | None,
+               sequence: str | None, body: bytes, now: float | None) -> tuple[int, str]:
         if not key:
             return 404, "progress push is off"
         scheme, _, token = (authorization or "").partition(" ")
-        if scheme.lower() != "bearer" or not valid_token(key, namespace, name, uid, token.strip()):
-            return 403, "the token is not this job's"
+        if scheme.lower() != "bearer" or not valid_token(key, namespace, name, uid, attempt, token.strip()):
+            return 403, "the token is not this job's and attempt's"
+        live_uid, live_attempt = self.live.get((namespace, name), (uid, None))
+        if uid in self.gone or live_uid != uid:
+            self._bury(uid)  # a pass named another uid for this name: this incarnation is over
+            return 403, "the token of a deleted job"
+        if live_attempt is not None and attempt < live_attempt:
+            return 403, f"the token of attempt {attempt}; the job is at attempt {live_attempt}"
         if len(body) > MAX_BODY_BYTES:
             return 413, f"a progress document is at most {MAX_BODY_BYTES} bytes"
+        seq = _sequence(sequence)
+        if seq is None:
+            return 400, f"no {SEQUENCE_HEADER} header (an integer from 1 to 2^63-1)"
         try:
             reported = progress_from_json(json.loads(body))
         except (ValueError, RecursionError, TypeError):  # a 5000-deep array is a bad body, not a server error
             reported = Reported()
         if reported.progress is None:
             return 400, "not a progress document"
-        self.jobs[(namespace, name)] = Pushed(uid, reported, time.monotonic() if now is None else now)
+        if reported.progress.attempt is not None and reported.progress.attempt != attempt:
+            return 400, f"a document of attempt {reported.progress.attempt} with the token of attempt {attempt}"
+        last = self.jobs.get(uid)
+        if last is not None and (attempt, seq) <= (last.attempt, last.sequence):
+            return 409, f"sequence {seq} is not above {last.sequence}: an older or replayed document, ignored"
+        self.jobs[uid] = Pushed(namespace, name, attempt, seq, reported, time.monotonic() if now is None else now)
         return 204, ""
 
     def fresh(self, namespace: str, name: str, uid: str, max_age: float, attempt: int | None = None,
               now: float | None = None) -> Reported | None:
-        """The job's pushed progress if it arrived within `max_age` seconds, from this job (uid) and, when the
-        document names one, from `attempt` (a dying gang's rank 0 may still push)."""
-        p = self.jobs.get((namespace, name))
-        if p is None or p.uid != uid or (time.monotonic() if now is None else now) - p.received > max_age:
+        """The job's pushed progress if it arrived within `max_age` seconds, from this job (uid) and, when given,
+        from `attempt` (a dying gang's rank 0 may still push). A pass calls this with what it read of the job: from
+        then on pushes of another uid under this name, or of an earlier attempt, are refused."""
+        known_uid, known_attempt = self.live.get((namespace, name), (uid, None))
+        if known_uid != uid:  # the name was deleted and re-created: its old incarnation is gone
+            self._bury(known_uid)
+        self.live[(namespace, name)] = (uid, attempt if attempt is not None else known_attempt)
+        p = self.jobs.get(uid)
+        if p is None or (time.monotonic() if now is None else now) - p.received > max_age:
             return None
-        pushed_attempt = p.reported.progress.attempt if p.reported.progress is not None else None
-        if attempt is not None and pushed_attempt is not None and pushed_attempt != attempt:
+        if attempt is not None and p.attempt != attempt:
             return None
         return p.reported
 
     def forget(self, namespace: str, name: str) -> None:
-        self.jobs.pop((namespace, name), None)
+        """The job was deleted: its entries go, and its tokens are refused from now on."""
+        uid, _ = self.live.pop((namespace, name), (None, None))
+        if uid is not None:
+            self._bury(uid)
+        for other in [u for u, p in self.jobs.items() if (p.namespace, p.name) == (namespace, name)]:
+            self._bury(other)
+
+    def _bury(self, uid: str) -> None:
+        self.jobs.pop(uid, None)
+        self.gone[uid] = None
+        self.gone.move_to_end(uid)
+        while len(self.gone) > MAX_GONE:
+            self.gone.popitem(last=False)
+
+
+def _sequence(value: str | None) -> int | None:
+    text = (value or "").strip()
+    if not text.isdigit() or len(text) > 19:
+        return None
+    n = int(text)
+    return n if 1 <= n <= MAX_SEQUENCE else None
 
 
 # The server's limits (module constants so a test can shrink them): connections served at once, seconds from
@@ -127,6 +182,7 @@ class PushServer:
         self.store, self.key = store, key
         self.max_connections, self.deadline, self.evict_after = MAX_CONNECTIONS, DEADLINE_S, EVICT_AFTER_S
         self._open: set[_Conn] = set()
+        self._tasks: set[asyncio.Task] = set()  # every connection's, until it has closed its socket
         self._server: asyncio.AbstractServer | None = None
         self.cut = 0  # connections closed at their deadline or for a newcomer
         self._unlogged: Counter[int] = Counter()
@@ -146,6 +202,8 @@ class PushServer:
             self._server.close()
             for conn in list(self._open):
                 conn.writer.transport.abort()
+            if self._tasks:
+                await asyncio.wait(list(self._tasks), timeout=5.0)
             await self._server.wait_closed()
             self._server = None
 
@@ -163,6 +221,9 @@ class PushServer:
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         conn = _Conn(writer, time.monotonic())
+        task = asyncio.current_task()
+        if task is not None:
+            self._tasks.add(task)
         try:
             if not self._admit(conn):
                 status, reason = 503, "too many connections"
@@ -184,6 +245,7 @@ class PushServer:
         finally:
             self._open.discard(conn)
             await _close(writer)
+            self._tasks.discard(task)  # type: ignore[arg-type]
 
     async def _exchange(self, reader: asyncio.StreamReader, conn: _Conn) -> tuple[int, str]:
         try:
@@ -195,9 +257,10 @@ class PushServer:
             raise _Refused(405, "POST only")
         parts = path.split("?", 1)[0].split("/")
         prefix = PUSH_PATH.strip("/").split("/")
-        if len(parts) != len(prefix) + 4 or parts[1:len(prefix) + 1] != prefix or not all(parts[len(prefix) + 1:]):
-            raise _Refused(404, f"POST {PUSH_PATH}/<namespace>/<job>/<uid>")
-        namespace, name, uid = parts[len(prefix) + 1:]
+        if (len(parts) != len(prefix) + 5 or parts[1:len(prefix) + 1] != prefix or not all(parts[len(prefix) + 1:])
+                or not parts[-1].isdigit() or len(parts[-1]) > 9):
+            raise _Refused(404, f"POST {PUSH_PATH}/<namespace>/<job>/<uid>/<attempt>")
+        namespace, name, uid, attempt = parts[len(prefix) + 1:]
         if "transfer-encoding" in headers:
             raise _Refused(411, "a Content-Length body only")
         try:
@@ -210,7 +273,8 @@ class PushServer:
             raise _Refused(413, f"a progress document is at most {MAX_BODY_BYTES} bytes")
         body = await reader.readexactly(length)  # however many TCP writes it came in
         conn.requested = True
-        return self.store.accept(self.key, namespace, name, uid, headers.get("authorization"), body)
+        return self.store.accept(self.key, namespace, name, uid, int(attempt), headers.get("authorization"),
+                                 headers.get(SEQUENCE_HEADER.lower()), body)
 
     @staticmethod
     async def _reply(writer: asyncio.StreamWriter, status: int, reason: str) -> None:
@@ -253,7 +317,8 @@ def _parse_head(head: bytes) -> tuple[str, str, dict[str, str]]:
             name, sep, value = line.partition(":")
             if not sep or not name or name != name.strip():
                 raise ValueError(line)
-            if name.lower() in headers and name.lower() in ("content-length", "authorization"):
+            if name.lower() in headers and name.lower() in ("content-length", "authorization",
+                                                            SEQUENCE_HEADER.lower()):
                 raise ValueError(f"{name} twice")
             headers[name.lower()] = value.strip()
     except ValueError:

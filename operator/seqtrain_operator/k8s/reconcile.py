@@ -678,6 +678,7 @@ async def create_gang(kube: Kube, job: SeqTrainJob, owner: m.Owner, attempt: int
     netpol = [m.build_network_policy(job, owner, settings)] if settings.network_policy else []
     pdb = [m.build_pdb(owner)] if job.spec.scheduling.pod_disruption_budget else []
     for obj in [m.build_service(owner, settings), *netpol, *pdb, gang.configmap,
+                *([gang.push_secret] if gang.push_secret else []),
                 *([gang.podgroup] if gang.podgroup else [])]:
         await create(obj)  # what the pods refer to, first
     # The pods together: one admission holds the admission lock until its pods exist, so their creation time is

@@ -1,7 +1,12 @@
-"""Rank 0 pushes its progress document to the operator (`POST $SEQTRAIN_PROGRESS_PUSH_URL` with
-`Authorization: Bearer $SEQTRAIN_PROGRESS_PUSH_TOKEN`; both set by the operator in the pod manifest), for clusters
-where the operator cannot reach the pod (a default-deny NetworkPolicy, an mTLS mesh): the pod only needs egress to
-the operator's Service.
+"""Rank 0 pushes its progress document to the operator (`POST $SEQTRAIN_PROGRESS_PUSH_URL` with `Authorization:
+Bearer <token>`, the token read from the file `$SEQTRAIN_PROGRESS_PUSH_TOKEN_FILE` names; the operator sets both in
+the pod manifest and mounts the file from a per-attempt Secret), for clusters where the operator cannot reach the pod
+(a default-deny NetworkPolicy, an mTLS mesh): the pod only needs egress to the operator's Service.
+
+Each push carries a sequence number (header `Seqtrain-Push-Sequence`) that grows with every push, across restarts
+of the process in the same pod too (wall-clock microseconds, and at least one more than the last): the operator
+ignores a document whose number is not above the last it took, so a replayed or late document never passes for a
+fresh one.
 
 Never in the way of training: one background thread sends; `poke()` (every progress update) only sets an event.
 Updates are coalesced to one push per `interval` at most; with no update the last document is sent again every
@@ -20,7 +25,9 @@ import urllib.request
 from collections.abc import Callable
 
 URL_ENV = "SEQTRAIN_PROGRESS_PUSH_URL"
-TOKEN_ENV = "SEQTRAIN_PROGRESS_PUSH_TOKEN"
+TOKEN_FILE_ENV = "SEQTRAIN_PROGRESS_PUSH_TOKEN_FILE"
+SEQUENCE_HEADER = "Seqtrain-Push-Sequence"
+MAX_TOKEN_BYTES = 1024
 MAX_BODY_BYTES = 64 * 1024  # the operator reads no more
 
 
@@ -33,6 +40,7 @@ class ProgressPusher:
         self.failed = 0  # pushes that failed (refused, unreachable, timed out)
         self.last_error: str | None = None
         self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        self._sequence = 0
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="seqtrain-progress-push", daemon=True)
@@ -40,8 +48,22 @@ class ProgressPusher:
 
     @classmethod
     def from_env(cls, document: Callable[[], bytes], **kw: float) -> ProgressPusher | None:
-        url, token = os.environ.get(URL_ENV, "").strip(), os.environ.get(TOKEN_ENV, "").strip()
-        return cls(url, token, document, **kw) if url and token else None
+        """A pusher when the pod names a push URL and a readable token file; None otherwise (the operator polls)."""
+        url, path = os.environ.get(URL_ENV, "").strip(), os.environ.get(TOKEN_FILE_ENV, "").strip()
+        if not url or not path:
+            return None
+        try:
+            with open(path, "rb") as f:
+                token = f.read(MAX_TOKEN_BYTES).decode("ascii").strip()
+        except (OSError, UnicodeDecodeError):
+            return None
+        return cls(url, token, document, **kw) if token else None
+
+    def next_sequence(self) -> int:
+        """Above every number this process sent, and (wall clock, microseconds) above what an earlier process of
+        this pod sent, unless the clock stepped back."""
+        self._sequence = max(self._sequence + 1, time.time_ns() // 1000)
+        return self._sequence
 
     def poke(self) -> None:
         """The document changed: push it within `interval` (coalesced with other changes meanwhile)."""
@@ -72,7 +94,8 @@ class ProgressPusher:
             if len(body) > MAX_BODY_BYTES:
                 raise ValueError(f"progress document of {len(body)} bytes (the operator takes {MAX_BODY_BYTES})")
             req = urllib.request.Request(self.url, data=body, method="POST", headers={
-                "Content-Type": "application/json", "Authorization": f"Bearer {self._token}"})
+                "Content-Type": "application/json", "Authorization": f"Bearer {self._token}",
+                SEQUENCE_HEADER: str(self.next_sequence())})
             with self._opener.open(req, timeout=self.timeout) as resp:
                 resp.read(1024)
             self.sent += 1
