@@ -145,6 +145,8 @@ def holds_for_text(text: str, sets: tuple[str, ...] = ()) -> str:
 @example(("spec", "podTemplate", "spec", "containers", 1, "args"), [10**30])  # beyond int64
 @example(("spec", "podTemplate", "spec", "affinity", "podAffinity"), deep(40))  # RecursionError at 1000
 @example(("spec", "training", "steps"), 10**4000)
+@example(("metadata",), {"\n": 2**63})  # a key with a newline split a problem over two lines
+@example(("spec", "podTemplate", "metadata", "annotations", "note"), "\ud800")  # UnicodeEncodeError in a size sum
 @settings(suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 def test_a_hostile_value_anywhere_is_refused_in_one_line_or_builds(path: tuple[Any, ...], value: Any) -> None:
     holds(_put(BASE, path, value))

@@ -34,6 +34,7 @@ def _scalar_bytes(value: Any) -> int:
 
 _QUOTED = re.compile(rb'"(?:[^"\\]|\\.)*"' + rb"|'(?:[^']|'')*'")
 _BRACKETS = re.compile(rb"[\[\]{}]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def bracket_depth(raw: bytes, limit: int) -> int:
@@ -59,8 +60,8 @@ SHAPE = ("depth", "nodes", "size")  # kinds after which nothing else may look at
 def document_problems(doc: Any, root: str = "") -> list[tuple[str, Problem]]:
     """(kind, problem) of `doc` as a whole, at most one per kind: "depth" (deeper than MAX_DEPTH), "nodes" (more
     than MAX_NODES values), "size" (over MAX_SPEC_BYTES), then values no Kubernetes object holds: "int" (outside
-    int64), "float" (not finite), "key" (not a string), "type" (a YAML-only type). `root`: the path `doc` is at.
-    Stops at the first size or depth bound passed."""
+    int64), "float" (not finite), "key" (not a string), "text" (a lone surrogate), "type" (a YAML-only type).
+    `root`: the path `doc` is at. Stops at the first size or depth bound passed."""
     out: list[tuple[str, Problem]] = []
     seen: set[str] = set()
 
@@ -88,6 +89,8 @@ def document_problems(doc: Any, root: str = "") -> list[tuple[str, Problem]]:
                 if not isinstance(k, str):
                     add("key", path, f"key {str(k)[:40]!r} is a {type(k).__name__}; keys are strings (quote it)")
                     k = str(k)[:40]
+                elif _SURROGATE.search(k):
+                    add("text", path, "a key holds a lone UTF-16 surrogate (not text): remove it")
                 size += _scalar_bytes(k) + 1
                 stack.append((v, f"{path}.{k}" if path else k, depth + 1))
         elif isinstance(value, list | tuple):
@@ -98,6 +101,8 @@ def document_problems(doc: Any, root: str = "") -> list[tuple[str, Problem]]:
             if isinstance(value, int) and not isinstance(value, bool) and not -INT64 <= value < INT64:
                 add("int", path, f"an integer of {value.bit_length() // 3 + 1} digits; Kubernetes stores at most "
                                  "64-bit integers")
+            elif isinstance(value, str) and _SURROGATE.search(value):
+                add("text", path, "holds a lone UTF-16 surrogate (not text, no UTF-8 for it): remove it")
             elif isinstance(value, float) and not math.isfinite(value):
                 add("float", path, f"{value} is not a number a Kubernetes object can hold; give a finite number")
             elif not isinstance(value, str | int | float | bool) and value is not None:

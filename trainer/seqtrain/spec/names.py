@@ -102,7 +102,8 @@ def label_value_problem(value: object) -> str | None:
 
 
 def annotations_size(annotations: dict[str, str]) -> int:
-    return sum(len(str(k).encode()) + len(str(v).encode()) for k, v in annotations.items())
+    return sum(len(str(k).encode("utf-8", "surrogatepass")) + len(str(v).encode("utf-8", "surrogatepass"))
+               for k, v in annotations.items())
 
 
 def dns1123_label_problem(name: object) -> str | None:
