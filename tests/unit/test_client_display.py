@@ -60,7 +60,7 @@ def test_status_says_progress_restarts_with_reasons_lost_time_checkpoint_and_eve
     assert "ReplicaFailed: replica 1 exited 1; restart 1/3" in out  # the reason, under Restarts
     assert "Checkpoint: step 40 at /checkpoints/demo/step-40, saved 1m ago" in out
     assert "Lost time:  startup 3s, restart 12s; goodput 80%" in out  # 0.1 s of queueing is not worth a word
-    assert "replica 1 on cpu-1 (ranks 1)" in out
+    assert "\n            replica 1 on cpu-1 (ranks 1)\n" in out  # under Gang, no label of its own
     assert "GangRunning" in out and "Events (last 3):" in out and "GangCreated" in out
 
 

@@ -113,8 +113,11 @@ class Client:
 
             self._jobs: Any = LocalJobs(runs_dir, poll_seconds=min(poll_seconds, 0.5))
         else:
-            from seqtrain_operator.client.kube import KubeJobs
-
+            try:
+                from seqtrain_operator.client.kube import KubeJobs
+            except ImportError as exc:  # the torch-free core without the `operator` extra
+                raise ClientError(f"the Kubernetes client is not installed ({exc.name}): pip install "
+                                  "'seqtrain[operator]'") from None
             self._jobs = KubeJobs(context, namespace, poll_seconds=poll_seconds)
 
     @property

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from seqtrain.spec.status import Progress
+from seqtrain.spec.status import Progress, short_duration
 from seqtrain_operator.client.model import Event, Job
 from seqtrain_operator.controller.clock import parse, seconds_between, utcnow
 from seqtrain_operator.controller.lost_time import REASONS
@@ -22,14 +22,7 @@ def duration(seconds: float | None) -> str:
     """kubectl's short durations: 45s, 3m12s, 2h5m, 3d4h ('-' when unknown)."""
     if seconds is None or not math.isfinite(seconds) or seconds < 0:
         return "-"
-    s = int(seconds)
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m{s % 60}s" if s < 600 and s % 60 else f"{s // 60}m"
-    if s < 86400:
-        return f"{s // 3600}h{(s % 3600) // 60}m" if (s % 3600) // 60 else f"{s // 3600}h"
-    return f"{s // 86400}d{(s % 86400) // 3600}h" if (s % 86400) // 3600 else f"{s // 86400}d"
+    return short_duration(seconds)
 
 
 def age(created: str | None, now: datetime | None = None) -> str:
@@ -49,7 +42,8 @@ def progress_value(p: Progress | None, name: str) -> Any:
 
 
 def eta_seconds(job: Job) -> float | None:
-    if job.done:
+    """The status's ETA while the job trains (a suspended or restarting job's would be stale)."""
+    if job.phase != "Running":
         return None
     value = progress_value(job.status.progress, "eta_seconds")
     return float(value) if isinstance(value, (int, float)) else None
@@ -98,7 +92,7 @@ def status_text(job: Job, events: Sequence[Event] = (), now: datetime | None = N
     out: list[str] = []
 
     def row(label: str, text: str) -> None:
-        out.append(f"{label + ':':<12}{text}")
+        out.append(f"{label + ':' if label else '':<12}{text}")
 
     where = f" (namespace {job.namespace})" if job.namespace else f" (run folder {job.workdir})" if job.workdir else ""
     row("Job", job.name + where)
