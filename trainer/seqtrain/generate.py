@@ -4,6 +4,11 @@ GPT decodes with a key/value cache (the prompt is one forward pass, then one pos
 and QRNN carry their recurrent state. `use_cache=False` recomputes the whole sequence for every token: slower,
 and the reference the cached paths are tested against (greedy decoding must give the same tokens).
 
+A GPT writes as long as asked: once prompt and sample fill the model's context (model.maxSeqLen), it sees the last
+`maxSeqLen` tokens, as nanoGPT's sampler crops its input. Positions are absolute, so when the window slides every
+cached key is stale: the cache is rebuilt from the window (one forward pass of the window per token from then on,
+the cost of decoding without a cache).
+
 Sampling: `temperature 0` is greedy (argmax); otherwise logits / temperature, then top-k, then top-p (nucleus:
 the smallest set of tokens whose probability reaches p), drawn from a generator seeded by `seed`.
 """
@@ -120,22 +125,31 @@ def generate_ids(model: nn.Module, prompt: list[int], s: Sampling, use_cache: bo
     if s.temperature > 0:
         gen = torch.Generator(device=device)
         gen.manual_seed(s.seed if s.seed is not None else torch.seed())
-    ids = torch.tensor([prompt], dtype=torch.long, device=device)
     limit = max_context(model)
-    steps = s.max_new_tokens if limit is None else min(s.max_new_tokens, limit - len(prompt))
-    if limit is not None and len(prompt) > limit:
-        raise ValueError(f"--prompt: {len(prompt)} tokens is longer than the model's context ({limit})")
+    # the context the model sees: the last `limit` tokens of prompt + sample (a longer prompt is cropped the same way)
+    ids = torch.tensor([prompt if limit is None else prompt[-limit:]], dtype=torch.long, device=device)
+    steps = s.max_new_tokens
     step: Callable[[torch.Tensor], torch.Tensor]
     if not use_cache:
         def step(new: torch.Tensor) -> torch.Tensor:
             nonlocal ids
             if new is not ids:
                 ids = torch.cat((ids, new), dim=1)
+                if limit is not None:
+                    ids = ids[:, -limit:]
             return model(ids)[:, -1]
     elif isinstance(model, GPT):
-        cache = KVCache(model, 1, limit or len(prompt) + steps, model.output_weight.dtype, device)
+        assert limit is not None
+        cache = KVCache(model, 1, limit, model.output_weight.dtype, device)
 
         def step(new: torch.Tensor) -> torch.Tensor:
+            nonlocal ids
+            if new is ids:  # the prompt: one forward pass
+                return gpt_forward_cached(model, ids, cache)[:, -1]
+            ids = torch.cat((ids, new), dim=1)[:, -limit:]
+            if cache.length + new.shape[1] > limit:  # the window slid: rebuild the cache at the new positions
+                cache.length = 0
+                return gpt_forward_cached(model, ids, cache)[:, -1]
             return gpt_forward_cached(model, new, cache)[:, -1]
     elif isinstance(model, RecurrentLM):
         state = model.init_state(1, model.embed.weight)
@@ -257,8 +271,9 @@ def generate_command(path: str, prompt: str, s: Sampling, use_cache: bool = True
         return 1
     dev = model.output_weight.device.type
     limit = max_context(model)
-    full = ", stopped at the end-of-document token" if ended else \
-        f", stopped: the context of {limit} tokens is full" if limit and n < s.max_new_tokens else ""
+    full = ", stopped at the end-of-document token" if ended else ""
+    if limit is not None and len(prompt_ids) + n > limit:
+        full += f", the model saw the last {limit} tokens (its context) at each step"
     print(f"[{n} tokens in {seconds:.2f}s, {n / seconds if seconds else 0:.1f} tokens/s on {dev}, "
           f"{'kv cache' if use_cache else 'no cache'}{full}]", file=sys.stderr)
     return 0
