@@ -189,3 +189,36 @@ def test_the_python_client_submits_suspends_resumes_reads_logs_and_deletes(
     with pytest.raises(NotFound):
         c.get(name)
     assert not testbed.get("pods", namespace=ns, selector=f"seqtrain.dev/job={name}")
+
+
+@pytest.mark.timeout(RUN_TIMEOUT)
+def test_the_local_client_runs_follows_suspends_resumes_and_deletes(tmp_path: Path) -> None:
+    """Client(local=True): the same calls on run folders, `seqtrain run` in the background (no cluster needed)."""
+    from seqtrain.client import Client, NotFound
+
+    c = Client(local=True, runs_dir=str(tmp_path / "runs"))
+    doc = {"apiVersion": "seqtrain.dev/v1alpha1", "kind": "SeqTrainJob", "metadata": {"name": "local"},
+           "spec": {"replicas": 1, "resources": {"gpus": 0}, "model": {"arch": "gpt", "preset": "tiny"},
+                    "data": {"source": "builtin", "seqLen": 32},
+                    "training": {"steps": 2000, "globalBatchSize": 4, "microBatchSize": 4, "logEvery": 5},
+                    "checkpoint": {"intervalSteps": 5}}}
+    job = c.submit(doc)
+    assert job.workdir == str(tmp_path / "runs" / "local")
+    try:
+        seen = []
+        for line in c.logs("local", follow=True):  # stops reading once training is under way
+            seen.append(line)
+            if "step 10/2000" in line:
+                break
+        assert seen[0].startswith("[rank 0] ") and any("attempt 1, fresh start" in line for line in seen), seen
+        assert c.wait("local", "Running", timeout=60).step >= 10
+        assert c.suspend("local").phase == "Suspended"
+        assert "local" in [j.name for j in c.list()]
+        c.resume("local")
+        wait("attempt 2 resumed from a checkpoint", lambda: any(
+            "attempt 2, resumed from step" in line for line in c.logs("local", attempt=2)), RUN_TIMEOUT, 1)
+    finally:
+        c.delete("local")
+    with pytest.raises(NotFound):
+        c.get("local")
+    assert not (tmp_path / "runs" / "local").exists()
