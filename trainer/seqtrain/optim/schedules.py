@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from seqtrain.spec.training import ScheduleSpec
 
 
@@ -29,3 +31,27 @@ def after_warmup_factor(step: int, spec: ScheduleSpec, total_steps: int) -> floa
         return lo + (1.0 - lo) * abs(1.0 - 2.0 * phase)
     raise ValueError(f"spec.training.schedule.name: unknown schedule {spec.name!r}; "
                      "use constant, cosine, linear, wsd or cyclic")
+
+
+def steps_change(factor: Callable[[int, int], float], spec: ScheduleSpec, peak_lr: float, step: int,
+                 planned: int, total: int, allowed: bool) -> tuple[str, bool]:
+    """What resuming at `step` a run whose checkpoint was made for `planned` steps does when training.steps is now
+    `total`: (the message the run prints at its start, whether it must refuse).
+
+    The schedule is a function of training.steps, so it is recomputed for the new total. When that moves the
+    learning rate of the next step (`factor(step, steps)` is the multiplier of optimizer step index `step`; a
+    finished cosine run sits at its floor, a recomputed one jumps back near the peak) the run refuses unless
+    training.allowScheduleChange is true: a silent jump can undo a finished run. A change that leaves that rate
+    where it was (constant, cyclic, still in warmup) only says so.
+    """
+    before, after = peak_lr * factor(step, planned), peak_lr * factor(step, total)
+    what = (f"training.steps is {total}, the checkpoint at step {step} was made for {planned}: the {spec.name} "
+            f"schedule is recomputed for {total} steps")
+    if abs(after - before) <= 0.01 * max(abs(before), 1e-30):
+        return f"{what}; the learning rate of step {step + 1} stays {after:.2e}", False
+    times = f" ({after / before:.2f}x)" if before > 0 else ""
+    change = f"the learning rate of step {step + 1} becomes {after:.2e} instead of {before:.2e}{times}"
+    if allowed:
+        return f"{what} (training.allowScheduleChange); {change}", False
+    return (f"{what}, so {change}; set training.allowScheduleChange: true to continue with the recomputed schedule, "
+            f"or keep training.steps {planned}"), True

@@ -100,7 +100,8 @@ def data_problems(job: SeqTrainJob, readable: bool) -> list[Problem]:
             return out
         if not d.validation:
             out.append(Problem("spec.data.validation", "name at least one file, glob or folder, or remove it"))
-        if "validation_fraction" in d.model_fields_set:
+        # compared with the default, not "was it set": a resolved job written to a run folder sets every field
+        if d.validation_fraction != type(d).model_fields["validation_fraction"].default:
             out.append(Problem("spec.data.validationFraction", "data.validation names the validation data, so "
                                                                "nothing of data.paths is held out; remove it"))
     if not readable or d.source not in ("text", "jsonl", "tokens") or not d.paths:

@@ -67,6 +67,10 @@ class TrainingSpec(SpecModel):
     log_every: int = Field(1, ge=1, le=MAX_STEPS, description="Print progress every N steps (metrics.jsonl gets every step).")
     eval: EvalSpec = Field(default_factory=EvalSpec, description="Validation schedule.")
     profile: ProfileSpec | None = Field(None, description="Capture a torch.profiler trace for a window of steps.")
+    allow_schedule_change: bool = Field(
+        False, description="Resuming a checkpoint made for another training.steps recomputes the schedule for the "
+        "new total; when that moves the learning rate of the next step (a finished cosine run extended jumps back "
+        "towards the peak) the run refuses unless this is true. The run prints what happens either way.")
     deterministic: bool = Field(
         False, description="Use deterministic algorithms (slower; for loss-parity checks)."
     )
