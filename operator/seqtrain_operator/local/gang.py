@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -23,6 +24,7 @@ from seqtrain.runtime.exitcodes import last_error
 from seqtrain.runtime.launch import GRACE_ENV, LOG_DIR_ENV, free_port, normalize, replica_command
 from seqtrain.runtime.restart import rounds_in
 from seqtrain_operator.controller.clock import iso, utcnow
+from seqtrain_operator.controller.failure_policy import describe_exit
 from seqtrain_operator.controller.types import ReplicaObservation
 
 NODE = "localhost"
@@ -30,6 +32,9 @@ TERM_GRACE_SECONDS = 30.0  # SIGTERM -> SIGKILL: the trainer finishes its step a
 # The launcher of a multi-rank replica SIGKILLs its ranks this much before we would (as the manifests do in a pod).
 LAUNCHER_GRACE_MARGIN_SECONDS = 5.0
 _CLI = (sys.executable, "-m", "seqtrain_operator.cli")
+# what the launcher says when one of its ranks ends badly (seqtrain.runtime.launch._wait)
+_RANK_EXIT = re.compile(r"seqtrain launch: local rank (\d+) exited with code (\d+)")
+CAUSE_MAX = 300  # characters of a rank failure's description in an event line
 
 
 def source_roots() -> list[str]:
@@ -78,6 +83,8 @@ class LocalGang:
     procs_per_replica: int
     members: list[Replica] = field(default_factory=list)
     port: int = 0
+    # how far the launchers' and ranks' logs were read for `rank_failures` (path -> offset)
+    _read_to: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def start(cls, attempt: int, replicas: int, procs_per_replica: int, gpus_per_replica: int, config_path: str,
@@ -167,6 +174,33 @@ class LocalGang:
                                               message=f"{who} {_describe(rc)}{said}; log {where}", error=error,
                                               restart_round=rounds, finished_at=m.finished_at))
         return tuple(out)
+
+    def rank_failures(self) -> list[str]:
+        """The rank failures the replicas' launchers reported since the last call, each as 'rank R exit code C
+        (killed by SIG...): <the rank's error line>': what a restart in place (the launcher restarted its ranks, the
+        replica process never ended) does not show otherwise. The error line is the last one the rank logged since
+        the previous call, so an earlier round's error is not repeated."""
+        out = []
+        for m in self.members:
+            if not m.supervised:
+                continue
+            for local, code in _RANK_EXIT.findall(self._read_new(m.log_path)):
+                rank = m.ranks[0] + int(local)
+                error = last_error(self._read_new(os.path.join(m.log_dir, f"rank-{rank}.log")))
+                text = f"rank {rank} {describe_exit(int(code))}" + (f": {error}" if error else "")
+                out.append(text if len(text) <= CAUSE_MAX else text[:CAUSE_MAX - 3] + "...")
+        return out
+
+    def _read_new(self, path: str) -> str:
+        start = self._read_to.get(path, 0)
+        try:
+            with open(path, "rb") as f:
+                f.seek(start)
+                data = f.read()
+        except OSError:
+            return ""
+        self._read_to[path] = start + len(data)
+        return data.decode("utf-8", "replace")
 
     def alive(self) -> bool:
         return any(m.proc.poll() is None for m in self.members) or any(_alive(p) for p in self.pids().values())

@@ -389,10 +389,15 @@ class LocalRun:
         return os.path.join(self.workdir, "gang.json")
 
     def _event(self, ev: Event, view: ProgressView) -> None:
-        rec = {"time": utcnow().isoformat(), "type": ev.type, "reason": ev.reason, "message": ev.message}
+        message = ev.message
+        if ev.reason == "RestartedInPlace" and self.gang is not None:
+            # the replica processes live on through an in-place restart: their launchers' logs name the rank
+            causes = self.gang.rank_failures()
+            message += f"; cause: {'; '.join(causes)}" if causes else "; cause: not reported by the launcher"
+        rec = {"time": utcnow().isoformat(), "type": ev.type, "reason": ev.reason, "message": message}
         with open(os.path.join(self.workdir, "events.jsonl"), "a", encoding="utf-8") as f:
             f.write(json.dumps(rec) + "\n")
-        view.line(f"[{ev.type}] {ev.reason}: {ev.message}", always=ev.type == "Warning")
+        view.line(f"[{ev.type}] {ev.reason}: {message}", always=ev.type == "Warning")
 
     # ---- endings ------------------------------------------------------------------------------------------------
 
