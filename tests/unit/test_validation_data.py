@@ -129,3 +129,22 @@ def test_prepared_folders_as_validation(tmp_path: Path) -> None:
     assert len(load_source(j.spec.data, "validation")) == 361
     assert "also training data" in problems(source="tokens", paths=[str(tmp_path / "tr")],
                                             validation=[str(tmp_path / "tr")])["spec.data.validation"]
+
+
+def test_the_user_guides_nanogpt_recipe_validates_with_its_65_ids(tmp_path: Path) -> None:
+    # raw token files hold ids already: the byte tokenizer's 256 does not bound model.vocabSize
+    (np.arange(1000) % 65).astype(np.uint16).tofile(tmp_path / "train.bin")
+    (np.arange(100) % 65).astype(np.uint16).tofile(tmp_path / "val.bin")
+    doc = yaml.safe_load(BASE)
+    doc["spec"]["model"] = {"arch": "gpt", "dim": 128, "layers": 4, "heads": 4, "vocabSize": 65}
+    doc["spec"]["data"].update(source="tokens", paths=[str(tmp_path / "train.bin")],
+                               validation=[str(tmp_path / "val.bin")])
+    j = parse_job(doc)
+    assert j.spec.model.vocab_size == 65
+
+
+def test_a_resolved_job_with_validation_validates_again(texts: Path) -> None:
+    # the local backend writes the resolved job (every field set) into the run folder; the trainer re-reads it
+    j = job(source="text", paths=[str(texts / "train.txt")], validation=[str(texts / "val.txt")])
+    again = parse_job(j.to_dict())
+    assert again.spec.data.validation == [str(texts / "val.txt")]

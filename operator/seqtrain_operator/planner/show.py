@@ -9,7 +9,8 @@ from collections.abc import Sequence
 import yaml
 
 from seqtrain.spec import SeqTrainJob, SpecError, load_job_file
-from seqtrain.spec.resolve import resolve_model
+from seqtrain.spec.datafiles import data_notes
+from seqtrain.spec.resolve import paths_readable, resolve_model
 from seqtrain_operator.planner.fit import memory_problems
 from seqtrain_operator.planner.inventory import cpu_millis, inventory, memory_bytes
 from seqtrain_operator.planner.layout import groups, pipeline_summary, rank_table, tp_groups_split_nodes
@@ -66,7 +67,7 @@ def plan_dict(job: SeqTrainJob, plan: Plan) -> dict:
         "pipeline": pipeline_summary(job),
         "microBatch": est.micro_batch,
         "memoryPerRank": [s.to_dict() for s in est.stages],
-        "notes": list(plan.notes) + _notes(job, plan, est),
+        "notes": list(plan.notes) + _notes(job, plan, est) + data_notes(job, paths_readable()),
     }
 
 

@@ -99,8 +99,8 @@ def check(job: SeqTrainJob) -> list[Problem]:
                                                   "process): set optimization.engine native, zero.stage 0, "
                                                   "tensorParallel 1 and pipelineParallel 1"))
     tok_vocab = None
-    if s.data.tokenizer.type == "byte" and s.data.source != "synthetic":
-        tok_vocab = 256
+    if s.data.tokenizer.type == "byte" and s.data.source not in ("synthetic", "tokens"):
+        tok_vocab = 256  # token files hold ids already: their vocabulary is theirs (nanoGPT's shakespeare_char: 65)
     if tok_vocab and m.vocab_size and m.vocab_size < tok_vocab:
         out.append(Problem("spec.model.vocabSize", f"{m.vocab_size} is smaller than the tokenizer's {tok_vocab} ids"))
 
