@@ -219,7 +219,10 @@ ROWS = [
         ("container name", job(pod(sidecar(name="s" * 64))), f"{T}.containers[0].name"),
         ("env var name", job(pod(sidecar(env=[{"name": "1=x", "value": "y"}]))), f"{T}.containers[0].env[0].name"),
         ("init container env var name", job(pod(init=(sidecar(env=[{"name": "A B", "value": "y"}]),))),
-         f"{T}.initContainers[0].env[0].name"))),
+         f"{T}.initContainers[0].env[0].name"),
+        ("nodeSelector value", job(scheduling={"nodeSelector": {"pool": "a b"}}), "spec.scheduling.nodeSelector.pool"),
+        ("topology key", job(scheduling={"topology": {"policy": "pack", "keys": ["bad key"]}}),
+         "spec.scheduling.topology.keys[0]"))),
 ]
 
 

@@ -11,6 +11,7 @@ import os
 from seqtrain.spec.datafiles import data_problems
 from seqtrain.spec.elastic import divisors_hint, elastic_problems, size_problems
 from seqtrain.spec.job import SeqTrainJob
+from seqtrain.spec.names import label_value_problem, qualified_name_problem
 from seqtrain.spec.problems import Problem
 from seqtrain.spec.resolve import paths_readable, resolved_model, vocab_conflict
 from seqtrain.spec.template import template_problems
@@ -18,7 +19,8 @@ from seqtrain.spec.template import template_problems
 
 def _init_problems(job: SeqTrainJob, m) -> list[Problem]:  # noqa: ANN001 - the resolved ModelSpec
     """model.init: the weights must exist (where this process can look) and fit the explicit dims."""
-    from seqtrain.spec.init_source import SHAPE_FIELDS, describe_init, tensor_hint
+    from seqtrain.spec.init_source import SHAPE_FIELDS, describe_init, init_refusal, tensor_hint
+    from seqtrain.spec.model import ModelSpec
 
     init = job.spec.model.init
     if not init or "://" in init or not paths_readable():
@@ -28,16 +30,16 @@ def _init_problems(job: SeqTrainJob, m) -> list[Problem]:  # noqa: ANN001 - the 
         # A folder that does not exist yet is fine here (written by an export before the run, or present only in
         # the pods); the trainer fails clearly if it is still missing. One that exists must describe a model.
         if os.path.isdir(os.path.expanduser(init)):
-            return [Problem("spec.model.init", f"{init!r} holds no model description (seqtrain.json, config.json, "
-                                               "meta.json or a run's trainer config); give an export, run, "
-                                               "checkpoint or Hugging Face Llama folder")]
+            refusal = init_refusal(init)  # a config.json seqtrain cannot represent: its own key, not "no description"
+            return [Problem("spec.model.init", refusal or f"{init!r} holds no model description (seqtrain.json, "
+                                               "config.json, meta.json or a run's trainer config); give an export, "
+                                               "run, checkpoint or Hugging Face model folder")]
         return []
-    aliases = {"vocab_size": "vocabSize", "kv_heads": "kvHeads", "ffn_dim": "ffnDim", "tie_embeddings": "tieEmbeddings"}
     out = []
     for field in SHAPE_FIELDS:
         want, have = desc.get(field), getattr(m, field)
         if want is not None and have != want:
-            name = aliases.get(field, field)
+            name = ModelSpec.model_fields[field].alias or field
             out.append(Problem(f"spec.model.{name}", f"{have} does not fit the weights in model.init {init!r} "
                                                      f"({name} {want}: {tensor_hint(field, desc)}); remove "
                                                      f"model.{name} or set it to {want}"))
@@ -70,11 +72,11 @@ def check(job: SeqTrainJob) -> list[Problem]:
                            f"use at most {m.max_seq_len} or raise model.maxSeqLen"))
     if m.arch == "gpt":
         assert m.dim and m.heads and m.kv_heads
-        if m.dim % m.heads != 0:
+        if m.head_dim is None and m.dim % m.heads != 0:
             out.append(Problem("spec.model.heads", f"model.dim {m.dim} must be divisible by heads {m.heads}; "
                                                    f"divisors of {m.dim}: {divisors_hint(m.dim, 10)}"))
-        elif (m.dim // m.heads) % 2 != 0:
-            out.append(Problem("spec.model.heads", f"head dim {m.dim // m.heads} must be even for RoPE"))
+        elif m.head_size % 2 != 0 and m.positions == "rope":
+            out.append(Problem("spec.model.heads", f"head dim {m.head_size} must be even for RoPE"))
         if m.heads % m.kv_heads != 0:
             out.append(Problem("spec.model.kvHeads", f"heads {m.heads} must be a multiple of kvHeads {m.kv_heads}"))
     else:
@@ -85,6 +87,10 @@ def check(job: SeqTrainJob) -> list[Problem]:
     conflict = vocab_conflict(job)  # weights and data disagree on the vocabulary: one message, not two
     out += [conflict] if conflict else []
     out += [p for p in _init_problems(job, m) if not (conflict and p.path == "spec.model.vocabSize")]
+    from seqtrain.spec.model import layout_problems
+
+    out += [Problem(path, msg) for path, msg in layout_problems(m, opt.tensor_parallel, opt.pipeline_parallel,
+                                                                 opt.sequence_parallel)]
     if m.lora is not None:
         from seqtrain.layout.rules import engine_of
         from seqtrain.spec.lora import unknown_targets
@@ -173,6 +179,12 @@ def check(job: SeqTrainJob) -> list[Problem]:
     if s.scheduling.topology.policy != "none" and not s.scheduling.topology.keys:
         out.append(Problem("spec.scheduling.topology.keys", f"policy {s.scheduling.topology.policy} needs at least one label key"))
     out += [Problem(f"spec.podTemplate.{path}", msg) for path, msg in template_problems(s.pod_template)]
+    for key, value in s.scheduling.node_selector.items():  # pod fields: the API server would refuse the pod
+        if why := qualified_name_problem(key) or label_value_problem(value):
+            out.append(Problem(f"spec.scheduling.nodeSelector.{key}", f"not a valid node label: {why}"))
+    for i, key in enumerate(s.scheduling.topology.keys):
+        if why := qualified_name_problem(key):
+            out.append(Problem(f"spec.scheduling.topology.keys[{i}]", f"not a valid node label key: {why}"))
     sched = s.scheduling
     if sched.gang == "kueue" and not sched.queue:
         out.append(Problem("spec.scheduling.queue", "gang kueue needs the name of a Kueue LocalQueue in the job's "
