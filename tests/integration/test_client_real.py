@@ -119,15 +119,15 @@ def test_the_cli_submits_follows_a_re_created_gang_to_the_end_waits_lists_shows_
     marker = next(i for i, line in enumerate(lines) if line.startswith("[seqtrain] attempt 2:"))
     assert any(f"seqtrain: {name} attempt 1, fresh start" in line for line in lines[:marker]), text
     after = "\n".join(lines[marker:])
-    assert f"seqtrain: {name} attempt 2, resumed from step 10" in after, text
+    assert re.search(rf"\[rank 0\] seqtrain: {name} attempt 2, resumed from step \d+", after), text
     assert f"step {STEPS}/{STEPS} loss" in after and f"at step {STEPS}/{STEPS}" in after, text
 
     status = cli(testbed, "status", name, "-n", ns)
     print(f"$ seqtrain status {name} -n {ns}\n{status.stdout}")
     assert status.returncode == 0, status
     assert "Phase:      Succeeded" in status.stdout and f"step {STEPS}/{STEPS} (100.0%)" in status.stdout
-    assert "Checkpoint: step 40 at " in status.stdout and "Lost time:" in status.stdout
-    assert re.search(r"Restarts:\s+\d", status.stdout) and "from checkpoint step 10" in status.stdout, status.stdout
+    assert re.search(r"Checkpoint: step \d+ at ", status.stdout) and "Lost time:" in status.stdout
+    assert re.search(r"Restarts:\s+\d", status.stdout) and "from checkpoint step" in status.stdout, status.stdout
     assert "Events (last" in status.stdout and "Restarted" in status.stdout
     listed = cli(testbed, "list", "-n", ns)
     print(f"$ seqtrain list -n {ns}\n{listed.stdout}")

@@ -7,6 +7,7 @@ what to do.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import threading
@@ -199,46 +200,66 @@ class KubeJobs:
         lines: queue.Queue[tuple[str, str, bytes]] = queue.Queue()
         skip: dict[str, int] = {}
         prefixes: dict[str, str] = {}
+        names: dict[str, str] = {}
+        failed: dict[str, str] = {}  # pod uid -> why its log could not be read (said once)
+        open_streams: set[Any] = set()
+        shown = 0
         next_poll = 0.0
-        while True:
-            if time.monotonic() >= next_poll:
-                now = self.find(name)
-                if now is not None and now.uid == job.uid:
-                    job = now
-                    follower.ranks_of = job.ranks_of
-                phase = now.phase if now is not None and now.uid == job.uid else None
-                todo, done = follower.plan(self.pods(name, job.uid), phase, job.status.attempt)
-                if done:
-                    return
-                for o in todo:
-                    if (note := follower.announce(o)) is not None:
-                        yield note
-                    skip[o.pod.uid], prefixes[o.pod.uid] = o.skip, o.prefix
-                    threading.Thread(target=self._read_log, args=(o, follow, lines), daemon=True,
-                                     name=f"log-{o.pod.name}").start()
-                next_poll = time.monotonic() + self.poll
-            try:
-                kind, uid, data = lines.get(timeout=max(0.01, next_poll - time.monotonic()))
-            except queue.Empty:
-                continue
-            if kind == "closed":
-                follower.closed(uid)
-                next_poll = 0.0  # decide at once: the job may be done, or the stream needs reopening
-                continue
-            if skip[uid] > 0:
-                skip[uid] -= 1
-                continue
-            follower.line(uid)
-            yield prefixes[uid] + data.decode("utf-8", "replace")
+        try:
+            while True:
+                if time.monotonic() >= next_poll:
+                    now = self.find(name)
+                    if now is not None and now.uid == job.uid:
+                        job = now
+                        follower.ranks_of = job.ranks_of
+                    phase = now.phase if now is not None and now.uid == job.uid else None
+                    todo, done = follower.plan(self.pods(name, job.uid), phase, job.status.attempt)
+                    if done:
+                        if not shown and failed:
+                            raise ClientError(f"logs of {name}: {next(iter(failed.values()))}")
+                        return
+                    for o in todo:
+                        if (note := follower.announce(o)) is not None:
+                            yield note
+                        skip[o.pod.uid], prefixes[o.pod.uid], names[o.pod.uid] = o.skip, o.prefix, o.pod.name
+                        threading.Thread(target=self._read_log, args=(o, follow, lines, open_streams), daemon=True,
+                                         name=f"log-{o.pod.name}").start()
+                    next_poll = time.monotonic() + self.poll
+                try:
+                    kind, uid, data = lines.get(timeout=max(0.01, next_poll - time.monotonic()))
+                except queue.Empty:
+                    continue
+                if kind == "error":
+                    why = data.decode("utf-8", "replace")
+                    if follow and uid not in failed:
+                        yield f"[seqtrain] cannot read pod {names[uid]}'s log ({why}); trying again while it runs"
+                    failed[uid] = f"pod {names[uid]}: {why}"
+                    continue
+                if kind == "closed":
+                    follower.closed(uid)
+                    next_poll = 0.0  # decide at once: the job may be done, or the stream needs reopening
+                    continue
+                if skip[uid] > 0:
+                    skip[uid] -= 1
+                    continue
+                follower.line(uid)
+                shown += 1
+                yield prefixes[uid] + data.decode("utf-8", "replace")
+        finally:
+            for resp in list(open_streams):  # a caller that stops reading early: end the streams' threads
+                with contextlib.suppress(Exception):
+                    resp.close()
 
-    def _read_log(self, o: Open, follow: bool, out: queue.Queue[tuple[str, str, bytes]]) -> None:
-        """Stream one pod's trainer log into `out` line by line, then ("closed", uid). A pod deleted meanwhile or a
-        broken connection just ends the stream (the follower decides whether to reopen it)."""
+    def _read_log(self, o: Open, follow: bool, out: queue.Queue[tuple[str, str, bytes]], streams: set[Any]) -> None:
+        """Stream one pod's trainer log into `out` line by line, then ("closed", uid). A refused read is ("error",
+        uid, why) first; a pod deleted meanwhile or a broken connection just ends the stream (the follower decides
+        whether to reopen it)."""
         uid = o.pod.uid
         try:
             resp = self.core.read_namespaced_pod_log(o.pod.name, self.namespace, container=CONTAINER, follow=follow,
                                                      _preload_content=False,
                                                      _request_timeout=(TIMEOUT[0], None) if follow else TIMEOUT)
+            streams.add(resp)
             try:
                 buf = b""
                 for chunk in resp.stream(4096, decode_content=True):
@@ -249,8 +270,12 @@ class KubeJobs:
                 if buf:
                     out.put(("line", uid, buf))
             finally:
+                streams.discard(resp)
                 resp.release_conn()
-        except (ApiException, Urllib3Error, OSError):
+        except ApiException as exc:
+            if exc.status != 404:  # a pod deleted meanwhile is no error: its log is gone with it
+                out.put(("error", uid, api_message(exc).encode()))
+        except (Urllib3Error, OSError):
             pass
         finally:
             out.put(("closed", uid, b""))
