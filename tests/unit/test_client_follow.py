@@ -121,3 +121,24 @@ def test_a_deleted_job_ends_the_follow_once_its_streams_end() -> None:
     assert f.plan([pod(1, 0)], None, 1) == ([], False)
     f.closed("uid-1-0")
     assert f.plan([], None, 1) == ([], True)
+
+
+def _pod(labels: dict[str, str], state: dict[str, object] | None, container: str = "trainer") -> object:
+    from types import SimpleNamespace as NS
+
+    st = NS(running=state.get("running"), terminated=state.get("terminated")) if state is not None else None
+    return NS(metadata=NS(name="p", uid="u", labels=labels),
+              status=NS(container_statuses=[NS(name=container, state=st)] if state is not None else None))
+
+
+def test_pod_view_reads_the_operators_labels_and_the_trainer_containers_state() -> None:
+    from seqtrain_operator.client.kube import pod_view
+
+    labels = {"seqtrain.dev/job": "j", "seqtrain.dev/attempt": "2", "seqtrain.dev/replica": "1",
+              "seqtrain.dev/job-uid": "job-uid"}
+    assert pod_view(_pod(labels, {"running": True}), "job-uid") == PodView("p", "u", 2, 1, "running")
+    assert pod_view(_pod(labels, {"terminated": True}), "job-uid").state == "terminated"  # type: ignore[union-attr]
+    assert pod_view(_pod(labels, None), "job-uid").state == "waiting"  # type: ignore[union-attr]
+    assert pod_view(_pod(labels, {"running": True}, "sidecar"), "job-uid").state == "waiting"  # type: ignore[union-attr]
+    assert pod_view(_pod(labels, {"running": True}), "another-uid") is None  # a deleted namesake's pod
+    assert pod_view(_pod({"seqtrain.dev/job": "j"}, {"running": True}), "job-uid") is None
