@@ -148,3 +148,11 @@ def test_a_resolved_job_with_validation_validates_again(texts: Path) -> None:
     j = job(source="text", paths=[str(texts / "train.txt")], validation=[str(texts / "val.txt")])
     again = parse_job(j.to_dict())
     assert again.spec.data.validation == [str(texts / "val.txt")]
+
+
+def test_raw_token_ids_past_the_vocabulary_are_refused_at_validate(tmp_path: Path) -> None:
+    # a GPT-2-tokenized train.bin with no model.vocabSize: the default 256 cannot embed id 50256
+    np.array([10, 50256, 7], dtype=np.uint16).tofile(tmp_path / "train.bin")
+    np.array([1, 2, 3], dtype=np.uint16).tofile(tmp_path / "val.bin")
+    got = problems(source="tokens", paths=[str(tmp_path / "train.bin")], validation=[str(tmp_path / "val.bin")])
+    assert "50256" in got["spec.model.vocabSize"] and "at least 50257" in got["spec.model.vocabSize"]

@@ -154,7 +154,7 @@ def check(job: SeqTrainJob) -> list[Problem]:
         missing = [p for p in d.paths if "://" not in p and not glob.glob(os.path.expanduser(p))]
         for p in missing:
             out.append(Problem("spec.data.paths", f"{p!r} matches no file"))
-    out += data_problems(job, paths_readable())
+    out += data_problems(job, paths_readable(), m.vocab_size)
 
     ev = tr.eval
     if ev.every > 0 and ev.batches == 0:

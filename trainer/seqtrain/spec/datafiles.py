@@ -12,6 +12,7 @@ Split rules (what the loaders do):
 
 from __future__ import annotations
 
+import array
 import glob
 import hashlib
 import os
@@ -22,6 +23,7 @@ from seqtrain.spec.job import SeqTrainJob
 from seqtrain.spec.problems import Problem
 
 PREPARED_INDEX = "index.json"  # seqtrain.data.prepare.INDEX
+RAW_SCAN_TOKENS = 1 << 20  # validate reads this many ids of each raw token file (about 2-4 MB)
 JSONL_SCAN_BYTES = 256 << 20  # validate counts jsonl records up to this much text (the loader reads it all anyway)
 # File names that say "held-out data" (nanoGPT's val.bin, valid.txt, test.jsonl, dev.txt ...).
 _HELD_OUT_NAME = re.compile(r"(^|[^a-z])(val|valid|validation|dev|test|eval)([^a-z]|$)")
@@ -89,10 +91,13 @@ def _entries(job: SeqTrainJob, patterns: Sequence[str], field: str) -> dict[tupl
     return out
 
 
-def data_problems(job: SeqTrainJob, readable: bool) -> list[Problem]:
-    """data.validation's rules, and splits that would leave the run without training or validation data."""
+def data_problems(job: SeqTrainJob, readable: bool, vocab: int | None = None) -> list[Problem]:
+    """data.validation's rules, splits that would leave the run without training or validation data, and raw
+    token files holding ids the model's vocabulary (`vocab`, resolved) does not have."""
     d = job.spec.data
     out: list[Problem] = []
+    if readable and vocab is not None and d.source == "tokens":
+        out += _raw_id_problems(job, vocab)
     if d.validation is not None:
         if d.source not in ("text", "jsonl", "tokens"):
             out.append(Problem("spec.data.validation", f"applies to source text, jsonl and tokens, not {d.source}; "
@@ -161,6 +166,35 @@ def _split_problems(job: SeqTrainJob) -> list[Problem]:
                                                 "validation data; name it in data.validation or raise "
                                                 "data.validationFraction")]
     return []
+
+
+def _raw_id_problems(job: SeqTrainJob, vocab: int) -> list[Problem]:
+    """The largest id in the first RAW_SCAN_TOKENS of each raw token file against the model's vocabulary: raw
+    files carry no vocabulary (nanoGPT's GPT-2 train.bin holds ids up to 50256), and an id past the embedding fails
+    only inside the first step. A cheap guard (a prefix), not a proof."""
+    d = job.spec.data
+    code = "H" if d.token_dtype == "uint16" else "I"
+    out = []
+    for entries, field in ((d.paths, "spec.data.paths"), (d.validation or [], "spec.data.validation")):
+        for pattern in entries:
+            if "://" in pattern or is_prepared(pattern):
+                continue
+            try:
+                files = expand([pattern], field, folders=False)
+            except FileNotFoundError:
+                continue
+            for f in files:
+                ids = array.array(code)
+                with open(f, "rb") as fh:
+                    chunk = fh.read(RAW_SCAN_TOKENS * ids.itemsize)
+                ids.frombytes(chunk[:len(chunk) - len(chunk) % ids.itemsize])
+                top = max(ids) if ids else 0
+                if top >= vocab:
+                    out.append(Problem("spec.model.vocabSize", f"{vocab} ids, but {f!r} holds id {top}: raw token "
+                                                               f"files carry no vocabulary; set model.vocabSize to "
+                                                               f"at least {top + 1} (nanoGPT: meta.pkl's vocab_size)"))
+                    return out
+    return out
 
 
 def _record_lines(path: str) -> list[int]:
