@@ -103,7 +103,9 @@ def test_token_files_are_memory_mapped_and_split_by_tail(files: Path) -> None:
     assert isinstance(train.tokens, ConcatTokens) and len(train) + len(val) == 8000
     assert list(train.doc_starts) == [0, 4500]
     assert train.tokens[np.array([0, 4499, 4500, 7199])].tolist() == [0, 4499 % 300, 1000, 2699 % 200 + 1000]
-    job = job_for({"source": "tokens", "paths": [str(files / "*.bin")], "seqLen": 32})
+    # raw token files carry no vocabulary: ids up to 1199 need model.vocabSize 1200 (validate refuses less)
+    job = resolve(load_job(JOB.format(data=json.dumps({"source": "tokens", "paths": [str(files / "*.bin")],
+                                                       "seqLen": 32})), ["model.vocabSize=1200"]))
     assert_exact_resume(job)
     batch = build_train_data(job, 0, 1).next_step()[0]
     assert batch.tokens.max() < 1200
