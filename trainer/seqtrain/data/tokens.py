@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Sequence
+from tokenize import TokenError
 from typing import Any
 
 import numpy as np
@@ -82,7 +83,8 @@ def _doc_starts(base: str, n: int) -> np.ndarray:
         # mapped, not read: a header that declares more entries than the file holds is refused by the mapping
         # instead of allocating them
         mapped = np.load(path, mmap_mode="r", allow_pickle=False)
-    except (OSError, ValueError, EOFError) as exc:
+    except (OSError, ValueError, EOFError, SyntaxError, TypeError, RecursionError, TokenError) as exc:
+        # numpy parses the header as a Python literal: a damaged one raises what parsing raises
         raise InvalidConfig(f"{path}: unreadable ({(str(exc).splitlines() or [type(exc).__name__])[0][:160]}); "
                             f"{_FIX}") from None
     if not isinstance(mapped, np.ndarray) or mapped.ndim != 1 or mapped.dtype.kind not in "iu" \
