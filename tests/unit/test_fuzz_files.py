@@ -170,6 +170,7 @@ def _dcp_meta_inputs() -> st.SearchStrategy[bytes]:
 @given(data=st.deferred(_dcp_meta_inputs))
 @example(data=b"\x80\x04\x95" + (2**40).to_bytes(8, "little") + b".")  # a FRAME claiming a terabyte
 @example(data=b"\x80\x04\x8e" + (2**62).to_bytes(8, "little"))  # BINBYTES8 declaring 4 EiB
+@example(data=b"\x80\x04\x95" + (2**63).to_bytes(8, "little") + b".")  # OverflowError escaped the C Unpickler
 @example(data=b"\x80\x04]" + b"(" * 100_000 + b".")  # 100,000 MARKs
 def test_fuzz_dcp_metadata(data: bytes) -> None:
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
@@ -348,6 +349,11 @@ def _npy(shape: str, payload: bytes = b"") -> bytes:
 @given(case=st.deferred(_token_inputs))
 @example(case=("shard-00000.docs.npy", _npy("(1000000000000,)", (0).to_bytes(8, "little"))))  # 10^12 offsets
 @example(case=("shard-00000.docs.npy", _npy("()", (0).to_bytes(8, "little"))))  # a 0-d array
+# found by this fuzzer after the fixes above: numpy parses the header as a literal (TokenError, SyntaxError escaped)
+@example(case=("shard-00000.docs.npy", b"\x93NUMPY\x01\x00v\x00{'descr': '<i8', 'fortran_order': False( 'shape': "
+                                       b"(2,), }" + b" " * 60 + b"\n" + bytes(8) + (16).to_bytes(8, "little")))
+@example(case=("shard-00000.docs.npy", b"\x93NUMPY\x01\x00v\x00z'descr': '<i8', 'fortran_order': False, 'shape': "
+                                       b"(2,), }" + b" " * 60 + b"\n" + bytes(8) + (16).to_bytes(8, "little")))
 @example(case=("index.json", b'{"dtype": "uint16", "shards": [], "vocab_size": "x"}'))  # int("x") escaped
 @example(case=("index.json", b'{"dtype": "uint16", "shards": [], "vocab_size": 256, "tokenizer": [[1, 2, 3]]}'))
 @example(case=("index.json", b'{"dtype": "uint16", "vocab_size": 256, "shards": [{"name": "a\\u0000", '
