@@ -40,7 +40,7 @@ from seqtrain_operator.controller import CreateGang, DeleteGang, Event, Observed
 from seqtrain_operator.controller.checkpoint_policy import failure_history
 from seqtrain_operator.controller.conditions import enter_phase
 from seqtrain_operator.controller.types import ReplicaObservation
-from seqtrain_operator.local.display import ProgressView, plot_loss, run_throughput
+from seqtrain_operator.local.display import ProgressView, StartupWatch, plot_loss, run_throughput
 from seqtrain_operator.local.files import (
     MetricsTail,
     atomic_write_text,
@@ -243,6 +243,7 @@ class LocalRun:
         self.last_failed: ReplicaObservation | None = None
         self.tail = MetricsTail(os.path.join(workdir, "metrics.jsonl"))
         self.status: JobStatus | None = None  # the loop's latest status: what an interruption starts from
+        self.startup: StartupWatch | None = None
 
     # ---- entry --------------------------------------------------------------------------------------------------
 
@@ -343,12 +344,20 @@ class LocalRun:
                     self._stop_gang(TERM_GRACE_SECONDS if action.reason == "Suspended" else FAILURE_TEARDOWN_GRACE)
             for ev in d.of(Event):
                 self._event(ev, view)
+            self._follow_startup(view)
             p = status.progress
             if p is not None:
                 view.update(p.step, p.loss, p.tokens_per_second)
             if status.phase in TERMINAL_PHASES or status.phase == "Suspended":
                 return status
             time.sleep(POLL_SECONDS)
+
+    def _follow_startup(self, view: ProgressView) -> None:
+        if self.startup is None or self.startup.view is not view:
+            self.startup = StartupWatch(view)
+        log = os.path.join(self.workdir, "attempts", str(self.gang.attempt), "rank-0.log") if self.gang else None
+        t = self.tail.last.get("time") if self.tail.last else None
+        self.startup.follow(log, float(t) if isinstance(t, int | float) else None)
 
     def _start_gang(self, action: CreateGang, status: JobStatus) -> None:
         job = resolve(self.job)

@@ -28,6 +28,21 @@ ERROR_MARKER = "seqtrain train: error: "
 _ERROR_MAX = 240
 
 
+# What rank 0 is doing before its first step (rendezvous, model, engine, data, checkpoint, first step), one line per
+# phase in its log: "seqtrain phase: <what>". The local runner shows it on the progress bar with its elapsed time.
+PHASE_MARKER = "seqtrain phase: "
+
+
+def announce_phase(what: str) -> None:
+    print(f"{PHASE_MARKER}{what}", flush=True)
+
+
+def phase_of(line: str) -> str | None:
+    """The phase a log line announces, or None."""
+    at = line.find(PHASE_MARKER)
+    return line[at + len(PHASE_MARKER):].strip() or None if at >= 0 else None
+
+
 def error_line(exc: BaseException) -> str:
     """One line naming the exception: its type and the first line of its message, shortened."""
     first = (str(exc).strip().splitlines() or [""])[0]

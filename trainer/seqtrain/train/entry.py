@@ -133,6 +133,8 @@ def main(config_path: str) -> int:
         if os.environ.get(STANDBY_ENV):
             warm_up(job)  # a spare rank: set-up's first-use costs too, before it waits
         await_start()  # a spare rank: the imports above are done; wait here for the in-place restart
+        if os.environ.get("RANK", "0") == "0":
+            exitcodes.announce_phase(f"rendezvous of {job.spec.world_size} rank(s)")
         ctx = init_distributed(use_gpu=job.spec.resources.gpus > 0,
                                timeout_seconds=job.spec.optimization.comm_timeout_seconds,
                                expected_world=job.spec.world_size)

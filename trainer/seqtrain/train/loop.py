@@ -34,7 +34,7 @@ from seqtrain.parallel.watchdog import waiting
 from seqtrain.runtime import faults, restart
 from seqtrain.runtime.callbacks import CallbackList
 from seqtrain.runtime.dist import DistContext
-from seqtrain.runtime.exitcodes import InvalidConfig
+from seqtrain.runtime.exitcodes import InvalidConfig, announce_phase
 from seqtrain.runtime.launch import GRACE_ENV
 from seqtrain.runtime.precision import enable_tf32
 from seqtrain.spec.job import SeqTrainJob
@@ -149,6 +149,7 @@ class Trainer:
         # rank holds (its tensor-parallel slices, its pipeline stages, its FSDP2 / ZeRO-3 shards); the weights
         # equal the single process's. docs/architecture.md ("Model materialisation") gives the order per engine.
         order = shards_first(self.job, self.ctx.dp_size)  # FSDP2 / ZeRO-3 shard before anything is allocated
+        self.phase("building the model")
         if self.spec.model.init or self.spec.model.lora is not None:
             # fine-tuning: the whole model is built for real and loaded, adapters added, before it is split
             self.model = build_model(self.spec.model)
@@ -173,7 +174,11 @@ class Trainer:
         self.log(setup_kernels(self.model, self.job, self.ctx.device))  # optimization.kernels -> model and loss
         for line in prepare_model(self.model, self.job, self.ctx.device):  # activation checkpointing, compile
             self.log(line)
+        engine = engine_name(self.job)
+        self.phase(f"building the {engine} engine" + (" (DeepSpeed compiles its ops on first use)"
+                                                      if engine == "deepspeed" else ""))
         self.engine = build_engine(self.model, self.job, self.ctx)
+        self.phase("loading the data")
         self.data = build_train_data(self.job, self.ctx.dp_rank, self.ctx.dp_size)
         # the next step's batches are built on a background thread (pinned on CUDA) while this step runs
         self.prefetcher = Prefetcher(self.data, pin_memory=self.ctx.device.type == "cuda")
@@ -187,6 +192,7 @@ class Trainer:
     def resume(self) -> None:
         info = self.checkpoints.latest()
         while info is not None:
+            self.phase(f"loading checkpoint step {info.step}")
             why = self._unusable(info)
             if why is None:
                 break
@@ -455,6 +461,7 @@ class Trainer:
         self.engine.train()
         self.callbacks.on_train_start(self)
         self.log_start()
+        self.phase("first step (compile, warm-up)")
         reason = "completed"
         while self.step < self.total_steps:
             metrics = self.train_step()
@@ -495,6 +502,10 @@ class Trainer:
     def log(self, text: str) -> None:
         if self.ctx.is_main:
             print(text, flush=True)
+
+    def phase(self, what: str) -> None:
+        if self.ctx.is_main:
+            announce_phase(what)
 
     def log_start(self) -> None:
         s = self.spec
