@@ -254,3 +254,63 @@ def test_the_trainers_server_cuts_a_connection_that_sends_a_byte_a_second(monkey
     finally:
         server.shutdown()
         server.server_close()
+
+
+REVIEW = json.dumps({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+                     "request": {"uid": "r1", "object": {}}}).encode()
+
+
+def _review_request(body: bytes = REVIEW) -> bytes:
+    return (f"POST /validate HTTP/1.1\r\nHost: operator\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+
+
+@contextlib.contextmanager
+def webhook_server(monkeypatch: pytest.MonkeyPatch) -> Iterator[int]:
+    """The operator's webhook server (plain HTTP here: the limits are below TLS), answering every review allowed."""
+    from seqtrain_operator.k8s import webhookserve
+
+    monkeypatch.setattr(webhookserve, "MAX_CONNECTIONS", CAP)
+    monkeypatch.setattr(webhookserve, "DEADLINE_S", DEADLINE)
+    monkeypatch.setattr(webhookserve, "EVICT_AFTER_S", 0.5)
+
+    async def allow(data: dict, **_: object) -> dict:
+        return {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+                "response": {"uid": data["request"]["uid"], "allowed": True}}
+
+    loop, port, ready, stop = asyncio.new_event_loop(), _free_port(), threading.Event(), threading.Event()
+    server = webhookserve.GuardedWebhookServer(addr=HOST, port=port, insecure=True)
+
+    async def run() -> None:
+        async with server:  # as kopf runs it: leaving the context closes what it served
+            await server(allow).__anext__()
+            ready.set()
+            while not stop.is_set():
+                await asyncio.sleep(0.05)
+        # the handlers of connections the server aborted end once the loop runs them once more
+        pending = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        if pending:
+            await asyncio.wait(pending, timeout=5)
+
+    thread = threading.Thread(target=loop.run_until_complete, args=(run(),), daemon=True)
+    thread.start()
+    assert ready.wait(10)
+    try:
+        yield port
+    finally:
+        stop.set()
+        thread.join(10)
+        loop.close()
+
+
+def test_the_webhook_answers_reviews_while_slow_connections_are_held_and_cuts_them_at_the_deadline(monkeypatch):
+    with webhook_server(monkeypatch) as port:
+        still_open, answers = _slow_then_valid(port, _review_request(), lambda: _review_request(), 200)
+        assert all(b'"allowed": true' in a for a in answers), answers
+        assert still_open == [], f"slow connections {still_open} were never closed by the server"
+        # a body that trickles in is cut at the deadline too (408), and a deep one is answered, not a 500
+        head = _review_request()[:-len(REVIEW)]
+        slow_body = _exchange(port, [head, REVIEW[:5]], timeout=4 * DEADLINE)
+        assert _status(slow_body) in (0, 408), slow_body
+        deep = _exchange(port, [_review_request(b"[" * 5000 + b"]" * 5000)])
+        assert _status(deep) == 200 and b'"allowed": false' in deep

@@ -47,7 +47,7 @@ from seqtrain_operator.k8s.progress import authority
 from seqtrain_operator.k8s.push import serve as serve_pushes
 from seqtrain_operator.k8s.reconcile import Config, cleanup, reconcile
 from seqtrain_operator.k8s.release import FINALIZER
-from seqtrain_operator.k8s.webhook import BoundedWebhookServer
+from seqtrain_operator.k8s.webhookserve import GuardedWebhookServer
 from seqtrain_operator.k8s.workqueue import WorkQueue
 
 VERSION = "v1alpha1"
@@ -156,7 +156,7 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.networking.request_timeout = 30
     if STATE.webhook is not None:
         w = STATE.webhook
-        settings.admission.server = BoundedWebhookServer(port=w.port, certfile=w.certfile, pkeyfile=w.keyfile,
+        settings.admission.server = GuardedWebhookServer(port=w.port, certfile=w.certfile, pkeyfile=w.keyfile,
                                                          insecure=w.insecure, addr="0.0.0.0" if not w.insecure else "127.0.0.1")
     STATE.kube = Kube(load_config(), qps=STATE.api_qps, burst=STATE.api_burst)
     await warn_if_crd_is_old(STATE.kube)
