@@ -5,8 +5,9 @@ Accepted sources (`load_source(path)`):
 - a checkpoint folder (`.../checkpoints/step-N`) of any engine and layout: DeepSpeed ZeRO, FSDP2 DCP, tensor/
   pipeline shard files or the replicated `engine.pt`, consolidated by `seqtrain.parallel.consolidate`;
 - a seqtrain export (`seqtrain export`, recognised by its `seqtrain.json`), Hugging Face or seqtrain format;
-- a Hugging Face folder of a Llama-shaped model (`config.json` + `model.safetensors` or a sharded index), read as
-  one even when it also holds a meta.json.
+- a Hugging Face model folder of a family seqtrain's GPT computes (llama, mistral, qwen2, qwen3, gpt2:
+  `seqtrain.spec.hf`; `config.json` + `model.safetensors` or a sharded index), read as one even when it also holds
+  a meta.json.
 
 Nothing in a source folder is trusted: checkpoint files go through seqtrain.checkpoint.safe_load (no code runs,
 unsafe or corrupt files are WeightsError naming the file: exit 2), a sharded index may name only files inside the
@@ -24,6 +25,7 @@ from typing import Any
 
 import torch
 
+from seqtrain.export.hf_tensors import from_hf, to_hf
 from seqtrain.spec import hf
 from seqtrain.spec.job import SeqTrainJob
 from seqtrain.spec.model import ModelSpec
@@ -266,11 +268,10 @@ def _from_folder(folder: str) -> Weights:
             tokenizer["eod"] = tok["eod"]
         raw = _read_safetensors(folder)
         if info.get("format") == "hf":
-            state = {}
-            for name, t in raw.items():
-                local = hf.from_hf_name(name)
-                if local is not None:
-                    state[local] = t
+            try:
+                state = from_hf(hf.family_of(spec), raw, folder)
+            except KeyError as exc:
+                raise WeightsError(f"{folder}: {exc.args[0]}") from None
         else:
             state = dict(raw)
         return Weights(spec=spec, state=state, tokenizer=tokenizer, origin=os.path.abspath(folder),
@@ -279,18 +280,15 @@ def _from_folder(folder: str) -> Weights:
     if not os.path.isfile(cfg_path):
         raise WeightsError(f"{folder}: neither a run folder, a checkpoint (meta.json), a seqtrain export "
                            "(seqtrain.json) nor a Hugging Face model folder (config.json)")
+    cfg = _read_json(cfg_path)
     try:
-        spec = hf.spec_from_llama_config(_read_json(cfg_path), cfg_path)
+        spec = hf.spec_from_hf_config(cfg, cfg_path)
     except ValueError as exc:
         raise WeightsError(str(exc)) from None
-    state = {}
-    for name, t in _read_safetensors(folder).items():
-        try:
-            local = hf.from_hf_name(name)
-        except KeyError as exc:
-            raise WeightsError(f"{folder}: {exc.args[0]}") from None
-        if local is not None:
-            state[local] = t.float()
+    try:
+        state = from_hf(str(cfg["model_type"]), _read_safetensors(folder), folder)
+    except KeyError as exc:
+        raise WeightsError(f"{folder}: {exc.args[0]}") from None
     return Weights(spec=spec, state=state, tokenizer=tokenizer, origin=os.path.abspath(folder))
 
 
@@ -320,6 +318,14 @@ def load_source(path: str, job: SeqTrainJob | None = None) -> Weights:
         return _from_checkpoint(latest.path, found[0] if found else None,
                                 (f"the trainer config of {path}", path) if found else None)
     return _from_folder(path)
+
+
+def hf_state(spec: ModelSpec, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors of the Hugging Face folder of `spec`'s family; WeightsError when no family computes its block."""
+    try:
+        return to_hf(spec, state)
+    except ValueError as exc:
+        raise WeightsError(str(exc)) from None
 
 
 def check_shapes(state: dict[str, torch.Tensor], model: torch.nn.Module, origin: str) -> None:

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from seqtrain.export.weights import SEQTRAIN_JSON, Weights, WeightsError, load_source
+from seqtrain.export.weights import SEQTRAIN_JSON, Weights, WeightsError, hf_state, load_source
 from seqtrain.spec import hf
 
 
@@ -62,9 +62,9 @@ def export(source: str | Weights, out: str, fmt: str = "hf", merge_lora: bool = 
                            "folder as tokenizer.json")
     _check_out(out)
     tensors: dict[str, torch.Tensor] = {}
-    for name, t in w.state.items():
+    for name, t in (hf_state(w.spec, w.state) if fmt == "hf" else w.state).items():
         # A tied model has no lm_head tensor; each tensor gets its own storage (safetensors refuses shared ones).
-        tensors[hf.to_hf_name(name) if fmt == "hf" else name] = t.detach().float().cpu().contiguous().clone()
+        tensors[name] = t.detach().float().cpu().contiguous().clone()
     with _staged(out) as folder:
         save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
         if tok.get("type") == "file":

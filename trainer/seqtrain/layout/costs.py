@@ -41,11 +41,16 @@ def param_breakdown(m: ModelSpec) -> ParamBreakdown:
     out = 0 if m.tie_embeddings else v * d
     if m.arch == "gpt":
         assert m.heads and m.kv_heads and m.ffn_dim
-        kv = d // m.heads * m.kv_heads
-        attn = d * d + 2 * d * kv + d * d  # wq, wk, wv, wo (no biases)
-        mlp = 3 * d * m.ffn_dim  # SwiGLU: gate, up, down
-        norms = 2 * d  # RMSNorm weights before attention and MLP
-        return ParamBreakdown(emb, attn + mlp + norms, m.layers, d, out, block_tp_split=attn + mlp)
+        hd = m.head_dim or d // m.heads
+        q, kv = m.heads * hd, m.kv_heads * hd
+        attn = d * q + 2 * d * kv + q * d  # wq, wk, wv, wo
+        attn += (q + 2 * kv) * m.qkv_bias + d * m.out_bias
+        matrices = 3 if m.mlp == "swiglu" else 2  # SwiGLU: gate, up, down; GELU: up, down
+        mlp = matrices * d * m.ffn_dim + ((matrices - 1) * m.ffn_dim + d) * m.mlp_bias
+        per_norm = 2 * d if m.norm == "layernorm" else d  # LayerNorm has a bias
+        norms = 2 * per_norm + 2 * hd * m.qk_norm  # before attention and MLP; q/k norms
+        emb += (m.max_seq_len or 0) * d if m.positions == "learned" else 0
+        return ParamBreakdown(emb, attn + mlp + norms, m.layers, per_norm, out, block_tp_split=attn + mlp)
     if m.arch == "qrnn":
         block = 3 * d * (2 * d + 1)  # one Linear [x_t; x_{t-1}] (2d) -> z, f, o (3d), with bias
     else:

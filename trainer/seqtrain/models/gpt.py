@@ -1,4 +1,8 @@
-"""GPT-style decoder: token embedding -> blocks (RMSNorm, RoPE attention, SwiGLU MLP) -> final RMSNorm.
+"""GPT-style decoder: token embedding -> blocks (norm, attention, norm, MLP) -> final norm.
+
+The block's switches (`model.norm`, `mlp`, `positions`, `ropeScaling`, biases, `qkNorm`, `headDim`,
+`slidingWindow`) cover the Llama, Mistral, Qwen2/3 and GPT-2 families; their defaults are the Llama-shaped block
+(RMSNorm, RoPE attention without biases, SwiGLU MLP).
 
 `forward` returns hidden states; the output projection (`output_weight`) is applied by the loss, so a fused
 linear + cross-entropy kernel never materialises the logits. Blocks live in `self.blocks` (an nn.ModuleList)
@@ -13,7 +17,15 @@ import torch
 from torch import nn
 
 from seqtrain.models import layers
-from seqtrain.models.layers import CausalSelfAttention, RMSNorm, SwiGLU, document_positions, rope_tables
+from seqtrain.models.layers import (
+    CausalSelfAttention,
+    GeluMLP,
+    SwiGLU,
+    document_positions,
+    make_norm,
+    rope_tables,
+    window_applies,
+)
 from seqtrain.runtime.shards import full_shape, holds_memory, write_local
 from seqtrain.spec.model import ModelSpec
 
@@ -22,10 +34,13 @@ class Block(nn.Module):
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         assert spec.dim and spec.heads and spec.kv_heads and spec.ffn_dim
-        self.attn_norm = RMSNorm(spec.dim, spec.norm_eps)
-        self.attn = CausalSelfAttention(spec.dim, spec.heads, spec.kv_heads)
-        self.mlp_norm = RMSNorm(spec.dim, spec.norm_eps)
-        self.mlp = SwiGLU(spec.dim, spec.ffn_dim)
+        self.attn_norm = make_norm(spec.norm, spec.dim, spec.norm_eps)
+        self.attn = CausalSelfAttention(
+            spec.dim, spec.heads, spec.kv_heads, spec.head_size, qkv_bias=spec.qkv_bias, out_bias=spec.out_bias,
+            qk_norm=spec.qk_norm, norm_eps=spec.norm_eps, rope=spec.positions == "rope", window=spec.sliding_window)
+        self.mlp_norm = make_norm(spec.norm, spec.dim, spec.norm_eps)
+        mlp = GeluMLP if spec.mlp == "gelu" else SwiGLU
+        self.mlp = mlp(spec.dim, spec.ffn_dim, bias=spec.mlp_bias)
         self.dropout = nn.Dropout(spec.dropout)
 
     def forward(
@@ -48,11 +63,13 @@ class GPT(nn.Module):
         # the seed, never on the device, on what the constructors drew, or on which part a rank materialises.
         self.init_seed = int(torch.randint(0, 2**62, (), device="cpu"))
         self.embed = nn.Embedding(spec.vocab_size, spec.dim)
+        # learned positions (GPT-2): one row per position, added to the token embedding
+        self.pos_embed = nn.Embedding(spec.max_seq_len, spec.dim) if spec.positions == "learned" else None
         self.drop = nn.Dropout(spec.dropout)
         self.blocks = nn.ModuleList(Block(spec) for _ in range(spec.layers))
-        self.norm = RMSNorm(spec.dim, spec.norm_eps)
+        self.norm = make_norm(spec.norm, spec.dim, spec.norm_eps)
         self.lm_head = None if spec.tie_embeddings else nn.Linear(spec.dim, spec.vocab_size, bias=False)
-        cos, sin = rope_tables(spec.max_seq_len, spec.dim // spec.heads, spec.rope_theta)
+        cos, sin = self._rope_tables()
         # Not persistent: derived from the spec, so checkpoints hold only learned weights.
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -77,9 +94,9 @@ class GPT(nn.Module):
         g = torch.Generator().manual_seed(self.init_seed)
         for name, p in self.named_parameters():
             shape = list(full_shape(p))  # the global shape of a sharded (FSDP2 / ZeRO-3) parameter
-            if len(shape) < 2:  # norm scales start at 1 (no draw)
+            if len(shape) < 2:  # norm scales start at 1, biases at 0 (no draw)
                 if holds_memory(p):
-                    write_local(p, torch.ones(shape))
+                    write_local(p, torch.zeros(shape) if name.endswith(".bias") else torch.ones(shape))
                 continue
             owner, _, attr = name.rpartition(".")
             # (dim, start, full size) of a tensor-parallel weight, kept on its module (to_empty swaps Parameters)
@@ -95,8 +112,13 @@ class GPT(nn.Module):
             write_local(p, full)  # this rank's data-parallel shard of it, or all of it
         dev = buffer_device or self.rope_cos.device  # every stage needs the tables: materialise them here
         if dev.type != "meta":
-            cos, sin = rope_tables(self.spec.max_seq_len, self.spec.dim // self.spec.heads, self.spec.rope_theta)
+            cos, sin = self._rope_tables()
             self.rope_cos, self.rope_sin = cos.to(dev), sin.to(dev)
+
+    def _rope_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        s = self.spec
+        assert s.max_seq_len
+        return rope_tables(s.max_seq_len, s.head_size, s.rope_theta, s.rope_scaling, s.max_seq_len)
 
     @property
     def output_weight(self) -> torch.Tensor:
@@ -109,16 +131,21 @@ class GPT(nn.Module):
         t = tokens.shape[1]
         if t > self.rope_cos.shape[0]:
             raise ValueError(f"sequence of {t} tokens is longer than model.maxSeqLen {self.rope_cos.shape[0]}")
+        pos = None
         if doc_ids is None:
             cos, sin = self.rope_cos[:t], self.rope_sin[:t]
         else:
             pos = document_positions(doc_ids)
             cos, sin = self.rope_cos[pos][:, None], self.rope_sin[pos][:, None]  # [B, 1, T, Dh/2]
-        x = self.drop(self.embed(tokens))
+        x = self.embed(tokens)
+        if self.pos_embed is not None:
+            x = x + self.pos_embed(torch.arange(t, device=tokens.device) if pos is None else pos)
+        x = self.drop(x)
         # The flex_attention mask of packed documents, built once per batch here, outside the (compiled) blocks.
         block_mask = None
-        if doc_ids is not None and layers.use_flex(x) and not self.blocks[0].attn.use_kernels:
-            block_mask = layers.doc_block_mask(doc_ids, causal=True)
+        window = self.spec.sliding_window if window_applies(self.spec.sliding_window, t) else None
+        if doc_ids is not None and layers.use_flex(x) and (not self.blocks[0].attn.use_kernels or window):
+            block_mask = layers.doc_block_mask(doc_ids, causal=True, window=window)
         for block in self.blocks:
             x = block(x, cos, sin, doc_ids, block_mask)
         return self.norm(x)

@@ -1,6 +1,6 @@
 """Building blocks of the GPT decoder, each a small function with a module around it.
 
-The functions (`rms_norm`, `swiglu`, `rope`, `attention`) are the reference path and have the signatures of
+The functions (`rms_norm`, `layer_norm`, `swiglu`, `rope`, `attention`) are the reference path and have the signatures of
 `seqtrain.kernels`. Each module below has a `use_kernels` flag (False by default; set per instance by
 `seqtrain.models.dispatch.apply_kernels` when `optimization.kernels` resolves to on): with it the module calls
 the `seqtrain.kernels` function instead (Triton on CUDA or under TRITON_INTERPRET=1, chosen per call).
@@ -11,12 +11,17 @@ from __future__ import annotations
 
 import functools
 import importlib
+import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from seqtrain import kernels as K
+
+if TYPE_CHECKING:
+    from seqtrain.spec.model import RopeScaling
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -27,9 +32,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (out * weight.to(wide)).to(x.dtype)
 
 
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """(x - mean) / sqrt(var + eps) * weight + bias over the last dimension (torch's LayerNorm, GPT-2's)."""
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+
+
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up."""
     return F.silu(gate) * up
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GELU with the tanh approximation, 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))): GPT-2's gelu_new."""
+    return F.gelu(x, approximate="tanh")
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -41,11 +56,61 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
-def rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables [seq_len, head_dim/2] in fp32."""
+def rope_tables(seq_len: int, head_dim: int, theta: float, scaling: RopeScaling | None = None,
+                max_seq_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [seq_len, head_dim/2] in fp32, with `scaling` applied to the frequencies (and yarn's
+    attention factor to the tables) as transformers' `modeling_rope_utils` does; `max_seq_len`: the model's
+    context, yarn's default for the original one."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    factor = 1.0
+    if scaling is not None:
+        inv_freq, factor = scaled_inv_freq(inv_freq, head_dim, theta, scaling, max_seq_len or seq_len)
     angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_freq)
-    return angles.cos().float(), angles.sin().float()
+    if factor == 1.0:
+        return angles.cos().float(), angles.sin().float()
+    return (angles.cos() * factor).float(), (angles.sin() * factor).float()
+
+
+def scaled_inv_freq(inv_freq: torch.Tensor, head_dim: int, theta: float, s: RopeScaling,
+                    max_seq_len: int) -> tuple[torch.Tensor, float]:
+    """(scaled inverse frequencies, factor on cos/sin) of `RopeScaling` `s`, following transformers'
+    `_compute_linear_scaling_rope_parameters`, `_compute_llama3_parameters` and `_compute_yarn_parameters`."""
+    if s.type == "linear":
+        return inv_freq / s.factor, 1.0
+    old = s.original_max_seq_len or max_seq_len
+    if s.type == "llama3":
+        low_wavelen, high_wavelen = old / s.low_freq_factor, old / s.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        out = torch.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+        smooth = (old / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+        smoothed = (1 - smooth) * out / s.factor + smooth * out
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, out), 1.0
+    # yarn
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = s.attention_factor
+    if attention is None:
+        if s.mscale and s.mscale_all_dim:
+            attention = mscale(s.factor, s.mscale) / mscale(s.factor, s.mscale_all_dim)
+        else:
+            attention = mscale(s.factor)
+
+    def correction_dim(rotations: float) -> float:
+        return (head_dim * math.log(old / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(s.beta_fast), correction_dim(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # no singularity
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    freq = inv_freq * (1 - extrapolation) / s.factor + inv_freq * extrapolation
+    return freq, float(attention)
 
 
 def kernel_rope_tables(cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,12 +121,25 @@ def kernel_rope_tables(cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype)
     return torch.cat((cos, cos), dim=-1).to(dtype), torch.cat((sin, sin), dim=-1).to(dtype)
 
 
-def document_mask(doc_ids: torch.Tensor) -> torch.Tensor:
-    """Boolean [B, 1, T, T] mask (the CPU path; CUDA uses `flex_document_attention`): position i may attend to j when j <= i and both lie in the same document."""
+def document_mask(doc_ids: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """Boolean [B, 1, T, T] mask (the CPU path; CUDA uses `flex_document_attention`): position i may attend to j
+    when j <= i, both lie in the same document and, with a sliding `window`, i - j < window."""
     t = doc_ids.shape[-1]
     same = doc_ids[:, :, None] == doc_ids[:, None, :]
-    causal = torch.ones(t, t, dtype=torch.bool, device=doc_ids.device).tril()
-    return (same & causal)[:, None]
+    return (same & causal_mask(t, doc_ids.device, window))[:, None]
+
+
+def causal_mask(t: int, device: torch.device, window: int | None = None) -> torch.Tensor:
+    """Boolean [T, T]: j <= i, and i - j < window with a sliding window (transformers' sliding_window_overlay)."""
+    i = torch.arange(t, device=device)
+    dist = i[:, None] - i[None, :]
+    keep = dist >= 0
+    return keep & (dist < window) if window is not None else keep
+
+
+def window_applies(window: int | None, t: int) -> bool:
+    """Whether a sliding window of `window` positions hides anything in a sequence of `t`."""
+    return window is not None and t > window
 
 
 _FLEX: dict[str, object] = {}  # the compiled flex_attention and the last block mask (shared by all layers)
@@ -79,14 +157,16 @@ def flex_available() -> bool:
     return True
 
 
-def doc_block_mask(doc_ids: torch.Tensor, causal: bool = True) -> object:
-    """The flex_attention BlockMask of packed documents `doc_ids` [B, T] (causal inside each document). Built
-    once per batch by the model, outside its (compiled) blocks: built inside, every new batch would be a new
-    constant of the compiled graph, that is a recompile per batch."""
+def doc_block_mask(doc_ids: torch.Tensor, causal: bool = True, window: int | None = None) -> object:
+    """The flex_attention BlockMask of packed documents `doc_ids` [B, T] (causal inside each document, and within
+    a sliding `window`). Built once per batch by the model, outside its (compiled) blocks: built inside, every new
+    batch would be a new constant of the compiled graph, that is a recompile per batch."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     def mask_mod(b: torch.Tensor, h: torch.Tensor, qi: torch.Tensor, ki: torch.Tensor) -> torch.Tensor:
         same = doc_ids[b, qi] == doc_ids[b, ki]
+        if window is not None:
+            same = same & (qi - ki < window)
         return same & (ki <= qi) if causal else same
 
     b, t = doc_ids.shape
@@ -95,7 +175,7 @@ def doc_block_mask(doc_ids: torch.Tensor, causal: bool = True) -> object:
 
 def flex_document_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None, causal: bool = True,
-    compiled: bool = True, block_mask: object | None = None,
+    compiled: bool = True, block_mask: object | None = None, window: int | None = None,
 ) -> torch.Tensor:
     """Packed-document attention with `flex_attention` and a block-sparse document mask: no [B, 1, T, T]
     tensor, blocks entirely outside a document are skipped, and flash-style kernels run (compiled). The model
@@ -106,11 +186,11 @@ def flex_document_attention(
     if block_mask is None:
         assert doc_ids is not None
         cached = _FLEX.get("mask")
-        if cached is not None and cached[0] is doc_ids and cached[1] == causal:
+        if cached is not None and cached[0] is doc_ids and cached[1] == (causal, window):
             block_mask = cached[2]
         else:
-            block_mask = doc_block_mask(doc_ids, causal)
-            _FLEX["mask"] = (doc_ids, causal, block_mask)
+            block_mask = doc_block_mask(doc_ids, causal, window)
+            _FLEX["mask"] = (doc_ids, (causal, window), block_mask)
     fn = flex_attention
     if compiled:  # eager flex_attention materialises the scores; compiled it is a fused kernel
         fn = _FLEX.setdefault("fn", torch.compile(flex_attention, dynamic=False))
@@ -132,21 +212,28 @@ def gqa_by_copy(q: torch.Tensor, k: torch.Tensor) -> bool:
 
 def attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True, doc_ids: torch.Tensor | None = None,
-    block_mask: object | None = None,
+    block_mask: object | None = None, window: int | None = None,
 ) -> torch.Tensor:
     """Scaled dot-product attention on [B, H, T, Dh] (k/v may have fewer, grouped heads: SDPA's enable_gqa
     shares each kv head without copying it); with doc_ids [B, T] packed documents stay apart (`block_mask`:
-    their flex_attention mask, prebuilt by the model on CUDA)."""
+    their flex_attention mask, prebuilt by the model on CUDA, the sliding window included). A causal sliding
+    `window` longer than the sequence changes nothing; a shorter one is an explicit mask."""
     gqa = k.shape[1] != q.shape[1]
+    t = q.shape[2]
+    if not window_applies(window, t):
+        window = None
     if block_mask is not None or (doc_ids is not None and use_flex(q)):
-        return flex_document_attention(q, k, v, doc_ids, causal, block_mask=block_mask)
+        return flex_document_attention(q, k, v, doc_ids, causal, block_mask=block_mask, window=window)
     if gqa and gqa_by_copy(q, k):
         group = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         gqa = False
     if doc_ids is None:
+        if window is not None and causal:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(t, q.device, window),
+                                                  enable_gqa=gqa)
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
-    mask = document_mask(doc_ids) if causal else (doc_ids[:, :, None] == doc_ids[:, None, :])[:, None]
+    mask = document_mask(doc_ids, window) if causal else (doc_ids[:, :, None] == doc_ids[:, None, :])[:, None]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
@@ -164,38 +251,94 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
+class LayerNorm(nn.Module):
+    """LayerNorm with weight and bias (GPT-2's)."""
+
+    use_kernels = False  # per instance: seqtrain.models.dispatch.apply_kernels
+
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_kernels:
+            return K.layer_norm(x, self.weight, self.bias, self.eps)
+        return layer_norm(x, self.weight, self.bias, self.eps)
+
+
+def make_norm(kind: str, dim: int, eps: float) -> RMSNorm | LayerNorm:
+    """`model.norm`: rmsnorm or layernorm."""
+    return LayerNorm(dim, eps) if kind == "layernorm" else RMSNorm(dim, eps)
+
+
 class SwiGLU(nn.Module):
     """LLaMA-style MLP: down(silu(gate(x)) * up(x))."""
 
     use_kernels = False
 
-    def __init__(self, dim: int, hidden: int) -> None:
+    def __init__(self, dim: int, hidden: int, bias: bool = False) -> None:
         super().__init__()
-        self.gate = nn.Linear(dim, hidden, bias=False)
-        self.up = nn.Linear(dim, hidden, bias=False)
-        self.down = nn.Linear(hidden, dim, bias=False)
+        self.gate = nn.Linear(dim, hidden, bias=bias)
+        self.up = nn.Linear(dim, hidden, bias=bias)
+        self.down = nn.Linear(hidden, dim, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         act = K.swiglu if self.use_kernels else swiglu
         return self.down(act(self.gate(x), self.up(x)))
 
 
+class GeluMLP(nn.Module):
+    """GPT-2-style MLP: down(gelu_tanh(up(x))). No kernel of its own (torch.compile fuses it)."""
+
+    def __init__(self, dim: int, hidden: int, bias: bool = False) -> None:
+        super().__init__()
+        self.up = nn.Linear(dim, hidden, bias=bias)
+        self.down = nn.Linear(hidden, dim, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(gelu_tanh(self.up(x)))
+
+
 class CausalSelfAttention(nn.Module):
+    """q/k/v projections (optionally with biases and Qwen3's RMSNorm of q and k per head), RoPE (unless the model
+    has learned positions), causal attention within an optional sliding window, output projection."""
+
     use_kernels = False  # kernels: fused RoPE and flash attention (doc_ids: no [T, T] mask is built)
 
-    def __init__(self, dim: int, heads: int, kv_heads: int) -> None:
+    def __init__(self, dim: int, heads: int, kv_heads: int, head_dim: int | None = None, *, qkv_bias: bool = False,
+                 out_bias: bool = False, qk_norm: bool = False, norm_eps: float = 1e-5, rope: bool = True,
+                 window: int | None = None) -> None:
         super().__init__()
-        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
-        self.q = nn.Linear(dim, heads * self.head_dim, bias=False)
-        self.k = nn.Linear(dim, kv_heads * self.head_dim, bias=False)
-        self.v = nn.Linear(dim, kv_heads * self.head_dim, bias=False)
-        self.out = nn.Linear(heads * self.head_dim, dim, bias=False)
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim or dim // heads
+        self.rope, self.window = rope, window
+        self.q = nn.Linear(dim, heads * self.head_dim, bias=qkv_bias)
+        self.k = nn.Linear(dim, kv_heads * self.head_dim, bias=qkv_bias)
+        self.v = nn.Linear(dim, kv_heads * self.head_dim, bias=qkv_bias)
+        self.out = nn.Linear(heads * self.head_dim, dim, bias=out_bias)
+        if qk_norm:  # after the projections in parameter order, as transformers' Qwen3 lists them
+            self.q_norm = RMSNorm(self.head_dim, norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, norm_eps)
+        self.qk_norm = qk_norm
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, doc_ids: torch.Tensor | None = None,
         block_mask: object | None = None,
     ) -> torch.Tensor:
         return self.attend(self.q(x), self.k(x), self.v(x), cos, sin, doc_ids, block_mask)
+
+    def split_heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Projections [B, T, heads*Dh] -> [B, heads, T, Dh] per head, q and k normalised (qkNorm), before RoPE.
+        Shared by training and the KV-cache decoder (`seqtrain.generate`)."""
+        b, t, _ = q.shape
+        q = q.view(b, t, self.heads, self.head_dim)
+        k = k.view(b, t, self.kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        v = v.view(b, t, self.kv_heads, self.head_dim)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -204,16 +347,21 @@ class CausalSelfAttention(nn.Module):
         """Projected q [B, T, heads*Dh], k/v [B, T, kv_heads*Dh] -> RoPE, attention, output projection. Split
         from `forward` so sequence parallel can compute the three projections in one fused function."""
         b, t, _ = q.shape
-        q = q.view(b, t, self.heads, self.head_dim).transpose(1, 2)
-        k = k.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = v.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = self.split_heads(q, k, v)
+        # seqtrain.kernels.attention has no sliding window: where the window hides positions, the reference runs
+        window = self.window if window_applies(self.window, t) else None
         if self.use_kernels:
-            cos_k, sin_k = kernel_rope_tables(cos, sin, q.dtype)
-            q, k = K.rope(q, cos_k, sin_k), K.rope(k, cos_k, sin_k)
-            y = K.attention(q, k, v, causal=True, doc_ids=doc_ids)
+            if self.rope:
+                cos_k, sin_k = kernel_rope_tables(cos, sin, q.dtype)
+                q, k = K.rope(q, cos_k, sin_k), K.rope(k, cos_k, sin_k)
+            if window is None:
+                y = K.attention(q, k, v, causal=True, doc_ids=doc_ids)
+            else:
+                y = attention(q, k, v, causal=True, doc_ids=doc_ids, block_mask=block_mask, window=window)
         else:
-            q, k = rope(q, cos, sin), rope(k, cos, sin)
-            y = attention(q, k, v, causal=True, doc_ids=doc_ids, block_mask=block_mask)
+            if self.rope:
+                q, k = rope(q, cos, sin), rope(k, cos, sin)
+            y = attention(q, k, v, causal=True, doc_ids=doc_ids, block_mask=block_mask, window=window)
         return self.out(y.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
 
 

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from seqtrain.data import IGNORE_INDEX
-from seqtrain.models.layers import CausalSelfAttention, SwiGLU
+from seqtrain.models.layers import CausalSelfAttention, GeluMLP, RMSNorm, SwiGLU, rms_norm
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -68,11 +68,24 @@ def reduce_from_tp(x: torch.Tensor, group: Any) -> torch.Tensor:
 
 
 def _shard_rows(linear: nn.Linear, rank: int, size: int) -> None:
-    """Column parallel: keep output features [rank*n/size, (rank+1)*n/size)."""
+    """Column parallel: keep output features [rank*n/size, (rank+1)*n/size), of the weight and the bias."""
     n = linear.out_features // size
     linear.weight = nn.Parameter(linear.weight.detach()[rank * n:(rank + 1) * n].clone())
+    if linear.bias is not None:
+        linear.bias = nn.Parameter(linear.bias.detach()[rank * n:(rank + 1) * n].clone())
     linear.tp_slice = (0, rank * n, linear.out_features)  # weight's place in the full matrix: GPT.init_weights
     linear.out_features = n
+
+
+class RowParallelLinear(nn.Linear):
+    """This rank's input features: a partial sum without the bias. The bias (replicated) is added once, after the
+    sum (`add_bias`), so every rank sees the same gradient for it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+    def add_bias(self, y: torch.Tensor) -> torch.Tensor:
+        return y if self.bias is None else y + self.bias
 
 
 def _shard_cols(linear: nn.Linear, rank: int, size: int) -> None:
@@ -81,6 +94,22 @@ def _shard_cols(linear: nn.Linear, rank: int, size: int) -> None:
     linear.weight = nn.Parameter(linear.weight.detach()[:, rank * n:(rank + 1) * n].clone())
     linear.tp_slice = (1, rank * n, linear.in_features)
     linear.in_features = n
+    linear.__class__ = RowParallelLinear
+
+
+class TPHeadNorm(RMSNorm):
+    """Qwen3's q/k RMSNorm on this rank's heads: the replicated weight sees only these heads, so its gradient is
+    all-reduced over the tensor-parallel group in backward (`copy_to_tp`)."""
+
+    group: Any
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = copy_to_tp(self.weight, self.group)  # identity forward, all-reduce of the gradient backward
+        if self.use_kernels:
+            from seqtrain import kernels as K
+
+            return K.rms_norm(x, weight, self.eps)
+        return rms_norm(x, weight, self.eps)
 
 
 class TPAttention(CausalSelfAttention):
@@ -90,7 +119,8 @@ class TPAttention(CausalSelfAttention):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 doc_ids: torch.Tensor | None = None, block_mask: object | None = None) -> torch.Tensor:
-        return reduce_from_tp(super().forward(copy_to_tp(x, self.group), cos, sin, doc_ids, block_mask), self.group)
+        y = reduce_from_tp(super().forward(copy_to_tp(x, self.group), cos, sin, doc_ids, block_mask), self.group)
+        return self.out.add_bias(y)
 
 
 class TPSwiGLU(SwiGLU):
@@ -99,7 +129,16 @@ class TPSwiGLU(SwiGLU):
     group: Any
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return reduce_from_tp(super().forward(copy_to_tp(x, self.group)), self.group)
+        return self.down.add_bias(reduce_from_tp(super().forward(copy_to_tp(x, self.group)), self.group))
+
+
+class TPGeluMLP(GeluMLP):
+    """The GELU MLP with this rank's slice of the hidden units: up column-, down row-parallel."""
+
+    group: Any
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down.add_bias(reduce_from_tp(super().forward(copy_to_tp(x, self.group)), self.group))
 
 
 class VocabParallelEmbedding(nn.Embedding):
@@ -190,8 +229,10 @@ def tp_param_names(model: nn.Module) -> set[str]:
     out = set()
     for name, mod in model.named_modules():
         prefix = f"{name}." if name else ""
-        if isinstance(mod, TPAttention | TPSwiGLU):
-            out |= {prefix + n for n, _ in mod.named_parameters()}
+        if isinstance(mod, nn.Linear) and getattr(mod, "tp_slice", None) is not None:
+            out.add(prefix + "weight")  # a row-parallel bias and the q/k norms are replicated
+            if mod.bias is not None and mod.tp_slice[0] == 0:
+                out.add(prefix + "bias")
         elif isinstance(mod, VocabParallelEmbedding):
             out.add(prefix + "weight")
     if getattr(model, "lm_head", None) is not None and getattr(model, "lm_loss", None) is not None:
@@ -207,6 +248,8 @@ def tp_shard_dims(model: nn.Module) -> dict[str, tuple[int, int]]:
         sl = getattr(mod, "tp_slice", None)
         if sl is not None and isinstance(getattr(mod, "weight", None), torch.Tensor):
             out[f"{name}.weight" if name else "weight"] = (int(sl[0]), int(sl[2]))
+            if sl[0] == 0 and isinstance(getattr(mod, "bias", None), torch.Tensor):  # a column-parallel bias
+                out[f"{name}.bias" if name else "bias"] = (0, int(sl[2]))
     return out
 
 
@@ -228,11 +271,16 @@ def apply_tensor_parallel(model: nn.Module, rank: int, size: int, group: Any) ->
         attn.kv_heads //= size
         attn.__class__ = TPAttention
         attn.group = group
+        if attn.qk_norm:
+            for norm in (attn.q_norm, attn.k_norm):
+                norm.__class__ = TPHeadNorm
+                norm.group = group
         mlp = block.mlp
-        _shard_rows(mlp.gate, rank, size)
+        if isinstance(mlp, SwiGLU):
+            _shard_rows(mlp.gate, rank, size)
         _shard_rows(mlp.up, rank, size)
         _shard_cols(mlp.down, rank, size)
-        mlp.__class__ = TPSwiGLU
+        mlp.__class__ = TPSwiGLU if isinstance(mlp, SwiGLU) else TPGeluMLP
         mlp.group = group
     vocab = model.embed.num_embeddings
     if vocab % size:

@@ -8,9 +8,12 @@ import json
 import os
 from typing import Any
 
-# fields a weight source fixes; the job may not contradict them (the rest: dropout, init, maxSeqLen are free)
-SHAPE_FIELDS = ("arch", "vocab_size", "dim", "layers", "heads", "kv_heads", "ffn_dim", "tie_embeddings")
-FUNCTION_FIELDS = ("rope_theta", "norm_eps")  # change the function, not the shapes: taken over unless set
+# fields a weight source fixes; the job may not contradict them (the rest: dropout, init, maxSeqLen are free;
+# maxSeqLen is the size of a learned position table, so described, and fixed, only for positions learned)
+SHAPE_FIELDS = ("arch", "vocab_size", "dim", "layers", "heads", "kv_heads", "ffn_dim", "tie_embeddings", "head_dim",
+                "norm", "mlp", "positions", "qkv_bias", "out_bias", "mlp_bias", "qk_norm", "max_seq_len")
+# change the function, not the shapes: taken over unless set
+FUNCTION_FIELDS = ("rope_theta", "norm_eps", "rope_scaling", "sliding_window")
 
 
 def _json(path: str) -> dict[str, Any] | None:
@@ -48,10 +51,10 @@ def describe_init(path: str) -> dict[str, Any] | None:
     elif (meta := _json(os.path.join(path, "meta.json"))) is not None:
         fields = _model_of_job(meta["job"]) if isinstance(meta.get("job"), dict) else None
     elif (cfg := _json(os.path.join(path, "config.json"))) is not None and "job" not in cfg:
-        from seqtrain.spec.hf import spec_from_llama_config
+        from seqtrain.spec.hf import spec_from_hf_config
 
         try:
-            fields = spec_from_llama_config(cfg, os.path.join(path, "config.json")).model_dump()
+            fields = spec_from_hf_config(cfg, os.path.join(path, "config.json")).model_dump()
         except (ValueError, KeyError):
             return None
     else:  # a run folder: its trainer config names the job
@@ -64,7 +67,33 @@ def describe_init(path: str) -> dict[str, Any] | None:
                 break
     if not fields:
         return None
-    return {k: fields.get(k) for k in (*SHAPE_FIELDS, *FUNCTION_FIELDS) if fields.get(k) is not None}
+    if fields.get("positions") != "learned":
+        fields = {**fields, "max_seq_len": None}
+    # head_dim None is dim / heads, sliding_window and rope_scaling None are "none": values the job must not override
+    keep_none = ("head_dim", "sliding_window", "rope_scaling") if fields.get("arch") == "gpt" else ()
+    return {k: fields.get(k) for k in (*SHAPE_FIELDS, *FUNCTION_FIELDS)
+            if fields.get(k) is not None or k in keep_none}
+
+
+def init_refusal(path: str) -> str | None:
+    """Why the folder at `path` cannot start a model (its config.json names a key seqtrain cannot represent, or
+    no file describes a model), or None when `describe_init` reads it or the folder is not here."""
+    path = os.path.expanduser(path)
+    if not os.path.isdir(path) or describe_init(path) is not None:
+        return None
+    cfg_path = os.path.join(path, "config.json")
+    if os.path.isfile(cfg_path) and not os.path.isfile(os.path.join(path, "seqtrain.json")):
+        cfg = _json(cfg_path)
+        if cfg is None:
+            return f"{cfg_path}: not a JSON object"
+        if "job" not in cfg:
+            from seqtrain.spec.hf import spec_from_hf_config
+
+            try:
+                spec_from_hf_config(cfg, cfg_path)
+            except ValueError as exc:
+                return str(exc)
+    return None
 
 
 def tensor_hint(field: str, desc: dict[str, Any]) -> str:
@@ -81,4 +110,8 @@ def tensor_hint(field: str, desc: dict[str, Any]) -> str:
         return f"blocks.0 .. blocks.{(desc.get('layers') or 1) - 1}"
     if field == "tie_embeddings":
         return "lm_head.weight is " + ("absent (tied)" if desc.get("tie_embeddings") else "present (untied)")
+    if field == "max_seq_len":
+        return f"pos_embed.weight is [{desc.get('max_seq_len')}, {d}]"
+    if field in desc and field != "arch":
+        return f"its {field} is {desc[field]!r}"
     return f"arch {desc.get('arch')}"
