@@ -152,6 +152,41 @@ def test_a_hostile_value_anywhere_is_refused_in_one_line_or_builds(path: tuple[A
     holds(_put(BASE, path, value))
 
 
+# Containers and volumes built from core/v1's own keys with hostile values: the template checks, the policy and the
+# pod merge all walk these, so the shapes they assume are what is fuzzed.
+CONTAINER_KEYS = ["name", "image", "env", "envFrom", "volumeMounts", "ports", "securityContext", "resources", "args",
+                  "restartPolicy"]
+LIGHT = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(), st.sampled_from(
+    [float("nan"), 1.5, 2**64, "", "ALL", "SYS_ADMIN", "Bidirectional", "/checkpoints", "/etc", "RANK", "x" * 70]),
+    st.text(max_size=10)), lambda kids: st.lists(kids, max_size=3) | st.dictionaries(st.text(max_size=6), kids,
+                                                                                       max_size=3), max_leaves=6)
+NAMES = st.sampled_from(["trainer", "side", "init", "", "Trainer", "a" * 64, "x.y"]) | st.text(max_size=8)
+SHAPED = st.one_of(LIGHT, st.lists(st.dictionaries(st.sampled_from(
+    ["name", "value", "valueFrom", "secretRef", "configMapRef", "prefix", "mountPath", "mountPropagation",
+     "containerPort", "hostPort", "capabilities", "add", "drop", "limits", "requests", "rdma/ib", "secretKeyRef"]),
+    LIGHT, max_size=3), max_size=3))
+CONTAINERS = st.lists(st.fixed_dictionaries({"name": NAMES}, optional={
+    k: SHAPED for k in CONTAINER_KEYS if k != "name"}), max_size=3)
+VOLUMES = st.lists(st.fixed_dictionaries({"name": NAMES}, optional={k: SHAPED | st.fixed_dictionaries({}, optional={
+    "secretName": LIGHT, "sources": SHAPED, "path": LIGHT, "nodePublishSecretRef": LIGHT, "claimName": LIGHT})
+    for k in ["secret", "projected", "hostPath", "csi", "persistentVolumeClaim", "emptyDir", "nfs"]}), max_size=3)
+AFFINITY = st.fixed_dictionaries({}, optional={k: SHAPED | st.fixed_dictionaries({}, optional={
+    "requiredDuringSchedulingIgnoredDuringExecution": SHAPED | st.fixed_dictionaries(
+        {"nodeSelectorTerms": st.lists(SHAPED | st.fixed_dictionaries({}, optional={
+            "matchExpressions": SHAPED, "matchFields": SHAPED}), max_size=2)}),
+    "preferredDuringSchedulingIgnoredDuringExecution": SHAPED}) for k in ["nodeAffinity", "podAffinity", "x"]})
+
+
+@given(CONTAINERS, CONTAINERS, VOLUMES, AFFINITY | st.none())
+@settings(suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+def test_hostile_pod_templates_are_refused_in_one_line_or_build(containers: list[Any], init: list[Any],
+                                                                volumes: list[Any], affinity: Any) -> None:
+    template: dict[str, Any] = {"containers": containers, "initContainers": init, "volumes": volumes}
+    if affinity is not None:
+        template["affinity"] = affinity
+    holds(_put(BASE, ("spec", "podTemplate", "spec"), template))
+
+
 @given(st.integers(min_value=33, max_value=5000))
 @example(5000)
 def test_nesting_at_any_depth_is_refused_without_recursion(depth: int) -> None:
