@@ -34,6 +34,7 @@ import yaml
 
 from seqtrain.checkpoint.discovery import quarantined
 from seqtrain.spec import SeqTrainJob, SpecError, load_job_file, resolve
+from seqtrain.spec.cluster import quantity_value
 from seqtrain.spec.runtime import RuntimeConfig, write_trainer_config
 from seqtrain.spec.status import TERMINAL_PHASES, JobStatus, Layout, Progress
 from seqtrain_operator.controller import CreateGang, DeleteGang, Event, Observed, decide, utcnow
@@ -244,6 +245,7 @@ class LocalRun:
         self.tail = MetricsTail(os.path.join(workdir, "metrics.jsonl"))
         self.status: JobStatus | None = None  # the loop's latest status: what an interruption starts from
         self.startup: StartupWatch | None = None
+        self.memory_warned = False
 
     # ---- entry --------------------------------------------------------------------------------------------------
 
@@ -293,6 +295,10 @@ class LocalRun:
             print(f"{job.name}: stopped rank processes left behind by an earlier run", file=sys.stderr)
         status = self._initial_status(prev)
         write_status(self.workdir, status)
+        if not self.quiet:
+            print(f"{job.name}: resources.memory {job.spec.resources.memory} per replica is not enforced on this "
+                  "machine (a pod's limit is); the ranks' peak memory is checked against it as they train",
+                  file=sys.stderr)
         started = time.monotonic()
         with _sigterm_as_interrupt(), ProgressView(job.name, steps, self.quiet) as view:
             try:
@@ -345,12 +351,31 @@ class LocalRun:
             for ev in d.of(Event):
                 self._event(ev, view)
             self._follow_startup(view)
+            self._check_memory(view)
             p = status.progress
             if p is not None:
                 view.update(p.step, p.loss, p.tokens_per_second)
             if status.phase in TERMINAL_PHASES or status.phase == "Suspended":
                 return status
             time.sleep(POLL_SECONDS)
+
+    def _check_memory(self, view: ProgressView) -> None:
+        """Say once, as soon as it happens, that the ranks' peak memory passed resources.memory: on Kubernetes the
+        replica would have been OOM-killed (locally nothing enforces the limit)."""
+        rec = self.tail.last
+        peak = rec.get("mem_peak_mb") if rec else None
+        if self.memory_warned or not isinstance(peak, int | float):
+            return
+        res = self.job.spec.resources
+        limit_mb = float(quantity_value(res.memory)) / 2**20
+        need_mb = peak * res.procs  # the busiest rank's peak, for each rank of a replica
+        if need_mb > limit_mb:
+            self.memory_warned = True
+            ranks = f"{res.procs} ranks x {peak:,.0f} MiB" if res.procs > 1 else f"{peak:,.0f} MiB"
+            view.line(f"{self.job.name}: memory per replica reached {ranks} (the busiest rank's peak, step "
+                      f"{rec.get('step') if rec else '?'}), over resources.memory {res.memory} "
+                      f"({limit_mb:,.0f} MiB): a pod with this limit would be OOM-killed; raise resources.memory "
+                      "(seqtrain plan estimates it)", always=True)
 
     def _follow_startup(self, view: ProgressView) -> None:
         if self.startup is None or self.startup.view is not view:
