@@ -1,0 +1,153 @@
+"""Hugging Face models as users have them: a tiny random model of each family made with transformers (no hub),
+`model.init` from its folder gives transformers' logits, and `seqtrain export --format hf` writes a folder that
+transformers loads as the same family with the same logits.
+
+Families and what each exercises: Llama 3.x (rope_type llama3), Llama with linear and yarn RoPE scaling, Qwen2.5
+(q/k/v biases, tied output), Qwen3 (q/k RMSNorm, head_dim 32 with hidden 64 / 4 heads), Mistral (sliding window 5
+< 16 tokens) and GPT-2 (LayerNorm, gelu_new, learned positions, biases, Conv1D weights, fused qkv). Biases and
+norm scales are drawn away from 0/1 so a lost or swapped one shows. Tolerance 1e-5 on logits of about unit size
+(fp32): measured below 5e-7; each test's control (the same weights with the family's switch turned off) moves
+the logits by more than 1e-3, so the switch is really exercised.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from seqtrain.export.init import load_initial_weights
+from seqtrain.export.weights import load_source
+from seqtrain.export.writer import export
+from seqtrain.models import build_model
+from seqtrain.spec import SpecError, parse_job, resolve
+
+os.environ["HF_HUB_OFFLINE"] = "1"  # transformers reads local folders only
+transformers = pytest.importorskip("transformers")
+
+TOL = 1e-5
+VOCAB, SEQ = 256, 16
+COMMON = {"vocab_size": VOCAB, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "intermediate_size": 96, "max_position_embeddings": 64, "initializer_range": 0.1}
+
+# family id -> (transformers config class, kwargs, model_type it must export as, the switch whose absence the control shows)
+FAMILIES: dict[str, tuple[str, dict[str, Any], str, dict[str, Any]]] = {
+    "llama3": ("LlamaConfig", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                   "original_max_position_embeddings": 8}},
+               "llama", {"rope_scaling": None}),
+    "llama-linear": ("LlamaConfig", {"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}},
+                     "llama", {"rope_scaling": None}),
+    "llama-yarn": ("LlamaConfig", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                       "original_max_position_embeddings": 16}},
+                   "llama", {"rope_scaling": None}),
+    "qwen2.5": ("Qwen2Config", {"tie_word_embeddings": True}, "qwen2", {"qkv_bias": False}),
+    "qwen3": ("Qwen3Config", {"head_dim": 32}, "qwen3", {"qk_norm": False}),
+    "mistral": ("MistralConfig", {"sliding_window": 5}, "mistral", {"sliding_window": None}),
+    "gpt2": ("GPT2Config", {"vocab_size": VOCAB, "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 64,
+                            "initializer_range": 0.1}, "gpt2", {"mlp": "swiglu"}),
+}
+
+
+def make_folder(family: str, folder: Path) -> Any:
+    """A random transformers model of `family` saved to `folder`; returns the model (eval, fp32)."""
+    cls, kw, _, _ = FAMILIES[family]
+    cfg = getattr(transformers, cls)(**kw) if cls == "GPT2Config" else getattr(transformers, cls)(**COMMON, **kw)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(1)
+        for name, p in model.named_parameters():
+            if p.dim() == 1:  # norm scales around 1, biases around 0
+                p.copy_((torch.rand(p.shape, generator=g) + 0.5) if "norm" in name or ".ln_" in name
+                        else torch.randn(p.shape, generator=g) * 0.1)
+    model.save_pretrained(str(folder))
+    return model
+
+
+def tokens() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(2))
+
+
+def hf_logits(model: Any) -> torch.Tensor:
+    with torch.no_grad():
+        return model(tokens()).logits
+
+
+def seqtrain_logits(model: torch.nn.Module) -> torch.Tensor:
+    with torch.no_grad():
+        return model(tokens()) @ model.output_weight.T
+
+
+def init_job(folder: Path, **sets: Any) -> Any:
+    """A job that starts from `folder` and names nothing else about the model: all of it comes from the folder."""
+    model = {"init": str(folder), **sets}
+    return resolve(parse_job({"apiVersion": "seqtrain.dev/v1alpha1", "kind": "SeqTrainJob",
+                              "metadata": {"name": "hf"}, "spec": {"model": model, "data": {"seqLen": SEQ}}}))
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_model_init_from_the_folder_gives_transformers_logits(tmp_path: Path, family: str) -> None:
+    folder = tmp_path / family
+    want = hf_logits(make_folder(family, folder))
+    spec = init_job(folder).spec.model  # everything resolved from config.json alone
+    model = build_model(spec).eval()
+    assert "model.init:" in load_initial_weights(model, str(folder))
+    diff = (seqtrain_logits(model) - want).abs().max().item()
+    assert diff < TOL, f"{family}: max |logit diff| {diff:.2e}"
+    # the control: the same weights without the family's switch are far off, so the switch is what matched
+    off = build_model(spec.model_copy(update=FAMILIES[family][3])).eval()
+    off.load_state_dict(load_source(str(folder)).state, strict=False)
+    assert (seqtrain_logits(off) - want).abs().max().item() > 1e-3
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_export_loads_in_transformers_as_the_same_family(tmp_path: Path, family: str) -> None:
+    folder = tmp_path / family
+    make_folder(family, folder)
+    w = load_source(str(folder))
+    model = build_model(w.spec).eval()
+    model.load_state_dict(w.state, strict=True)
+    out = tmp_path / "export"
+    assert export(str(folder), str(out))["format"] == "hf"
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["model_type"] == FAMILIES[family][2]
+    again = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    assert again.config.model_type == FAMILIES[family][2]
+    diff = (hf_logits(again) - seqtrain_logits(model)).abs().max().item()
+    assert diff < TOL, f"{family}: export max |logit diff| {diff:.2e}"
+    (out / "seqtrain.json").unlink()  # a folder as transformers writes it reads back to the same spec
+    assert load_source(str(out)).spec.model_dump() == w.spec.model_dump()
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("rope_parameters", {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0},
+     "config.json: rope_parameters.rope_type 'dynamic' is not supported; supported: llama3, linear, yarn"),
+    ("hidden_act", "gelu", "config.json: hidden_act 'gelu' is not supported; supported: 'silu'"),
+    ("model_type", "falcon", "config.json: model_type 'falcon' is not supported; supported: llama, mistral, qwen2, "
+                             "qwen3, gpt2"),
+    ("layer_types", ["full_attention", "sliding_attention"],
+     "config.json: layer_types mixes full and sliding attention, which is not supported"),
+])
+def test_a_config_seqtrain_cannot_represent_is_refused_naming_the_key(tmp_path: Path, key: str, value: Any,
+                                                                     message: str) -> None:
+    folder = tmp_path / "m"
+    make_folder("mistral", folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg[key] = value
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(SpecError) as err:
+        init_job(folder)
+    assert message in str(err.value)
+    assert "holds no model description" not in str(err.value)
+
+
+def test_an_explicit_field_that_contradicts_the_folder_is_refused(tmp_path: Path) -> None:
+    folder = tmp_path / "gpt2"
+    make_folder("gpt2", folder)
+    with pytest.raises(SpecError, match=r"spec\.model\.norm: rmsnorm does not fit the weights in model.init"):
+        init_job(folder, norm="rmsnorm")
