@@ -15,7 +15,7 @@ import yaml
 from seqtrain.data.prepare import prepare
 from seqtrain.data.sources import load_source
 from seqtrain.spec import SpecError, parse_job
-from seqtrain.spec.datafiles import data_notes
+from seqtrain.spec.datafiles import data_notes, in_validation
 
 BASE = """
 apiVersion: seqtrain.dev/v1alpha1
@@ -40,11 +40,23 @@ def problems(**data: object) -> dict[str, str]:
     return {p.path: p.message for p in exc.value.problems}
 
 
+def out_of_validation(tmp_path: Path, names: list[str]) -> Path:
+    """A folder under tmp_path in which none of `names` hashes into a 1% validation split (the split is by a hash
+    of the path, and tmp_path differs per run: picking the folder keeps the tests deterministic)."""
+    for i in range(1000):
+        folder = tmp_path / f"d{i}"
+        if not any(in_validation(str(folder / n), 0.01) for n in names):
+            folder.mkdir()
+            return folder
+    raise AssertionError("no folder found")
+
+
 @pytest.fixture
 def texts(tmp_path: Path) -> Path:
-    (tmp_path / "train.txt").write_text("to be or not to be " * 50)
-    (tmp_path / "val.txt").write_text("that is the question " * 20)
-    return tmp_path
+    folder = out_of_validation(tmp_path, ["train.txt", "val.txt"])
+    (folder / "train.txt").write_text("to be or not to be " * 50)
+    (folder / "val.txt").write_text("that is the question " * 20)
+    return folder
 
 
 def test_text_train_and_val_files_without_validation_fail_at_validate_naming_data_validation(texts: Path) -> None:
@@ -108,6 +120,7 @@ def test_raw_token_files_named_as_validation_are_read_whole(tmp_path: Path) -> N
 
 
 def test_jsonl_with_too_few_records_for_the_fraction_fails_at_validate(tmp_path: Path) -> None:
+    tmp_path = out_of_validation(tmp_path, ["d.jsonl:1", "d.jsonl:2", "d.jsonl:3"])
     with open(tmp_path / "d.jsonl", "w") as f:
         for i in range(3):
             f.write(json.dumps({"text": f"record {i} " * 5}) + "\n")

@@ -154,9 +154,13 @@ def _split_problems(job: SeqTrainJob) -> list[Problem]:
             files = expand(d.paths)
         except FileNotFoundError:
             return []
-        if sum(os.path.getsize(p) for p in files) > JSONL_SCAN_BYTES:
-            return []
-        if not any(in_validation(f"{p}:{n}", f) for p in files for n in _record_lines(p)):
+        try:
+            if sum(os.path.getsize(p) for p in files) > JSONL_SCAN_BYTES:
+                return []
+            lines = {p: _record_lines(p) for p in files}
+        except OSError:
+            return []  # unreadable here: the loader names the file
+        if not any(in_validation(f"{p}:{n}", f) for p in files for n in lines[p]):
             return [Problem("spec.data.validation", f"no jsonl record falls into the validation split "
                                                     f"(validationFraction {f}, per record by a hash of file:line), "
                                                     f"and training.eval needs one; name held-out files in "
@@ -185,8 +189,11 @@ def _raw_id_problems(job: SeqTrainJob, vocab: int) -> list[Problem]:
                 continue
             for f in files:
                 ids = array.array(code)
-                with open(f, "rb") as fh:
-                    chunk = fh.read(RAW_SCAN_TOKENS * ids.itemsize)
+                try:
+                    with open(f, "rb") as fh:
+                        chunk = fh.read(RAW_SCAN_TOKENS * ids.itemsize)
+                except OSError:
+                    continue  # unreadable here: the loader names the file
                 ids.frombytes(chunk[:len(chunk) - len(chunk) % ids.itemsize])
                 top = max(ids) if ids else 0
                 if top >= vocab:
