@@ -17,6 +17,7 @@ who may connect at all (docs/user-guide.md "Security: what is trusted")."""
 from __future__ import annotations
 
 import contextlib
+import json
 import socket
 import sys
 import threading
@@ -150,6 +151,7 @@ class BoundedServer(ThreadingHTTPServer):
 
 class _Handler(BaseHTTPRequestHandler):
     server: BoundedServer
+    default_request_version = "HTTP/1.0"  # a status line on every answer, never HTTP/0.9's bare body
 
     def setup(self) -> None:
         self.timeout = self.server.conn_timeout  # per read too (StreamRequestHandler sets it on the socket)
@@ -167,6 +169,17 @@ class _Handler(BaseHTTPRequestHandler):
             self._reply(431, "application/json", b'{"error": "request too large"}')
         except (TimeoutError, OSError):
             self.close_connection = True
+
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        """http.server's refusals as one short JSON line; an unknown method (501) or HTTP version (505) is the
+        client's error: 405 and 400, never a 5xx."""
+        code = {501: 405, 505: 400}.get(code, code)
+        self.close_connection = True
+        for attr, value in (("request_version", "HTTP/1.0"), ("command", "GET"), ("requestline", "")):
+            if not hasattr(self, attr):
+                setattr(self, attr, value)
+        text = message or self.responses.get(code, ("error",))[0]
+        self._reply(code, "application/json", json.dumps({"error": text[:200]}).encode())
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
         self.server.requested(self.request)
