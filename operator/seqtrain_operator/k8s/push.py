@@ -263,12 +263,12 @@ class PushServer:
         namespace, name, uid, attempt = parts[len(prefix) + 1:]
         if "transfer-encoding" in headers:
             raise _Refused(411, "a Content-Length body only")
-        try:
-            length = int(headers.get("content-length", ""))
-        except ValueError:
-            raise _Refused(411, "a Content-Length body only") from None
-        if length < 0:
-            raise _Refused(400, "a negative Content-Length")
+        declared = headers.get("content-length", "")
+        if not declared:
+            raise _Refused(411, "a Content-Length body only")
+        if not (declared.isascii() and declared.isdigit()) or len(declared) > 12:  # int() would take "+1_0"
+            raise _Refused(400, "Content-Length is not a number of bytes")
+        length = int(declared)
         if length > MAX_BODY_BYTES:
             raise _Refused(413, f"a progress document is at most {MAX_BODY_BYTES} bytes")
         body = await reader.readexactly(length)  # however many TCP writes it came in
