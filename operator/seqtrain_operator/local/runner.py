@@ -35,6 +35,7 @@ import yaml
 from seqtrain.checkpoint.discovery import quarantined
 from seqtrain.spec import SeqTrainJob, SpecError, load_job_file, resolve
 from seqtrain.spec.cluster import quantity_value
+from seqtrain.spec.init_source import TOKENIZER_COMPANIONS
 from seqtrain.spec.runtime import RuntimeConfig, write_trainer_config
 from seqtrain.spec.status import TERMINAL_PHASES, JobStatus, Layout, Progress
 from seqtrain_operator.controller import CreateGang, DeleteGang, Event, Observed, decide, utcnow
@@ -210,6 +211,10 @@ def keep_tokenizer(job: SeqTrainJob, workdir: str) -> str | None:
     with open(tmp, "wb") as f:
         f.write(data)
     os.replace(tmp, dst)
+    for name in TOKENIZER_COMPANIONS:  # special tokens and chat template beside it travel with it (export)
+        near = os.path.join(os.path.dirname(src), name)
+        if os.path.isfile(near) and not os.path.islink(near):
+            shutil.copyfile(near, os.path.join(workdir, name))
     return None
 
 
@@ -474,7 +479,6 @@ class LocalRun:
             if log:
                 view.line(f"--- last lines of {log} ---\n{_tail(log, 20)}", always=True)
         return EXIT_FAILED
-
 
     def _throughput(self, p: Progress | None) -> str:
         """'2,012 tok/s average (last step 1,693)': the run's average from metrics.jsonl, the last step's labelled."""
