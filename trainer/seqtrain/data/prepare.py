@@ -400,4 +400,7 @@ def prepare_command(inputs: Sequence[str], out: str, tokenizer: str, workers: in
     print(f"{out}: {info['tokens']:,} tokens in {info['documents']:,} documents, {len(info['shards'])} shard(s), "
           f"vocab {info['vocab_size']} (end-of-document id {info['eod']}); {info['seconds']:.1f}s, "
           f"{rate / 1e6:.2f}M tokens/s{again}")
+    if any(round(sh["documents"] * 0.01) == 0 for sh in info["shards"]):  # the default validationFraction
+        print(f"{out}: a shard with fewer documents than a job's validationFraction can hold out (under 50 at "
+              "1%) gives the last validationFraction of its tokens to validation instead")
     return 0

@@ -25,8 +25,9 @@ from seqtrain.spec.problems import Problem
 PREPARED_INDEX = "index.json"  # seqtrain.data.prepare.INDEX
 RAW_SCAN_TOKENS = 1 << 20  # validate reads this many ids of each raw token file (about 2-4 MB)
 JSONL_SCAN_BYTES = 256 << 20  # validate counts jsonl records up to this much text (the loader reads it all anyway)
-# File names that say "held-out data" (nanoGPT's val.bin, valid.txt, test.jsonl, dev.txt ...).
-_HELD_OUT_NAME = re.compile(r"(^|[^a-z])(val|valid|validation|dev|test|eval)([^a-z]|$)")
+# File names (without extension) that say "held-out data": nanoGPT's val.bin, valid.txt, wiki_validation.jsonl,
+# and test/dev/eval only as the whole name (test_*.py in a code corpus is training data).
+_HELD_OUT_NAME = re.compile(r"^((.*[_.-])?(val|valid|validation|heldout)([_.-].*)?|test|dev|eval)$")
 
 
 def in_validation(name: str, fraction: float) -> bool:
@@ -224,7 +225,7 @@ def data_notes(job: SeqTrainJob, readable: bool) -> list[str]:
             files = [p] if d.source == "tokens" and is_prepared(p) else expand([p], folders=d.source != "tokens")
         except FileNotFoundError:
             continue
-        names += [f for f in files if _HELD_OUT_NAME.search(os.path.splitext(os.path.basename(f.rstrip("/")))[0].lower())
+        names += [f for f in files if _HELD_OUT_NAME.match(os.path.splitext(os.path.basename(f.rstrip("/")))[0].lower())
                   and not (d.source == "text" and in_validation(f, d.validation_fraction))]
     if not names:
         return []
