@@ -169,3 +169,10 @@ def test_raw_token_ids_past_the_vocabulary_are_refused_at_validate(tmp_path: Pat
     np.array([1, 2, 3], dtype=np.uint16).tofile(tmp_path / "val.bin")
     got = problems(source="tokens", paths=[str(tmp_path / "train.bin")], validation=[str(tmp_path / "val.bin")])
     assert "50256" in got["spec.model.vocabSize"] and "at least 50257" in got["spec.model.vocabSize"]
+
+
+def test_a_raw_token_folder_is_refused_naming_its_files(tmp_path: Path) -> None:
+    (tmp_path / "shakespeare_char").mkdir()
+    (np.arange(100) % 65).astype(np.uint16).tofile(tmp_path / "shakespeare_char" / "train.bin")
+    got = problems(source="tokens", paths=[str(tmp_path / "shakespeare_char")])
+    assert "not one written by `seqtrain prepare-data`" in got["spec.data.paths"]

@@ -112,6 +112,11 @@ def data_problems(job: SeqTrainJob, readable: bool, vocab: int | None = None) ->
                                                                "nothing of data.paths is held out; remove it"))
     if not readable or d.source not in ("text", "jsonl", "tokens") or not d.paths:
         return out
+    if d.source == "tokens":  # raw token files are listed one by one: a folder of them also holds meta.pkl & co.
+        out += [Problem(field, f"{p!r} is a folder but not one written by `seqtrain prepare-data` (no index.json); "
+                               "list its token files, e.g. .../train.bin")
+                for field, entries in (("spec.data.paths", d.paths), ("spec.data.validation", d.validation or []))
+                for p in entries if os.path.isdir(os.path.expanduser(p)) and not is_prepared(p)]
     if d.validation:
         missing = [p for p in d.validation if "://" not in p and not is_prepared(p)
                    and not glob.glob(os.path.expanduser(p)) and not os.path.isdir(os.path.expanduser(p))]
