@@ -36,6 +36,9 @@ from seqtrain_operator.k8s.owner import LABEL_UID
 
 _VERSION = API_VERSION.split("/")[1]
 TIMEOUT = (5.0, 30.0)  # (connect, read) seconds of every call but a followed log
+# A followed log may be silent for long (a slow step, a checkpoint): a read that times out only ends the stream,
+# and the follower reopens it past the lines already shown while the container runs.
+FOLLOW_TIMEOUT = (5.0, 300.0)
 INSTALL_HINT = ("install the operator and its CRD first: helm install seqtrain oci://ghcr.io/seqtrain/charts/seqtrain "
                 "-n seqtrain-system --create-namespace")
 SA_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
@@ -258,7 +261,7 @@ class KubeJobs:
         try:
             resp = self.core.read_namespaced_pod_log(o.pod.name, self.namespace, container=CONTAINER, follow=follow,
                                                      _preload_content=False,
-                                                     _request_timeout=(TIMEOUT[0], None) if follow else TIMEOUT)
+                                                     _request_timeout=FOLLOW_TIMEOUT if follow else TIMEOUT)
             streams.add(resp)
             try:
                 buf = b""
@@ -276,7 +279,9 @@ class KubeJobs:
             if exc.status != 404:  # a pod deleted meanwhile is no error: its log is gone with it
                 out.put(("error", uid, api_message(exc).encode()))
         except (Urllib3Error, OSError):
-            pass
+            pass  # a broken or timed-out connection: the follower reopens the stream if the container runs
+        except Exception as exc:  # noqa: BLE001 - this thread must always report "closed", never die with a traceback
+            out.put(("error", uid, f"{type(exc).__name__}: {exc}".splitlines()[0].encode()))
         finally:
             out.put(("closed", uid, b""))
 
