@@ -171,6 +171,8 @@ def _dcp_meta_inputs() -> st.SearchStrategy[bytes]:
 @example(data=b"\x80\x04\x95" + (2**40).to_bytes(8, "little") + b".")  # a FRAME claiming a terabyte
 @example(data=b"\x80\x04\x8e" + (2**62).to_bytes(8, "little"))  # BINBYTES8 declaring 4 EiB
 @example(data=b"\x80\x04\x95" + (2**63).to_bytes(8, "little") + b".")  # OverflowError escaped the C Unpickler
+# found by this fuzzer (seed 102) after the first fixes: BYTEARRAY8 allocates its declared length before reading
+@example(data=b"\x80\x05\x96" + (2**40).to_bytes(8, "little") + b".")
 @example(data=b"\x80\x04]" + b"(" * 100_000 + b".")  # 100,000 MARKs
 def test_fuzz_dcp_metadata(data: bytes) -> None:
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner

@@ -207,8 +207,8 @@ class _MetadataUnpickler(pickle._Unpickler):  # type: ignore[name-defined]  # th
     could call, build or mutate something is checked here, not only the name lookups: REDUCE / NEWOBJ call only a
     class or function of the table; BUILD fills only an instance (never a class: that would patch it for the whole
     process) of a table class, and only with its own field names; APPEND(S) / SETITEM(S) / ADDITEMS act only on
-    plain lists / dicts / sets; INST, OBJ, the extension registry and persistent ids (never in DCP's files) are
-    refused. Reads come from the file's bytes in memory, so a declared length beyond them allocates nothing."""
+    plain lists / dicts / sets; INST, OBJ, the extension registry, persistent ids and protocol-5 bytearrays and
+    buffers (never in DCP's files) are refused. Reads come from the file's bytes in memory, so a declared length beyond them allocates nothing."""
 
     dispatch = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
 
@@ -300,7 +300,7 @@ class _MetadataUnpickler(pickle._Unpickler):  # type: ignore[name-defined]  # th
         pickle._Unpickler.load_additems(self)  # type: ignore[attr-defined]
 
     def load_refused(self) -> None:
-        self._refuse("this pickle opcode (INST, OBJ, EXT or PERSID)")
+        self._refuse("this pickle opcode (INST, OBJ, EXT, PERSID or a protocol-5 buffer)")
 
 
 for _name, _method in [("REDUCE", "load_reduce"), ("NEWOBJ", "load_newobj"), ("NEWOBJ_EX", "load_newobj_ex"),
@@ -308,7 +308,11 @@ for _name, _method in [("REDUCE", "load_reduce"), ("NEWOBJ", "load_newobj"), ("N
                        ("SETITEM", "load_setitem"), ("SETITEMS", "load_setitems"), ("ADDITEMS", "load_additems"),
                        ("INST", "load_refused"), ("OBJ", "load_refused"), ("EXT1", "load_refused"),
                        ("EXT2", "load_refused"), ("EXT4", "load_refused"), ("PERSID", "load_refused"),
-                       ("BINPERSID", "load_refused")]:
+                       ("BINPERSID", "load_refused"),
+                       # BYTEARRAY8 allocates its declared length before reading it; out-of-band buffers need a
+                       # `buffers` argument: DCP writes neither
+                       ("BYTEARRAY8", "load_refused"), ("NEXT_BUFFER", "load_refused"),
+                       ("READONLY_BUFFER", "load_refused")]:
     _MetadataUnpickler.dispatch[getattr(pickle, _name)[0]] = getattr(_MetadataUnpickler, _method)
 del _name, _method
 
