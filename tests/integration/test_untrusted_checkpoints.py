@@ -1,8 +1,10 @@
 """No code runs from a file a checkpoint folder holds, whichever engine wrote it and whichever command reads it.
 
 Real checkpoints of every engine (native, DeepSpeed, FSDP2: all write the one DCP format, `state/.metadata` a raw
-pickle DCP itself would unpickle, `state/*.distcp` with byte items) get a planted pickle whose `__reduce__` would create a marker file; meta.json's sizes and hashes are
-fixed as an attacker who can write the storage would. `seqtrain export` and `seqtrain generate` exit 2 naming the
+pickle DCP itself would unpickle, `state/*.distcp` with byte items) get a planted pickle whose `__reduce__` would
+create a marker file, or one that names os.system through DCP's own metadata module with a dotted name; meta.json's
+sizes and hashes are fixed as an attacker who can write the storage would. (Every other pickle variant:
+tests/unit/test_untrusted_metadata.py.) `seqtrain export` and `seqtrain generate` exit 2 naming the
 file, `model.init` fails with the config error naming it, and resume sets the checkpoint aside and falls back to
 the previous one: the marker never appears.
 """
@@ -77,6 +79,17 @@ def _plant_dcp_metadata(step: Path, name: str, marker: Path) -> None:
     _fix_meta(step, name)
 
 
+def _plant_dotted_metadata(step: Path, name: str, marker: Path) -> None:
+    """The attack DCP's own metadata module made possible: under pickle protocol 4 a global's name may be dotted and
+    is resolved attribute by attribute, so the metadata module + `os.system` is os.system."""
+    cmd = f"touch {marker}".encode()
+    module, attr = b"torch.distributed.checkpoint.metadata", b"os.system"
+    body = (b"\x8c" + bytes([len(module)]) + module + b"\x8c" + bytes([len(attr)]) + attr + b"\x93"
+            + b"(\x8c" + bytes([len(cmd)]) + cmd + b"tR")
+    (step / name).write_bytes(b"\x80\x04" + body + b".")
+    _fix_meta(step, name)
+
+
 def _plant_dcp_data(step: Path, name: str, marker: Path) -> None:
     """The DCP folder rewritten by DCP itself with one plain value of the optimizer state (a byte item in the
     .distcp file, which DCP's own loader unpickles with weights_only=False) replaced by the payload."""
@@ -103,11 +116,15 @@ def _plant_dcp_data(step: Path, name: str, marker: Path) -> None:
 # every engine writes the one DCP format (state/): its pickled .metadata and its byte items are the planted files
 PLANTS = [
     ("native", "state/.metadata", _plant_dcp_metadata),
+    ("native", "state/.metadata", _plant_dotted_metadata),
     ("deepspeed", "state/.metadata", _plant_dcp_metadata),
+    ("deepspeed", "state/.metadata", _plant_dotted_metadata),
     ("deepspeed", "state/__0_0.distcp", _plant_dcp_data),
     ("fsdp2", "state/.metadata", _plant_dcp_metadata),
+    ("fsdp2", "state/.metadata", _plant_dotted_metadata),
     ("fsdp2", "state/__0_0.distcp", _plant_dcp_data),
 ]
+IDS = [f"{e}-{n}-{p.__name__.removeprefix('_plant_')}" for e, n, p in PLANTS]
 
 
 def _planted_copy(runs: dict[str, Path], engine: str, name: str, plant, tmp_path: Path) -> tuple[Path, Path]:  # noqa: ANN001
@@ -119,7 +136,7 @@ def _planted_copy(runs: dict[str, Path], engine: str, name: str, plant, tmp_path
     return step, marker
 
 
-@pytest.mark.parametrize(("engine", "name", "plant"), PLANTS, ids=[f"{e}-{n}" for e, n, _ in PLANTS])
+@pytest.mark.parametrize(("engine", "name", "plant"), PLANTS, ids=IDS)
 def test_export_generate_and_model_init_refuse_a_planted_pickle(runs: dict[str, Path], engine: str, name: str,
                                                                plant, tmp_path: Path, capsys) -> None:  # noqa: ANN001
     step, marker = _planted_copy(runs, engine, name, plant, tmp_path)
@@ -139,7 +156,7 @@ def test_export_generate_and_model_init_refuse_a_planted_pickle(runs: dict[str, 
     assert not marker.exists(), "the planted payload ran"
 
 
-@pytest.mark.parametrize(("engine", "name", "plant"), PLANTS, ids=[f"{e}-{n}" for e, n, _ in PLANTS])
+@pytest.mark.parametrize(("engine", "name", "plant"), PLANTS, ids=IDS)
 def test_resume_sets_a_planted_checkpoint_aside_and_runs_no_code(runs: dict[str, Path], engine: str, name: str,
                                                                  plant, tmp_path: Path) -> None:  # noqa: ANN001
     step, marker = _planted_copy(runs, engine, name, plant, tmp_path)
