@@ -112,8 +112,8 @@ def resolve_model(job: SeqTrainJob) -> ResolvedModel:
     elif preset_name is None and not source:
         preset_name, label = DEFAULT_PRESET, f"default preset {DEFAULT_PRESET}"
     for key, val in (presets.get(preset_name, {}) if preset_name else {}).items():
-        if key in DIM_BOUND and "dim" in explicit:
-            continue  # the preset's MLP width belongs to the preset's dim; derived from the user's below
+        if key in DIM_BOUND and ("dim" in explicit or values.get("mlp") == "gelu"):
+            continue  # the preset's (SwiGLU) MLP width belongs to its dim; derived from the model's own below
         if key not in explicit:
             values[key], origin[key] = val, label
     for key, val in (source or {}).items():  # the weights fix the shapes; explicit fields are checked against them
