@@ -94,3 +94,16 @@ def test_vocab_advice_for_a_byte_model_on_prepared_byte_data_does_not_go_in_a_ci
         assert list(got) == ["spec.model.init"], got
         assert "data.source text" in got["spec.model.init"] and "without model.init" in got["spec.model.init"]
     assert advice[0] == advice[1] == advice[2]
+
+
+def test_validate_and_plan_print_the_derived_fields_with_their_origin(tmp_path, capsys) -> None:
+    from seqtrain_operator.cli import main as cli_main
+
+    doc = yaml.safe_load(BASE)
+    doc["spec"]["model"] = {"arch": "gpt", "dim": 128, "layers": 4, "heads": 4}
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(doc))
+    assert cli_main(["validate", str(tmp_path / "job.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "note: model gpt: dim 128 (set)" in out and "ffnDim 344 (from dim 128" in out
+    assert cli_main(["plan", str(tmp_path / "job.yaml")]) == 0
+    assert "ffnDim 344 (from dim 128" in capsys.readouterr().out
