@@ -151,3 +151,91 @@ def test_an_explicit_field_that_contradicts_the_folder_is_refused(tmp_path: Path
     make_folder("gpt2", folder)
     with pytest.raises(SpecError, match=r"spec\.model\.norm: rmsnorm does not fit the weights in model.init"):
         init_job(folder, norm="rmsnorm")
+
+
+WORDS = [f"w{i}" for i in range(200)]
+CHAT_TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {% endfor %}"
+
+
+def add_tokenizer(folder: Path, words: list[str] = WORDS) -> None:
+    """A word-level tokenizer.json (special tokens first) and the tokenizer_config.json transformers writes beside
+    it, with a chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    specials = ["<unk>", "<|endoftext|>"]
+    vocab = {t: i for i, t in enumerate(specials + words)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens(specials)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>", "unk_token": "<unk>",
+        "chat_template": CHAT_TEMPLATE}))
+
+
+def test_the_folders_tokenizer_is_the_jobs_unless_the_spec_names_another(tmp_path: Path) -> None:
+    folder = tmp_path / "qwen"
+    make_folder("qwen2.5", folder)
+    assert init_job(folder).spec.data.tokenizer.type == "byte"  # no tokenizer.json: bytes (vocabulary 256 fits)
+    add_tokenizer(folder)
+    tok = init_job(folder).spec.data.tokenizer
+    assert (tok.type, tok.path) == ("file", str(folder / "tokenizer.json"))
+    other = tmp_path / "other.json"
+    (other).write_bytes((folder / "tokenizer.json").read_bytes())
+    job = resolve(parse_job({"apiVersion": "seqtrain.dev/v1alpha1", "kind": "SeqTrainJob", "metadata": {"name": "x"},
+                             "spec": {"model": {"init": str(folder)}, "data": {
+                                 "seqLen": SEQ, "tokenizer": {"type": "file", "path": str(other)}}}}))
+    assert job.spec.data.tokenizer.path == str(other)  # named by the spec: kept
+
+
+def test_a_tokenizer_with_more_ids_than_the_model_is_refused_at_validate(tmp_path: Path) -> None:
+    folder = tmp_path / "qwen"
+    make_folder("qwen2.5", folder)
+    add_tokenizer(folder, [f"w{i}" for i in range(300)])  # 302 ids for a 256-row embedding
+    with pytest.raises(SpecError, match=r"spec\.data\.tokenizer: .* has 302 token ids but the weights in model.init"):
+        init_job(folder)
+
+
+def test_lora_fine_tune_of_a_qwen_folder_trains_and_exports_with_its_tokenizer(tmp_path: Path) -> None:
+    """`seqtrain run` from a Qwen2.5 folder with its tokenizer: the run keeps the tokenizer (and its chat template),
+    LoRA trains, `export --merge-lora` writes a qwen2 folder with the tokenizer that transformers loads with the
+    logits of seqtrain's merged model."""
+    import yaml
+
+    from seqtrain_operator.cli import main as cli_main
+
+    folder = tmp_path / "qwen"
+    make_folder("qwen2.5", folder)
+    add_tokenizer(folder)
+    text = tmp_path / "corpus.txt"
+    g = torch.Generator().manual_seed(0)
+    text.write_text("\n".join(" ".join(WORDS[int(i)] for i in torch.randint(0, 40, (30,), generator=g))
+                              for _ in range(60)))
+    job = {"apiVersion": "seqtrain.dev/v1alpha1", "kind": "SeqTrainJob", "metadata": {"name": "ft"}, "spec": {
+        "model": {"init": str(folder), "lora": {"rank": 4, "alpha": 8, "targetModules": ["q", "v", "up"]}},
+        "data": {"source": "text", "paths": [str(text)], "seqLen": SEQ},
+        "training": {"steps": 6, "globalBatchSize": 4, "microBatchSize": 4, "optimizer": {"lr": 0.05}},
+        "checkpoint": {"intervalSteps": 6}}}
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text(yaml.safe_dump(job))
+    run_dir = tmp_path / "run"
+    assert cli_main(["run", str(job_file), "--workdir", str(run_dir), "-q"]) == 0
+    assert (run_dir / "tokenizer.json").read_bytes() == (folder / "tokenizer.json").read_bytes()
+    assert "chat_template" in json.loads((run_dir / "tokenizer_config.json").read_text())
+    out = tmp_path / "export"
+    assert cli_main(["export", str(run_dir), "--merge-lora", "--out", str(out)]) == 0
+    assert json.loads((out / "config.json").read_text())["model_type"] == "qwen2"
+    w = load_source(str(out))
+    base = load_source(str(folder))
+    assert not torch.equal(w.state["blocks.0.attn.q.weight"], base.state["blocks.0.attn.q.weight"])  # LoRA moved it
+    assert torch.equal(w.state["blocks.0.attn.k.weight"], base.state["blocks.0.attn.k.weight"])  # not a target
+    model = build_model(w.spec).eval()
+    model.load_state_dict(w.state, strict=True)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    diff = (hf_logits(hf) - seqtrain_logits(model)).abs().max().item()
+    assert diff < TOL, f"merged export max |logit diff| {diff:.2e}"
+    # the tokenizer class by name: AutoTokenizer would rebuild a Qwen2Tokenizer around this toy vocabulary
+    tok = transformers.PreTrainedTokenizerFast.from_pretrained(str(out))
+    assert tok.apply_chat_template([{"role": "user", "content": "w1 w2"}], tokenize=False) == "<|user|> w1 w2 "
+    assert tok("w1 w2")["input_ids"] == [3, 4] and tok.eos_token == "<|endoftext|>"
+    assert yaml.safe_load((run_dir / "job.yaml").read_text())["spec"]["data"]["tokenizer"]["type"] == "file"

@@ -292,7 +292,9 @@ class LocalRun:
         if (problem := folder_problem("spec.checkpoint.path", self.ckpt_dir)) is not None:
             print(f"{job.name}: {problem}", file=sys.stderr)
             return EXIT_INVALID
-        atomic_write_text(os.path.join(self.workdir, "job.yaml"), yaml.safe_dump(job.to_dict(), sort_keys=False))
+        recorded = job.model_copy(deep=True)  # as submitted, with the tokenizer it trains with (model.init's)
+        recorded.spec.data.tokenizer = resolve(job).spec.data.tokenizer
+        atomic_write_text(os.path.join(self.workdir, "job.yaml"), yaml.safe_dump(recorded.to_dict(), sort_keys=False))
         if (problem := keep_tokenizer(resolve(job), self.workdir)) is not None:
             print(f"{job.name}: {problem}", file=sys.stderr)
             return EXIT_INVALID

@@ -28,6 +28,7 @@ import torch
 
 from seqtrain.export.weights import SEQTRAIN_JSON, Weights, WeightsError, hf_state, load_source
 from seqtrain.spec import hf
+from seqtrain.spec.init_source import TOKENIZER_COMPANIONS
 
 
 def _write_json(path: str, data: dict[str, Any]) -> None:
@@ -69,7 +70,13 @@ def export(source: str | Weights, out: str, fmt: str = "hf", merge_lora: bool = 
         save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
         if tok.get("type") == "file":
             shutil.copyfile(tok["path"], os.path.join(folder, "tokenizer.json"))
-            _write_json(os.path.join(folder, "tokenizer_config.json"), {"tokenizer_class": "PreTrainedTokenizerFast"})
+            # special tokens and chat template travel with the tokenizer when they lie beside it
+            near = [os.path.join(os.path.dirname(tok["path"]), n) for n in TOKENIZER_COMPANIONS]
+            for src in [p for p in near if os.path.isfile(p) and not os.path.islink(p)]:
+                shutil.copyfile(src, os.path.join(folder, os.path.basename(src)))
+            if not os.path.isfile(os.path.join(folder, "tokenizer_config.json")):
+                _write_json(os.path.join(folder, "tokenizer_config.json"),
+                            {"tokenizer_class": "PreTrainedTokenizerFast"})
             tok = {**tok, "path": "tokenizer.json"}
         if fmt == "hf":
             _write_json(os.path.join(folder, "config.json"), hf.llama_config(w.spec))

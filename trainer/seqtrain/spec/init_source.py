@@ -96,6 +96,24 @@ def init_refusal(path: str) -> str | None:
     return None
 
 
+# Files beside a tokenizer.json that transformers' AutoTokenizer reads: special tokens, chat template. They travel
+# with the tokenizer (the run folder's copy, an export).
+TOKENIZER_COMPANIONS = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
+def folder_tokenizer(path: str) -> str | None:
+    """The tokenizer.json a `model.init` folder brings (a Hugging Face folder's, or an export's written by a run
+    that trained with it), or None: none there, or the folder's own records say it trained on bytes."""
+    path = os.path.expanduser(path)
+    tok = os.path.join(path, "tokenizer.json")
+    if not os.path.isfile(tok) or os.path.islink(tok):
+        return None
+    info = _json(os.path.join(path, "seqtrain.json"))
+    if info and (info.get("tokenizer") or {}).get("type") in ("byte", "synthetic"):
+        return None
+    return os.path.abspath(tok)
+
+
 def tensor_hint(field: str, desc: dict[str, Any]) -> str:
     """A tensor of the source whose shape shows `field` (for error messages)."""
     d, v = desc.get("dim"), desc.get("vocab_size")

@@ -6,8 +6,9 @@ import json
 import os
 from dataclasses import dataclass
 
+from seqtrain.spec.data import TokenizerSpec
 from seqtrain.spec.datafiles import data_notes
-from seqtrain.spec.init_source import describe_init
+from seqtrain.spec.init_source import describe_init, folder_tokenizer
 from seqtrain.spec.job import SeqTrainJob
 from seqtrain.spec.model import ModelSpec
 from seqtrain.spec.presets import presets_for
@@ -212,7 +213,22 @@ def job_notes(job: SeqTrainJob) -> list[str]:
 
 
 def resolve(job: SeqTrainJob) -> SeqTrainJob:
-    """A copy of the job whose model section is fully explicit (what the trainer and planner read)."""
+    """A copy of the job whose model section is fully explicit (what the trainer and planner read), and whose data
+    tokenizer is the model.init folder's when the spec names none (`init_tokenizer`)."""
     out = job.model_copy(deep=True)
     out.spec.model = resolved_model(job)
+    if (path := init_tokenizer(job)) is not None:
+        out.spec.data.tokenizer = TokenizerSpec(type="file", path=path)
     return out
+
+
+def init_tokenizer(job: SeqTrainJob) -> str | None:
+    """The model.init folder's tokenizer.json when the job trains text with the tokenizer left unset: a model is
+    fine-tuned with its own tokenizer unless data.tokenizer names another (byte ids into a Llama's embedding would
+    train, and report success, on the wrong tokens)."""
+    d, init = job.spec.data, job.spec.model.init
+    if not init or "://" in init or not paths_readable() or "tokenizer" in d.model_fields_set:
+        return None
+    if d.source == "synthetic" or (d.source == "tokens" and _prepared_vocab(d.paths) is not None):
+        return None  # ids fixed by the task / by prepare-data's own tokenizer
+    return folder_tokenizer(init)
