@@ -272,3 +272,20 @@ def test_the_guides_table_is_this_table() -> None:
     guide = _guide_rows()
     ours = [(re.sub(r"\s+", " ", r.rule), r.admitted) for r in ROWS]
     assert [(re.sub(r"`", "", rule), admitted) for rule, admitted in guide] == ours
+
+
+def test_validate_and_the_operator_take_the_secret_allowlist(tmp_path: pathlib.Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """`seqtrain validate --allow-secret` and the operator's `--allow-secret` (chart value podPolicy.secrets)."""
+    import yaml
+
+    from seqtrain_operator import cli
+    from seqtrain_operator.k8s.main import build_parser
+
+    f = tmp_path / "j.yaml"
+    f.write_text(yaml.safe_dump(job(pod({"name": "trainer", "envFrom": [{"secretRef": {"name": "db"}}]}))))
+    assert cli.main(["validate", str(f), "--policy", "restricted"]) == 2
+    assert f"{T}.containers[0].envFrom[0].secretRef.name" in capsys.readouterr().err
+    assert cli.main(["validate", str(f), "--policy", "restricted", "--allow-secret", "db"]) == 0
+    args = build_parser().parse_args(["--allow-secret", "db", "--allow-secret", "*"])
+    assert args.allow_secret == ["db", "*"]
