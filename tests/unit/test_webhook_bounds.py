@@ -143,3 +143,33 @@ def test_a_job_whose_pods_cannot_be_built_fails_once_instead_of_raising_every_pa
     kube, outcome = _reconcile(job())
     assert kube.created == []
     assert "cannot be built" in _failed(outcome) and "KeyError" in _failed(outcome)
+
+
+def test_the_server_reads_at_most_the_bound_and_answers_with_a_review() -> None:
+    """BoundedWebhookServer._serve on a real aiohttp server: a body over the bound is answered (refused) after
+    reading MAX_REVIEW_BYTES + 1 bytes; a valid review reaches kopf's engine."""
+    from aiohttp import web
+    from aiohttp.test_utils import TestClient, TestServer
+    from webhook_engine import engine
+
+    from seqtrain_operator.k8s.webhook import BoundedWebhookServer
+
+    fn = engine()
+
+    async def serve(request: web.Request) -> web.Response:
+        return await BoundedWebhookServer._serve(fn, request)
+
+    async def go() -> list[tuple[int, dict[str, Any]]]:
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.add_routes([web.post("/{id:.*}", serve)])
+        out = []
+        async with TestClient(TestServer(app)) as client:
+            for body in (json.dumps(review_of(GOOD)).encode(), b'{"request": {"uid": "req-1", "x": "' +
+                         b"x" * (3 * MAX_REVIEW_BYTES) + b'"}}'):
+                r = await client.post("/validate-seqtrainjob", data=body)
+                out.append((r.status, await r.json()))
+        return out
+
+    (ok_status, ok), (big_status, big) = asyncio.run(go())
+    assert ok_status == 200 and ok["response"]["allowed"] is True
+    assert big_status == 200 and big["response"]["uid"] == "req-1" and big["response"]["status"]["code"] == 413
