@@ -85,15 +85,19 @@ def parse_progress(raw: bytes | str, now: datetime | None = None) -> Reported:
         data = json.loads(text, parse_int=_bounded_int)
     except ValueError as e:
         raise ProgressError(f"not JSON: {str(e).splitlines()[0][:200]}") from None
-    return read_progress(data, now)
+    return _read(data, now)
 
 
 def read_progress(data: Any, now: datetime | None = None) -> Reported:
     """An already-decoded progress document (a dict) -> what it reports; raises ProgressError (one line)."""
-    if not isinstance(data, Mapping):
-        raise ProgressError(f"a progress document is a JSON object, not {_kind(data)}")
     if _depth(data) > MAX_DEPTH:
         raise ProgressError(f"nested more than {MAX_DEPTH} deep: not a progress document")
+    return _read(data, now)
+
+
+def _read(data: Any, now: datetime | None) -> Reported:
+    if not isinstance(data, Mapping):
+        raise ProgressError(f"a progress document is a JSON object, not {_kind(data)}")
     if data.get("step") is None:
         raise ProgressError("no step: a progress document names the step it reports")
     notes: list[str] = []
@@ -152,14 +156,15 @@ def _check_depth(text: str) -> None:
 
 def _depth(obj: Any) -> int:
     """Nesting depth of decoded JSON, iteratively (never a RecursionError), stopping once past MAX_DEPTH."""
-    deepest, stack = 0, [(obj, 1)]
-    while stack:
-        value, d = stack.pop()
-        if isinstance(value, Mapping | list | tuple):
-            deepest = max(deepest, d)
-            if deepest > MAX_DEPTH:
-                return deepest
-            stack.extend((v, d + 1) for v in (value.values() if isinstance(value, Mapping) else value))
+    deepest, level = 0, [obj]
+    while level:
+        containers = [v for v in level if type(v) in (dict, list) or isinstance(v, Mapping | list | tuple)]
+        if not containers:
+            return deepest
+        deepest += 1
+        if deepest > MAX_DEPTH:
+            return deepest
+        level = [v for c in containers for v in (c.values() if isinstance(c, Mapping) else c)]
     return deepest
 
 
