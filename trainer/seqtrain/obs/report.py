@@ -15,6 +15,7 @@ import os
 import sys
 from typing import Any
 
+from seqtrain.spec.progress_doc import MAX_DOC_BYTES, ProgressError, parse_progress
 from seqtrain.spec.status import JobStatus, Progress
 
 EXIT_OK, EXIT_INVALID = 0, 2
@@ -43,10 +44,11 @@ def read_status(path: str) -> JobStatus | None:
 
 
 def read_progress(path: str) -> Progress | None:
+    """`<workdir>/progress.json` through the one progress reader (None when absent or refused)."""
     try:
-        with open(path, encoding="utf-8") as f:
-            return Progress.model_validate(json.load(f))
-    except (OSError, ValueError):
+        with open(path, "rb") as f:
+            return parse_progress(f.read(MAX_DOC_BYTES + 1)).progress
+    except (OSError, ProgressError):
         return None
 
 
