@@ -355,3 +355,14 @@ def test_a_non_finite_loss_sets_the_diverging_condition_once_and_a_finite_one_cl
     assert not [e for e in again.of(Event) if e.reason == "NonFiniteLoss"]  # once, on the transition
     ok = decide(job, again.status, Observed(replicas=running, progress=Progress(step=9, loss=2.0)), NOW)
     assert next(c for c in ok.status.conditions if c.type == "Diverging").status == "False"
+
+
+def test_a_checkpoint_of_a_diverged_step_has_strict_json_meta(tmp_path: Path) -> None:
+    from seqtrain.checkpoint.publish import Publisher, publish
+
+    tmp = tmp_path / ".tmp-step-3"
+    tmp.mkdir()
+    (tmp / "model.pt").write_text("x")
+    publish(Publisher(str(tmp_path), keep=2, world=1), 3, str(tmp), {"loss": float("nan")})
+    meta = _strict((tmp_path / "step-3" / "meta.json").read_text())
+    assert meta["step"] == 3 and meta["loss"] is None

@@ -23,6 +23,7 @@ from seqtrain.checkpoint.discovery import (
     list_checkpoints,
     step_dir,
 )
+from seqtrain.spec.status import json_safe
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,7 @@ def publish(p: Publisher, step: int, tmp: str, meta: dict[str, Any] | None) -> N
               "sizes": file_sizes(tmp),  # checked before every resume: a truncated file is caught
               "sha256": file_hashes(tmp)}  # checked by rank 0 before a resume loads it: a bit flip
     with open(os.path.join(tmp, META_FILE), "w", encoding="utf-8") as f:
-        json.dump(record, f, indent=2)
+        json.dump(json_safe(record), f, indent=2, allow_nan=False)  # a diverged step's NaN loss as null
         f.flush()
         os.fsync(f.fileno())
     fsync_path(tmp)
