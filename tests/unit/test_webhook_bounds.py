@@ -173,3 +173,11 @@ def test_the_server_reads_at_most_the_bound_and_answers_with_a_review() -> None:
     (ok_status, ok), (big_status, big) = asyncio.run(go())
     assert ok_status == 200 and ok["response"]["allowed"] is True
     assert big_status == 200 and big["response"]["uid"] == "req-1" and big["response"]["status"]["code"] == 413
+
+
+@pytest.mark.parametrize("depth", [33, 250, 300])  # the fake API client's deepcopy itself recurses past ~450
+def test_a_stored_job_nested_too_deep_fails_once_naming_the_field(_fresh_lock: None, depth: int) -> None:
+    """Stored by an operator without these bounds (or with the webhook off): a pass went on with it."""
+    kube, outcome = _reconcile(job(affinity={"podAffinity": {"x": nested(depth)}}))
+    assert kube.created == []
+    assert "spec.podTemplate.spec.affinity.podAffinity.x.a" in _failed(outcome)
