@@ -75,10 +75,9 @@ def _cached_attention(attn: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: 
                       layer: int) -> torch.Tensor:
     """`CausalSelfAttention` on new positions x [B, t, D] that follow `cache.length` cached ones."""
     b, t, _ = x.shape
-    q = attn.q(x).view(b, t, attn.heads, attn.head_dim).transpose(1, 2)
-    k = attn.k(x).view(b, t, attn.kv_heads, attn.head_dim).transpose(1, 2)
-    v = attn.v(x).view(b, t, attn.kv_heads, attn.head_dim).transpose(1, 2)
-    q, k = rope(q, cos, sin), rope(k, cos, sin)
+    q, k, v = attn.split_heads(attn.q(x), attn.k(x), attn.v(x))  # per head, q/k normalised (qkNorm)
+    if attn.rope:
+        q, k = rope(q, cos, sin), rope(k, cos, sin)
     start, end = cache.length, cache.length + t
     cache.k[layer][:, :, start:end] = k
     cache.v[layer][:, :, start:end] = v
@@ -88,6 +87,8 @@ def _cached_attention(attn: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: 
         keys, values = keys.repeat_interleave(rep, dim=1), values.repeat_interleave(rep, dim=1)
     # new position i (absolute start + i) sees every cached position and the new ones up to itself
     mask = torch.ones(t, end, dtype=torch.bool, device=x.device).tril(diagonal=start)
+    if attn.window is not None:  # and, with a sliding window, only the last `window` positions
+        mask = mask.triu(diagonal=start - attn.window + 1)
     y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
     return attn.out(y.transpose(1, 2).reshape(b, t, attn.heads * attn.head_dim))
 
@@ -98,6 +99,8 @@ def gpt_forward_cached(model: GPT, tokens: torch.Tensor, cache: KVCache) -> torc
     start = cache.length
     cos, sin = model.rope_cos[start:start + t], model.rope_sin[start:start + t]
     x = model.embed(tokens)
+    if model.pos_embed is not None:  # learned positions (GPT-2)
+        x = x + model.pos_embed(torch.arange(start, start + t, device=tokens.device))
     for i, block in enumerate(model.blocks):
         x = x + _cached_attention(block.attn, block.attn_norm(x), cos, sin, cache, i)
         x = x + block.mlp(block.mlp_norm(x))
