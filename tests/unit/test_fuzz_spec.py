@@ -25,10 +25,11 @@ from webhook_engine import answer, engine, review_of
 
 from seqtrain.spec import SpecError, load_jobs, parse_job
 from seqtrain.spec.load import apply_overrides
-from seqtrain.spec.policy import PodPolicy, job_policy_problems
+from seqtrain.spec.policy import PodPolicy, job_policy_problems, pod_spec_problems
 from seqtrain_operator.k8s import manifests as m
 
 pytestmark = pytest.mark.fuzz
+LEVELS_ = ["privileged", "baseline", "restricted"]
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 BASE: dict[str, Any] = {
@@ -185,6 +186,23 @@ def test_hostile_pod_templates_are_refused_in_one_line_or_build(containers: list
     if affinity is not None:
         template["affinity"] = affinity
     holds(_put(BASE, ("spec", "podTemplate", "spec"), template))
+
+
+POD_KEYS = ["hostNetwork", "securityContext", "containers", "initContainers", "ephemeralContainers", "volumes",
+            "nodeSelector", "affinity", "tolerations", "serviceAccountName", "automountServiceAccountToken",
+            "priorityClassName", "imagePullSecrets"]
+
+
+@given(st.dictionaries(st.sampled_from(POD_KEYS), SHAPED | st.lists(st.fixed_dictionaries({}, optional={
+    k: SHAPED for k in ["name", "securityContext", "env", "envFrom", "volumeMounts", "secret", "projected", "csi",
+                        "hostPath", "ports"]}), max_size=3), max_size=6), st.sampled_from(LEVELS_),
+       st.dictionaries(st.text(max_size=50), st.text(max_size=5), max_size=2))
+@example({"containers": [{"name": [1]}]}, "baseline", {})  # `name in hardened` hashed a list: TypeError
+@example({"priorityClassName": [1]}, "baseline", {})
+def test_the_generic_pod_check_never_raises(spec: dict[str, Any], level: str, annotations: dict[str, str]) -> None:
+    """pod_spec_problems takes any PodSpec-shaped dict (the operator checks its own pods with it too)."""
+    for path, message in pod_spec_problems(spec, PodPolicy.of(level), annotations=annotations):
+        assert path and message and "\n" not in message
 
 
 @given(st.integers(min_value=33, max_value=5000))

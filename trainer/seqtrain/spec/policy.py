@@ -295,7 +295,9 @@ def _placement(spec: dict[str, Any], policy: PodPolicy, out: Out) -> None:
 
 def _priority(spec: dict[str, Any], policy: PodPolicy, out: Out) -> None:
     pc = spec.get("priorityClassName")
-    if pc and pc not in policy.priority_classes and (policy.priority_classes or str(pc).startswith("system-")):
+    if pc and not isinstance(pc, str):
+        out.append(("priorityClassName", f"must be a name, not {type(pc).__name__}"))
+    elif pc and pc not in policy.priority_classes and (policy.priority_classes or str(pc).startswith("system-")):
         allowed = ", ".join(sorted(policy.priority_classes)) or "any but system-*"
         out.append(("priorityClassName", f"{pc!r} is not allowed by the pod policy ({allowed}); system-* classes "
                                          f"are for the cluster's own components and preempt everything"))
@@ -315,7 +317,8 @@ def pod_spec_problems(spec: dict[str, Any], policy: PodPolicy, hardened: frozens
     for kind in ("containers", "initContainers", "ephemeralContainers"):
         for i, c in enumerate(_l(spec.get(kind))):
             name = _d(c).get("name")
-            _container(c, f"{kind}[{i}]", policy, out, operator_hardened=kind == "containers" and name in hardened)
+            _container(c, f"{kind}[{i}]", policy, out,
+                       operator_hardened=kind == "containers" and isinstance(name, str) and name in hardened)
     for i, v in enumerate(_l(spec.get("volumes"))):
         _volume(v, f"volumes[{i}]", policy, out)
     _placement(spec, policy, out)
