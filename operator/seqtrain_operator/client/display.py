@@ -139,7 +139,7 @@ def status_text(job: Job, events: Sequence[Event] = (), now: datetime | None = N
         if ck else "none yet")
     if st.lost_seconds is not None:
         lost = [(r, getattr(st.lost_seconds, r)) for r in REASONS]
-        text = ", ".join(f"{r.replace('_', ' ')} {duration(v)}" for r, v in lost if v >= 0.5) or "none"
+        text = ", ".join(f"{r.replace('_', ' ')} {duration(v)}" for r, v in lost if v >= 1) or "none"
         if st.goodput is not None:
             text += f"; goodput {100 * st.goodput:.0f}%"
         row("Lost time", text)

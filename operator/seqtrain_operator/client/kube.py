@@ -53,11 +53,12 @@ def connect(context: str | None = None) -> tuple[client.ApiClient, str]:
     """(API client, the context's namespace) for `context` (None: the current one), or the in-cluster service
     account when there is no kubeconfig and no context was asked for. Raises NoCluster with the fix."""
     path = kubeconfig_path()
+    cfg = client.Configuration()
     if context is None and not os.path.exists(path) and os.environ.get("KUBERNETES_SERVICE_HOST"):
         try:
-            config.load_incluster_config()
+            config.load_incluster_config(client_configuration=cfg)
             with open(SA_NAMESPACE, encoding="utf-8") as f:
-                return client.ApiClient(), f.read().strip() or "default"
+                return _api(cfg), f.read().strip() or "default"
         except (config.ConfigException, OSError):
             pass
     if not os.path.exists(path):
@@ -77,11 +78,18 @@ def connect(context: str | None = None) -> tuple[client.ApiClient, str]:
     chosen = next(c for c in contexts if c["name"] == (context or current["name"]))
     namespace = (chosen.get("context") or {}).get("namespace") or "default"
     try:
-        api = config.new_client_from_config(config_file=path, context=context)
+        config.load_kube_config(config_file=path, context=context, client_configuration=cfg, persist_config=False)
     except Exception as exc:  # noqa: BLE001
         raise NoCluster(f"context {chosen['name']} in {path} is not usable: {exc}") from None
-    api.configuration.retries = 1  # an unreachable cluster is reported in seconds, not after urllib3's 3 tries
-    return api, namespace
+    return _api(cfg), namespace
+
+
+def _api(cfg: client.Configuration) -> client.ApiClient:
+    # Read when the client builds its connection pool, so set before: one retry (an unreachable cluster is reported
+    # in seconds, not after urllib3's three tries with backoff), and room for `logs --all`'s one stream per pod.
+    cfg.retries = 1
+    cfg.connection_pool_maxsize = 64
+    return client.ApiClient(cfg)
 
 
 def _reason(exc: BaseException) -> str:
