@@ -145,6 +145,50 @@ def test_the_cli_submits_follows_a_re_created_gang_to_the_end_waits_lists_shows_
     assert missing.returncode == 1 and "not found" in missing.stderr and missing.stderr.count("\n") == 1, missing
 
 
+@pytest.mark.timeout(RUN_TIMEOUT + 600)
+def test_logs_follow_survives_an_in_place_restart_and_ends_when_the_job_is_deleted(
+        testbed: Testbed, seqtrain_operator: Operator, ns: str, tmp_path: Path) -> None:
+    from test_testbed_inplace_restart import container_log, rank_pid  # the in-place test's pod helpers
+
+    name = "inplace"
+    doc = job_doc(name)
+    doc["spec"]["training"]["steps"] = 5000  # never ends by itself: the test deletes it
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    assert cli(testbed, "submit", str(path), "-n", ns).returncode == 0
+    log_file = tmp_path / "logs-f.txt"
+    with open(log_file, "wb") as sink:
+        follower = subprocess.Popen([SEQTRAIN, "logs", name, "-f", "-n", ns], stdout=sink, stderr=subprocess.STDOUT,
+                                    env={**os.environ, "KUBECONFIG": str(testbed.kubeconfig)}, start_new_session=True)
+    try:
+        wait(f"{name} past step 12", lambda: metrics_lines(ns, name) >= 12, RUN_TIMEOUT, 0.5)
+        pods = {int(p["metadata"]["labels"]["seqtrain.dev/replica"]): p
+                for p in testbed.get("pods", namespace=ns, selector=f"seqtrain.dev/job={name}")}
+        wait("both pods' spare ranks ready", lambda: all("ready for in-place restart 1" in container_log(p)
+                                                         for p in pods.values()), RUN_TIMEOUT, 0.5)
+        os.kill(rank_pid(testbed, pods[1]), signal.SIGKILL)  # one rank: the launchers restart all ranks in place
+        status = wait("the in-place restart counted", lambda: (st := (testbed.get("seqtrainjob", name, ns) or {})
+                                                               .get("status") or {}).get("inPlaceRestarts") and st,
+                      RUN_TIMEOUT, 1)
+        assert status["attempt"] == 1, status  # same pods, same attempt
+        wait("rank 0's restarted process in the followed log",
+             lambda: log_file.read_text(errors="replace").count(f"seqtrain: {name} attempt 1, ") >= 2, RUN_TIMEOUT, 1)
+        assert follower.poll() is None  # still following
+        gone = cli(testbed, "delete", name, "--wait", "-n", ns, timeout=360)
+        assert gone.returncode == 0, gone
+        assert follower.wait(timeout=180) == 0  # the job is gone: the follow ends
+    finally:
+        if follower.poll() is None:
+            os.killpg(follower.pid, signal.SIGKILL)
+            follower.wait(timeout=30)
+        cli(testbed, "delete", name, "-n", ns)
+    text = log_file.read_text(errors="replace")
+    print(f"$ seqtrain logs {name} -f -n {ns}   # across an in-place restart\n{text}")
+    lines = text.splitlines()
+    assert all(line.startswith(("[rank 0] ", "[seqtrain] ")) for line in lines), lines[:20]
+    assert not any(line.startswith("[seqtrain] attempt") for line in lines)  # never re-created
+
+
 @pytest.mark.timeout(2 * RUN_TIMEOUT + 600)
 def test_the_python_client_submits_suspends_resumes_reads_logs_and_deletes(
         testbed: Testbed, seqtrain_operator: Operator, ns: str, monkeypatch: pytest.MonkeyPatch) -> None:
