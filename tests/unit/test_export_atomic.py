@@ -54,7 +54,8 @@ def test_a_failed_write_leaves_nothing_behind(tmp_path: Path, monkeypatch: pytes
     monkeypatch.setattr(writer, "_write_json", full_disk)
     monkeypatch.setattr(writer, "load_source", lambda source: weights(tokenizer={"type": "file", "path": str(tok)}))
     assert writer.export_command("run", str(tmp_path / "out" / "model"), "hf", False) == 1
-    assert "No space left on device" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err == f"seqtrain export: writing {tmp_path / 'out' / 'model'}: No space left on device\n", err
     assert left_in(tmp_path) == ["out", "src"] and left_in(tmp_path / "out") == []  # no model, no .model.tmp-*
 
 

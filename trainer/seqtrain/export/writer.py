@@ -108,6 +108,11 @@ def _check_out(out: str) -> None:
                                f"{' ...' if len(held) > 3 else ''}); name a new or empty folder")
 
 
+class ExportWriteFailed(Exception):
+    """Writing the model folder failed (disk full, I/O error); nothing was left under --out. Exit 1: not the
+    input's fault."""
+
+
 @contextmanager
 def _staged(out: str) -> Iterator[str]:
     """A new folder beside `out` to write into; renamed to `out` when the block ends, removed when it raises."""
@@ -123,6 +128,9 @@ def _staged(out: str) -> Iterator[str]:
     try:
         yield tmp
         _publish(tmp, out)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ExportWriteFailed(f"writing {out}: {exc.strerror or exc}") from exc
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -158,8 +166,8 @@ def export_command(source: str, out: str, fmt: str, merge_lora: bool) -> int:
     except CheckpointUnavailable as exc:  # out of memory, storage I/O: try again later
         print(f"seqtrain export: {exc}", file=sys.stderr)
         return 1
-    except OSError as exc:  # writing failed (disk full, I/O): nothing was left behind under --out
-        print(f"seqtrain export: writing {out}: {exc.strerror or exc}", file=sys.stderr)
+    except ExportWriteFailed as exc:
+        print(f"seqtrain export: {exc}", file=sys.stderr)
         return 1
     print(f"{info['out']}: {info['arch']} as {info['format']} ({info['tensors']} tensors, "
           f"{info['parameters']:,} parameters)")
