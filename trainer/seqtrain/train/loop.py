@@ -380,11 +380,22 @@ class Trainer:
             if transient(exc):
                 raise classify(info.path, exc) from exc
             raise
-        state = load_plain(os.path.join(info.path, TRAINER_STATE))
-        self.load_state_dict(state)
+        state_path = os.path.join(info.path, TRAINER_STATE)
+        state = load_plain(state_path)
+        if not isinstance(state, dict) or type(state.get("step")) is not int or not isinstance(state.get("data"), dict):
+            raise UnusableCheckpoint(f"{state_path}: not seqtrain's trainer state (tampered, or not written by seqtrain)")
+        try:  # plain values of any shape load weights_only: a wrong shape is the file's fault, not a crash
+            self.load_state_dict(state)
+        except (KeyError, TypeError, AttributeError, IndexError) as exc:
+            raise UnusableCheckpoint(f"{state_path}: not seqtrain's trainer state ({type(exc).__name__})") from None
         rng_path = os.path.join(info.path, rng_file(self.ctx.rank))
         if os.path.exists(rng_path):
-            set_rng_state(load_plain(rng_path))
+            try:
+                set_rng_state(load_plain(rng_path))
+            except (KeyError, TypeError, ValueError, AttributeError, IndexError, RuntimeError) as exc:
+                from seqtrain.checkpoint.safe_load import classify
+
+                raise classify(rng_path, exc) from None
         else:  # resumed into more ranks than were saved: a fresh, still deterministic stream
             seed_all(self.spec.training.seed + 1 + self.ctx.rank + self.step)
         self.resumed_from = info
