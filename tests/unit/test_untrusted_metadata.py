@@ -387,13 +387,27 @@ def test_older_layouts_refuse_a_planted_file(engine: str, name: str, trained: Pa
     _never_ran(marker)
 
 
-@pytest.mark.parametrize(("name", "variant"), [("state/.metadata", v) for v in CORE] + [("trainer.pt", CORE[0]),
-                                                                                          ("rng-rank0.pt", CORE[0])])
+def _torch_saved(value: object) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    torch.save(value, buf)
+    return buf.getvalue()
+
+
+# plain values in the wrong shape: they load weights_only, and used to end the resume in a traceback
+MALFORMED = {"trainer.pt": {"step": "6", "data": []}, "rng-rank0.pt": {"python": 5, "numpy": None}}
+
+
+@pytest.mark.parametrize(("name", "variant"), [("state/.metadata", v) for v in CORE]
+                         + [("trainer.pt", CORE[0]), ("rng-rank0.pt", CORE[0]), ("trainer.pt", "malformed"),
+                            ("rng-rank0.pt", "malformed")])
 def test_resume_sets_a_planted_checkpoint_aside_and_runs_no_code(name: str, variant: str, trained: Path,
                                                                  tmp_path: Path, marker: Path) -> None:
-    step = _planted(trained, tmp_path, name, _payloads(marker, tmp_path)[variant])
+    data = _torch_saved(MALFORMED[name]) if variant == "malformed" else _payloads(marker, tmp_path)[variant]
+    step = _planted(trained, tmp_path, name, data)
     run = step.parent.parent
-    t = make_trainer(run, steps=8)
+    t = make_trainer(run)  # the same 6 steps: resumes from step 4 once step 6 is set aside
     assert t.resumed_from is not None and t.resumed_from.step == 4
     (bad, reason), = quarantined(str(run / "ckpt"))
     assert bad == 6 and os.path.basename(name) in reason and "\n" not in reason.strip(), reason
