@@ -49,6 +49,7 @@ from seqtrain.layout.topology import INTERLEAVED_CHUNKS
 from seqtrain.spec import SeqTrainJob
 from seqtrain.spec.lora import lora_param_count
 from seqtrain.spec.model import ModelSpec
+from seqtrain.spec.optimization import planned_precision
 from seqtrain.spec.resolve import resolved_model
 
 # bytes per parameter: (params, grads, optimizer states)
@@ -205,7 +206,8 @@ def estimate(job: SeqTrainJob) -> MemoryEstimate:
         mb = max(1, s.training.global_batch_size // dp // max(1, n_micro))
     else:
         mb = s.training.micro_batch_size
-    act_bytes = 4 if opt.precision == "fp32" else 2
+    precision = planned_precision(opt.precision, s.resources.gpus)  # `auto`: fp32 on CPU, bf16 with GPUs
+    act_bytes = 4 if precision == "fp32" else 2
     bounds = stage_bounds(m, pp, seq)
     fused_loss = bool(opt.kernels)  # kernels are opt-in (seqtrain.models.dispatch): unset is the reference loss
     ac = opt.activation_checkpointing
@@ -215,14 +217,14 @@ def estimate(job: SeqTrainJob) -> MemoryEstimate:
         psi = stage_params(p, bounds, st, tp, m.tie_embeddings)
         # The native engines (DDP, FSDP2) autocast with fp32 weights and gradients: same 16 bytes per
         # parameter as the paper's mixed-precision Adam, split 4 + 4 + 8 instead of 2 + 2 + 12.
-        ms = model_state_bytes(psi, opt.precision if engine == "deepspeed" else "fp32", zstage, dp,
+        ms = model_state_bytes(psi, precision if engine == "deepspeed" else "fp32", zstage, dp,
                                opt.zero.offload)
         if m.lora is not None:  # frozen weights: no gradients or optimizer states for them, only for adapters
             ad = model_state_bytes(lora_param_count(m), "fp32", zstage, dp, opt.zero.offload)
             ms = ModelStates(params=ms.params + ad.params, grads=ad.grads, optimizer=ad.optimizer, cpu=ad.cpu)
         params, grads = ms.params, ms.grads
         if engine == "fsdp2" and dp > 1:
-            extra_p, extra_g = fsdp_working_set(p, tp, opt.precision, has_root=True)
+            extra_p, extra_g = fsdp_working_set(p, tp, precision, has_root=True)
             params, grads = params + extra_p, grads + extra_g
         nblocks = bounds[st][1] - bounds[st][0]
         whole, ckpt = stored_blocks(ac.policy, ac.every, nblocks)
@@ -241,7 +243,7 @@ def estimate(job: SeqTrainJob) -> MemoryEstimate:
         acts = per_tok * mb * seq * in_flight(opt.pipeline_schedule, pp, n_micro, st)
         stages.append(RankMemory(stage=st, blocks=bounds[st], params_count=psi, params=params, grads=grads,
                                  optimizer=ms.optimizer, activations=acts, cpu=ms.cpu))
-    return MemoryEstimate(engine=engine, zero_stage=zstage, precision=opt.precision, micro_batch=mb,
+    return MemoryEstimate(engine=engine, zero_stage=zstage, precision=precision, micro_batch=mb,
                           pipeline_micro_batches=n_micro, total_params=p.total, stages=tuple(stages),
                           trainable_params=lora_param_count(m) if m.lora is not None else None)
 

@@ -10,6 +10,7 @@ import yaml
 
 from seqtrain.spec import SeqTrainJob, SpecError, load_job_file
 from seqtrain.spec.datafiles import data_notes
+from seqtrain.spec.optimization import describe_compile, describe_precision
 from seqtrain.spec.resolve import paths_readable, resolve_model
 from seqtrain_operator.planner.fit import memory_problems
 from seqtrain_operator.planner.inventory import cpu_millis, inventory, memory_bytes
@@ -57,7 +58,8 @@ def plan_dict(job: SeqTrainJob, plan: Plan) -> dict:
         "layout": {"dp": plan.layout.dp, "tp": plan.layout.tp, "pp": plan.layout.pp},
         "engine": est.engine,
         "zeroStage": est.zero_stage,
-        "precision": est.precision,
+        "precision": describe_precision(job.spec.optimization.precision, job.spec.resources.gpus),
+        "compile": describe_compile(job.spec.optimization.compile, job.spec.resources.gpus),
         "model": {"arch": m.arch, "params": est.total_params, "layers": m.layers, "dim": m.dim,
                   "trainableParams": est.trainable_params if est.trainable_params is not None else est.total_params,
                   "derived": resolved.derivations()},
@@ -95,7 +97,7 @@ def render(d: dict) -> str:
                 if d["model"]["trainableParams"] != d["model"]["params"] else ""),
              d["model"]["derived"],
              f"engine {d['engine']} (ZeRO-{d['zeroStage']} accounting), precision {d['precision']}, "
-             f"micro-batch {d['microBatch']} sequences"]
+             f"compile {d['compile']}, micro-batch {d['microBatch']} sequences"]
     p = d["pipeline"]
     if p["stages"] > 1:
         lines.append(f"pipeline {p['schedule']}: {p['stages']} stages, {p['microBatches']} micro-batches, "

@@ -331,7 +331,7 @@ def _run_steps(job: Any, steps: int, warmup: int) -> dict[str, Any]:
                 times.append(time.perf_counter() - t0)
             metrics.append(m)
         peak_mb = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else metrics[-1]["mem_peak_mb"]
-        compiled = compile_report(trainer.model) if job.spec.optimization.compile else None
+        compiled = compile_report(trainer.model) if trainer.spec.optimization.compile else None
         backends = attention_backends(trainer.train_step)
         params = count_parameters(trainer.model)
         del trainer

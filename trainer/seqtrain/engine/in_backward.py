@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor
 
 from seqtrain.runtime.dist import DistContext
 from seqtrain.spec.job import SeqTrainJob
+from seqtrain.spec.optimization import resolve_compile
 
 
 def blocker(job: SeqTrainJob, device: torch.device, tp_size: int) -> str | None:
@@ -44,10 +45,10 @@ def blocker(job: SeqTrainJob, device: torch.device, tp_size: int) -> str | None:
         return "fp16 (the loss scaler unscales and checks every gradient first)"
     if tp_size > 1:
         return "tensor parallel"
-    if s.optimization.compile:
-        return "optimization.compile"
     if device.type != "cpu":
         return f"{device.type} (FSDP2 reduce-scatters on its own stream there)"
+    if resolve_compile(s.optimization.compile, device.type):
+        return "optimization.compile"
     return None
 
 

@@ -1,9 +1,9 @@
 """Model preparation after build and tensor parallelism, before the engine wraps it: activation checkpointing,
 then `torch.compile` (torchtitan's order: checkpoint wrappers must exist before compiling what they wrap).
 
-`optimization.compile` compiles each transformer block in place (`nn.Module.compile`: parameter names and
-checkpoints are unchanged, and one compiled block is reused by all blocks of the same shape). Recurrent models are
-left eager: their time steps already run in fused cuDNN/oneDNN kernels and their chunk loop is data-dependent.
+`optimization.compile` (`auto`, the default: on with CUDA, off on the CPU) compiles each transformer block in
+place (`nn.Module.compile`: parameter names and checkpoints are unchanged, and one compiled block is reused by
+all blocks of the same shape). Recurrent models are left eager: their time steps already run in fused cuDNN/oneDNN kernels and their chunk loop is data-dependent.
 Where no compiler backend is usable (no C++ compiler for inductor on CPU, no Triton on CUDA) the model stays
 eager with a warning. A block whose compilation fails falls back to eager with a warning that names the block
 and the error, and the failure is recorded on the block (`CompileState`): `compile_report(model)` counts the
@@ -26,6 +26,7 @@ from torch import nn
 
 from seqtrain.models.activation_checkpointing import apply_activation_checkpointing
 from seqtrain.spec.job import SeqTrainJob
+from seqtrain.spec.optimization import resolve_compile
 
 
 def compile_backend_problem(device: torch.device) -> str | None:
@@ -124,6 +125,6 @@ def prepare_model(model: nn.Module, job: SeqTrainJob, device: torch.device) -> l
     lines = []
     if opt.activation_checkpointing.policy != "none":
         lines.append(apply_activation_checkpointing(model, opt.activation_checkpointing, job.spec.data.seq_len))
-    if opt.compile:
+    if resolve_compile(opt.compile, device.type):  # auto: on with CUDA, off on the CPU
         lines.append(maybe_compile(model, device))
     return lines

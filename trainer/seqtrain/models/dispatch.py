@@ -36,6 +36,7 @@ from seqtrain.kernels._runtime import (
 )
 from seqtrain.models.compile import compile_backend_problem
 from seqtrain.spec.job import SeqTrainJob
+from seqtrain.spec.optimization import resolve_compile
 
 
 def resolve_kernels(setting: bool | None, device: torch.device) -> tuple[bool, str]:
@@ -81,7 +82,8 @@ def setup_kernels(model: nn.Module, job: SeqTrainJob, device: torch.device) -> s
     """Resolve `optimization.kernels` for this run and switch the model; returns the log line."""
     opt = job.spec.optimization
     enabled, why = resolve_kernels(opt.kernels, device)
-    compiled = enabled and opt.compile and hasattr(model, "blocks") and compile_backend_problem(device) is None
+    compiled = (enabled and resolve_compile(opt.compile, device.type) and hasattr(model, "blocks")
+                and compile_backend_problem(device) is None)
     apply_kernels(model, enabled, skip_blocks=compiled)
     line = f"kernels: {why}"
     if enabled and getattr(model, "lm_loss", None) is not None:

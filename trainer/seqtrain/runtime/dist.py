@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from seqtrain.runtime.exitcodes import DeviceUnavailable, InvalidConfig
+from seqtrain.runtime.launch import cuda_alloc_env
 
 
 @dataclass
@@ -105,7 +106,15 @@ def init_distributed(use_gpu: bool, timeout_seconds: int = 600, expected_world: 
         if not torch.cuda.is_available():
             raise DeviceUnavailable(f"spec.resources.gpus > 0 but this process sees no CUDA device on node "
                                     f"{os.environ.get('NODE_NAME', '?')} (driver or device plugin fault?)")
-        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        count = torch.cuda.device_count()
+        # one rank per GPU: two ranks on one GPU would share its memory and stream (and NCCL refuses it)
+        if max(local_rank + 1, local_world if os.environ.get("LOCAL_WORLD_SIZE") else 1) > count:
+            raise InvalidConfig(f"{local_world} ranks on this node but it has {count} CUDA device(s) "
+                                f"(LOCAL_RANK={local_rank}): set spec.resources.processesPerReplica "
+                                f"(--nproc-per-node) to at most {count}, one rank per GPU")
+        for name, value in cuda_alloc_env(os.environ).items():  # before the first CUDA allocation reads it
+            os.environ[name] = value
+        device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")

@@ -12,7 +12,8 @@ What it does, in order:
 - reads the pod's bootstrap environment (WORLD_SIZE, NODE_RANK, MASTER_ADDR, MASTER_PORT; `rank_envs`) and gives
   child `local` RANK = NODE_RANK * N + local, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT;
   CUDA_VISIBLE_DEVICES is left alone (each rank takes cuda:LOCAL_RANK); OMP_NUM_THREADS, unless set, is the
-  container's CPUs (`cpu_budget`) divided by N;
+  container's CPUs (`cpu_budget`) divided by N; PYTORCH_CUDA_ALLOC_CONF, unless set, is
+  `expandable_segments:True` (`cuda_alloc_env`);
 - starts every child in its own session (process group), so a signal reaches the child and anything it spawned;
 - forwards SIGTERM/SIGINT to every child and waits up to SEQTRAIN_TERM_GRACE_SECONDS (the manifests set it a little
   below the pod's terminationGracePeriodSeconds) before SIGKILL;
@@ -111,6 +112,20 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+CUDA_ALLOC_VAR = "PYTORCH_CUDA_ALLOC_CONF"
+CUDA_ALLOC_DEFAULT = "expandable_segments:True"
+
+
+def cuda_alloc_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The CUDA caching allocator's setting for a rank: expandable segments (one growing mapping per stream instead of
+    fixed-size blocks) unless the user set PYTORCH_CUDA_ALLOC_CONF. Variable sequence lengths and packed batches
+    otherwise fragment the cache into blocks no later request fits, which shows as an out-of-memory error with
+    gigabytes reserved but free. Only CUDA's allocator reads it (a CPU rank ignores it), and it must be in the
+    environment before the rank's first CUDA allocation: the launcher gives it to every child, and a CUDA rank
+    started without the launcher sets it itself (`seqtrain.runtime.dist.init_distributed`)."""
+    return {} if environ.get(CUDA_ALLOC_VAR) else {CUDA_ALLOC_VAR: CUDA_ALLOC_DEFAULT}
+
+
 def rank_envs(nproc: int, environ: Mapping[str, str]) -> list[dict[str, str]]:
     """The variables each of the `nproc` children gets on top of `environ` (index = local rank).
 
@@ -142,7 +157,7 @@ def rank_envs(nproc: int, environ: Mapping[str, str]) -> list[dict[str, str]]:
     threads = environ.get("OMP_NUM_THREADS") or str(max(1, cpu_budget() // nproc))
     return [{"RANK": str(node_rank * nproc + local), "LOCAL_RANK": str(local), "WORLD_SIZE": str(world),
              "LOCAL_WORLD_SIZE": str(nproc), "NODE_RANK": str(node_rank), "MASTER_ADDR": addr, "MASTER_PORT": port,
-             "OMP_NUM_THREADS": threads} for local in range(nproc)]
+             "OMP_NUM_THREADS": threads, **cuda_alloc_env(environ)} for local in range(nproc)]
 
 
 def cpu_budget(cpu_max: str = "/sys/fs/cgroup/cpu.max") -> int:

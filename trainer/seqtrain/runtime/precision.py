@@ -17,6 +17,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from seqtrain.spec.job import SeqTrainJob
+from seqtrain.spec.optimization import resolve_compile, resolve_precision
+
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -100,11 +103,31 @@ def _unscale_grads(grads: list[torch.Tensor], inv_scale: float) -> torch.Tensor:
     return found
 
 
+def bf16_supported(device: torch.device) -> bool:
+    """Whether `device` runs bf16 matmuls natively (Ampere and newer). The CPU answers False: `auto` keeps it fp32."""
+    return device.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+
+
+def resolve_auto(job: SeqTrainJob, device: torch.device) -> SeqTrainJob:
+    """The job with `optimization.precision` and `optimization.compile` resolved for this rank's device, so that
+    every component (engines, kernels, MFU peaks) reads one concrete value. `auto` is bf16 and compiled blocks on a
+    bf16-capable CUDA GPU, fp32 and eager on the CPU (its numerics unchanged); explicit values are kept."""
+    opt = job.spec.optimization
+    precision = resolve_precision(opt.precision, device.type, bf16_supported(device))
+    compile_ = resolve_compile(opt.compile, device.type)
+    if precision == opt.precision and compile_ is opt.compile:
+        return job
+    spec = job.spec.model_copy(update={"optimization": opt.model_copy(update={"precision": precision,
+                                                                             "compile": compile_})})
+    return job.model_copy(update={"spec": spec})
+
+
 class MixedPrecision:
     """What the engine needs from precision: autocast, (scaled) backward, unscale + overflow check, scale update."""
 
     def __init__(self, precision: str, device: torch.device | str, growth_interval: int = 1000,
                  init_scale: float = 2.0**16) -> None:
+        precision = resolve_precision(precision, torch.device(device).type, bf16_supported(torch.device(device)))
         if precision not in DTYPES:
             raise ValueError(f"optimization.precision: {precision!r} is not one of {sorted(DTYPES)}")
         self.name = precision

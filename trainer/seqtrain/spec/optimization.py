@@ -27,7 +27,9 @@ class ActivationCheckpointingSpec(SpecModel):
 
 
 class OptimizationSpec(SpecModel):
-    precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="Compute precision (master weights stay fp32).")
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
+        "auto", description="Compute precision (master weights stay fp32). auto: bf16 on a CUDA GPU that supports it, "
+        "else fp32 (the CPU always runs fp32).")
     engine: Literal["auto", "native", "deepspeed"] = Field(
         "auto", description="native: DDP/FSDP2; deepspeed: DeepSpeed ZeRO engine; auto: deepspeed when zero.stage > 0."
     )
@@ -44,7 +46,9 @@ class OptimizationSpec(SpecModel):
     )
     kernels: bool | None = Field(None, description="Use seqtrain's Triton kernels (default: off, the PyTorch "
                                   "reference, until a GPU benchmark shows them faster).")
-    compile: bool = Field(False, description="Wrap the model with torch.compile where the backend is available.")
+    compile: bool | Literal["auto"] = Field(
+        "auto", description="Compile the transformer blocks with torch.compile where the backend is available. "
+        "auto: on with CUDA, off on the CPU.")
     grad_compression: Literal["none", "bf16", "fp16"] = Field(
         "none", description="Compress data-parallel gradient all-reduce (communication hook)."
     )
@@ -52,3 +56,41 @@ class OptimizationSpec(SpecModel):
     comm_timeout_seconds: int = Field(
         600, ge=10, le=DAY, description="Collective timeout; on expiry every rank reports what it waited for and exits."
     )
+
+
+AUTO_PRECISION = "auto: bf16 on a bf16-capable GPU, else fp32"
+
+
+def resolve_precision(precision: str, device_type: str, bf16_supported: bool) -> str:
+    """The precision a rank runs: `auto` is bf16 on a CUDA device with bf16, else fp32. The CPU resolves to fp32 so
+    every CPU run keeps full-precision numerics; an explicit value is kept as written."""
+    if precision != "auto":
+        return precision
+    return "bf16" if device_type == "cuda" and bf16_supported else "fp32"
+
+
+def resolve_compile(compile_: bool | str, device_type: str) -> bool:
+    """Whether the blocks are compiled: `auto` is on with CUDA (inductor's fused Triton kernels) and off on the CPU
+    (compile time there buys little and every CPU test stays eager); a bool is kept as written."""
+    if compile_ == "auto":
+        return device_type == "cuda"
+    return bool(compile_)
+
+
+def planned_precision(precision: str, gpus: int) -> str:
+    """The precision an estimate made before any device is seen assumes: `auto` is fp32 without GPUs and bf16 with
+    them (every GPU seqtrain's peak table knows has bf16; the rank itself falls back to fp32 where it has none)."""
+    return resolve_precision(precision, "cuda" if gpus > 0 else "cpu", True)
+
+
+def describe_precision(precision: str, gpus: int) -> str:
+    """`precision` for plan/validate output: what `auto` becomes where that is known before the run."""
+    if precision != "auto":
+        return precision
+    return "fp32 (auto: no GPU)" if gpus == 0 else AUTO_PRECISION
+
+
+def describe_compile(compile_: bool | str, gpus: int) -> str:
+    if compile_ != "auto":
+        return "on" if compile_ else "off"
+    return "off (auto: no GPU)" if gpus == 0 else "auto: on with CUDA"

@@ -36,7 +36,7 @@ from seqtrain.runtime.callbacks import CallbackList
 from seqtrain.runtime.dist import DistContext
 from seqtrain.runtime.exitcodes import InvalidConfig, announce_phase
 from seqtrain.runtime.launch import GRACE_ENV
-from seqtrain.runtime.precision import enable_tf32
+from seqtrain.runtime.precision import enable_tf32, resolve_auto
 from seqtrain.spec.job import SeqTrainJob
 from seqtrain.spec.runtime import RuntimeConfig
 from seqtrain.train.interval import DEFAULT_RANK_MTBF_HOURS, IntervalPolicy
@@ -95,7 +95,7 @@ class Trainer:
     def __init__(
         self, job: SeqTrainJob, runtime: RuntimeConfig, ctx: DistContext, callbacks: list[Any] | None = None
     ) -> None:
-        self.job = job
+        self.job = job = resolve_auto(job, ctx.device)  # precision/compile `auto` -> what this device runs
         self.spec = job.spec
         self.runtime = runtime
         self.ctx = ctx
