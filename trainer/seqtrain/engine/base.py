@@ -33,6 +33,18 @@ from seqtrain.runtime.precision import MixedPrecision
 from seqtrain.spec.job import SeqTrainJob
 
 
+def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer.step()` honours a device-side `found_inf` flag (PyTorch's fused Adam, AdamW and SGD:
+    the flag GradScaler sets), so a step with non-finite gradients is skipped without a host sync."""
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD) or \
+            not optimizer.defaults.get("fused"):
+        return False
+    from torch.distributed.tensor import DTensor
+
+    # FSDP2's sharded parameters are DTensors: a plain flag tensor beside them is not what DTensor dispatch takes
+    return not any(isinstance(p, DTensor) for g in optimizer.param_groups for p in g["params"])
+
+
 @dataclass
 class StepStats:
     """One optimizer step, summed over all micro-batches and all data-parallel ranks."""
@@ -66,6 +78,7 @@ class Engine(ABC):
         self.scheduler = build_scheduler(self.optimizer, job.spec.training.schedule, job.spec.training.steps)
         # autocast + fp32 master weights; fp16 adds the dynamic loss scaler (its state is checkpointed)
         self.precision = MixedPrecision(job.spec.optimization.precision, ctx.device)
+        self._skips_on_device: bool | None = None  # skips_on_device(self.optimizer), once the engine wrapped it
 
     @abstractmethod
     def step(self, micro_batches: list[Batch]) -> StepStats: ...
@@ -108,17 +121,39 @@ class Engine(ABC):
         return torch.nn.utils.clip_grad_norm_(params, clip if clip is not None else math.inf)
 
     def _update(self, batches: list[Batch], loss_sum: torch.Tensor, tokens: torch.Tensor) -> StepStats:
-        # fp16 only: divide the gradients by the loss scale; True if any is inf/NaN (the scaler's own host sync)
-        overflow = self.precision.unscale_and_check(self.model.parameters())
+        """Clip, step the optimizer and the schedule; return the step's global figures.
+
+        Host syncs (the CPU waits for the GPU) are the only ones listed here; everything else stays queued on the
+        device, so the CPU launches the optimizer while backward still runs:
+        - fp16 only: the loss scaler's overflow flag (`unscale_and_check`), read before the update it decides;
+        - an optimizer that skips on device (`skips_on_device`: fused AdamW/Adam/SGD, what CUDA runs) gets the
+          non-finite flag as a device tensor, and the figures are read once, after `optimizer.step()` was queued;
+        - any other optimizer needs the norm on the host to decide whether to step: one read before the step.
+        """
+        overflow = self.precision.unscale_and_check(self.model.parameters())  # sync: fp16's scaler only
         grad_norm = self._clip()
-        slots = torch.tensor(float(sum(b.slots for b in batches)), dtype=torch.float64, device=self.ctx.device)
+        # a fill kernel with the count as its argument: no host-to-device copy (torch.tensor(x, device=cuda) is one)
+        slots = torch.full((), float(sum(b.slots for b in batches)), dtype=torch.float64, device=self.ctx.device)
         totals = torch.stack([loss_sum, slots])
         self.ctx.all_reduce(totals, group=self.ctx.dp_group)
-        # The step's one host sync: the update decision needs the norm, the metrics the totals; one transfer.
-        norm, loss, ntok, nslots = torch.stack([grad_norm.double(), totals[0], tokens.double(), totals[1]]).tolist()
-        skipped = overflow or not math.isfinite(norm)  # skipping keeps inf/NaN out of the weights
-        if not skipped:
-            self.optimizer.step()
+        figures = torch.stack([grad_norm.double(), totals[0], tokens.double(), totals[1]])
+        if self._skips_on_device is None:
+            self._skips_on_device = skips_on_device(self.optimizer)
+        if self._skips_on_device and not overflow:
+            # The kernel returns early when found_inf is 1 (no update, no weight decay, step count kept), so a
+            # non-finite norm skips the update without the CPU ever looking at it.
+            self.optimizer.found_inf = (~torch.isfinite(grad_norm)).float().reshape(())  # the step counts' shape
+            try:
+                self.optimizer.step()
+            finally:
+                del self.optimizer.found_inf
+            norm, loss, ntok, nslots = figures.tolist()  # sync: the step's one read, after the update is queued
+            skipped = not math.isfinite(norm)
+        else:
+            norm, loss, ntok, nslots = figures.tolist()  # sync: the update decision needs the norm on the host
+            skipped = overflow or not math.isfinite(norm)  # skipping keeps inf/NaN out of the weights
+            if not skipped:
+                self.optimizer.step()
         self.precision.update(skipped)  # fp16: halve the scale after an overflow, grow after a good run
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
