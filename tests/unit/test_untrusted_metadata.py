@@ -205,6 +205,33 @@ def test_the_real_metadata_loads(dcp_folder: Path) -> None:
     assert type(meta) is Metadata and set(meta.state_dict_metadata) >= {"model.w", "model.b", "lst.0"}
 
 
+def test_the_table_holds_exact_names_and_reads_python_3_12s_enum_pickles(dcp_folder: Path, tmp_path: Path) -> None:
+    """Every name is one identifier (no dotted lookups), and Python >= 3.12's way of pickling an Enum member,
+    getattr(EnumClass, "NAME"), still reads (the GPU machines' Python; 3.11 pickles it by value)."""
+    import enum
+    import io
+
+    from seqtrain.checkpoint.safe_load import _globals
+
+    assert all(name.isidentifier() and "." not in name for _, name in _globals())
+
+    class Py312(pickle.Pickler):
+        def reducer_override(self, obj):  # noqa: ANN001, ANN202
+            if isinstance(obj, enum.Enum):
+                return getattr, (type(obj), obj.name)
+            return NotImplemented
+
+    out = tmp_path / "state"
+    shutil.copytree(dcp_folder, out)
+    with open(out / ".metadata", "rb") as f:
+        meta = pickle.load(f)  # noqa: S301 - our own file, written by the fixture
+    buf = io.BytesIO()
+    Py312(buf, protocol=4).dump(meta)
+    assert b"getattr" in buf.getvalue()
+    (out / ".metadata").write_bytes(buf.getvalue())
+    assert read_dcp_metadata(str(out / ".metadata")).state_dict_metadata.keys() == meta.state_dict_metadata.keys()
+
+
 def _first_storage(meta):  # noqa: ANN001, ANN202
     return next(iter(meta.storage_data.values()))
 

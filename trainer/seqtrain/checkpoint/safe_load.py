@@ -170,18 +170,17 @@ def _metadata_globals() -> dict[tuple[str, str], Any]:
 
     from torch.distributed.checkpoint import filesystem, metadata
 
-    table: dict[tuple[str, str], Any] = {
-        ("torch.distributed.checkpoint.metadata", cls.__name__): cls
-        for cls in (metadata.Metadata, metadata.TensorStorageMetadata, metadata.BytesStorageMetadata,
-                    metadata.ChunkStorageMetadata, metadata.TensorProperties, metadata.MetadataIndex,
-                    metadata.StorageMeta, metadata._MEM_FORMAT_ENCODING)
-    }
-    table[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = filesystem._StorageInfo
-    table[("torch", "Size")] = torch.Size
-    table[("torch.serialization", "_get_layout")] = torch.serialization._get_layout  # a name -> torch.layout
-    table[("pathlib", "PosixPath")] = pathlib.PosixPath  # StorageMeta.checkpoint_id as the writer was given it
+    objects = [metadata.Metadata, metadata.TensorStorageMetadata, metadata.BytesStorageMetadata,
+               metadata.ChunkStorageMetadata, metadata.TensorProperties, metadata.MetadataIndex, metadata.StorageMeta,
+               metadata._MEM_FORMAT_ENCODING, filesystem._StorageInfo, torch.Size,
+               torch.serialization._get_layout,  # a layout's name -> torch.layout
+               pathlib.PosixPath, pathlib.PurePosixPath,  # StorageMeta.checkpoint_id as the writer was given it
+               collections.OrderedDict]
+    # keyed as pickle writes them: the object's own module and name (pathlib's classes live in pathlib._local from
+    # Python 3.13 on), and for the paths also as older Pythons wrote them
+    table: dict[tuple[str, str], Any] = {(obj.__module__, obj.__qualname__): obj for obj in objects}
+    table[("pathlib", "PosixPath")] = pathlib.PosixPath
     table[("pathlib", "PurePosixPath")] = pathlib.PurePosixPath
-    table[("collections", "OrderedDict")] = collections.OrderedDict
     # Python >= 3.12 pickles an Enum member as getattr(EnumClass, "NAME"): only that, by `_enum_member`
     table[("builtins", "getattr")] = _enum_member
     for name in dir(torch):  # torch.float32 pickles as the global `torch float32`; torch.strided, torch.channels_last
