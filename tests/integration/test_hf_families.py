@@ -83,7 +83,7 @@ def seqtrain_logits(model: torch.nn.Module) -> torch.Tensor:
         return model(tokens()) @ model.output_weight.T
 
 
-def init_job(folder: Path, **sets: Any) -> Any:
+def init_job(folder: Path | str, **sets: Any) -> Any:
     """A job that starts from `folder` and names nothing else about the model: all of it comes from the folder."""
     model = {"init": str(folder), **sets}
     return resolve(parse_job({"apiVersion": "seqtrain.dev/v1alpha1", "kind": "SeqTrainJob",
@@ -259,3 +259,48 @@ def test_greedy_generation_equals_transformers_token_for_token(tmp_path: Path, f
     for cache in (True, False):
         got = list(generate_ids(model, prompt, Sampling(max_new_tokens=14, temperature=0.0), use_cache=cache))
         assert got == want, (family, cache)
+
+
+def hub_cache(home: Path, folder: Path, repo: str, commit: str = "0123abcd" * 5, ref: str = "main") -> Path:
+    """`folder` put into a Hugging Face cache under `home` as huggingface_hub lays it out: blobs named by content,
+    snapshots/<commit>/<file> linking to ../../blobs/<blob>, refs/<ref> holding the commit."""
+    import hashlib
+
+    org, name = repo.split("/")
+    root = home / "hub" / f"models--{org}--{name}"
+    (root / "blobs").mkdir(parents=True, exist_ok=True)
+    snap = root / "snapshots" / commit
+    snap.mkdir(parents=True)
+    for f in folder.iterdir():
+        blob = hashlib.sha256(f.read_bytes()).hexdigest()
+        (root / "blobs" / blob).write_bytes(f.read_bytes())
+        (snap / f.name).symlink_to(f"../../blobs/{blob}")
+    (root / "refs").mkdir(exist_ok=True)
+    (root / "refs" / ref).write_text(commit)
+    return snap
+
+
+def test_hf_uri_resolves_from_the_local_cache_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    folder = tmp_path / "qwen3"
+    want = hf_logits(make_folder("qwen3", folder))
+    add_tokenizer(folder)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    snap = hub_cache(tmp_path / "home", folder, "acme/tiny-qwen3")
+    for uri in ("hf://acme/tiny-qwen3", "hf://acme/tiny-qwen3@main", f"hf://acme/tiny-qwen3@{snap.name}"):
+        job = init_job(uri)
+        assert job.spec.model.qk_norm and job.spec.model.head_dim == 32
+        assert job.spec.data.tokenizer.path == str(snap / "tokenizer.json")  # the cache's link, followed
+        model = build_model(job.spec.model).eval()
+        load_initial_weights(model, uri)
+        assert (seqtrain_logits(model) - want).abs().max().item() < TOL
+    with pytest.raises(SpecError, match=r"hf://acme/other: not in the local Hugging Face cache .*huggingface-cli "
+                                        r"download acme/other"):
+        init_job("hf://acme/other")
+    with pytest.raises(SpecError, match=r"revision 'v2' is not in the local Hugging Face cache"):
+        init_job("hf://acme/tiny-qwen3@v2")
+    # a link out of the repository's own folder is not the cache's layout: refused like any other link
+    (snap / "model.safetensors").unlink()
+    (snap / "model.safetensors").symlink_to(folder / "model.safetensors")
+    with pytest.raises(Exception, match="a symbolic link"):
+        load_source("hf://acme/tiny-qwen3")

@@ -27,6 +27,7 @@ import torch
 
 from seqtrain.export.hf_tensors import from_hf, to_hf
 from seqtrain.spec import hf
+from seqtrain.spec.init_source import local_folder, path_in_hf_cache
 from seqtrain.spec.job import SeqTrainJob
 from seqtrain.spec.model import ModelSpec
 
@@ -81,7 +82,7 @@ def _load_safetensors_file(path: str) -> dict[str, torch.Tensor]:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    if os.path.islink(path):
+    if os.path.islink(path) and not path_in_hf_cache(path):  # the cache's own links into its blobs are its layout
         raise WeightsError(f"{path}: a symbolic link; model files are never followed through links")
     try:
         return load_file(path)
@@ -295,7 +296,10 @@ def _from_folder(folder: str) -> Weights:
 def load_source(path: str, job: SeqTrainJob | None = None) -> Weights:
     """Weights of any accepted source (see the module docstring); `job` names the model when a bare
     checkpoint folder does not."""
-    path = os.path.expanduser(path)
+    try:
+        path = local_folder(path)  # hf://ORG/NAME[@REVISION]: its snapshot in the local Hugging Face cache
+    except ValueError as exc:
+        raise WeightsError(str(exc)) from None
     if not os.path.isdir(path):
         raise WeightsError(f"{path}: not a folder (give a run folder, a checkpoint step-N folder or a model folder)")
     hf_folder = os.path.isfile(os.path.join(path, "config.json")) and (

@@ -23,13 +23,13 @@ def _init_problems(job: SeqTrainJob, m) -> list[Problem]:  # noqa: ANN001 - the 
     from seqtrain.spec.model import ModelSpec
 
     init = job.spec.model.init
-    if not init or "://" in init or not paths_readable():
+    if not init or ("://" in init and not init.startswith("hf://")) or not paths_readable():
         return []
     desc = describe_init(init)
     if desc is None:
         # A folder that does not exist yet is fine here (written by an export before the run, or present only in
         # the pods); the trainer fails clearly if it is still missing. One that exists must describe a model.
-        if os.path.isdir(os.path.expanduser(init)):
+        if init.startswith("hf://") or os.path.isdir(os.path.expanduser(init)):
             refusal = init_refusal(init)  # a config.json seqtrain cannot represent: its own key, not "no description"
             return [Problem("spec.model.init", refusal or f"{init!r} holds no model description (seqtrain.json, "
                                                "config.json, meta.json or a run's trainer config); give an export, "

@@ -16,6 +16,44 @@ SHAPE_FIELDS = ("arch", "vocab_size", "dim", "layers", "heads", "kv_heads", "ffn
 FUNCTION_FIELDS = ("rope_theta", "norm_eps", "rope_scaling", "sliding_window")
 
 
+HF_SCHEME = "hf://"
+
+
+def hf_snapshot(uri: str) -> tuple[str, str]:
+    """(snapshot folder, repository folder) of `hf://ORG/NAME[@REVISION]` in the local Hugging Face cache, laid out
+    as huggingface_hub lays it: $HF_HUB_CACHE or $HF_HOME/hub (default ~/.cache/huggingface/hub), then
+    models--ORG--NAME/refs/<branch or tag> holding a commit, and snapshots/<commit>/ whose files link into
+    ../../blobs. Offline: nothing is downloaded. ValueError saying what is missing and how to get it."""
+    name, _, rev = uri[len(HF_SCHEME):].partition("@")
+    parts = name.split("/")
+    if len(parts) != 2 or not all(parts) or any(p in (".", "..") or os.sep in p for p in parts):
+        raise ValueError(f"{uri!r} is not hf://ORG/NAME[@REVISION]")
+    hub = os.environ.get("HF_HUB_CACHE") or os.path.join(
+        os.environ.get("HF_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "huggingface"), "hub")
+    repo = os.path.join(hub, f"models--{parts[0]}--{parts[1]}")
+    fetch = f"download it once where the hub is reachable: huggingface-cli download {name}" + (
+        f" --revision {rev}" if rev else "")
+    if not os.path.isdir(repo):
+        raise ValueError(f"{uri}: not in the local Hugging Face cache ({repo} does not exist); {fetch}")
+    rev = rev or "main"
+    commit = rev
+    ref = os.path.join(repo, "refs", rev)
+    if os.sep not in rev and os.path.isfile(ref):
+        with open(ref, encoding="utf-8") as f:
+            commit = f.read().strip()
+    snapshot = os.path.join(repo, "snapshots", commit)
+    if os.sep in commit or commit in (".", "..") or not os.path.isdir(snapshot):
+        raise ValueError(f"{uri}: revision {rev!r} is not in the local Hugging Face cache ({repo}/refs/{rev} or "
+                         f"snapshots/{commit}); {fetch}")
+    return snapshot, repo
+
+
+def local_folder(path: str) -> str:
+    """The folder a `model.init` value names here: hf://ORG/NAME[@REVISION] -> its cached snapshot (ValueError
+    when it is not cached), anything else -> the path itself."""
+    return hf_snapshot(path)[0] if path.startswith(HF_SCHEME) else os.path.expanduser(path)
+
+
 def _json(path: str) -> dict[str, Any] | None:
     try:
         with open(path, encoding="utf-8") as f:
@@ -40,7 +78,10 @@ def _model_of_job(job: dict[str, Any]) -> dict[str, Any] | None:
 def describe_init(path: str) -> dict[str, Any] | None:
     """Model fields (snake_case) of the weights at `path`, or None when they cannot be read here (a path that
     exists only inside the cluster's pods, say)."""
-    path = os.path.expanduser(path)
+    try:
+        path = local_folder(path)
+    except ValueError:
+        return None
     if not os.path.isdir(path):
         return None
     info = _json(os.path.join(path, "seqtrain.json"))
@@ -77,8 +118,12 @@ def describe_init(path: str) -> dict[str, Any] | None:
 
 def init_refusal(path: str) -> str | None:
     """Why the folder at `path` cannot start a model (its config.json names a key seqtrain cannot represent, or
-    no file describes a model), or None when `describe_init` reads it or the folder is not here."""
-    path = os.path.expanduser(path)
+    no file describes a model, or an hf:// model is not in the local cache), or None when `describe_init` reads
+    it or the folder is not here."""
+    try:
+        path = local_folder(path)
+    except ValueError as exc:
+        return str(exc)
     if not os.path.isdir(path) or describe_init(path) is not None:
         return None
     cfg_path = os.path.join(path, "config.json")
@@ -104,14 +149,28 @@ TOKENIZER_COMPANIONS = ("tokenizer_config.json", "special_tokens_map.json", "cha
 def folder_tokenizer(path: str) -> str | None:
     """The tokenizer.json a `model.init` folder brings (a Hugging Face folder's, or an export's written by a run
     that trained with it), or None: none there, or the folder's own records say it trained on bytes."""
-    path = os.path.expanduser(path)
+    try:
+        path = local_folder(path)
+    except ValueError:
+        return None
     tok = os.path.join(path, "tokenizer.json")
-    if not os.path.isfile(tok) or os.path.islink(tok):
+    if not os.path.isfile(tok) or (os.path.islink(tok) and not path_in_hf_cache(tok)):
         return None
     info = _json(os.path.join(path, "seqtrain.json"))
     if info and (info.get("tokenizer") or {}).get("type") in ("byte", "synthetic"):
         return None
     return os.path.abspath(tok)
+
+
+def path_in_hf_cache(path: str) -> bool:
+    """Whether `path` is a file of a cached snapshot (models--ORG--NAME/snapshots/<rev>/...) that resolves inside
+    that repository's own folder: the cache's links into ../../blobs are its layout, any other link is refused."""
+    snapshot = os.path.dirname(os.path.abspath(path))
+    repo = os.path.dirname(os.path.dirname(snapshot))
+    if os.path.basename(os.path.dirname(snapshot)) != "snapshots" or not os.path.basename(repo).startswith("models--"):
+        return False
+    real, top = os.path.realpath(path), os.path.realpath(repo)
+    return real.startswith(top.rstrip(os.sep) + os.sep)
 
 
 def tensor_hint(field: str, desc: dict[str, Any]) -> str:

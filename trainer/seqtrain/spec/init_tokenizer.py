@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 
 from seqtrain.spec.data import TokenizerSpec
-from seqtrain.spec.init_source import folder_tokenizer
+from seqtrain.spec.init_source import folder_tokenizer, local_folder
 from seqtrain.spec.job import SeqTrainJob
 from seqtrain.spec.model import ModelSpec
 from seqtrain.spec.problems import Problem
@@ -27,7 +27,8 @@ def data_tokenizer(job: SeqTrainJob) -> TokenizerSpec:
 def tokenizer_problems(job: SeqTrainJob, m: ModelSpec) -> list[Problem]:
     """`m`: the resolved model. Problems of a model.init job whose text tokenizer does not fit the weights."""
     d, init = job.spec.data, job.spec.model.init
-    if not init or "://" in init or not paths_readable() or d.source in ("synthetic", "tokens") or not m.vocab_size:
+    if not init or ("://" in init and not init.startswith("hf://")) or not paths_readable() \
+            or d.source in ("synthetic", "tokens") or not m.vocab_size:
         return []
     tok = data_tokenizer(job)
     if tok.type == "file":
@@ -40,7 +41,10 @@ def tokenizer_problems(job: SeqTrainJob, m: ModelSpec) -> list[Problem]:
                                                    "own tokenizer.json (remove data.tokenizer to take the one in "
                                                    "the model.init folder)")]
         return []
-    folder = os.path.expanduser(init)
+    try:
+        folder = local_folder(init)
+    except ValueError:
+        return []  # model.init's own check names it
     hf_folder = os.path.isfile(os.path.join(folder, "config.json")) and not os.path.isfile(
         os.path.join(folder, "seqtrain.json"))
     if hf_folder and m.vocab_size != BYTE_VOCAB:

@@ -227,7 +227,8 @@ def init_tokenizer(job: SeqTrainJob) -> str | None:
     fine-tuned with its own tokenizer unless data.tokenizer names another (byte ids into a Llama's embedding would
     train, and report success, on the wrong tokens)."""
     d, init = job.spec.data, job.spec.model.init
-    if not init or "://" in init or not paths_readable() or "tokenizer" in d.model_fields_set:
+    if not init or ("://" in init and not init.startswith("hf://")) or not paths_readable() \
+            or "tokenizer" in d.model_fields_set:
         return None
     if d.source == "synthetic" or (d.source == "tokens" and _prepared_vocab(d.paths) is not None):
         return None  # ids fixed by the task / by prepare-data's own tokenizer
