@@ -116,7 +116,8 @@ class ModelSpec(SpecModel):
     )
     init: str | None = Field(
         None, description="Start from these weights (fine-tuning): a Hugging Face model folder (Llama, Mistral, "
-        "Qwen2, Qwen3 or GPT-2), a seqtrain export, run folder or checkpoints/step-N folder. Architecture, dims and "
+        "Qwen2, Qwen3 or GPT-2) or hf://ORG/NAME[@REVISION] from the local Hugging Face cache, a seqtrain export, "
+        "run folder or checkpoints/step-N folder. Architecture, dims and "
         "block switches come from the weights; explicit values must match them. The folder's tokenizer.json is the "
         "job's tokenizer unless data.tokenizer names another. Resuming from the job's own checkpoints takes "
         "precedence.",
