@@ -1,5 +1,5 @@
-"""Tensor parallel of the block switches the Hugging Face families need, on two real gloo ranks: the loss and the
-gradient of every parameter against one process.
+"""Tensor (and sequence) parallel of the block switches the Hugging Face families need, on two real gloo ranks: the
+loss and the gradient of every parameter against one process.
 
 Column-parallel biases (q/k/v, MLP up/gate) are sliced with their weights; row-parallel biases (attention out, MLP
 down) are added once after the all-reduce (added on every rank before it, they would count tp times); Qwen3's q/k
@@ -29,6 +29,8 @@ CASES = {
     # Mistral's sliding window (shorter than the sequence) with llama3 RoPE scaling and SwiGLU biases
     "mistral-llama3": {"sliding_window": 5, "mlp_bias": True,
                        "rope_scaling": {"type": "llama3", "factor": 4.0, "original_max_seq_len": 8}},
+    # sequence parallel takes the switches without biases, LayerNorm, GELU or learned positions
+    "qwen3-window-sp": {"qk_norm": True, "head_dim": 16, "sliding_window": 5, "sp": True},
 }
 
 
@@ -49,8 +51,11 @@ def _shard_of(full: torch.Tensor, shard: torch.Tensor, rank: int) -> torch.Tenso
 def _case(rank: int, switches: dict[str, Any], tokens: torch.Tensor) -> dict[str, float]:
     from seqtrain.models import build_model
     from seqtrain.models.loss import CausalLMLoss
+    from seqtrain.parallel.sequence import apply_sequence_parallel
     from seqtrain.parallel.tensor import apply_tensor_parallel
 
+    switches = dict(switches)
+    sp = switches.pop("sp", False)
     torch.manual_seed(0)
     ref = build_model(_spec(switches))
     with torch.no_grad():  # biases and norm scales away from their 0/1 start, so a lost or doubled one shows
@@ -61,6 +66,8 @@ def _case(rank: int, switches: dict[str, Any], tokens: torch.Tensor) -> dict[str
     model = build_model(_spec(switches))
     model.load_state_dict(ref.state_dict())
     apply_tensor_parallel(model, rank, TP, dist.group.WORLD)
+    if sp:
+        apply_sequence_parallel(model, TP, dist.group.WORLD)
     targets = torch.roll(tokens, -1, dims=1)
     targets[:, -1] = -100
     losses = {}

@@ -31,7 +31,7 @@ from seqtrain.checkpoint.safe_load import (
 )
 
 # tensor-parallel slicing per parameter name: dim 0 (column parallel, vocabulary rows) or dim 1 (row parallel)
-_ROW_SPLIT = re.compile(r"(attn\.(q|k|v)|mlp\.(gate|up))\.weight$|^(embed|lm_head)\.weight$")
+_ROW_SPLIT = re.compile(r"(attn\.(q|k|v)|mlp\.(gate|up))\.(weight|bias)$|^(embed|lm_head)\.weight$")
 _COL_SPLIT = re.compile(r"(attn\.out|mlp\.down)\.weight$")
 
 
