@@ -276,12 +276,13 @@ def _cmd_list(args: argparse.Namespace) -> int:
     from seqtrain_operator.client.display import list_table
 
     c = _client(args)
-    jobs = c.list()
+    jobs = c.list(all_namespaces=args.all_namespaces)
     if not jobs:
-        where = f"in namespace {c.namespace}" if c.namespace else f"under {args.runs_dir}/"
+        where = ("in any namespace" if args.all_namespaces else f"in namespace {c.namespace}") if c.namespace \
+            else f"under {args.runs_dir}/"
         print(f"No SeqTrainJobs {where}.", file=sys.stderr)
         return EXIT_OK
-    sys.stdout.write(list_table(jobs))
+    sys.stdout.write(list_table(jobs, namespaces=args.all_namespaces and not args.local))
     return EXIT_OK
 
 
@@ -367,7 +368,8 @@ def _add_cluster_commands(sub: argparse._SubParsersAction, set_help: str) -> Non
     s.add_argument("--wait", action="store_true", help="then wait until it ends: exit 0 Succeeded, 1 Failed")
     s.add_argument("--timeout", type=_duration, metavar="DURATION", help="with --wait: give up after this (exit 124)")
 
-    cmd("list", _cmd_list, "the jobs: name, phase, step/total, loss, tok/s, restarts, ETA, age")
+    ls = cmd("list", _cmd_list, "the jobs: name, phase, step/total, loss, tok/s, restarts, ETA, age")
+    ls.add_argument("-A", "--all-namespaces", action="store_true", help="the jobs of every namespace")
 
     st = cmd("status", _cmd_status, "a job's progress, conditions, restarts, lost time, checkpoint and last events")
     st.add_argument("job", metavar="JOB")

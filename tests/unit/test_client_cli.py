@@ -46,6 +46,7 @@ def test_cluster_options_parse_like_kubectls() -> None:
                                                                                   "prod", 2)
     a = build_parser().parse_args(["wait", "job", "--for", "Running", "--for", "Failed", "--timeout", "10m"])
     assert a.phase == ["Running", "Failed"] and a.timeout == 600.0
+    assert build_parser().parse_args(["list", "-A"]).all_namespaces
     a = build_parser().parse_args(["submit", "f.yaml", "--set", "training.steps=5", "--name", "x", "--wait"])
     assert (a.file, a.set, a.name, a.wait) == ("f.yaml", ["training.steps=5"], "x", True)
 

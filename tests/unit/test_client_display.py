@@ -37,6 +37,11 @@ def test_list_shows_step_of_total_loss_rate_restarts_eta_and_age() -> None:
     assert second.split()[:3] == ["done", "Succeeded", "60/60"] and second.split()[6] == "-"  # no ETA when done
 
 
+def test_list_of_every_namespace_starts_with_the_namespace() -> None:
+    head, row = list_table([job()], NOW, namespaces=True).splitlines()
+    assert head.split()[:2] == ["NAMESPACE", "NAME"] and row.split()[:3] == ["ns", "demo", "Running"]
+
+
 def test_list_without_progress_shows_dashes_and_the_spec_total() -> None:
     j = Job(name="new", namespace="ns", status=JobStatus(), spec={"training": {"steps": 100}}, created=None)
     assert list_table([j], NOW).splitlines()[1].split() == ["new", "Pending", "0/100", "-", "-", "0", "-", "-"]

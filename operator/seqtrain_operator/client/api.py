@@ -137,8 +137,9 @@ class Client:
     def get(self, name: str) -> Job:
         return self._jobs.get(name)
 
-    def list(self) -> list[Job]:
-        return self._jobs.list()
+    def list(self, all_namespaces: bool = False) -> list[Job]:
+        """The jobs of the client's namespace (`all_namespaces`: of every namespace), by namespace and name."""
+        return self._jobs.list(all_namespaces)
 
     def events(self, name: str) -> list[Event]:
         """The job's events, oldest first (Kubernetes keeps them for about an hour)."""

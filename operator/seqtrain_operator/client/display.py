@@ -72,7 +72,10 @@ def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def list_table(jobs: Sequence[Job], now: datetime | None = None) -> str:
+def list_table(jobs: Sequence[Job], now: datetime | None = None, namespaces: bool = False) -> str:
+    """`namespaces`: a NAMESPACE column first (kubectl get -A)."""
+    if namespaces:
+        return table(("NAMESPACE", *LIST_COLUMNS), [(j.namespace or "-", *list_row(j, now)) for j in jobs])
     return table(LIST_COLUMNS, [list_row(j, now) for j in jobs])
 
 

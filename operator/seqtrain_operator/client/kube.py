@@ -168,10 +168,13 @@ class KubeJobs:
         except NotFound:
             return None
 
-    def list(self) -> list[Job]:
-        got = self._call(f"{KIND}s", self.custom.list_namespaced_custom_object, API_GROUP, _VERSION, self.namespace,
-                         PLURAL)
-        return sorted((job_from_object(o) for o in got.get("items") or []), key=lambda j: j.name)
+    def list(self, all_namespaces: bool = False) -> list[Job]:
+        if all_namespaces:
+            got = self._call(f"{KIND}s", self.custom.list_cluster_custom_object, API_GROUP, _VERSION, PLURAL)
+        else:
+            got = self._call(f"{KIND}s", self.custom.list_namespaced_custom_object, API_GROUP, _VERSION,
+                             self.namespace, PLURAL)
+        return sorted((job_from_object(o) for o in got.get("items") or []), key=lambda j: (j.namespace or "", j.name))
 
     def delete(self, name: str) -> None:
         self._call(f"{KIND} {name}", self.custom.delete_namespaced_custom_object, API_GROUP, _VERSION,

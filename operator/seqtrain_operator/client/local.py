@@ -131,7 +131,7 @@ class LocalJobs:
         except NotFound:
             return None
 
-    def list(self) -> list[Job]:
+    def list(self, all_namespaces: bool = False) -> list[Job]:  # one machine: no namespaces
         if not os.path.isdir(self.root):
             return []
         names = sorted(n for n in os.listdir(self.root) if os.path.exists(os.path.join(self.root, n, SUBMITTED))
