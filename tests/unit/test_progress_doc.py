@@ -366,3 +366,19 @@ def test_a_checkpoint_of_a_diverged_step_has_strict_json_meta(tmp_path: Path) ->
     publish(Publisher(str(tmp_path), keep=2, world=1), 3, str(tmp), {"loss": float("nan")})
     meta = _strict((tmp_path / "step-3" / "meta.json").read_text())
     assert meta["step"] == 3 and meta["loss"] is None
+
+
+@pytest.mark.parametrize("message", ['{"step": 30, "totalSteps": 30, "loss": NaN}',
+                                     '{"step": 30, "totalSteps": 30, "loss": Infinity, "mfu": NaN}'])
+def test_a_final_progress_with_a_nan_loss_still_gives_a_writable_status(message: str) -> None:
+    """The termination message is the trainer's final word: if it held a NaN the status with it could never be
+    written, and the job's end would never be recorded."""
+    from seqtrain_operator.k8s.manifests import CONTAINER, LABEL_ATTEMPT, LABEL_REPLICA
+    from seqtrain_operator.k8s.observe import final_progress
+
+    pod = {"metadata": {"labels": {LABEL_REPLICA: "0", LABEL_ATTEMPT: "1"}},
+           "status": {"phase": "Succeeded", "containerStatuses": [
+               {"name": CONTAINER, "state": {"terminated": {"exitCode": 0, "message": message}}}]}}
+    p = final_progress([pod], 1).progress
+    assert p is not None and p.step == 30 and p.loss is None and p.loss_non_finite is True
+    json.dumps(JobStatus(phase="Succeeded", progress=p).to_dict(), allow_nan=False)
