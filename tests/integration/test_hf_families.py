@@ -196,6 +196,7 @@ def test_a_tokenizer_with_more_ids_than_the_model_is_refused_at_validate(tmp_pat
         init_job(folder)
 
 
+@pytest.mark.slow
 def test_lora_fine_tune_of_a_qwen_folder_trains_and_exports_with_its_tokenizer(tmp_path: Path) -> None:
     """`seqtrain run` from a Qwen2.5 folder with its tokenizer: the run keeps the tokenizer (and its chat template),
     LoRA trains, `export --merge-lora` writes a qwen2 folder with the tokenizer that transformers loads with the

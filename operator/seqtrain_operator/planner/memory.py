@@ -24,8 +24,8 @@ by tp (norms replicated), the vocabulary by tp, blocks by pipeline stage. Activa
 (2022) adapted to this model (SwiGLU MLP, RMSNorm, flash-style attention that stores no seq x seq scores):
 values below are elements per token per block, times bytes of the compute precision:
 
-    GPT block:  attention 2h (norm in/out) + h + 2 kv (q, k, v) + h (attention out)
-                MLP       2h (norm in/out) + 4 f (gate, up, activation, product)
+    GPT block:  attention 2h (norm in/out) + q + 2 kv (q, k, v: heads / kv heads x head dim) + q (attention out)
+                MLP       2h (norm in/out) + 4 f (SwiGLU: gate, up, activation, product; GELU: 2 f, up, activation)
                 tensor parallel divides the q/k/v/out and f terms by tp, sequence parallel the norm terms too
                 (and the residual-stream inputs checkpointing keeps): every block term / tp, as measured by
                 `python -m seqtrain.benchmarks.seqpar`.
@@ -115,10 +115,12 @@ def block_activation_elems(m: ModelSpec, tp: int, sequence_parallel: bool) -> fl
     """Elements stored per token for one block's backward, without checkpointing."""
     h = m.dim or 0
     if m.arch == "gpt":
-        kv = h // (m.heads or 1) * (m.kv_heads or 1)
+        hd = m.head_dim or h // (m.heads or 1)
+        q, kv = hd * (m.heads or 1), hd * (m.kv_heads or 1)
         f = m.ffn_dim or 0
         norms = 4 * h / (tp if sequence_parallel else 1)
-        return norms + (h + 2 * kv + h + 4 * f) / tp
+        mlp = 4 * f if m.mlp == "swiglu" else 2 * f  # gate, up, activation, product | up, activation
+        return norms + (q + 2 * kv + q + mlp) / tp
     return (7 if m.arch == "lstm" else 5) * h
 
 
