@@ -441,6 +441,39 @@ def test_resume_sets_a_planted_checkpoint_aside_and_runs_no_code(name: str, vari
     _never_ran(marker)
 
 
+def test_a_checkpoint_nested_thousands_of_folders_deep_is_set_aside_not_a_recursion_error(tmp_path: Path) -> None:
+    """os.walk (discovery) and shutil.rmtree (pruning) recurse on Python 3.11: a planted chain of 1500 folders ended
+    the resume in RecursionError."""
+    from seqtrain.checkpoint import CheckpointManager
+    from seqtrain.checkpoint.discovery import problem, remove_tree
+    from seqtrain.runtime.dist import DistContext
+
+    def write(directory: str) -> list[str]:
+        Path(directory, "x.pt").write_text("x")
+        return ["x.pt"]
+
+    mgr = CheckpointManager(str(tmp_path / "c"), keep=3, ctx=DistContext())
+    mgr.save(4, write)
+    mgr.save(6, write)
+    deep = tmp_path / "c" / "step-6"
+    cwd = os.getcwd()
+    try:
+        try:  # relative mkdirs: from inside, each path stays shorter than PATH_MAX
+            os.chdir(deep)
+            for _ in range(1500):
+                os.mkdir("a")
+                os.chdir("a")
+        finally:
+            os.chdir(cwd)
+        assert "nested more than" in (problem(str(deep)) or "")
+        assert mgr.latest().step == 4
+        (step, reason), = quarantined(str(tmp_path / "c"))
+        assert step == 6 and "nested more than" in reason
+    finally:  # what pruning a set-aside folder does; pytest's own cleanup (rmtree) would recurse too
+        remove_tree(str(tmp_path / "c"))
+    assert not (tmp_path / "c").exists()
+
+
 def test_the_command_line_exits_2_with_one_line(trained: Path, tmp_path: Path, marker: Path) -> None:
     """`seqtrain export` and `seqtrain generate` as a user runs them: exit 2, one line naming the file."""
     step = _planted(trained, tmp_path, "state/.metadata", _payloads(marker, tmp_path)["GLOBAL-dotted-os.system"])

@@ -12,10 +12,12 @@ folders without meta.json are never used. A checkpoint the trainer found unusabl
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,10 +47,73 @@ def step_dir(directory: str, step: int) -> str:
     return os.path.join(directory, f"{STEP_PREFIX}{step}")
 
 
+MAX_DEPTH = 32  # folders inside a checkpoint: engines write one level (state/, zero/, fsdp/)
+
+
+class TooDeep(Exception):
+    """A folder nested deeper than MAX_DEPTH inside a checkpoint."""
+
+
+def _walk(path: str) -> Iterator[tuple[str, list[str], list[str]]]:
+    """(folder, subfolder names, other names) of every folder at or under `path`, like os.walk without following
+    links, but iterative and bounded: a folder nested thousands deep raises TooDeep, not RecursionError (os.walk
+    recurses). Links, to folders too, are among the other names. Unreadable folders are skipped, as os.walk does."""
+    stack = [(path, 0)]
+    while stack:
+        root, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise TooDeep(root)
+        dirs: list[str] = []
+        names: list[str] = []
+        try:
+            with os.scandir(root) as entries:
+                for entry in entries:
+                    (dirs if entry.is_dir(follow_symlinks=False) else names).append(entry.name)
+        except OSError:
+            continue
+        yield root, dirs, names
+        stack.extend((os.path.join(root, d), depth + 1) for d in reversed(sorted(dirs)))
+
+
+def remove_tree(path: str) -> None:
+    """`shutil.rmtree(path, ignore_errors=True)` for a folder of any depth: Python 3.11's rmtree recurses, so a
+    checkpoint folder planted with thousands of nested folders would end pruning in RecursionError. Past that, each
+    folder's subfolders are moved up into one holding folder beside it (paths stay short) and removed from there."""
+    import shutil
+
+    try:
+        shutil.rmtree(path, ignore_errors=True)
+        return
+    except RecursionError:
+        pass
+    holding, count, queue = f"{path}.rm-{os.getpid()}", 0, [path]
+    with contextlib.suppress(OSError):
+        os.mkdir(holding)
+    while queue:
+        folder = queue.pop()
+        try:
+            with os.scandir(folder) as it:
+                entries = list(it)
+        except OSError:
+            continue
+        for entry in entries:
+            with contextlib.suppress(OSError):
+                if entry.is_dir(follow_symlinks=False):
+                    count += 1
+                    os.rename(entry.path, os.path.join(holding, str(count)))
+                    queue.append(os.path.join(holding, str(count)))
+                else:
+                    os.unlink(entry.path)
+        with contextlib.suppress(OSError):
+            os.rmdir(folder)
+    with contextlib.suppress(OSError):
+        os.rmdir(holding)
+
+
 def _files(path: str) -> list[str]:
     """Every file under `path` (relative names, meta.json excepted), links not followed."""
     out = []
-    for root, _, names in os.walk(path):
+    for root, _, names in _walk(path):
         for name in names:
             rel = os.path.relpath(os.path.join(root, name), path)
             if rel != META_FILE:
@@ -78,7 +143,7 @@ def symlink_in(path: str) -> str | None:
     """The first symbolic link at or under `path` (the folder itself included), or None."""
     if os.path.islink(path):
         return path
-    for root, dirs, names in os.walk(path):
+    for root, dirs, names in _walk(path):
         for name in dirs + names:
             if os.path.islink(os.path.join(root, name)):
                 return os.path.join(root, name)
@@ -120,7 +185,10 @@ def problem(path: str, require_step_name: bool = True) -> str | None:
     m = _STEP_DIR.match(os.path.basename(os.path.normpath(path)))
     if require_step_name and not m:
         return f"{path}: not a step-N folder"
-    link = symlink_in(path)
+    try:
+        link = symlink_in(path)
+    except TooDeep as exc:
+        return f"{str(exc)[:300]}: folders nested more than {MAX_DEPTH} deep inside a checkpoint"
     if link is not None:
         return f"{link}: a symbolic link inside a checkpoint (never followed; replace it with the file itself)"
     meta_path = os.path.join(path, META_FILE)

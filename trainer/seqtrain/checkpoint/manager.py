@@ -25,7 +25,6 @@ SEQTRAIN_CHECKPOINT_TIMEOUT_SECONDS (default: the larger of 1800 s and the colle
 from __future__ import annotations
 
 import os
-import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -41,6 +40,7 @@ from seqtrain.checkpoint.discovery import (
     problem,
     published,
     read_complete,
+    remove_tree,
     step_dir,
     verify_hashes,
 )
@@ -85,7 +85,7 @@ def _write_reason(folder: str, reason: str) -> None:
     path = os.path.join(folder, REASON_FILE)
     if os.path.islink(path) or os.path.isdir(path):
         if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path)
+            remove_tree(path)
         else:
             os.unlink(path)
     elif os.path.exists(path):
@@ -183,7 +183,7 @@ class CheckpointManager:
         # `.bad-step-N/` is never picked again (discovery reads only step-N) and keeps the files for inspection;
         # REASON is what the run's events report.
         bad = os.path.join(self.directory, f"{BAD_PREFIX}{step}")
-        shutil.rmtree(bad, ignore_errors=True)
+        remove_tree(bad)
         os.rename(step_dir(self.directory, step), bad)
         _write_reason(bad, reason)
         fsync_path(self.directory)
@@ -195,7 +195,7 @@ class CheckpointManager:
         bad = sorted(int(n[len(BAD_PREFIX):]) for n in os.listdir(self.directory)
                      if n.startswith(BAD_PREFIX) and n[len(BAD_PREFIX):].isdigit())
         for step in bad[: max(0, len(bad) - KEEP_BAD)]:
-            shutil.rmtree(os.path.join(self.directory, f"{BAD_PREFIX}{step}"), ignore_errors=True)
+            remove_tree(os.path.join(self.directory, f"{BAD_PREFIX}{step}"))
 
     def _io_barrier(self) -> None:
         if self._io_group is not None:
@@ -339,7 +339,7 @@ class CheckpointManager:
             return None
         tmp = os.path.join(self.directory, f"{TMP_PREFIX}{step}")
         if self.ctx.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)
+            remove_tree(tmp)
             os.makedirs(tmp)
         self._io_barrier()
         if self.shared is None:
@@ -421,7 +421,7 @@ class CheckpointManager:
         shared = bool(self.ctx.all_reduce(seen, op="min")[0] > 0)
         if not shared:
             if self.ctx.is_main:
-                shutil.rmtree(tmp, ignore_errors=True)
+                remove_tree(tmp)
             if self.ctx.is_main or not mine:
                 print(f"seqtrain: warning: rank {self.ctx.rank}: the checkpoint folder {self.directory} is not shared "
                       "by every rank (some rank does not see the folder rank 0 creates there): no checkpoints are "

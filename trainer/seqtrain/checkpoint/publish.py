@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +20,7 @@ from seqtrain.checkpoint.discovery import (
     file_hashes,
     file_sizes,
     list_checkpoints,
+    remove_tree,
     step_dir,
 )
 from seqtrain.spec.status import json_safe
@@ -59,9 +59,9 @@ def publish(p: Publisher, step: int, tmp: str, meta: dict[str, Any] | None) -> N
 def remove(directory: str, path: str) -> None:
     # Rename first so a crash mid-delete never leaves a half-deleted step-N that still has its meta.json.
     doomed = os.path.join(directory, DELETE_PREFIX + os.path.basename(path)[len("step-"):])
-    shutil.rmtree(doomed, ignore_errors=True)
+    remove_tree(doomed)
     os.rename(path, doomed)
-    shutil.rmtree(doomed, ignore_errors=True)
+    remove_tree(doomed)
 
 
 def prune(p: Publisher) -> None:
@@ -73,11 +73,11 @@ def prune(p: Publisher) -> None:
     newest = complete[-1].step if complete else -1
     for name in os.listdir(p.directory):
         if name.startswith(DELETE_PREFIX):
-            shutil.rmtree(os.path.join(p.directory, name), ignore_errors=True)
+            remove_tree(os.path.join(p.directory, name))
         elif name.startswith(TMP_PREFIX):
             tail = name[len(TMP_PREFIX):]
             if tail.isdigit() and int(tail) <= newest:
-                shutil.rmtree(os.path.join(p.directory, name), ignore_errors=True)
+                remove_tree(os.path.join(p.directory, name))
 
 
 def fsync_path(path: str) -> None:
