@@ -49,6 +49,15 @@ def test_dry_run_writes_every_part(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     # the same initial weights and data: checkpointing changes memory, not the losses
     assert mfu["activation_checkpointing_none"]["losses"][0] == mfu["activation_checkpointing_full"]["losses"][0]
     assert summary["headline"]["peak"] == mfu["peak"]
+    # the batch people train with: micro-batches accumulated into one optimizer step, beside one micro-batch a step
+    assert mfu["runs"][0] == "accumulated_micro4" and mfu["status"] == "ok"
+    one = mfu["activation_checkpointing_none"]
+    for m in (4, 8):
+        run = mfu[f"accumulated_micro{m}"]
+        assert run["micro_batch"] == m and run["micro_batches_per_step"] == 2 and run["model_tflops_per_s"] > 0
+        assert run["slots_per_step"] == 2 * m * one["slots_per_step"] // one["micro_batch"]
+        assert f"mfu_accumulated_micro{m}" in summary["headline"]
+    assert one["micro_batches_per_step"] == 1
 
 
 def test_mfu_divides_model_flops_of_every_computed_position_by_the_datasheet_peak() -> None:
@@ -159,3 +168,79 @@ def test_the_gpu_tests_progress_names_the_test_that_was_running_when_the_part_wa
     assert state["status"] == "running: test_sample.py::test_hangs"
     assert state["passed"] == ["test_sample.py::test_fast"] and state["failed"] == []
     assert "test_sample.py::test_fast" in state["seconds"]
+
+
+def test_mfu_accumulates_to_half_a_million_tokens_per_step_on_a_gpu() -> None:
+    runs = {r["key"]: r for r in gpu.mfu_runs(True, 4)}
+    assert list(runs)[0] == "accumulated_micro4"  # the headline first: a deadline cuts from the end
+    for m in (4, 8):
+        r = runs[f"accumulated_micro{m}"]
+        assert r["micro"] == m and r["global"] * gpu.MFU_SEQ == gpu.ACCUM_TOKENS == 524_288
+    assert runs["accumulated_micro8"]["may_not_fit"] and not runs["accumulated_micro4"].get("may_not_fit")
+    assert runs["activation_checkpointing_none"]["global"] == runs["activation_checkpointing_none"]["micro"] == 4
+
+
+def test_profile_flag_runs_the_profile_right_after_mfu() -> None:
+    assert gpu._parse(["--out", "x", "--profile"]).parts.split(",") == ["mfu", "profile", "kernels", "training",
+                                                                        "tests"]
+    assert gpu._parse(["--out", "x", "--parts", "tests", "--profile"]).parts == "profile,tests"
+    assert gpu._parse(["--out", "x"]).parts.split(",") == gpu.DEFAULT_PARTS
+
+
+@pytest.mark.parametrize(("name", "cls"), [
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "matmul"),
+    ("nvjet_hsh_256x128_64x4_1x2_h_bz_coopA_NTT", "matmul"), ("aten::mm", "matmul"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3", "attention"),
+    ("pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128>>", "attention"),
+    ("aten::_scaled_dot_product_flash_attention_for_cpu", "attention"),
+    ("void at::native::(anonymous namespace)::fused_adamw_kernel", "optimizer_and_clip"),
+    ("void at::native::multi_tensor_apply_kernel<TensorListMetadata<1>, LpNormFunctor<float, 2>>",
+     "optimizer_and_clip"), ("optimizer.step/aten::sqrt", "optimizer_and_clip"),
+    ("void at::native::cunn_SoftMaxForward<4, float, float, float, at::native::LogSoftMaxForwardEpilogue>",
+     "pointwise"), ("aten::_log_softmax", "loss"), ("aten::nll_loss_backward", "loss"),
+    ("triton_poi_fused_add_mul_rsqrt_0", "pointwise"), ("Memcpy HtoD (Pinned -> Device)", "memory_copies"),
+])
+def test_kernels_are_classed_by_name(name: str, cls: str) -> None:
+    assert gpu.kernel_class(name) == cls
+
+
+def test_breakdown_counts_overlaps_once_and_reports_the_gpu_idle_time() -> None:
+    kernels = [("nvjet_gemm", 0.0, 400.0), ("triton_poi_fused_0", 300.0, 200.0), ("fused_adamw_kernel", 1000.0, 500.0)]
+    got = gpu.breakdown(kernels, wall_ms=2.0, device=True)
+    assert got["ms_by_class"]["matmul"] == 0.4 and got["ms_by_class"]["optimizer_and_clip"] == 0.5
+    assert got["ms_by_class"]["pointwise"] == 0.2 and set(got["ms_by_class"]) == set(gpu.KERNEL_CLASS_NAMES)
+    # busy: [0, 500] and [1000, 1500] = 1.0 ms of a 1.5 ms span; idle 0.5 ms
+    assert (got["gpu_span_ms"], got["gpu_busy_ms"], got["gpu_idle_ms"]) == (1.5, 1.0, 0.5)
+    assert gpu.breakdown(kernels, wall_ms=2.0, device=False)["gpu_idle_ms"] is None  # the CPU has no idle figure
+
+
+def test_the_trace_is_kept_only_under_its_cap(tmp_path: Path) -> None:
+    import gzip
+
+    class Prof:
+        def export_chrome_trace(self, path: str) -> None:
+            Path(path).write_text(json.dumps({"traceEvents": [{"name": f"k{i}", "ts": i} for i in range(2000)]}))
+
+    kept = gpu.write_trace(Prof(), tmp_path)
+    assert kept["trace"] == gpu.PROFILE_TRACE and kept["trace_bytes"] < kept["trace_raw_bytes"]
+    assert len(json.loads(gzip.decompress((tmp_path / gpu.PROFILE_TRACE).read_bytes()))["traceEvents"]) == 2000
+    dropped = gpu.write_trace(Prof(), tmp_path, cap=100)
+    assert dropped["trace"] is None and "over the cap" in dropped["trace_note"]
+    assert not (tmp_path / gpu.PROFILE_TRACE).exists()
+
+
+def test_dry_run_profiles_one_step_by_kernel_class(tmp_path: Path) -> None:
+    assert gpu.main(["--out", str(tmp_path), "--parts", "profile"]) == 0
+    prof = json.loads((tmp_path / "profile.json").read_text())
+    assert prof["status"] == "ok" and prof["activities"] == ["CPU"] and prof["micro_batches_per_step"] == 2
+    assert set(prof["ms_by_class"]) == set(gpu.KERNEL_CLASS_NAMES)
+    for cls in ("matmul", "attention", "loss", "optimizer_and_clip"):
+        assert prof["ms_by_class"][cls] > 0, cls
+    assert prof["gpu_idle_ms"] is None and (tmp_path / prof["trace"]).stat().st_size <= gpu.TRACE_CAP_BYTES
+
+
+def test_gpu_tests_run_in_parallel_with_a_thread_timeout_where_the_plugins_are() -> None:
+    both = gpu.gpu_test_options(has_timeout=True, has_xdist=True)
+    assert "--timeout-method=thread" in both and f"--timeout={gpu.GPU_TEST_TIMEOUT_S}" in both
+    assert both[both.index("-n") + 1] == str(gpu.GPU_TEST_WORKERS)
+    assert gpu.gpu_test_options(has_timeout=False, has_xdist=False) == []

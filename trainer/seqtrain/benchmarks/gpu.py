@@ -10,18 +10,28 @@ DIR/summary.json; their output goes to DIR/bench.log:
             the GPU (named in the JSON: 989.5 TFLOP/s for an H100 SXM or an H200), as nanoGPT, PaLM, Megatron and
             torchtitan report it; the measured 8192^3 bf16 matmul rate is reported beside it, not instead. Also
             whether each block ran compiled, dynamo's graphs, graph breaks and recompiles, and which attention
-            kernel ran (aten op names under the profiler). Without and with full activation checkpointing.
+            kernel ran (aten op names under the profiler). At the batch people train a 1.3B model with first
+            (micro-batch 4, gradient accumulation to ~0.5M tokens per optimizer step, `ACCUM_TOKENS`), then one
+            optimizer step per micro-batch (`--micro-batch`, without and with full activation checkpointing) and
+            micro-batch 8 with the same accumulation where it fits.
+- profile:  with `--profile` (or in `--parts`): one optimizer step of the MFU model (micro-batch 4,
+            `PROFILE_ACCUM` micro-batches) under torch.profiler, CUDA activities on a GPU, the CPU's otherwise:
+            milliseconds by kernel class (matmul, attention, optimizer + clip, loss, pointwise, memory copies),
+            the GPU's busy and idle time inside the step, and the trace, gzip-compressed, when under
+            `TRACE_CAP_BYTES`.
 - kernels:  `seqtrain bench kernels` at realistic shapes: each Triton kernel against what the trainer runs
             without it (SDPA with is_causal and GQA, flex_attention for packed documents, torch.compile of the
             reference), timed with `triton.testing.do_bench`.
 - training: a few real training steps (the Trainer: meta build, engine, autocast) in bf16 and in fp16
             (dynamic loss scaling): loss first/last, finite, step time, loss scale.
-- tests:    `pytest -m gpu` on exactly the GPU test files (`GPU_TEST_FILES`; none imports kopf or kubernetes);
-            pass/fail/skip counts from its JUnit XML. Without CUDA: `pytest --collect-only` of those files, and
+- tests:    `pytest -m gpu` on exactly the GPU test files (`GPU_TEST_FILES`; none imports kopf or kubernetes),
+            in `GPU_TEST_WORKERS` processes where pytest-xdist is installed, with a per-test timeout whose
+            thread method dumps every thread's stack (a test stuck in a CUDA call included); pass/fail/skip
+            counts from its JUnit XML. Without CUDA: `pytest --collect-only` of those files, and
             the count it collected.
 
-Budget: the deadlines add up to 520 s (`DEADLINES`), inside the 10 minutes of a lent H100 command with a
-margin; a part past its deadline is killed and recorded as such with what it had written. All parts share one
+Budget: the default parts' deadlines add up to 590 s (`DEADLINES`), which with the install and start-up is about
+a lent machine's 10-minute command: docs/benchmarks.md's lease plan splits them over two calls; a part past its deadline is killed and recorded as such with what it had written. All parts share one
 inductor and Triton cache folder, so what one part compiled or autotuned the next finds warm. On a machine
 without CUDA every part runs as far as it can on tiny shapes (`--dry-run`, implied there): the kernels on
 Triton's interpreter when triton imports, the training steps and the MFU harness on tiny models on the CPU,
@@ -35,6 +45,7 @@ kopf, kubernetes or deepspeed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import importlib.util
 import json
@@ -48,15 +59,19 @@ import tempfile
 import time
 import traceback
 import xml.etree.ElementTree as ET
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-PARTS = ["mfu", "kernels", "training", "tests"]  # MFU first: the headline figure never waits on another part
-# Seconds per part on one H100 (their sum, 520 s, inside the 10-minute command with the install and start-up).
-# Sized from the first H100 lease (2026-11-26): mfu took 51 s, training 17 s, kernels 126-150+ s (cold Triton
-# cache: over 150), tests over 170 s (unknown how far over: that run was silent until killed).
-DEADLINES = {"mfu": 110, "kernels": 170, "training": 40, "tests": 200}
+PARTS = ["mfu", "profile", "kernels", "training", "tests"]  # MFU first: the headline never waits on another part
+DEFAULT_PARTS = ["mfu", "kernels", "training", "tests"]  # the profile runs with --profile (or --parts)
+# Seconds per part on one H100/H200. Sized from the first H100 lease (2026-11-26): mfu took 51 s for its two
+# one-micro-batch runs, training 17 s, kernels 126-150+ s (cold Triton cache: over 150), tests over 170 s (unknown
+# how far over: that run was silent until killed). The accumulated MFU runs add two ~64-micro-batch runs of about
+# 9 s per optimizer step each (estimated from the 175 ms micro-batch of that lease), compile included: 180 s.
+DEADLINES = {"mfu": 180, "profile": 90, "kernels": 170, "training": 40, "tests": 200}
 GPU_TEST_TIMEOUT_S = 120  # per GPU test: one test's autotuning may compile dozens of kernels
+GPU_TEST_WORKERS = 4  # pytest-xdist processes on one GPU: the tests are compile-bound (CPU), not GPU-bound
 NO_CUDA = "skipped: no CUDA"
 REPO = Path(__file__).resolve().parents[3]  # the checkout: trainer/seqtrain/benchmarks/gpu.py
 # The test files that hold the `gpu`-marked tests (tests/unit/test_bench_gpu.py checks the list is complete).
@@ -66,6 +81,12 @@ GPU_TEST_FILES = ["tests/unit/kernels/test_kernel_gpu.py", "tests/unit/test_prec
 # The MFU model: GPT `1b` preset (dim 2048, GQA 16/8 heads, SwiGLU 5632) deepened to 28 layers = ~1.3B.
 MFU_MODEL = {"arch": "gpt", "preset": "1b", "layers": 28, "vocabSize": 32768, "maxSeqLen": 2048}
 MFU_SEQ = 2048
+# Tokens per optimizer step of the accumulated MFU runs: 256 sequences of 2048 (llm.c steps on 0.5-1M tokens; nobody
+# trains a 1.3B model at 8k tokens per step, where the optimizer's ~28 bytes per parameter weigh on every step).
+ACCUM_TOKENS = 524_288
+PROFILE_ACCUM = 4  # micro-batches in the profiled optimizer step: each micro-batch's kernels, and one update
+TRACE_CAP_BYTES = 12 * 2**20  # the gzip-compressed trace comes back only under this (a lease returns 16 MiB a file)
+PROFILE_TRACE = "profile-trace.json.gz"
 
 
 def _deadline_arg(text: str) -> tuple[str, float]:
@@ -81,7 +102,10 @@ def _deadline_arg(text: str) -> tuple[str, float]:
 def _parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="seqtrain bench gpu", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True, help="folder for the JSON files (created)")
-    p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of: {','.join(PARTS)}")
+    p.add_argument("--parts", default=",".join(DEFAULT_PARTS),
+                   help=f"comma-separated subset of: {','.join(PARTS)} (default: {','.join(DEFAULT_PARTS)})")
+    p.add_argument("--profile", action="store_true",
+                   help="also run the profile part, right after mfu: one optimizer step under torch.profiler")
     p.add_argument("--dry-run", action="store_true",
                    help="tiny shapes and few steps: exercise every code path (implied without CUDA)")
     p.add_argument("--quick", action="store_true", help="half the timed steps (GPU)")
@@ -91,13 +115,17 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                         ", ".join(f"{k}={v}" for k, v in DEADLINES.items()) + " (the dry run has none)")
     p.add_argument("--budget-s", type=float, default=None,
                    help="seconds for the whole run: a part gets at most what is left of it, and one that would "
-                        "start with under 5 s left is recorded as skipped (default: the sum of the deadlines on "
-                        "a GPU; none in the dry run, whose speed says nothing about a GPU's)")
+                        "start with under 5 s left is recorded as skipped (default: the sum of the chosen parts' "
+                        "deadlines on a GPU; none in the dry run, whose speed says nothing about a GPU's)")
     p.add_argument("--run-part", choices=PARTS, help=argparse.SUPPRESS)  # the child process of one part
     args = p.parse_args(argv)
     unknown = [x for x in args.parts.split(",") if x not in PARTS]
     if unknown:
         p.error(f"--parts: unknown part(s) {', '.join(unknown)}; choose from {', '.join(PARTS)}")
+    if args.profile and "profile" not in args.parts.split(","):
+        parts = args.parts.split(",")
+        parts.insert(parts.index("mfu") + 1 if "mfu" in parts else 0, "profile")
+        args.parts = ",".join(parts)
     return args
 
 
@@ -143,8 +171,8 @@ def part_tests(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     # test that was running and the time each finished one took. A per-test timeout (pytest-timeout, which the
     # lent image has) turns a hung test into a failure with its traceback instead of the whole part's kill.
     extra = ["-v", "--durations=0", "-p", "seqtrain.benchmarks.pytest_progress"]
-    if importlib.util.find_spec("pytest_timeout") is not None:
-        extra.append(f"--timeout={GPU_TEST_TIMEOUT_S}")
+    extra += gpu_test_options(importlib.util.find_spec("pytest_timeout") is not None,
+                              importlib.util.find_spec("xdist") is not None)
     env = {**_pytest_env(), "SEQTRAIN_PYTEST_PROGRESS": str(out / "tests.json")}
     with tempfile.TemporaryDirectory() as tmp:
         xml = Path(tmp) / "pytest-gpu.xml"
@@ -165,6 +193,15 @@ def part_tests(args: argparse.Namespace, out: Path) -> dict[str, Any]:
                                  if c.find("failure") is not None or c.find("error") is not None]
     res["status"] = "ok" if proc.returncode == 0 else "failed"
     return res
+
+
+def gpu_test_options(has_timeout: bool, has_xdist: bool) -> list[str]:
+    """pytest options of the GPU tests: a per-test timeout whose thread method dumps every thread's stack and ends
+    the run of a test stuck in a CUDA call (the signal method cannot interrupt one), and the tests spread over
+    `GPU_TEST_WORKERS` processes, each test file kept on one worker (its module-level compiled kernels and fixtures
+    are built once)."""
+    opts = [f"--timeout={GPU_TEST_TIMEOUT_S}", "--timeout-method=thread"] if has_timeout else []
+    return opts + (["-n", str(GPU_TEST_WORKERS), "--dist", "loadfile"] if has_xdist else [])
 
 
 # ---- kernels --------------------------------------------------------------------------------------------------
@@ -255,7 +292,9 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 # ---- training steps through the real Trainer --------------------------------------------------------------------
 
-def _job(model: dict[str, Any], seq: int, micro: int, steps: int, precision: str, ac: str, compile_: bool) -> Any:
+def _job(model: dict[str, Any], seq: int, micro: int, steps: int, precision: str, ac: str, compile_: bool,
+         global_batch: int | None = None) -> Any:
+    """A one-process job; `global_batch` sequences per optimizer step (default `micro`: no accumulation)."""
     from seqtrain.spec import parse_job, resolve
 
     doc = {
@@ -264,7 +303,7 @@ def _job(model: dict[str, Any], seq: int, micro: int, steps: int, precision: str
             "model": model,
             # copy examples of 2L + 3 tokens fill each sequence (no padding: tokens/s counts real tokens)
             "data": {"source": "synthetic", "seqLen": seq, "synthetic": {"length": (seq - 3) // 2}},
-            "training": {"steps": steps, "globalBatchSize": micro, "microBatchSize": micro, "seed": 0,
+            "training": {"steps": steps, "globalBatchSize": global_batch or micro, "microBatchSize": micro, "seed": 0,
                          "logEvery": 10**6, "optimizer": {"lr": 3e-4}, "schedule": {"name": "constant"}},
             "optimization": {"precision": precision, "compile": compile_,
                              "activationCheckpointing": {"policy": ac}},
@@ -297,15 +336,11 @@ def attention_backends(fn: Any) -> list[str]:
                                                                      for k in seen)})
 
 
-def _run_steps(job: Any, steps: int, warmup: int) -> dict[str, Any]:
-    """Run `steps` optimizer steps of `job` in this process; time the ones after `warmup` (which compile and
-    autotune), then one more step under the profiler to see which attention kernel ran."""
-    import contextlib
-
+@contextlib.contextmanager
+def _trainer(job: Any) -> Iterator[Any]:
+    """A set-up Trainer of `job` on this process's device (CUDA when there is one), its engine in train mode."""
     import torch
 
-    from seqtrain.models import count_parameters
-    from seqtrain.models.compile import compile_report
     from seqtrain.runtime.dist import DistContext
     from seqtrain.spec import RuntimeConfig
     from seqtrain.train.loop import Trainer
@@ -321,6 +356,19 @@ def _run_steps(job: Any, steps: int, warmup: int) -> dict[str, Any]:
         with contextlib.redirect_stdout(sys.stderr):  # the trainer's log lines are not the JSON
             trainer.setup()
         trainer.engine.train()
+        yield trainer
+
+
+def _run_steps(job: Any, steps: int, warmup: int, attention: bool = True) -> dict[str, Any]:
+    """Run `steps` optimizer steps of `job` in this process; time the ones after `warmup` (which compile and
+    autotune), then (`attention`) one more step under the profiler to see which attention kernel ran."""
+    import torch
+
+    from seqtrain.models import count_parameters
+    from seqtrain.models.compile import compile_report
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with _trainer(job) as trainer:
         metrics, times = [], []
         for i in range(steps):
             _sync()
@@ -330,14 +378,16 @@ def _run_steps(job: Any, steps: int, warmup: int) -> dict[str, Any]:
             if i >= warmup:
                 times.append(time.perf_counter() - t0)
             metrics.append(m)
-        peak_mb = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else metrics[-1]["mem_peak_mb"]
+        peak_mb = torch.cuda.max_memory_allocated() / 2**20 if device == "cuda" else metrics[-1]["mem_peak_mb"]
         compiled = compile_report(trainer.model) if trainer.spec.optimization.compile else None
-        backends = attention_backends(trainer.train_step)
+        backends = attention_backends(trainer.train_step) if attention else None
         params = count_parameters(trainer.model)
+        accumulation = trainer.spec.training.global_batch_size // trainer.spec.training.micro_batch_size
         del trainer
     step_s = statistics.median(times) if times else None
     tokens, slots = metrics[-1]["tokens"], metrics[-1]["slots"]
-    return {"params": params, "steps": steps, "warmup_steps": warmup, "tokens_per_step": tokens,
+    return {"params": params, "steps": steps, "warmup_steps": warmup, "micro_batches_per_step": accumulation,
+            "tokens_per_step": tokens,
             "slots_per_step": slots, "step_s": step_s, "tokens_per_s": tokens / step_s if step_s else None,
             "slots_per_s": slots / step_s if step_s else None,
             "losses": [round(m["loss"], 4) for m in metrics], "finite": all(m["loss"] == m["loss"] for m in metrics),
@@ -405,6 +455,33 @@ def mfu_of(run: dict[str, Any], flops_per_slot: float, datasheet_tflops: float |
             if achieved and measured_tflops else None}
 
 
+def mfu_runs(gpu: bool, micro: int) -> list[dict[str, Any]]:
+    """The MFU part's runs, most wanted first (a deadline cuts from the end). `key` names the run in mfu.json.
+
+    On a GPU: micro-batch 4 accumulated to `ACCUM_TOKENS` per optimizer step (the headline), one optimizer step per
+    `micro` sequences (the first lease's setting), micro-batch 8 accumulated likewise (`may_not_fit`: an
+    out-of-memory there is a finding, not a failure), and the one-micro-batch step with full checkpointing. The dry
+    run keeps the structure on a tiny model: two micro-batches per accumulated step."""
+    if gpu:
+        per_step = max(1, ACCUM_TOKENS // MFU_SEQ)  # sequences per optimizer step
+        return [
+            {"key": "accumulated_micro4", "micro": 4, "global": per_step, "ac": "none", "steps": 3, "warmup": 1},
+            {"key": "activation_checkpointing_none", "micro": micro, "global": micro, "ac": "none", "steps": 10,
+             "warmup": 3},
+            {"key": "accumulated_micro8", "micro": 8, "global": per_step, "ac": "none", "steps": 3, "warmup": 1,
+             "may_not_fit": True},
+            {"key": "activation_checkpointing_full", "micro": micro, "global": micro, "ac": "full", "steps": 10,
+             "warmup": 3},
+        ]
+    return [
+        {"key": "accumulated_micro4", "micro": 4, "global": 8, "ac": "none", "steps": 2, "warmup": 1},
+        {"key": "activation_checkpointing_none", "micro": 2, "global": 2, "ac": "none", "steps": 3, "warmup": 1},
+        {"key": "accumulated_micro8", "micro": 8, "global": 16, "ac": "none", "steps": 2, "warmup": 1,
+         "may_not_fit": True},
+        {"key": "activation_checkpointing_full", "micro": 2, "global": 2, "ac": "full", "steps": 3, "warmup": 1},
+    ]
+
+
 def part_mfu(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     import gc
 
@@ -414,45 +491,191 @@ def part_mfu(args: argparse.Namespace, out: Path) -> dict[str, Any]:
 
     gpu = _cuda() and not args.dry_run
     if gpu:
-        model, seq, micro = MFU_MODEL, MFU_SEQ, args.micro_batch
-        steps, warmup = (6, 2) if args.quick else (10, 3)
+        model, seq = MFU_MODEL, MFU_SEQ
         measured = measured_matmul_peak(8192, 5)
         peak = datasheet_peak()
     else:
-        model, seq, micro, steps, warmup = {"arch": "gpt", "preset": "tiny", "maxSeqLen": 64}, 64, 2, 3, 1
+        model, seq = {"arch": "gpt", "preset": "tiny", "maxSeqLen": 64}, 64
         measured, peak = {"status": NO_CUDA}, {"tflops": None, "source": NO_CUDA}
+    runs = mfu_runs(gpu, args.micro_batch)
     res: dict[str, Any] = {
-        "model": model, "seq_len": seq, "micro_batch": micro, "precision": "bf16", "compile_requested": gpu,
+        "model": model, "seq_len": seq, "micro_batch": args.micro_batch if gpu else 2, "precision": "bf16",
+        "compile_requested": gpu, "accumulation_tokens": ACCUM_TOKENS if gpu else None,
         "formula": "MFU = (6N + attention FLOPs per position) x slots (computed positions) / step time / peak",
-        "peak": peak, "measured_matmul_peak": measured, "status": "partial"}
-    for ac in ("none", "full"):
-        key = f"activation_checkpointing_{ac}"
+        "peak": peak, "measured_matmul_peak": measured, "runs": [r["key"] for r in runs], "status": "partial"}
+    for r in runs:
         try:
             # compiled blocks on the GPU (the default fast path); the dry run stays eager: inductor's CPU build
             # takes minutes on a small machine and is tested elsewhere
-            job = _job(model, seq, micro, steps, "bf16", ac, gpu)
-            run = _run_steps(job, steps, warmup)
+            steps = max(2, r["steps"] // 2) if args.quick and gpu else r["steps"]
+            job = _job(model, seq, r["micro"], steps, "bf16", r["ac"], gpu, global_batch=r["global"])
+            # the attention kernel is the same at any accumulation: profiled on the one-micro-batch runs only
+            run = _run_steps(job, steps, r["warmup"], attention=r["global"] == r["micro"])
+            run.update({"micro_batch": r["micro"], "activation_checkpointing": r["ac"]})
             run.update(mfu_of(run, token_flops(job.spec.model, seq).training, peak["tflops"],
                               measured.get("tflops")))
-            res[key] = run
-        except Exception as exc:  # noqa: BLE001 - an OOM with checkpointing off must not hide the other run
-            res[key] = {"error": f"{type(exc).__name__}: {exc}"[:500], "trace": traceback.format_exc()[-2000:]}
+            res[r["key"]] = run
+        except Exception as exc:  # noqa: BLE001 - an OOM in one run must not hide the others
+            oom = isinstance(exc, torch.OutOfMemoryError)
+            res[r["key"]] = {"error": f"{type(exc).__name__}: {exc}"[:500], "trace": traceback.format_exc()[-2000:],
+                             "does_not_fit": oom}
         finally:
             torch._dynamo.reset()  # drop the compiled graphs (and the weights they hold) before the next run
             gc.collect()
             if gpu:
                 torch.cuda.empty_cache()
-        _write_part(out, "mfu", res)  # the first run's figures survive a kill during the second
-    res["status"] = "ok" if all("error" not in res[f"activation_checkpointing_{a}"] for a in ("none", "full")) \
-        else "failed"
+        _write_part(out, "mfu", res)  # the earlier runs' figures survive a kill during a later one
+    failed = [r["key"] for r in runs if "error" in res[r["key"]]
+              and not (r.get("may_not_fit") and res[r["key"]]["does_not_fit"])]
+    res["status"] = "ok" if not failed else f"failed: {', '.join(failed)}"
     if not gpu:
         res["note"] = "tiny model on the CPU: exercises the harness; MFU needs CUDA"
     return res
 
 
+# ---- profile: one optimizer step by kernel class ------------------------------------------------------------------
+
+# (class, name fragments), first match wins: attention before matmul (flash kernels hold gemm-like names), the loss
+# before pointwise. Names are CUDA kernel names on a GPU (cuBLAS nvjet/sm90 gemm, cuDNN/flash SDPA, inductor's
+# triton_poi/red/per, fused Adam's multi_tensor_apply) and aten op names on the CPU.
+KERNEL_CLASSES: list[tuple[str, tuple[str, ...]]] = [
+    ("attention", ("flash", "fmha", "attention", "sdpa", "scaled_dot_product", "cudnn_generated", "flex")),
+    ("loss", ("cross_entropy", "nll_loss", "log_softmax", "logsumexp")),
+    ("optimizer_and_clip", ("adam", "sgd", "multi_tensor", "foreach", "lpnorm", "clip_grad", "optimizer")),
+    ("matmul", ("gemm", "nvjet", "cutlass", "cublas", "xmma", "wgmma", "splitk", "aten::mm", "aten::addmm",
+                "aten::bmm", "aten::_addmm", "aten::matmul")),
+    ("memory_copies", ("memcpy", "memset", "aten::copy_", "aten::to", "aten::_to_copy")),
+]
+KERNEL_CLASS_NAMES = [c for c, _ in KERNEL_CLASSES] + ["pointwise"]
+
+
+def kernel_class(name: str) -> str:
+    """The class of one kernel (or CPU op) by its name; whatever is none of the named ones is `pointwise`
+    (elementwise, norms, reductions, inductor's fused kernels)."""
+    low = name.lower()
+    for cls, fragments in KERNEL_CLASSES:
+        if any(f in low for f in fragments):
+            return cls
+    return "pointwise"
+
+
+def busy_ms(intervals: list[tuple[float, float]]) -> float:
+    """Milliseconds covered by the union of (start_us, end_us) intervals: overlapping kernels count once."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total / 1e3
+
+
+def breakdown(kernels: list[tuple[str, float, float]], wall_ms: float, device: bool) -> dict[str, Any]:
+    """Milliseconds by kernel class from (name, start_us, duration_us); with `device` (GPU kernels) also the
+    device's busy and idle time between its first kernel's start and its last kernel's end."""
+    by_class = dict.fromkeys(KERNEL_CLASS_NAMES, 0.0)
+    top: dict[str, float] = {}
+    for name, _, dur in kernels:
+        by_class[kernel_class(name)] += dur / 1e3
+        top[name] = top.get(name, 0.0) + dur / 1e3
+    res: dict[str, Any] = {"ms_by_class": {k: round(v, 3) for k, v in by_class.items()},
+                           "step_wall_ms": round(wall_ms, 3), "kernels": len(kernels),
+                           "top_kernels_ms": {k[:160]: round(v, 3) for k, v in
+                                              sorted(top.items(), key=lambda kv: -kv[1])[:15]}}
+    if device and kernels:
+        span = (max(s + d for _, s, d in kernels) - min(s for _, s, _ in kernels)) / 1e3
+        busy = busy_ms([(s, s + d) for _, s, d in kernels])
+        res.update({"gpu_span_ms": round(span, 3), "gpu_busy_ms": round(busy, 3),
+                    "gpu_idle_ms": round(span - busy, 3), "gpu_idle_fraction": round(1 - busy / span, 4)
+                    if span else None})
+    else:
+        res.update({"gpu_span_ms": None, "gpu_busy_ms": None, "gpu_idle_ms": None, "gpu_idle_fraction": None})
+    return res
+
+
+def profiled_kernels(prof: Any, device: bool) -> list[tuple[str, float, float]]:
+    """(name, start_us, duration_us) of the profile's GPU kernels (`device`), else of its CPU ops by their self
+    time (a parent op's time without its children's: nothing counted twice)."""
+    from torch.autograd import DeviceType
+
+    out = []
+    for e in prof.events():
+        if getattr(e, "is_user_annotation", False) or e.name.startswith("ProfilerStep"):
+            continue  # record_function ranges (also mirrored on the GPU timeline) are not kernels
+        if device and e.device_type == DeviceType.CUDA:
+            out.append((e.name, float(e.time_range.start), float(e.time_range.elapsed_us())))
+        elif not device and e.device_type == DeviceType.CPU:
+            # an unfused optimizer's ops (sqrt, mul_, addcdiv_) are pointwise by name: class them by their caller
+            name = f"optimizer.step/{e.name}" if _under_optimizer_step(e) else e.name
+            out.append((name, float(e.time_range.start), float(e.self_cpu_time_total)))
+    return out
+
+
+def _under_optimizer_step(event: Any) -> bool:
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name.startswith("Optimizer.step"):
+            return True
+        parent = parent.cpu_parent
+    return False
+
+
+def write_trace(prof: Any, out: Path, cap: int = TRACE_CAP_BYTES) -> dict[str, Any]:
+    """The Chrome trace, gzip-compressed, as out/PROFILE_TRACE when it is under `cap` bytes; else removed."""
+    import gzip
+    import shutil
+
+    target = out / PROFILE_TRACE
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(raw))
+        with open(raw, "rb") as src, gzip.open(target, "wb", compresslevel=6) as dst:
+            shutil.copyfileobj(src, dst)
+        raw_bytes = raw.stat().st_size
+    size = target.stat().st_size
+    if size > cap:
+        target.unlink()
+        return {"trace": None, "trace_bytes": size, "trace_note": f"{size} bytes gzip-compressed, over the cap of "
+                f"{cap}: not kept", "trace_raw_bytes": raw_bytes}
+    return {"trace": target.name, "trace_bytes": size, "trace_raw_bytes": raw_bytes}
+
+
+def part_profile(args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    """One optimizer step of the MFU model (micro-batch 4, `PROFILE_ACCUM` micro-batches) under torch.profiler,
+    after two warm-up steps (compile, autotune)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    gpu = _cuda() and not args.dry_run
+    if gpu:
+        model, seq, micro, accum = MFU_MODEL, MFU_SEQ, 4, PROFILE_ACCUM
+    else:
+        model, seq, micro, accum = {"arch": "gpt", "preset": "tiny", "maxSeqLen": 64}, 64, 2, 2
+    job = _job(model, seq, micro, 3, "bf16", "none", gpu, global_batch=micro * accum)
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if gpu else [ProfilerActivity.CPU]
+    with _trainer(job) as trainer:
+        for _ in range(2):
+            trainer.train_step()
+        _sync()
+        with profile(activities=activities) as prof:
+            t0 = time.perf_counter()
+            trainer.train_step()
+            _sync()
+            wall_ms = (time.perf_counter() - t0) * 1e3
+    res: dict[str, Any] = {
+        "device": "cuda" if gpu else "cpu", "model": model, "seq_len": seq, "micro_batch": micro,
+        "micro_batches_per_step": accum, "precision": "bf16", "compile_requested": gpu,
+        "activities": [a.name for a in activities],
+        "what": "GPU kernel time by class and the GPU's idle time inside the step" if gpu else
+        "CPU op self time by class (no GPU: idle time does not apply)",
+        **breakdown(profiled_kernels(prof, gpu), wall_ms, gpu), **write_trace(prof, out)}
+    res["status"] = "ok" if res["kernels"] else "failed: the profiler recorded no kernels"
+    return res
+
+
 # ---- driver ---------------------------------------------------------------------------------------------------
 
-RUNNERS = {"tests": part_tests, "kernels": part_kernels, "training": part_training, "mfu": part_mfu}
+RUNNERS = {"tests": part_tests, "kernels": part_kernels, "training": part_training, "mfu": part_mfu,
+           "profile": part_profile}
 SALVAGE = {"kernels": salvage_kernels}
 
 
@@ -547,7 +770,7 @@ def main(argv: list[str] | None = None) -> int:
     # The deadlines are sized for an H100; the dry run (a CPU, maybe a loaded one) keeps only those given.
     deadlines = {**({} if args.dry_run else DEADLINES), **dict(args.deadline)}
     if args.budget_s is None:
-        args.budget_s = float("inf") if args.dry_run else float(sum(DEADLINES.values()))
+        args.budget_s = float("inf") if args.dry_run else float(sum(DEADLINES[p] for p in args.parts.split(",")))
     summary: dict[str, Any] = {
         "benchmark": "gpu", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "command": "seqtrain bench gpu " + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -581,16 +804,26 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _headline(out: Path) -> dict[str, Any] | None:
-    """The MFU figures, lifted into summary.json."""
+    """The MFU figures (and the profile's breakdown, when it ran), lifted into summary.json."""
     path = out / "mfu.json"
     if not path.exists():
         return None
     mfu = json.loads(path.read_text())
     runs = {ac: mfu.get(f"activation_checkpointing_{ac}", {}) for ac in ("none", "full")}
-    return {"peak": mfu.get("peak"), "measured_matmul_peak_tflops": (mfu.get("measured_matmul_peak") or {}).get(
+    acc = {m: mfu.get(f"accumulated_micro{m}", {}) for m in (4, 8)}
+    head = {"peak": mfu.get("peak"), "measured_matmul_peak_tflops": (mfu.get("measured_matmul_peak") or {}).get(
         "tflops"), **{f"mfu_ac_{ac}": r.get("mfu") for ac, r in runs.items()},
         **{f"model_tflops_per_s_ac_{ac}": r.get("model_tflops_per_s") for ac, r in runs.items()},
-        **{f"peak_memory_mb_ac_{ac}": r.get("peak_memory_mb") for ac, r in runs.items()}}
+        **{f"peak_memory_mb_ac_{ac}": r.get("peak_memory_mb") for ac, r in runs.items()},
+        **{f"mfu_accumulated_micro{m}": r.get("mfu") for m, r in acc.items()},
+        **{f"tokens_per_step_accumulated_micro{m}": r.get("tokens_per_step") for m, r in acc.items()},
+        **{f"peak_memory_mb_accumulated_micro{m}": r.get("peak_memory_mb") for m, r in acc.items()}}
+    prof = out / "profile.json"
+    if prof.exists():
+        p = json.loads(prof.read_text())
+        head["profile_ms_by_class"] = p.get("ms_by_class")
+        head["profile_gpu_idle_ms"] = p.get("gpu_idle_ms")
+    return head
 
 
 if __name__ == "__main__":
