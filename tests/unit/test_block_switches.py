@@ -57,3 +57,28 @@ def test_switches_on_a_recurrent_model_are_refused() -> None:
     with pytest.raises(SpecError, match="spec.model.qkNorm: only applies to arch gpt"):
         parse_job({"apiVersion": "seqtrain.dev/v1alpha1", "kind": "SeqTrainJob", "metadata": {"name": "x"},
                    "spec": {"model": {"arch": "lstm", "qkNorm": True}}})
+
+
+@pytest.mark.parametrize("name", ["gpt2", "qwen3", "mistral"])
+def test_the_kernel_dispatch_computes_the_same_block(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With `use_kernels` on (the kernels' PyTorch reference here: SEQTRAIN_KERNELS=torch) the switches still hold:
+    LayerNorm's kernel, no RoPE with learned positions, q/k norms, and the sliding window, which the flash kernel
+    lacks, so attention falls back to the masked reference when the window hides positions."""
+    import torch
+
+    from seqtrain.models.dispatch import apply_kernels
+
+    monkeypatch.setenv("SEQTRAIN_KERNELS", "torch")
+    spec = ModelSpec(arch="gpt", vocab_size=96, dim=32, layers=2, heads=4, kv_heads=2, ffn_dim=48, max_seq_len=40,
+                     **SWITCHES[name])
+    torch.manual_seed(0)
+    model = build_model(spec).eval()
+    tokens = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(1))
+    docs = torch.tensor([[0] * 10 + [1] * 14, [0] * 24])
+    with torch.no_grad():
+        want = [model(tokens), model(tokens, docs)]
+        switched = apply_kernels(model, True)
+        assert any(n.endswith("attn") for n in switched)
+        got = [model(tokens), model(tokens, docs)]
+    for w, g in zip(want, got, strict=True):
+        assert (w - g).abs().max().item() < 1e-5
