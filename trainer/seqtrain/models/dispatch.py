@@ -11,8 +11,10 @@ Resolution (`resolve_kernels`), in order:
    `TRITON_INTERPRET=1`, and triton imports); otherwise the reference, with the reason in the log line.
    `SEQTRAIN_KERNELS=triton` where Triton cannot run is an error, not a fallback.
 
-`apply_kernels` sets `use_kernels` on the modules that have a kernel path: `RMSNorm` (rms_norm), `SwiGLU`
-(swiglu), `CausalSelfAttention` (rope + flash attention, doc_ids for packing), `QRNNLayer` (linear_scan for
+`apply_kernels` sets `use_kernels` on the modules that have a kernel path: `RMSNorm` (rms_norm, the q/k norms of
+qkNorm included), `LayerNorm` (layer_norm), `SwiGLU` (swiglu; the GELU MLP has none), `CausalSelfAttention` (rope
+unless positions are learned, flash attention with doc_ids for packing; the flash kernel has no sliding window, so
+where slidingWindow hides positions the block's attention is the masked reference), `QRNNLayer` (linear_scan for
 fo-pooling) and the model itself (the loss: fused linear + cross-entropy). It is a per-instance attribute, so
 it survives tensor parallel's class swap, pipeline stages (which reuse the modules), activation checkpointing
 (recomputation calls the same forward) and FSDP2/DeepSpeed wrapping. Two combinations keep a reference piece:

@@ -146,8 +146,9 @@ def hf_config(spec: ModelSpec, tokenizer: dict[str, Any] | None = None) -> dict[
                 "n_ctx": spec.max_seq_len, "activation_function": "gelu_new", "layer_norm_epsilon": spec.norm_eps,
                 "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "scale_attn_weights": True,
                 "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False, **common}
-    if family in ("mistral", "qwen2") and spec.out_bias or family == "mistral" and (spec.qkv_bias or spec.mlp_bias):
-        raise HFConfigError(f"{family}: biases {spec.qkv_bias}/{spec.out_bias}/{spec.mlp_bias} do not fit")
+    if family == "mistral" and (spec.qkv_bias or spec.out_bias or spec.mlp_bias):
+        raise HFConfigError("a slidingWindow model exports as mistral, which has no biases (qkvBias, outBias, "
+                            "mlpBias); export with --format seqtrain")
     if family == "qwen3" and (spec.qkv_bias != spec.out_bias or spec.mlp_bias or spec.sliding_window):
         raise HFConfigError("a qkNorm model exports as qwen3, which has one attention_bias for q/k/v/o, no MLP "
                             "bias and no sliding window; export with --format seqtrain")
