@@ -13,14 +13,16 @@ import time
 from typing import Any
 
 ENV = "SEQTRAIN_PYTEST_PROGRESS"
-_state: dict[str, Any] = {"passed": [], "failed": [], "skipped": [], "running": None, "seconds": {}}
+_state: dict[str, Any] = {"passed": [], "failed": [], "skipped": [], "running": None, "running_all": [],
+                          "seconds": {}}
 _started: dict[str, float] = {}
 
 
 def _write() -> None:
     path = os.environ.get(ENV)
-    if not path:
-        return
+    if not path or os.environ.get("PYTEST_XDIST_WORKER"):  # under xdist the controller, which sees every
+        return  # worker's reports, is the one writer
+    _state["running_all"] = sorted(_started)  # with xdist several tests run at once
     done = sum(len(_state[k]) for k in ("passed", "failed", "skipped"))
     status = f"running: {_state['running']}" if _state["running"] else f"finished {done} tests"
     tmp = f"{path}.tmp"
@@ -47,5 +49,5 @@ def pytest_runtest_logreport(report: Any) -> None:
 
 def pytest_runtest_logfinish(nodeid: str, location: Any) -> None:
     _state["seconds"][nodeid] = round(time.perf_counter() - _started.pop(nodeid, time.perf_counter()), 1)
-    _state["running"] = None
+    _state["running"] = max(_started, key=_started.__getitem__) if _started else None
     _write()
