@@ -269,3 +269,62 @@ def test_kueue_preempts_the_job_with_the_least_work_at_risk(testbed: Testbed, op
         testbed.kubectl("delete", "priorityclass", "seqtrain-urgent", "--ignore-not-found", timeout=60)
         operator.stop()
         operator.start()  # as the session's other tests expect it
+
+
+def node_racks(tb: Testbed, pods_: list[dict[str, Any]]) -> dict[str, str]:
+    """node -> its example.com/rack label, for the nodes the pods are bound to."""
+    nodes = {p["spec"]["nodeName"] for p in pods_}
+    return {n: tb.get("nodes", n)["metadata"]["labels"]["example.com/rack"] for n in nodes}
+
+
+def tas_gang(name: str, replicas: int, policy: str) -> dict[str, Any]:
+    job = gpu_gang(name, replicas)
+    job["spec"]["scheduling"].update({"gang": "kueue", "queue": "tas", "topology": {
+        "policy": policy, "keys": ["topology.kubernetes.io/zone", "example.com/rack"]}})
+    return job
+
+
+def test_kueue_tas_puts_a_gang_in_one_rack_waits_when_none_fits_or_spreads_when_preferred(
+        testbed: Testbed, operator: Operator, kueue: None, ns: str) -> None:
+    """scheduling.topology under Kueue is a Topology-Aware Scheduling request: the kwok GPU nodes are 3 racks of 2
+    nodes (8 GPUs each; rack-3 tainted, tolerated by GPU pods). `require` by rack puts a 2-node gang in one rack
+    and keeps a 3-node gang waiting (no rack has 3 nodes); `pack` (preferred) places the 3-node gang over 2 racks."""
+    testbed.apply([
+        {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "Topology", "metadata": {"name": f"racks-{ns}"},
+         "spec": {"levels": [{"nodeLabel": "topology.kubernetes.io/zone"}, {"nodeLabel": "example.com/rack"},
+                             {"nodeLabel": "kubernetes.io/hostname"}]}},
+        {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "ResourceFlavor", "metadata": {"name": f"gpu-tas-{ns}"},
+         "spec": {"nodeLabels": {"node.kubernetes.io/instance-type": "testbed-gpu"}, "topologyName": f"racks-{ns}"}},
+        {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "ClusterQueue", "metadata": {"name": f"cq-tas-{ns}"},
+         "spec": {"namespaceSelector": {}, "resourceGroups": [
+             {"coveredResources": ["cpu", "memory", "nvidia.com/gpu"], "flavors": [
+                 {"name": f"gpu-tas-{ns}", "resources": [{"name": "cpu", "nominalQuota": "64"},
+                                                        {"name": "memory", "nominalQuota": "512Gi"},
+                                                        {"name": "nvidia.com/gpu", "nominalQuota": "64"}]}]}]}},
+        {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "LocalQueue", "metadata": {"name": "tas", "namespace": ns},
+         "spec": {"clusterQueue": f"cq-tas-{ns}"}}])
+    names = ("rack-pair", "rack-three", "spread-three")
+    try:
+        testbed.apply(tas_gang("rack-pair", 2, "require"), ns)
+        pair = wait("rack-pair: both pods bound", lambda: (ps := pods(testbed, ns, "rack-pair")) and len(ps) == 2
+                    and all(p["spec"].get("nodeName") for p in ps) and ps, 240)
+        racks = node_racks(testbed, pair)
+        assert len(racks) == 2 and len(set(racks.values())) == 1, racks  # two nodes, one rack
+
+        testbed.apply(tas_gang("rack-three", 3, "require"), ns)
+        wait("rack-three: Kueue says no rack fits it", lambda: any(
+            c["type"] == "QuotaReserved" and c["status"] == "False" and "topology" in c.get("message", "").lower()
+            for c in (workload(testbed, ns, "rack-three").get("status") or {}).get("conditions", [])), 180)
+        assert [p["spec"].get("nodeName") for p in pods(testbed, ns, "rack-three")] == [None] * 3
+        for name in ("rack-pair", "rack-three"):
+            testbed.kubectl("delete", "stj", name, "-n", ns, "--wait=true", "--timeout=180s", timeout=240)
+
+        testbed.apply(tas_gang("spread-three", 3, "pack"), ns)
+        spread = wait("spread-three: all 3 pods bound", lambda: (ps := pods(testbed, ns, "spread-three"))
+                      and len(ps) == 3 and all(p["spec"].get("nodeName") for p in ps) and ps, 240)
+        racks = node_racks(testbed, spread)
+        assert len(racks) == 3 and len(set(racks.values())) == 2, racks  # as few racks as fit: 2 + 1
+    finally:
+        for name in names:
+            testbed.kubectl("delete", "stj", name, "-n", ns, "--ignore-not-found", "--wait=true", "--timeout=180s",
+                            timeout=240)
