@@ -149,3 +149,13 @@ def test_a_cuda_rank_takes_its_own_device_and_sets_the_allocator(fake_cuda, monk
     ctx = init_distributed(use_gpu=True)
     assert ctx.device == torch.device("cuda", 0) and fake_cuda["set_device"] == [torch.device("cuda", 0)]
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+
+
+def test_validate_notes_what_auto_becomes_for_a_gpu_job_only() -> None:
+    from seqtrain.spec.resolve import job_notes
+
+    gpu_notes = job_notes(job(**{"resources.gpus": 1}))
+    assert any(AUTO_PRECISION in n and "compile auto: on with CUDA" in n for n in gpu_notes)
+    assert not any("optimization:" in n for n in job_notes(job()))  # the CPU runs what it always ran
+    explicit = job(**{"resources.gpus": 1, "optimization.precision": "bf16", "optimization.compile": "false"})
+    assert not any("optimization:" in n for n in job_notes(explicit))

@@ -94,3 +94,13 @@ def describe_compile(compile_: bool | str, gpus: int) -> str:
     if compile_ != "auto":
         return "on" if compile_ else "off"
     return "off (auto: no GPU)" if gpus == 0 else "auto: on with CUDA"
+
+
+def auto_note(precision: str, compile_: bool | str, gpus: int) -> str | None:
+    """The `validate`/`plan` note for a GPU job that leaves precision or compile at `auto` (None otherwise: on the
+    CPU `auto` is what the CPU always ran, fp32 and eager)."""
+    autos = [f"precision {AUTO_PRECISION}" if precision == "auto" else "",
+             "compile auto: on with CUDA" if compile_ == "auto" else ""]
+    if gpus == 0 or not any(autos):
+        return None
+    return "optimization: " + "; ".join(a for a in autos if a) + " (resolved on each rank's device)"

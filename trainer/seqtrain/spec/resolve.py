@@ -11,6 +11,7 @@ from seqtrain.spec.datafiles import data_notes
 from seqtrain.spec.init_source import describe_init, folder_tokenizer
 from seqtrain.spec.job import SeqTrainJob
 from seqtrain.spec.model import ModelSpec
+from seqtrain.spec.optimization import auto_note
 from seqtrain.spec.presets import presets_for
 from seqtrain.spec.problems import Problem, SpecError
 
@@ -209,7 +210,9 @@ def tokenizer_of_prepared(paths: list[str]) -> dict | None:
 def job_notes(job: SeqTrainJob) -> list[str]:
     """What `validate` and `plan` print beside a valid job: the model's derived fields with their origins, and
     warnings that are not errors (training data named like held-out data)."""
-    return [resolve_model(job).derivations(), *data_notes(job, paths_readable())]
+    opt = job.spec.optimization
+    auto = auto_note(opt.precision, opt.compile, job.spec.resources.gpus)
+    return [resolve_model(job).derivations(), *([auto] if auto else []), *data_notes(job, paths_readable())]
 
 
 def resolve(job: SeqTrainJob) -> SeqTrainJob:
