@@ -305,3 +305,17 @@ def test_hf_uri_resolves_from_the_local_cache_offline(tmp_path: Path, monkeypatc
     (snap / "model.safetensors").symlink_to(folder / "model.safetensors")
     with pytest.raises(Exception, match="a symbolic link"):
         load_source("hf://acme/tiny-qwen3")
+
+
+def test_byte_ids_for_a_model_with_its_own_vocabulary_are_refused_at_validate(tmp_path: Path) -> None:
+    """A Llama folder without its tokenizer.json: training it on byte ids would run and report success on the
+    wrong tokens. Validation says so once, with what to do."""
+    folder = tmp_path / "llama"
+    cfg = transformers.LlamaConfig(**{**COMMON, "vocab_size": 160})
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(str(folder))
+    with pytest.raises(SpecError) as err:
+        init_job(folder)
+    assert [p.path for p in err.value.problems] == ["spec.data.tokenizer"]
+    assert "byte-level ids (0-255) do not fit the 160-token vocabulary" in str(err.value)
+    add_tokenizer(folder, WORDS[:150])  # 152 ids: its own tokenizer fits
+    assert init_job(folder).spec.data.tokenizer.path == str(folder / "tokenizer.json")

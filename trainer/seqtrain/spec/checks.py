@@ -106,9 +106,10 @@ def check(job: SeqTrainJob) -> list[Problem]:
                                                   "tensorParallel 1 and pipelineParallel 1"))
     from seqtrain.spec.init_tokenizer import data_tokenizer, tokenizer_problems
 
-    out += tokenizer_problems(job, m)
+    tok_problems = tokenizer_problems(job, m)  # model.init's vocabulary: the one message that says what to do
+    out += tok_problems
     tok_vocab = None
-    if data_tokenizer(job).type == "byte" and s.data.source not in ("synthetic", "tokens"):
+    if not tok_problems and data_tokenizer(job).type == "byte" and s.data.source not in ("synthetic", "tokens"):
         tok_vocab = 256  # token files hold ids already: their vocabulary is theirs (nanoGPT's shakespeare_char: 65)
     if tok_vocab and m.vocab_size and m.vocab_size < tok_vocab:
         out.append(Problem("spec.model.vocabSize", f"{m.vocab_size} is smaller than the tokenizer's {tok_vocab} ids"))
