@@ -151,7 +151,9 @@ spec:
 def make_trainer(workdir: Path, steps: int = 6):  # noqa: ANN201
     from seqtrain.train.loop import Trainer
 
-    job = resolve(load_job(JOB, [f"training.steps={steps}"]))
+    # a run resumed with more steps than its checkpoint was made for recomputes the schedule (allowed here: these
+    # tests are about what is resumed, tests/unit/test_schedule_resume.py about the schedule)
+    job = resolve(load_job(JOB, [f"training.steps={steps}", "training.allowScheduleChange=true"]))
     runtime = RuntimeConfig(workdir=str(workdir), checkpoint_dir=str(workdir / "ckpt"))
     trainer = Trainer(job, runtime, DistContext())
     trainer.setup()
