@@ -109,3 +109,36 @@ def test_fused_and_host_decided_paths_report_the_same_figures(monkeypatch: pytes
     plain = fused_engine(monkeypatch, fused=False).step(_STEPS[0])
     assert (fused.loss_sum, fused.target_tokens, fused.slots) == (plain.loss_sum, plain.target_tokens, plain.slots)
     assert fused.grad_norm == pytest.approx(plain.grad_norm, rel=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_no_cuda_synchronization_before_the_optimizer_step_on_a_gpu() -> None:
+    """The real check: CUDA's sync debug mode raises at any synchronizing call from the engine's first device
+    operation of a step until `optimizer.step()` (the engine's own fused AdamW on CUDA)."""
+    from seqtrain.data import Batch
+
+    job = resolve(load_job(JOB))
+    torch.manual_seed(0)
+    device = torch.device("cuda", torch.cuda.current_device())
+    engine = NativeEngine(build_model(job.spec.model).to(device), job, DistContext(device=device))
+    assert base.skips_on_device(engine.optimizer)
+    if not _STEPS:
+        _STEPS.extend(build_train_data(job, 0, 1).next_step() for _ in range(2))
+    engine.step(_STEPS[0])  # lazy initialisation (optimizer state, cuBLAS handles) may sync: not this check's
+    pinned = [Batch(tokens=b.tokens.pin_memory(), targets=b.targets.pin_memory(),  # what the prefetcher hands over
+                    doc_ids=None if b.doc_ids is None else b.doc_ids.pin_memory()) for b in _STEPS[1]]
+    step = engine.optimizer.step
+
+    def stepped(*a: Any, **k: Any) -> Any:
+        torch.cuda.set_sync_debug_mode(0)  # from here on the step may read its figures
+        return step(*a, **k)
+
+    engine.optimizer.step = stepped
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        stats = engine.step(pinned)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert stats.target_tokens > 0 and math.isfinite(stats.loss) and not stats.skipped

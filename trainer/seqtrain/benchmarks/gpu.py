@@ -76,7 +76,7 @@ NO_CUDA = "skipped: no CUDA"
 REPO = Path(__file__).resolve().parents[3]  # the checkout: trainer/seqtrain/benchmarks/gpu.py
 # The test files that hold the `gpu`-marked tests (tests/unit/test_bench_gpu.py checks the list is complete).
 GPU_TEST_FILES = ["tests/unit/kernels/test_kernel_gpu.py", "tests/unit/test_precision.py",
-                  "tests/unit/test_cuda_gpu.py"]
+                  "tests/unit/test_cuda_gpu.py", "tests/unit/test_step_syncs.py"]
 
 # The MFU model: GPT `1b` preset (dim 2048, GQA 16/8 heads, SwiGLU 5632) deepened to 28 layers = ~1.3B.
 MFU_MODEL = {"arch": "gpt", "preset": "1b", "layers": 28, "vocabSize": 32768, "maxSeqLen": 2048}
