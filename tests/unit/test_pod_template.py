@@ -165,3 +165,15 @@ def test_a_fault_drill_env_var_reaches_the_trainer_though_other_seqtrain_vars_ar
     env = {e["name"]: e.get("value") for e in pod(drill)["spec"]["containers"][0]["env"]}
     assert env["SEQTRAIN_FAULT_KILL_AT_STEP"] == "20:1" and env["SEQTRAIN_FAULT_ATTEMPT"] == "1"
     assert env["SEQTRAIN_ATTEMPT"] == "1"  # still the operator's
+
+
+def test_the_push_token_volume_and_its_mount_are_the_operators():
+    """The trainer mounts the per-attempt push token Secret as volume seqtrain-push-token at /var/run/seqtrain/push:
+    a user's volume of that name would make the apiserver refuse every pod (duplicate name), a mount there would
+    hide the token."""
+    from seqtrain.spec.template import OWNED_MOUNT_PATHS, OWNED_VOLUMES
+    from seqtrain_operator.k8s.manifests import PUSH_VOLUME
+    from seqtrain_operator.k8s.pushauth import TOKEN_DIR
+
+    assert PUSH_VOLUME in OWNED_VOLUMES
+    assert any(p == TOKEN_DIR or TOKEN_DIR.startswith(p + "/") for p in OWNED_MOUNT_PATHS)

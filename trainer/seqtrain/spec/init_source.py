@@ -58,7 +58,7 @@ def _json(path: str) -> dict[str, Any] | None:
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # a nested document the json module cannot read is not a model's
         return None
     return data if isinstance(data, dict) else None
 

@@ -39,8 +39,8 @@ TRAINER_CONTAINER = "trainer"
 # Ports the trainer container listens on with the operator's defaults (--master-port, --progress-port); a sidecar
 # shares the pod's network namespace, so it must not bind them.
 OPERATOR_PORTS = {29500: "rendezvous (MASTER_PORT)", 8471: "progress"}
-OWNED_VOLUMES = ("config", "dshm", "tmp", "checkpoints")
-OWNED_MOUNT_PATHS = ("/etc/seqtrain", "/dev/shm", "/tmp", "/checkpoints")
+OWNED_VOLUMES = ("config", "dshm", "tmp", "checkpoints", "seqtrain-push-token")
+OWNED_MOUNT_PATHS = ("/etc/seqtrain", "/dev/shm", "/tmp", "/checkpoints", "/var/run/seqtrain")
 # Env vars that define the process group or the attempt: an override would silently break rendezvous or resume.
 OWNED_ENV = frozenset({
     "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE",
