@@ -24,13 +24,13 @@ with several replicas a push reaches one of them (one connection per push, so th
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
-from seqtrain_operator.k8s.observe import Reported, progress_from_json
+from seqtrain.spec.progress_doc import ProgressError, parse_progress
+from seqtrain_operator.k8s.observe import Reported
 from seqtrain_operator.k8s.progress import MAX_BODY_BYTES
 from seqtrain_operator.k8s.pushauth import PUSH_PATH, SEQUENCE_HEADER, valid_token
 
@@ -89,10 +89,10 @@ class PushedProgress:
         seq = _sequence(sequence)
         if seq is None:
             return 400, f"no {SEQUENCE_HEADER} header (an integer from 1 to 2^63-1)"
-        try:
-            reported = progress_from_json(json.loads(body))
-        except (ValueError, RecursionError, TypeError):  # a 5000-deep array is a bad body, not a server error
-            reported = Reported()
+        try:  # the one reader: bounded size and depth checked on the raw bytes before any parsing
+            reported = parse_progress(body)
+        except ProgressError as exc:
+            return 400, f"not a progress document: {exc}"
         if reported.progress is None:
             return 400, "not a progress document"
         if reported.progress.attempt is not None and reported.progress.attempt != attempt:
