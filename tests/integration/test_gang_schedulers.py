@@ -121,15 +121,16 @@ def test_coscheduling_binds_all_or_nothing(testbed: Testbed, operator: Operator,
 
 
 @pytest.fixture(scope="module", params=["v1beta1+v1beta2", "v1beta2-only"])
-def kueue(testbed: Testbed, request: pytest.FixtureRequest) -> Iterator[None]:
+def kueue(testbed: Testbed, operator: Operator, request: pytest.FixtureRequest) -> Iterator[str]:
     """Kueue v0.19.2 as it ships (both Workload versions served), then with v1beta1 switched off in its CRDs, as
-    Kueue v0.20 ships them: every Kueue scenario runs against both."""
+    Kueue v0.20 ships them: every Kueue scenario runs against both. Yields a namespace of its own per variant (a
+    job of the same name would otherwise resume from the other variant's checkpoints)."""
     with gangs.kueue(testbed, files=FILES, v1beta1_served=request.param == "v1beta1+v1beta2"):
-        yield
+        yield testbed.checkpoint_namespace("kueue")
 
 
-def test_kueue_queue_admit_train_restart_and_clean_up(testbed: Testbed, operator: Operator, kueue: None,
-                                                      ns: str) -> None:
+def test_kueue_queue_admit_train_restart_and_clean_up(testbed: Testbed, operator: Operator, kueue: str) -> None:
+    ns = kueue
     op = operator
     testbed.apply([
         {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "ResourceFlavor", "metadata": {"name": "cpu"},
@@ -194,8 +195,7 @@ def admitted(wl: dict[str, Any]) -> bool:
     return any(c["type"] == "Admitted" and c["status"] == "True" for c in (wl.get("status") or {}).get("conditions", []))
 
 
-def test_kueue_preempts_the_job_with_the_least_work_at_risk(testbed: Testbed, operator: Operator, kueue: None,
-                                                            ns: str) -> None:
+def test_kueue_preempts_the_job_with_the_least_work_at_risk(testbed: Testbed, operator: Operator, kueue: str) -> None:
     """Two jobs of one priority fill a ClusterQueue; an urgent one needs the room of one. Kueue takes, of equal
     priorities, the most recently admitted, here the job that saved nothing; with the operator writing each job's
     work at risk as its Workload's priority boost (--kueue-priority-boost-seconds=0.2) it
@@ -204,6 +204,7 @@ def test_kueue_preempts_the_job_with_the_least_work_at_risk(testbed: Testbed, op
     The operator is restarted for it with the boost on and progress pushed, not polled: every pod here shares this
     machine's network, so two trainers cannot both serve the progress port, and a poll of one job's pod would read
     the other's document."""
+    ns = kueue
     def one_replica(name: str, interval: int, priority_class: str | None = None) -> dict[str, Any]:
         job = cpu_job(name, hold_at_step=40)  # trains 40 steps, then holds (no CPU) until it is stopped
         job["spec"]["replicas"] = 1
@@ -284,11 +285,11 @@ def tas_gang(name: str, replicas: int, policy: str) -> dict[str, Any]:
     return job
 
 
-def test_kueue_tas_puts_a_gang_in_one_rack_waits_when_none_fits_or_spreads_when_preferred(
-        testbed: Testbed, operator: Operator, kueue: None, ns: str) -> None:
+def test_kueue_tas_puts_a_gang_in_one_rack_waits_when_none_fits_or_spreads_when_preferred(testbed: Testbed, operator: Operator, kueue: str) -> None:
     """scheduling.topology under Kueue is a Topology-Aware Scheduling request: the kwok GPU nodes are 3 racks of 2
     nodes (8 GPUs each; rack-3 tainted, tolerated by GPU pods). `require` by rack puts a 2-node gang in one rack
     and keeps a 3-node gang waiting (no rack has 3 nodes); `pack` (preferred) places the 3-node gang over 2 racks."""
+    ns = kueue
     testbed.apply([
         {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "Topology", "metadata": {"name": f"racks-{ns}"},
          "spec": {"levels": [{"nodeLabel": "topology.kubernetes.io/zone"}, {"nodeLabel": "example.com/rack"},

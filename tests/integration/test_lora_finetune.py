@@ -46,7 +46,8 @@ def test_lora_finetune_from_an_export(tmp_path: Path) -> None:
     md = markdown_corpus(tmp_path / "corpus")
     prepare([md], str(tmp_path / "md"), progress=False)
     # byte-level prepared data has an end-of-document id 256: the 256-token export cannot read it (validation)
-    with pytest.raises(SpecError, match="spec.model.vocabSize: 256 is smaller than the prepared data's vocabulary 257"):
+    with pytest.raises(SpecError, match=r"spec.model.init: its weights have 256 token ids but the prepared data in "
+                       r"data.paths uses 257 .*train on the text with data.source text"):
         job_for({"model.init": str(exported), "data.source": "tokens", "data.paths": [str(tmp_path / "md")]})
 
     job = job_for({"training.steps": 30, "training.optimizer.lr": 0.02, "model.init": str(exported),
