@@ -3,7 +3,6 @@ crash or a tampered file leaves behind. (Real rank processes: tests/integration/
 
 from __future__ import annotations
 
-import io
 import multiprocessing
 import os
 import pickle
@@ -114,15 +113,17 @@ class _ByName:
 
 def test_dcp_metadata_from_python_3_12_enum_members_by_name_loads_and_nothing_else_does() -> None:
     # A checkpoint written in the image (Python 3.13) refused to resume: "it names builtins.getattr".
-    from torch.distributed.checkpoint.planner import WriteItemType
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
 
     from seqtrain.checkpoint.safe_load import _MetadataUnpickler
 
     def load(obj: object) -> object:
-        return _MetadataUnpickler(io.BytesIO(pickle.dumps(obj))).load()
+        return _MetadataUnpickler(pickle.dumps(obj)).load()
 
-    assert load([_ByName(WriteItemType, "TENSOR")]) == [WriteItemType.TENSOR]
-    for bad in (_ByName(WriteItemType, "__class__"), _ByName(WriteItemType, "mro"), _ByName(torch.Size, "count")):
+    member = next(iter(_MEM_FORMAT_ENCODING))
+    assert load([_ByName(_MEM_FORMAT_ENCODING, member.name)]) == [member]
+    for bad in (_ByName(_MEM_FORMAT_ENCODING, "__class__"), _ByName(_MEM_FORMAT_ENCODING, "mro"),
+                _ByName(torch.Size, "count")):
         with pytest.raises(pickle.UnpicklingError, match="not allowed in DCP metadata"):
             load(bad)
 
