@@ -256,7 +256,9 @@ def test_the_local_client_runs_follows_suspends_resumes_and_deletes(tmp_path: Pa
             if "step 10/2000" in line:
                 break
         assert seen[0].startswith("[rank 0] ") and any("attempt 1, fresh start" in line for line in seen), seen
-        assert c.wait("local", "Running", timeout=60).step >= 10
+        assert c.wait("local", "Running", timeout=60).phase == "Running"
+        # status.json follows the rank's log (the runner writes it on its own beat): wait for it, do not race it
+        wait("the status at step 10", lambda: (c.get("local").step or 0) >= 10, 120, 0.5)
         assert c.suspend("local").phase == "Suspended"
         assert "local" in [j.name for j in c.list()]
         c.resume("local")
