@@ -28,6 +28,9 @@ BENCHMARKS = {
     "recovery": "seqtrain_operator.bench_recovery",
     "gpu": "seqtrain.benchmarks.gpu",
     "checkpoint-interval": "seqtrain_operator.interval_bench",
+    "overhead": "seqtrain.benchmarks.overhead",
+    "step": "seqtrain.benchmarks.step",
+    "chaos": "seqtrain_operator.chaos.bench",
 }
 
 
