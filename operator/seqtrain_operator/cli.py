@@ -494,7 +494,9 @@ def build_parser() -> argparse.ArgumentParser:
     pd.add_argument("inputs", nargs="+", metavar="INPUT",
                     help="files, globs or folders (.jsonl, .parquet, anything else is text) or a saved datasets folder")
     pd.add_argument("--out", required=True, help="output folder (rerun with the same inputs to resume)")
-    pd.add_argument("--tokenizer", default="byte", help="byte (default) or the path of a tokenizer.json")
+    pd.add_argument("--tokenizer", default="byte",
+                    help="byte (default), a tokenizer.json, a Hugging Face model folder holding one (as model.init "
+                         "takes it), or hf://ORG/NAME[@REVISION] from the local Hugging Face cache")
     pd.add_argument("--workers", type=_positive_int, default=1, metavar="N", help="parallel worker processes")
     pd.add_argument("--field", default="text", help="text field of jsonl records, parquet and dataset columns")
     pd.add_argument("-q", "--quiet", action="store_true", help="no progress bar")

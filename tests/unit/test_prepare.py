@@ -164,3 +164,36 @@ def test_blend_weights_are_validated(tmp_path: Path) -> None:
     doc["spec"]["model"] = {"vocabSize": 256}
     with pytest.raises(SpecError, match="spec.model.vocabSize: 256 is smaller than the prepared data's vocabulary 257"):
         parse_job(doc)
+
+
+def test_tokenizer_folder_is_taken_as_model_init_takes_it(tmp_path: Path, capsys) -> None:
+    """--tokenizer FOLDER (a Hugging Face model folder) reads its tokenizer.json and carries its special tokens and
+    chat template into the output; a folder without one is a one-line error."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    model = tmp_path / "model"
+    model.mkdir()
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel()
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(["hello world"] * 20, trainers.BpeTrainer(vocab_size=280,
+                                                                      special_tokens=["<unk>", "</s>"]))
+    tok.save(str(model / "tokenizer.json"))
+    (model / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "chat_template": "{{ x }}"}))
+    (tmp_path / "t.txt").write_text("hello world")
+    assert cli_main(["prepare-data", str(tmp_path / "t.txt"), "--tokenizer", str(model), "--out",
+                     str(tmp_path / "out"), "-q"]) == 0
+    index = json.loads((tmp_path / "out" / "index.json").read_text())
+    assert index["eod"] == tok.token_to_id("</s>") and index["vocab_size"] == tok.get_vocab_size()
+    assert index["tokenizer"]["path"] == str(tmp_path / "out" / "tokenizer.json")
+    assert json.loads((tmp_path / "out" / "tokenizer_config.json").read_text())["chat_template"] == "{{ x }}"
+    by_file = prepare([str(tmp_path / "t.txt")], str(tmp_path / "out2"), tokenizer=str(model / "tokenizer.json"),
+                      progress=False)
+    assert (tmp_path / "out" / "shard-00000.bin").read_bytes() == (tmp_path / "out2" / "shard-00000.bin").read_bytes()
+    assert by_file["tokens"] == index["tokens"]
+    capsys.readouterr()
+    (tmp_path / "empty").mkdir()
+    assert cli_main(["prepare-data", str(tmp_path / "t.txt"), "--tokenizer", str(tmp_path / "empty"), "--out",
+                     str(tmp_path / "out3"), "-q"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--tokenizer" in err and "no tokenizer.json" in err

@@ -35,6 +35,7 @@ BATCH_BYTES = 4 << 20  # ... and about this much text (the memory bound of a wor
 JSONL_UNIT_BYTES = 16 << 20  # jsonl files are cut into ranges of about this size
 TEXT_UNIT_BYTES = 16 << 20  # text files are grouped into units of about this size
 DATASET_UNIT_ROWS = 50_000
+TOKENIZER_COMPANION_MAX_BYTES = 16 << 20  # tokenizer_config.json & co. are kilobytes; anything larger is not one
 _EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|eos|>", "[EOS]", "<|end_of_text|>")
 
 
@@ -53,6 +54,30 @@ class PrepareError(ValueError):
 
 
 # ---- tokenizers ---------------------------------------------------------------------------------------------
+def tokenizer_file(spec: str) -> str:
+    """The tokenizer.json that `--tokenizer` names: the file itself, a Hugging Face model folder holding one (as
+    `model.init` takes it), or hf://ORG/NAME[@REVISION] from the local Hugging Face cache."""
+    from seqtrain.spec.init_source import HF_SCHEME, local_folder
+
+    path = spec
+    if spec.startswith(HF_SCHEME):
+        try:
+            path = local_folder(spec)
+        except ValueError as exc:
+            raise PrepareError(f"--tokenizer {exc}") from None
+    path = os.path.expanduser(path)
+    if os.path.isdir(path):
+        inner = os.path.join(path, "tokenizer.json")
+        if not os.path.isfile(inner):
+            raise PrepareError(f"--tokenizer {spec}: the folder has no tokenizer.json (a Hugging Face model folder "
+                               "brings one); give the folder that holds it, a tokenizer.json file, or 'byte'")
+        return os.path.abspath(inner)
+    if not os.path.isfile(path):
+        raise PrepareError(f"--tokenizer: {spec!r} is neither 'byte', a tokenizer.json file, nor a folder holding "
+                           "one")
+    return os.path.abspath(path)
+
+
 class _Tok:
     """byte or tokenizer.json, with an end-of-document id (the tokenizer's EOS token, else a new id)."""
 
@@ -64,8 +89,8 @@ class _Tok:
         else:
             from seqtrain.data.tokenizer import read_tokenizer_json
 
-            if not os.path.isfile(spec):
-                raise PrepareError(f"--tokenizer: {spec!r} is neither 'byte' nor a tokenizer.json file")
+            spec = tokenizer_file(spec)
+            self.spec = spec
             tok, why = read_tokenizer_json(spec)
             if tok is None:
                 raise PrepareError(f"--tokenizer {spec}: {why}; give a Hugging Face tokenizer.json or 'byte'")
@@ -294,7 +319,8 @@ def _fingerprint(units: list[Unit], tok: _Tok, field: str) -> str:
 
 
 _OWN_FILE = re.compile(r"^(shard-\d{5}(\.bin|\.docs\.npy|\.bin\.tmp|\.docs\.tmp\.npy)|plan\.json(\.tmp)?"
-                       r"|index\.json(\.tmp)?|tokenizer\.json)$")
+                       r"|index\.json(\.tmp)?|tokenizer\.json|tokenizer_config\.json|special_tokens_map\.json"
+                       r"|chat_template\.jinja)$")
 
 
 def _own_files(out: str) -> list[str]:
@@ -339,7 +365,13 @@ def prepare(inputs: Sequence[str], out: str, tokenizer: str = "byte", workers: i
     if tok.spec != "byte":
         import shutil
 
+        from seqtrain.spec.init_source import TOKENIZER_COMPANIONS
+
         shutil.copyfile(tok.spec, os.path.join(out, "tokenizer.json"))
+        for name in TOKENIZER_COMPANIONS:  # special tokens and chat template travel with the tokenizer
+            src = os.path.join(os.path.dirname(tok.spec), name)
+            if os.path.isfile(src) and os.path.getsize(src) <= TOKENIZER_COMPANION_MAX_BYTES:
+                shutil.copyfile(src, os.path.join(out, name))
     done = {i for i in range(len(units)) if os.path.isfile(os.path.join(out, shard_name(i) + ".bin"))}
     todo = [i for i in range(len(units)) if i not in done]
     jobs = [(i, units[i], tokenizer, field, out) for i in todo]
