@@ -133,7 +133,35 @@ def _jsonl_records(path: str, field: str) -> Iterator[tuple[int, str]]:
             yield lineno, value
 
 
+def load_chat(spec: DataSpec, split: str, tok: Tokenizer) -> Corpus:
+    """data.format chat: each jsonl line's messages through the chat template; only assistant tokens are scored
+    (`Corpus.loss_mask`), one conversation per document (the template ends each turn: no end-of-document id)."""
+    from seqtrain.data.chat import ChatDataError, ChatEncoder, chat_records
+
+    if not isinstance(tok, FileTokenizer):
+        raise ChatDataError("spec.data.format: chat needs a tokenizer with a chat template (a model.init folder's, "
+                            "or data.tokenizer {type: file, path: .../tokenizer.json}), not byte-level ids")
+    enc = ChatEncoder(tok._tok, tok.path)
+    docs: list[np.ndarray] = []
+    masks: list[np.ndarray] = []
+    want_val = split == "validation"
+    for path in expand_paths(spec.paths):
+        for lineno, messages in chat_records(path):
+            if in_validation(f"{path}:{lineno}", spec.validation_fraction) != want_val:
+                continue
+            ids, mask = enc.encode(messages, f"{path}:{lineno}", tok.dtype)
+            if len(ids) >= 2 and mask[1:].any():  # something to predict (an assistant token after the first)
+                docs.append(ids)
+                masks.append(mask)
+    if not docs:
+        raise ValueError(f"spec.data.paths: no chat record with an assistant turn falls into the {split} split")
+    corpus = corpus_from_documents(docs)
+    return Corpus(tokens=corpus.tokens, doc_starts=corpus.doc_starts, loss_mask=np.concatenate(masks))
+
+
 def load_jsonl(spec: DataSpec, split: str, tok: Tokenizer) -> Corpus:
+    if spec.format == "chat":
+        return load_chat(spec, split, tok)
     texts: list[bytes] = []
     want_val = split == "validation"
     for path in expand_paths(spec.paths):

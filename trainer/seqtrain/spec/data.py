@@ -40,6 +40,11 @@ class DataSpec(SpecModel):
         None, description="Blend weights, one per entry of paths (source tokens with prepare-data folders): each "
         "dataset's share of the training tokens. Default: every document once.")
     jsonl_field: str = Field("text", description="Which field of each jsonl line holds the text.")
+    format: Literal["text", "chat"] = Field(
+        "text", description="text: each document is plain text, every token scored. chat (source jsonl): each line "
+        "is {\"messages\": [{\"role\": ..., \"content\": ...}, ...]}, rendered with the tokenizer folder's chat "
+        "template (chat_template in tokenizer_config.json or chat_template.jinja beside tokenizer.json) and scored "
+        "only on the assistant turns.")
     token_dtype: Literal["uint16", "uint32"] = Field("uint16", description="Element type of pre-tokenized files.")
     synthetic: SyntheticSpec = Field(default_factory=SyntheticSpec, description="Settings of source: synthetic.")
     tokenizer: TokenizerSpec = Field(default_factory=TokenizerSpec, description="How text becomes token ids.")

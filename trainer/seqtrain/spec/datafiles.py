@@ -96,7 +96,7 @@ def data_problems(job: SeqTrainJob, readable: bool, vocab: int | None = None) ->
     """data.validation's rules, splits that would leave the run without training or validation data, and raw
     token files holding ids the model's vocabulary (`vocab`, resolved) does not have."""
     d = job.spec.data
-    out: list[Problem] = []
+    out: list[Problem] = _chat_problems(job, readable)
     if readable and vocab is not None and d.source == "tokens":
         out += _raw_id_problems(job, vocab)
     if d.validation is not None:
@@ -133,6 +133,31 @@ def data_problems(job: SeqTrainJob, readable: bool, vocab: int | None = None) ->
                                                            f"{train[key]!r}); remove it from one of the two"))
         return out
     return out + _split_problems(job)
+
+
+def _chat_problems(job: SeqTrainJob, readable: bool) -> list[Problem]:
+    """data.format chat: jsonl lines of messages, a tokenizer file, and (where readable) its chat template."""
+    d = job.spec.data
+    if d.format != "chat":
+        return []
+    if d.source != "jsonl":
+        return [Problem("spec.data.format", f"chat reads jsonl lines of messages, not source {d.source}; set "
+                                            "data.source jsonl (or data.format text)")]
+    from seqtrain.spec.chat_template import template_of
+    from seqtrain.spec.init_tokenizer import data_tokenizer  # imports this module: here, not at the top
+
+    tok = data_tokenizer(job)
+    if tok.type != "file" or not tok.path:
+        return [Problem("spec.data.format", "chat needs a tokenizer with a chat template: start from a model.init "
+                                            "folder that holds tokenizer.json, or set data.tokenizer {type: file, "
+                                            "path: .../tokenizer.json}")]
+    path = os.path.expanduser(tok.path)
+    if readable and os.path.isfile(path):
+        try:
+            template_of(path)
+        except ValueError as exc:
+            return [Problem("spec.data.format", str(exc).removeprefix("spec.data.format: "))]
+    return []
 
 
 def _split_problems(job: SeqTrainJob) -> list[Problem]:
