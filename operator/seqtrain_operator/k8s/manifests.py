@@ -20,6 +20,7 @@ from seqtrain.runtime.launch import replica_command
 from seqtrain.spec import API_VERSION, KIND, RuntimeConfig, SeqTrainJob, TrainerConfig
 from seqtrain.spec.names import configmap_name, hostname, pod_name, service_name
 from seqtrain.spec.policy import PodPolicy
+from seqtrain.spec.replica_env import INPLACE_DELAYS_ENV, replica_env
 from seqtrain.spec.runtime import FailureHistory
 from seqtrain_operator.k8s.gangs import ADAPTERS, adapter_for
 from seqtrain_operator.k8s.owner import LABEL_UID
@@ -50,9 +51,6 @@ SAFE_TO_EVICT = "cluster-autoscaler.kubernetes.io/safe-to-evict"
 CONFIG_DIR = "/etc/seqtrain"
 CONFIG_FILE = "config.json"
 CHECKPOINT_MOUNT = "/checkpoints"
-# A multi-rank pod's launcher stops waiting for its ranks this long before the kubelet's SIGKILL, so it can still
-# kill them itself and exit with a code that says what happened.
-TERM_GRACE_MARGIN_SECONDS = 5
 
 # The external gang schedulers, one module each under k8s/gangs/; this table is the view main.py and older callers
 # read (the CRD that proves one is installed, its PodGroup API, its scheduler name).
@@ -228,38 +226,34 @@ def restart_port(settings: Settings) -> int:
 
 def _env(job: SeqTrainJob, owner: Owner, attempt: int, replica: int, settings: Settings,
          in_place_delays: tuple[float, ...] = ()) -> list[dict[str, Any]]:
-    procs = job.spec.resources.procs
-    env = [
-        {"name": "MASTER_ADDR", "value": master_addr(owner)},
-        {"name": "MASTER_PORT", "value": str(settings.master_port)},
-        {"name": "WORLD_SIZE", "value": str(job.spec.world_size)},
-        {"name": "NODE_RANK", "value": str(replica)},
-        {"name": "LOCAL_WORLD_SIZE", "value": str(procs)},
-        {"name": "SEQTRAIN_JOB", "value": owner.name},
-        {"name": "SEQTRAIN_ATTEMPT", "value": str(attempt)},
-        {"name": "SEQTRAIN_REPLICA", "value": str(replica)},
-        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-        {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
-        {"name": "PYTHONUNBUFFERED", "value": "1"},
-        {"name": "HOME", "value": "/tmp"},  # the root filesystem is read-only
-        {"name": "TRITON_CACHE_DIR", "value": "/tmp/triton"},
-        {"name": "TORCH_EXTENSIONS_DIR", "value": "/tmp/torch_extensions"},
-    ]
-    if procs == 1:
-        env[3:3] = [{"name": "RANK", "value": str(replica)}, {"name": "LOCAL_RANK", "value": "0"}]
-    # the launcher (several processes) SIGKILLs its ranks a little before the kubelet would; every trainer saves on
-    # SIGTERM only when its last save fits in what is left of this
-    grace = max(1, settings.termination_grace_seconds - TERM_GRACE_MARGIN_SECONDS)
-    env.append({"name": "SEQTRAIN_TERM_GRACE_SECONDS", "value": str(grace)})
-    if _pushes(settings):  # rank 0 pushes its progress (k8s/push.py); the token is a file, never in the env
-        env += [{"name": URL_ENV,
-                 "value": push_url(settings.progress_push_url or "", owner.namespace, owner.name, owner.uid, attempt)},
-                {"name": TOKEN_FILE_ENV, "value": TOKEN_FILE}]
-    if in_place_delays:
-        env += [{"name": "SEQTRAIN_INPLACE_DELAYS", "value": ",".join(f"{d:g}" for d in in_place_delays)},
-                {"name": "SEQTRAIN_RESTART_PORT", "value": str(restart_port(settings))}]
+    """The replica's environment: the one contract (seqtrain.spec.replica_env) with a pod's arguments, the pod's
+    own identity from the downward API, and the progress push's address and token file."""
+    contract = replica_env(replica=replica, attempt=attempt, world_size=job.spec.world_size,
+                           procs=job.spec.resources.procs, master_addr=master_addr(owner),
+                           master_port=settings.master_port, grace_period=settings.termination_grace_seconds,
+                           job=owner.name, read_only_root=True, in_place_delays=in_place_delays,
+                           restart_port=restart_port(settings) if in_place_delays else None)
+    env: list[dict[str, Any]] = []
+    for name, value in contract.items():
+        if name == INPLACE_DELAYS_ENV and _pushes(settings):
+            env += _push_env(owner, attempt, settings)
+        env.append({"name": name, "value": value})
+        if name == "SEQTRAIN_REPLICA":
+            env += [{"name": var, "valueFrom": {"fieldRef": {"fieldPath": path}}} for var, path in _DOWNWARD]
+    if _pushes(settings) and INPLACE_DELAYS_ENV not in contract:
+        env += _push_env(owner, attempt, settings)
     return env
+
+
+# The pod's own name, address and node, as the kubelet fills them in.
+_DOWNWARD = (("POD_NAME", "metadata.name"), ("POD_IP", "status.podIP"), ("NODE_NAME", "spec.nodeName"))
+
+
+def _push_env(owner: Owner, attempt: int, settings: Settings) -> list[dict[str, Any]]:
+    """Rank 0 pushes its progress (k8s/push.py); the token is a file, never in the env."""
+    return [{"name": URL_ENV,
+             "value": push_url(settings.progress_push_url or "", owner.namespace, owner.name, owner.uid, attempt)},
+            {"name": TOKEN_FILE_ENV, "value": TOKEN_FILE}]
 
 
 def _pushes(settings: Settings) -> bool:

@@ -21,16 +21,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from seqtrain.runtime.exitcodes import last_error
-from seqtrain.runtime.launch import GRACE_ENV, LOG_DIR_ENV, free_port, normalize, replica_command
+from seqtrain.runtime.launch import cpu_budget, free_port, normalize, replica_command
 from seqtrain.runtime.restart import rounds_in
+from seqtrain.spec.replica_env import GRACE_ENV, IDENTITY, cpu_share, replica_env
 from seqtrain_operator.controller.clock import iso, utcnow
 from seqtrain_operator.controller.failure_policy import describe_exit
 from seqtrain_operator.controller.types import ReplicaObservation
 
 NODE = "localhost"
 TERM_GRACE_SECONDS = 30.0  # SIGTERM -> SIGKILL: the trainer finishes its step and saves within this
-# The launcher of a multi-rank replica SIGKILLs its ranks this much before we would (as the manifests do in a pod).
-LAUNCHER_GRACE_MARGIN_SECONDS = 5.0
 _CLI = (sys.executable, "-m", "seqtrain_operator.cli")
 # what the launcher says when one of its ranks ends badly (seqtrain.runtime.launch._wait)
 _RANK_EXIT = re.compile(r"seqtrain launch: local rank (\d+) exited with code (\d+)")
@@ -44,6 +43,38 @@ def source_roots() -> list[str]:
     op_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     tr_root = os.path.dirname(os.path.dirname(os.path.abspath(seqtrain.__file__)))
     return [tr_root, op_root]
+
+
+def process_env(environ: Mapping[str, str], extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """What every local replica inherits before the contract's variables: this process's environment (and
+    `extra`), the source roots on PYTHONPATH so ranks import this code without an install, and no identity
+    variables (a replica's come from the contract only)."""
+    base = {**environ, **(extra or {})}
+    roots = source_roots()
+    base["PYTHONPATH"] = os.pathsep.join(roots + ([base["PYTHONPATH"]] if base.get("PYTHONPATH") else []))
+    for name in IDENTITY:
+        base.pop(name, None)
+    return base
+
+
+def local_replica_env(*, replica: int, attempt: int, replicas: int, procs: int, gpus_per_replica: int,
+                      master_port: int, log_dir: str | None = None, in_place_delays: tuple[float, ...] = (),
+                      restart_port: int | None = None, given: Mapping[str, str] | None = None,
+                      job: str | None = None) -> dict[str, str]:
+    """The pod contract (seqtrain.spec.replica_env) with a local machine's arguments: loopback, the gang's free
+    port, this backend's stop deadline (TERM_GRACE_SECONDS); every rank of the job shares this machine's CPUs and
+    each replica sees only its own GPUs. What the user (or a test) set in `given` for OMP_NUM_THREADS and the
+    grace period wins: a test may give the trainer less time."""
+    given = given or {}
+    env = replica_env(replica=replica, attempt=attempt, world_size=replicas * procs, procs=procs,
+                      master_addr="127.0.0.1", master_port=master_port, grace_period=TERM_GRACE_SECONDS, job=job,
+                      omp_threads=None if given.get("OMP_NUM_THREADS") else cpu_share(cpu_budget(), replicas * procs),
+                      visible_gpus=(range(replica * gpus_per_replica, (replica + 1) * gpus_per_replica)
+                                    if gpus_per_replica > 0 else None),
+                      rank_log_dir=log_dir, in_place_delays=in_place_delays, restart_port=restart_port)
+    if given.get(GRACE_ENV):
+        env[GRACE_ENV] = given[GRACE_ENV]
+    return env
 
 
 def exit_code(returncode: int) -> int:
@@ -89,49 +120,29 @@ class LocalGang:
     @classmethod
     def start(cls, attempt: int, replicas: int, procs_per_replica: int, gpus_per_replica: int, config_path: str,
               log_dir: str, extra_env: Mapping[str, str] | None = None,
-              command: Sequence[str] | None = None, in_place_delays: tuple[float, ...] = ()) -> LocalGang:
-        """Spawn every replica (all or none). `command` replaces the rank's `seqtrain train --config` (tests use tiny
-        fakes); a multi-rank replica still runs it through the one launcher, and so does every replica when
-        `in_place_delays` (CreateGang.in_place_delays) allows in-place restarts: its launcher survives its ranks."""
+              command: Sequence[str] | None = None, in_place_delays: tuple[float, ...] = (),
+              job: str | None = None) -> LocalGang:
+        """Spawn every replica (all or none) with the pod contract's environment (`local_replica_env`). `command`
+        replaces the rank's `seqtrain train --config` (tests use tiny fakes); a multi-rank replica still runs it
+        through the one launcher, and so does every replica when `in_place_delays` (CreateGang.in_place_delays)
+        allows in-place restarts: its launcher survives its ranks. `job`: the job's name, given to the ranks as a
+        pod's are given theirs."""
         gang = cls(attempt=attempt, replicas=replicas, procs_per_replica=procs_per_replica, port=free_port())
-        world = replicas * procs_per_replica
         os.makedirs(log_dir, exist_ok=True)
-        base = dict(os.environ)
-        base.update(extra_env or {})
-        roots = source_roots()
-        base["PYTHONPATH"] = os.pathsep.join(roots + ([base["PYTHONPATH"]] if base.get("PYTHONPATH") else []))
-        # Threads per rank: share the cores instead of every rank grabbing all of them.
-        base.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world)))
-        base["PYTHONUNBUFFERED"] = "1"
-        for name in ("RANK", "LOCAL_RANK", "NODE_RANK"):  # identity comes from below only
-            base.pop(name, None)
-        if in_place_delays:  # seqtrain.runtime.restart: replica 0's launcher coordinates on a port of its own
-            base["SEQTRAIN_INPLACE_DELAYS"] = ",".join(f"{d:g}" for d in in_place_delays)
-            base["SEQTRAIN_RESTART_PORT"] = str(free_port())
+        base = process_env(os.environ, extra_env)
+        supervised = procs_per_replica > 1 or bool(in_place_delays)
+        restart_port = free_port() if in_place_delays else None
         try:
             for replica in range(replicas):
-                # The pod's bootstrap environment (manifests._env), with loopback as rank 0's address.
-                env = dict(base)
-                env.update({
-                    "WORLD_SIZE": str(world), "NODE_RANK": str(replica), "LOCAL_WORLD_SIZE": str(procs_per_replica),
-                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(gang.port),
-                    "SEQTRAIN_REPLICA": str(replica), "SEQTRAIN_ATTEMPT": str(attempt),
-                })
-                # the trainer saves on SIGTERM only when its last save fits in the grace period (a test may set less)
-                env.setdefault(GRACE_ENV, str(max(1.0, TERM_GRACE_SECONDS - LAUNCHER_GRACE_MARGIN_SECONDS)))
-                if gpus_per_replica > 0:
-                    # Like a pod: each replica sees only its own GPUs, numbered from 0.
-                    first = replica * gpus_per_replica
-                    env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in range(first, first + gpus_per_replica))
+                env = {**base, **local_replica_env(
+                    replica=replica, attempt=attempt, replicas=replicas, procs=procs_per_replica,
+                    gpus_per_replica=gpus_per_replica, master_port=gang.port, log_dir=log_dir if supervised else None,
+                    in_place_delays=in_place_delays, restart_port=restart_port, given=base, job=job)}
                 ranks = list(range(replica * procs_per_replica, (replica + 1) * procs_per_replica))
-                supervised = procs_per_replica > 1 or bool(in_place_delays)
                 if not supervised:
-                    env.update({"RANK": str(ranks[0]), "LOCAL_RANK": "0"})
                     argv = list(command) if command else replica_command(config_path, 1, _CLI)
                     log_path = os.path.join(log_dir, f"rank-{ranks[0]}.log")
-                else:
-                    env[LOG_DIR_ENV] = log_dir  # the launcher writes rank-r.log and the ranks' pids here
-                    env[GRACE_ENV] = str(max(1.0, TERM_GRACE_SECONDS - LAUNCHER_GRACE_MARGIN_SECONDS))
+                else:  # the launcher writes rank-r.log and the ranks' pids into log_dir
                     argv = ([sys.executable, "-m", "seqtrain.runtime.launch", f"--nproc-per-node={procs_per_replica}",
                              "--", *command] if command else
                             replica_command(config_path, procs_per_replica, _CLI))  # one rank: SEQTRAIN_INPLACE_DELAYS

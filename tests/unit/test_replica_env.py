@@ -1,0 +1,89 @@
+"""One pod contract: the environment a replica starts with is built by seqtrain.spec.replica_env for both backends.
+The same job through the pod builder (k8s/manifests.py) and the local backend (local/gang.py) gives the same
+variables and values, except the differences the contract documents as parameters."""
+
+from __future__ import annotations
+
+import pytest
+
+from seqtrain.runtime import launch
+from seqtrain.spec import SeqTrainJob
+from seqtrain.spec import replica_env as contract
+from seqtrain_operator.k8s import manifests as m
+from seqtrain_operator.local import gang as local
+
+OWNER = m.Owner(name="gpt", namespace="ml", uid="1234-abcd")
+# Each documented difference: the variable, and the backend that alone sets it (None: both, with other values).
+DIFFERENCES = {
+    "MASTER_ADDR": None, "MASTER_PORT": None, contract.RESTART_PORT_ENV: None,  # DNS and fixed ports vs loopback
+    contract.GRACE_ENV: None,  # each backend's own SIGTERM -> SIGKILL deadline, less the same margin
+    "HOME": "pod", "TRITON_CACHE_DIR": "pod", "TORCH_EXTENSIONS_DIR": "pod",  # the pod's root is read-only
+    "OMP_NUM_THREADS": "local",  # every local rank shares one machine; a pod's launcher divides the pod's CPUs
+    "CUDA_VISIBLE_DEVICES": "local",  # a pod's device plugin shows it its GPUs
+    contract.LOG_DIR_ENV: "local",  # a pod's output is its container log
+}
+
+
+def job(replicas: int, gpus: int) -> SeqTrainJob:
+    return SeqTrainJob.model_validate({
+        "apiVersion": "seqtrain.dev/v1alpha1", "kind": "SeqTrainJob", "metadata": {"name": "gpt", "namespace": "ml"},
+        "spec": {"replicas": replicas, "resources": {"gpus": gpus, "cpu": "2", "memory": "3Gi"}}})
+
+
+def pod_env(j: SeqTrainJob, attempt: int, replica: int, delays: tuple[float, ...]) -> dict[str, str]:
+    pod = m.build_pod(j, OWNER, attempt, replica, m.Settings(), "n1", delays)
+    env = pod["spec"]["containers"][0]["env"]
+    return {e["name"]: e["value"] for e in env if "value" in e}  # the downward API's are the pod's own identity
+
+
+@pytest.mark.parametrize(("replicas", "gpus", "delays"), [(2, 0, ()), (3, 4, ()), (2, 0, (1.0, 2.5)), (1, 2, (3.0,))])
+def test_the_local_backend_and_the_pod_builder_give_a_replica_the_same_environment(
+        replicas: int, gpus: int, delays: tuple[float, ...]) -> None:
+    j = job(replicas, gpus)
+    procs = j.spec.resources.procs
+    for replica in range(replicas):
+        pod = pod_env(j, 3, replica, delays)
+        mine = local.local_replica_env(replica=replica, attempt=3, replicas=replicas, procs=procs,
+                                       gpus_per_replica=gpus, master_port=40000,
+                                       log_dir="/tmp/logs" if procs > 1 or delays else None, in_place_delays=delays,
+                                       restart_port=40001 if delays else None, job="gpt")
+        same = {k for k in pod.keys() & mine.keys() if k not in DIFFERENCES}
+        assert {k: pod[k] for k in same} == {k: mine[k] for k in same}
+        assert {k for k in pod.keys() ^ mine.keys()} <= {k for k, only in DIFFERENCES.items() if only}, (
+            sorted(pod.keys() ^ mine.keys()))
+        for name, only in DIFFERENCES.items():
+            if only == "pod":
+                assert name in pod and name not in mine, name
+        assert mine["MASTER_ADDR"] == "127.0.0.1" and pod["MASTER_ADDR"] == "gpt-0.gpt.ml.svc"
+        # the same margin before each backend's SIGKILL
+        assert float(pod[contract.GRACE_ENV]) == m.Settings().termination_grace_seconds - 5
+        assert float(mine[contract.GRACE_ENV]) == local.TERM_GRACE_SECONDS - 5
+        assert ("RANK" in pod) == (procs == 1) and pod.get("RANK") == mine.get("RANK")
+        if gpus:
+            assert mine["CUDA_VISIBLE_DEVICES"] == ",".join(str(g) for g in range(replica * gpus, (replica + 1) * gpus))
+
+
+def test_what_the_user_sets_for_threads_and_grace_wins_locally() -> None:
+    given = {"OMP_NUM_THREADS": "3", contract.GRACE_ENV: "2"}
+    env = {**given, **local.local_replica_env(replica=0, attempt=1, replicas=2, procs=2, gpus_per_replica=0,
+                                              master_port=1, log_dir="/l", given=given)}
+    assert env["OMP_NUM_THREADS"] == "3" and env[contract.GRACE_ENV] == "2"
+    env = local.local_replica_env(replica=0, attempt=1, replicas=2, procs=2, gpus_per_replica=0, master_port=1)
+    assert int(env["OMP_NUM_THREADS"]) == contract.cpu_share(launch.cpu_budget(), 4)
+
+
+def test_identity_comes_from_the_contract_only() -> None:
+    base = local.process_env({"RANK": "7", "LOCAL_RANK": "1", "NODE_RANK": "2", "PATH": "/bin"})
+    assert "RANK" not in base and "NODE_RANK" not in base and base["PATH"] == "/bin"
+
+
+def test_the_launcher_reads_the_names_the_contract_writes() -> None:
+    assert (launch.GRACE_ENV, launch.LOG_DIR_ENV) == (contract.GRACE_ENV, contract.LOG_DIR_ENV)
+
+
+def test_in_place_restarts_need_the_coordinator_port() -> None:
+    with pytest.raises(ValueError, match="restart_port"):
+        contract.replica_env(replica=0, attempt=1, world_size=1, procs=1, master_addr="a", master_port=1,
+                             grace_period=30, in_place_delays=(1.0,))
+    assert contract.cpu_share(2, 4) == 1 and contract.cpu_share(16, 4) == 4
+    assert contract.term_grace_seconds(3) == 1
