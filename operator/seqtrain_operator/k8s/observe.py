@@ -34,7 +34,7 @@ from typing import Any
 
 from seqtrain.runtime.exitcodes import last_error
 from seqtrain.runtime.restart import rounds_in
-from seqtrain.spec.progress_doc import ProgressError, Reported, parse_progress, read_progress
+from seqtrain.spec.progress_doc import Reported, reported_or_nothing
 from seqtrain_operator.controller.clock import parse, seconds_between
 from seqtrain_operator.controller.failure_policy import IMAGE_PULL_REASONS, kubelet_rejected
 from seqtrain_operator.controller.types import ReplicaObservation
@@ -225,10 +225,7 @@ def awaiting_scheduler(pod: Mapping[str, Any]) -> bool:
 def progress_from_json(data: bytes | str | Mapping[str, Any]) -> Reported:
     """The trainer's progress document (GET /progress, a push, or the termination message), raw or decoded -> what
     it reports; `Reported()` (nothing) for anything the one reader refuses (seqtrain.spec.progress_doc)."""
-    try:
-        return parse_progress(data) if isinstance(data, bytes | str) else read_progress(data)
-    except ProgressError:
-        return Reported()
+    return reported_or_nothing(data)
 
 
 def final_progress(pods: Iterable[Mapping[str, Any]], attempt: int) -> Reported:

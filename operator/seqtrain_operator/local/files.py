@@ -11,7 +11,14 @@ from typing import Any
 from pydantic import ValidationError
 
 from seqtrain.checkpoint import discovery
-from seqtrain.spec.progress_doc import MAX_DOC_BYTES, ProgressError, Reported, parse_progress, read_progress
+from seqtrain.spec.progress_doc import (
+    MAX_DOC_BYTES,
+    ProgressError,
+    Reported,
+    read_metrics_record,
+    reported_or_nothing,
+    with_latest_step,
+)
 from seqtrain.spec.status import CheckpointPolicy, CheckpointRef, JobStatus, Progress, WorkAtRisk
 from seqtrain_operator.controller.clock import iso
 
@@ -119,24 +126,11 @@ def _figure(v: Any) -> bool:
 
 
 def progress_of_record(rec: dict[str, Any], run_tokens_per_s: float | None = None) -> Progress | None:
-    """A metrics.jsonl record -> Progress, through the one progress reader (bounds, NaN -> null)."""
-    t = rec.get("time")
-    updated = None
-    if isinstance(t, int | float) and not isinstance(t, bool) and 0 <= t < 1e11:
-        updated = iso(datetime.fromtimestamp(float(t), timezone.utc))
-    doc = {"step": rec.get("step"), "loss": rec.get("loss"), "lastTokensPerSecond": rec.get("tokens_per_s"),
-           "tokensPerSecond": rec.get("run_tokens_per_s", run_tokens_per_s), "etaSeconds": rec.get("eta_s"), "updatedAt": updated}
-    if "loss" in (rec.get("non_finite") or ()):
-        doc["lossNonFinite"] = True
+    """A metrics.jsonl record -> Progress, through the one progress reader (None for a record it refuses)."""
     try:
-        return read_progress(doc).progress
+        return read_metrics_record(rec, run_tokens_per_s)
     except ProgressError:
         return None
-
-
-# What a metrics.jsonl record says of the latest step: these come from it (rank 0 appends one every step), the rest
-# of the progress from `<workdir>/progress.json` (rewritten at most every second).
-_PER_STEP = ("step", "loss", "loss_non_finite", "last_tokens_per_second", "updated_at")
 
 
 def read_trainer_progress(path: str) -> Reported:
@@ -144,28 +138,18 @@ def read_trainer_progress(path: str) -> Reported:
     try:
         with open(path, "rb") as f:
             raw = f.read(MAX_DOC_BYTES + 1)
-        return parse_progress(raw)
-    except (OSError, ProgressError):
+    except OSError:
         return Reported()
+    return reported_or_nothing(raw)
 
 
 def with_trainer_progress(progress: Progress | None, path: str) -> Progress | None:
     """The progress read from metrics.jsonl (the latest step), with what the trainer's `<workdir>/progress.json`
     adds: MFU, validation figures, the stop reason, the attempt, the run's average tokens/s and ETA where the
-    record lacks them."""
+    record lacks them (seqtrain.spec.progress_doc.with_latest_step)."""
     if progress is None:
         return None
-    extra = read_trainer_progress(path).progress
-    if extra is None:
-        return progress
-    out = extra.model_copy()
-    for name in _PER_STEP:
-        setattr(out, name, getattr(progress, name))
-    for name in ("tokens_per_second", "eta_seconds"):
-        if getattr(progress, name) is not None:
-            setattr(out, name, getattr(progress, name))
-    out.percent = round(min(100.0, 100.0 * out.step / out.total_steps), 1) if out.total_steps > 0 else None
-    return out
+    return with_latest_step(read_trainer_progress(path).progress, progress)
 
 
 def trainer_checkpoint_report(path: str) -> tuple[CheckpointPolicy | None, WorkAtRisk | None]:

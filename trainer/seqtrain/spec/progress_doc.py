@@ -17,7 +17,10 @@ nothing in it is trusted:
 - `updatedAt`: ISO-8601; one from the future or older than MAX_STAMP_AGE_SECONDS is clamped to now (see
   `_stamp`). `percent` is derived here from step and totalSteps, never taken from the document.
 
-`parse_progress(raw)` returns a `Reported` or raises `ProgressError` with a one-line reason.
+`parse_progress(raw)` returns a `Reported` or raises `ProgressError` with a one-line reason; `reported_or_nothing`
+is the same for a reader that shows what it can (an empty `Reported` for a refused document). A metrics.jsonl record
+(rank 0 appends one per step) says the latest step's part of the document: `read_metrics_record` reads it through
+the same bounds, and `with_latest_step` lays it over the last progress.json.
 """
 
 from __future__ import annotations
@@ -121,6 +124,59 @@ def _read(data: Any, now: datetime | None) -> Reported:
     at_risk = _sub(WorkAtRisk, data.get("workAtRisk"), "workAtRisk", notes)
     return Reported(progress, checkpoint, _skipped(data.get("skippedCheckpoints"), notes), policy, at_risk,
                     tuple(notes))
+
+
+def reported_or_nothing(data: bytes | str | Mapping[str, Any]) -> Reported:
+    """A progress document, raw or decoded -> what it reports; `Reported()` (nothing) for one that is refused."""
+    try:
+        return parse_progress(data) if isinstance(data, bytes | str) else read_progress(data)
+    except ProgressError:
+        return Reported()
+
+
+# A metrics.jsonl record's keys (seqtrain.train.loop.step_metrics, plus the loop's run averages) -> the progress
+# document's: the part of the progress each step's record says.
+METRICS_RECORD_FIELDS = {"step": "step", "loss": "loss", "tokens_per_s": "lastTokensPerSecond",
+                         "run_tokens_per_s": "tokensPerSecond", "eta_s": "etaSeconds", "time": "updatedAt"}
+# Of those, what the record alone knows of the latest step (progress.json is rewritten at most every second); the
+# run's averages (tokensPerSecond, etaSeconds) are taken from it only where it has them.
+_LATEST_ONLY = ("step", "loss", "loss_non_finite", "last_tokens_per_second", "updated_at")
+_WHERE_GIVEN = ("tokens_per_second", "eta_seconds")
+
+
+def read_metrics_record(rec: Mapping[str, Any], run_tokens_per_s: float | None = None) -> Progress:
+    """One metrics.jsonl record -> its Progress, through the document's bounds (a non-finite loss is lossNonFinite,
+    the record's `time` an updatedAt); `run_tokens_per_s` where the record has no run average of its own. Raises
+    ProgressError (one line) for a record a trainer does not write."""
+    if not isinstance(rec, Mapping):
+        raise ProgressError(f"a metrics record is a JSON object, not {_kind(rec)}")
+    doc: dict[str, Any] = {key: rec.get(name) for name, key in METRICS_RECORD_FIELDS.items()}
+    if "run_tokens_per_s" not in rec:
+        doc["tokensPerSecond"] = run_tokens_per_s
+    t = doc["updatedAt"]
+    doc["updatedAt"] = (datetime.fromtimestamp(float(t), timezone.utc).isoformat(timespec="milliseconds")
+                        .replace("+00:00", "Z") if isinstance(t, int | float) and not isinstance(t, bool)
+                        and 0 <= t < 1e11 else None)
+    if "loss" in (rec.get("non_finite") or ()):
+        doc["lossNonFinite"] = True
+    progress = read_progress(doc).progress
+    assert progress is not None  # _read returns one or raises
+    return progress
+
+
+def with_latest_step(document: Progress | None, latest: Progress) -> Progress:
+    """The last progress.json's progress with the latest step laid over it (what only the metrics record knows
+    yet, and the run's averages where the record has them); the percent follows the step."""
+    if document is None:
+        return latest
+    out = document.model_copy()
+    for name in _LATEST_ONLY:
+        setattr(out, name, getattr(latest, name))
+    for name in _WHERE_GIVEN:
+        if getattr(latest, name) is not None:
+            setattr(out, name, getattr(latest, name))
+    out.percent = round(min(100.0, 100.0 * out.step / out.total_steps), 1) if out.total_steps > 0 else None
+    return out
 
 
 def read_checkpoint_report(data: Any) -> tuple[CheckpointPolicy | None, WorkAtRisk | None]:
