@@ -12,7 +12,6 @@ gradient) moves the second step's loss by 1e-3 or more. Resume on the same layou
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 
@@ -182,66 +181,6 @@ def test_a_checkpoint_resumes_on_another_engine_and_data_parallel_size(src: str,
     assert codes == [0] * world, logs(wd)
     assert "resumed from step 2" in logs(wd)
     assert_parity(losses(wd), losses(run("single", {}, 1, root)))
-
-
-# FSDP2 with tensor parallel's save before the DCP format (seqtrain up to caf82b1), put back into the rank processes
-# by a sitecustomize: one DCP folder per tensor-parallel rank, written by its data-parallel group
-PRE_DCP_FSDP_TP_SAVE = """
-import os
-
-import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
-
-from seqtrain.engine import fsdp
-
-
-def save(self, directory):
-    opts = StateDictOptions()
-    state = {"model": get_model_state_dict(self.model, options=opts),
-             "optim": get_optimizer_state_dict(self.model, self.optimizer, options=opts)}
-    path = self._dcp_dir(directory)
-    dcp.save(state, checkpoint_id=path, process_group=self._group())
-    files = []
-    if self.ctx.dp_rank == 0:
-        torch.save({"scheduler": self.scheduler.state_dict(), "precision": self.precision.state_dict()},
-                   os.path.join(directory, fsdp.SCHEDULER_FILE))
-        files.append(fsdp.SCHEDULER_FILE)
-        files += [os.path.join(os.path.basename(path), f) for f in sorted(os.listdir(path))]
-    return files if self.ctx.is_main or self.ctx.dp_rank == 0 else []
-
-
-fsdp.FSDPEngine.layout_independent = False
-fsdp.FSDPEngine.save = save
-"""
-
-
-def test_fsdp2_with_tensor_parallel_resumes_its_checkpoints_from_before_the_dcp_format(root: Path,
-                                                                                     tmp_path: Path) -> None:
-    """`fsdp-tp<t>/` folders, as FSDP2 with tensor parallel wrote them before the DCP format, still resume on the
-    layout that wrote them, bit-exactly, and consolidate into the single-process weights."""
-    from seqtrain.parallel.consolidate import consolidate
-
-    shim = tmp_path / "pre-dcp"
-    shim.mkdir()
-    (shim / "sitecustomize.py").write_text(PRE_DCP_FSDP_TP_SAVE)
-    sets, world = LAYOUTS["fsdp2-dp2xtp2"]
-    old = root / "fsdp2-dp2xtp2-pre-dcp"
-    env = {"PYTHONPATH": os.pathsep.join([str(shim), os.environ["PYTHONPATH"]])}
-    assert run_ranks(job_for({**CKPT, **sets}), old, world, env=env) == [0] * world, logs(old)
-    step2 = old / "checkpoints" / "step-2"
-    assert (step2 / "fsdp-tp0").is_dir() and (step2 / "fsdp-tp1").is_dir() and not (step2 / "state").exists()
-    wd = root / "fsdp2-dp2xtp2-pre-dcp-resumed"
-    _resume_from_step2(old, wd)
-    assert run_ranks(job_for({**CKPT, **sets}), wd, world) == [0] * world, logs(wd)
-    assert "resumed from step 2" in logs(wd)
-    assert losses(wd) == losses(old)
-    assert (wd / "checkpoints" / "step-4" / "state").is_dir()  # its next save is in the DCP format
-    ref = consolidate(str(run("single", {}, 1, root) / "checkpoints" / "step-4"))
-    got = consolidate(str(old / "checkpoints" / "step-4"))
-    assert sorted(got) == sorted(ref)
-    for key, want in ref.items():  # the tolerance of the consolidation test below
-        assert (got[key] - want).abs().max() <= 5e-5, key
 
 
 @pytest.mark.parametrize("name", ["zero3-dp2", "fsdp2-dp2", "dp2xtp2", "dp2xpp2", "fsdp2-dp2xtp2"])

@@ -140,28 +140,6 @@ def test_a_checkpoint_of_another_model_is_refused_naming_the_tensor(tmp_path: Pa
         dcp_format.read(str(tmp_path / "step-1" / dcp_format.STATE_DIR), {"model": {"v": torch.zeros(1)}}, None)
 
 
-def test_a_checkpoint_from_before_the_dcp_format_still_resumes_bit_exactly(tmp_path: Path,
-                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    """`engine.pt` as every native checkpoint was written before the DCP format: the trainer resumes it."""
-    from test_checkpoint import losses, make_trainer
-
-    from seqtrain.engine.native import NativeEngine
-
-    ref = make_trainer(tmp_path / "ref")
-    assert ref.run() == "completed"
-    with monkeypatch.context() as m:
-        m.setattr(NativeEngine, "layout_independent", False)  # the engine's save before the DCP format
-        m.setenv("SEQTRAIN_FAULT_TERM_AT_STEP", "3")
-        assert make_trainer(tmp_path / "run").run() == "terminated"
-    old = tmp_path / "run" / "ckpt" / "step-3"
-    assert (old / "engine.pt").is_file() and not (old / dcp_format.STATE_DIR).exists()
-    resumed = make_trainer(tmp_path / "run")
-    assert resumed.resumed_from is not None and resumed.resumed_from.step == 3
-    assert resumed.run() == "completed"
-    assert losses(tmp_path / "run") == losses(tmp_path / "ref")
-    assert dcp_format.has_state(str(tmp_path / "run" / "ckpt" / "step-6"))  # new saves use the DCP format
-
-
 def test_async_saves_stage_into_the_same_host_buffers_each_time_and_each_save_keeps_its_own_values(
         tmp_path: Path) -> None:
     """Staging reuses its buffers (no new allocation per save: what an async save blocks on), yet every

@@ -190,3 +190,17 @@ def test_resume_truncates_metrics_written_after_the_checkpoint(tmp_path: Path) -
     make_trainer(tmp_path, steps=8)  # resumes from step 6
     assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == list(
         range(1, 7))
+
+
+def test_a_step_folder_without_the_dcp_tree_is_unusable_in_one_line(tmp_path: Path) -> None:
+    """Only the DCP format is resumed: a folder without `state/` (an `engine.pt` beside it or not) is set aside."""
+    from seqtrain.checkpoint.safe_load import UnusableCheckpoint
+
+    t = make_trainer(tmp_path / "run")
+    old = tmp_path / "step-3"
+    old.mkdir()
+    (old / "engine.pt").write_bytes(b"")
+    with pytest.raises(UnusableCheckpoint, match=r"no state/ folder") as err:
+        t.engine.load(str(old))
+    assert "\n" not in str(err.value)
+    t.prefetcher.close()

@@ -47,6 +47,7 @@ from seqtrain.checkpoint.discovery import (
 from seqtrain.checkpoint.publish import Publisher, fsync_path, prune, publish
 from seqtrain.runtime import faults
 from seqtrain.runtime.exitcodes import InvalidConfig
+from seqtrain.runtime.launch import free_port
 
 if TYPE_CHECKING:
     from seqtrain.runtime.dist import DistContext
@@ -289,7 +290,7 @@ class CheckpointManager:
         if self.ctx.distributed:
             import torch.distributed as dist
 
-            box = [writers.free_port() if self.ctx.is_main else 0]
+            box = [free_port() if self.ctx.is_main else 0]
             dist.broadcast_object_list(box, src=0, group=self._io_group)
             addr, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(box[0])
         if why is None:

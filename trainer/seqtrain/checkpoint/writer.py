@@ -37,7 +37,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import sys
 import time
 import types
@@ -129,12 +128,6 @@ def unsupported(tree: Any, local_ranks: int = 1, shm: str = SHM) -> str | None:
         return (f"{shm} has {free / 2**30:.2f} GiB free and staging the state for the writer process needs "
                 f"{need / 2**30:.2f} GiB ({local_ranks} rank(s) on this node); raise spec.resources.shmSize")
     return None
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])
 
 
 class ProcessWriter:

@@ -2,15 +2,12 @@
 
 `step(micro_batches)` runs forward/backward over this rank's micro-batches with the global-batch loss
 normalisation (see `seqtrain.models.loss`), clips, steps the optimizer and the schedule, and returns global
-`StepStats`. Checkpoints: engines with `layout_independent` hand the checkpoint manager `checkpoint_state()`, the
-tree of `seqtrain.checkpoint.dcp_format` (single-process names, full shapes: any engine and data-parallel size
-resumes it, `load_state`; engines whose ranks hold parts of the model as plain tensors, or FSDP2 shards of such
-parts, set `global_state`, which names and places those parts in the full model). Every engine does; `save(dir)`
-writes an engine's own files only where `layout_independent` is False. `load(dir)` reads the DCP tree, and the files
-of checkpoints written before the DCP format (`engine.pt`, ZeRO's `zero/`, `fsdp/`, `fsdp-tp<i>/`, tensor and
-pipeline parallel's `engine-pp*-tp*.pt`) on the layout that wrote them.
+`StepStats`. Checkpoints: every engine hands the checkpoint manager `checkpoint_state()`, the tree of
+`seqtrain.checkpoint.dcp_format` (single-process names, full shapes: any engine and data-parallel size resumes it,
+`load_state`; engines whose ranks hold parts of the model as plain tensors, or FSDP2 shards of such parts, set
+`global_state`, which names and places those parts in the full model). `load(dir)` reads that tree; a step folder
+without it is no checkpoint an engine can resume.
 """
-
 from __future__ import annotations
 
 import math
@@ -23,7 +20,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from seqtrain.checkpoint.safe_load import load_plain
 from seqtrain.data import Batch
 from seqtrain.engine.global_state import GlobalState
 from seqtrain.models.loss import CausalLMLoss
@@ -63,8 +59,6 @@ class StepStats:
 
 class Engine(ABC):
     name = "base"
-    checkpoint_file = "engine.pt"  # the replicated engines' file before the DCP format (still read)
-    layout_independent = True  # saves the DCP tree (False: its own per-shard files, resumed on its own layout)
     # tensor/pipeline parallel: maps the tree between this rank's names and plain slices and the single-process
     # names and full tensors (seqtrain.engine.global_state); None: the tree is already in single-process terms
     global_state: GlobalState | None = None
@@ -259,35 +253,12 @@ class Engine(ABC):
         if target.get("precision"):
             self.precision.load_state_dict(target["precision"])
 
-    def save(self, directory: str) -> list[str]:
-        """Engines that are not layout-independent: write this rank's files into `directory`, return their names."""
-        if self.layout_independent or not self.ctx.is_main:
-            return []
-        torch.save(self.state_dict(), os.path.join(directory, self.checkpoint_file))
-        return [self.checkpoint_file]
-
     def load(self, directory: str) -> None:
+        """Resume from a step folder's DCP tree; a folder without one is unusable (set aside, not retried)."""
         from seqtrain.checkpoint import dcp_format
+        from seqtrain.checkpoint.safe_load import UnusableCheckpoint
 
-        if dcp_format.has_state(directory):
-            if not self.layout_independent:
-                from seqtrain.runtime.exitcodes import InvalidConfig
-
-                raise InvalidConfig(f"{directory}: written in the layout-independent DCP format, which the {self.name} "
-                                    "engine, saving its own files, does not read: resume with another engine, or "
-                                    "use a new checkpoint folder")
-            self.load_state(os.path.join(directory, dcp_format.STATE_DIR))
-            return
-        self.load_legacy(directory)
-
-    def load_legacy(self, directory: str) -> None:
-        """A checkpoint from before the DCP format: the replicated `engine.pt`."""
-        if not os.path.exists(os.path.join(directory, self.checkpoint_file)):  # published without it: another layout
-            from seqtrain.runtime.exitcodes import InvalidConfig
-
-            raise InvalidConfig(f"{directory}: neither state/ nor {self.checkpoint_file}: written by another layout "
-                                "(its meta.json names the engine and layout; tensor/pipeline-parallel shard files "
-                                "resume only with the same tensorParallel x pipelineParallel): resume with that "
-                                "layout, or use a new checkpoint folder")
-        state = load_plain(os.path.join(directory, self.checkpoint_file))  # CPU first: load_state_dict copies over
-        self.load_state_dict(state)
+        if not dcp_format.has_state(directory):
+            raise UnusableCheckpoint(f"{directory}: no {dcp_format.STATE_DIR}/ folder: not a checkpoint seqtrain "
+                                     "resumes (only the DCP format is read): use a new checkpoint folder")
+        self.load_state(os.path.join(directory, dcp_format.STATE_DIR))

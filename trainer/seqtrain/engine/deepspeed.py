@@ -11,28 +11,23 @@ global-batch gradient of the token-normalised loss, as in every other engine.
 Checkpoints: the layout-independent tree of `seqtrain.checkpoint.dcp_format`, built with DeepSpeed's
 tensor-fragment API (`safe_get_full_fp32_param` / `safe_get_full_optimizer_state`: the fp32 master weights and Adam
 moments of each parameter, gathered from the ZeRO partitions), so a native, FSDP2 or DeepSpeed job at any
-data-parallel size resumes it, and this engine resumes theirs. Checkpoints from before that format (DeepSpeed's own
-`<step dir>/zero/`, resumed on the same dp degree only) are still read.
+data-parallel size resumes it, and this engine resumes theirs.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from seqtrain.checkpoint.safe_load import require_layout, restricted_loads
 from seqtrain.data import Batch
 from seqtrain.engine.base import Engine, StepStats
 from seqtrain.models import build_model
 from seqtrain.optim.build import build_scheduler, param_groups
 from seqtrain.runtime.dist import DistContext
 from seqtrain.spec.job import SeqTrainJob
-
-TAG = "zero"
 
 
 def ds_config(job: SeqTrainJob, ctx: DistContext, accum: int) -> dict[str, Any]:
@@ -283,13 +278,3 @@ class DeepSpeedEngine(Engine):
                 t.data.copy_(full.to(t.device))
         else:
             t.data.copy_(full.to(t.device))
-
-    def load_legacy(self, directory: str) -> None:
-        # DeepSpeed's own `zero/` folder (before the DCP format): only at the data-parallel degree that wrote it;
-        # DeepSpeed's own torch.load(weights_only=False) is held to tensors, plain values and its few data classes
-        require_layout(directory, self.name, dp=self.ctx.dp_size)
-        with restricted_loads(os.path.join(directory, TAG)):
-            path, _ = self.ds.load_checkpoint(directory, tag=TAG, load_optimizer_states=True,
-                                              load_lr_scheduler_states=True)
-        if path is None:
-            raise FileNotFoundError(f"{directory}/{TAG}: no DeepSpeed checkpoint (or saved with another dp degree)")

@@ -12,30 +12,17 @@ unsharded across accumulation steps would cost a full fp32 gradient per rank, wh
 
 Checkpoints: the layout-independent tree of `seqtrain.checkpoint.dcp_format` (DTensor shards by single-process names),
 which any engine, data-parallel size and tensor/pipeline degree resumes. With tensor parallel each rank's piece is a
-dp chunk of its tp slice, recorded as such on a (tp, dp) mesh (`seqtrain.engine.global_state`). Checkpoints from
-before that format are still read on the layout that wrote them: `fsdp/` (any dp degree) and, with tensor parallel,
-one DCP folder per tensor-parallel rank, `fsdp-tp<i>/` (any dp degree, the same tp).
+dp chunk of its tp slice, recorded as such on a (tp, dp) mesh (`seqtrain.engine.global_state`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
-from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from seqtrain.checkpoint.safe_load import dcp_load, load_plain, require_layout
 from seqtrain.data import Batch
 from seqtrain.engine.base import Engine, StepStats
 from seqtrain.engine.global_state import GlobalState
@@ -46,8 +33,6 @@ from seqtrain.parallel.grads import clip_grad_norm
 from seqtrain.parallel.tensor import tp_param_names, tp_shard_dims
 from seqtrain.runtime.dist import DistContext
 from seqtrain.spec.job import SeqTrainJob
-
-SCHEDULER_FILE = "scheduler.pt"  # beside the fsdp/ folders of checkpoints from before the DCP format
 
 
 def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
@@ -105,28 +90,3 @@ class FSDPEngine(Engine):
         if self.in_backward is not None and self.in_backward.active:
             return self.in_backward.global_norm()  # the blocks' gradients are gone: their norms were kept
         return clip_grad_norm(self.model, self.grad_clip, self.ctx, self.tp_names)
-
-    # ---- checkpoints from before the DCP format: DCP folders of this engine's own -------------------------------
-    def _dcp_dir(self, directory: str) -> str:
-        return os.path.join(directory, f"fsdp-tp{self.ctx.tp_rank}" if self.ctx.tp_size > 1 else "fsdp")
-
-    def _group(self) -> Any:
-        return self.ctx.dp_group if self.ctx.distributed else None
-
-    def load_legacy(self, directory: str) -> None:
-        opts = StateDictOptions()
-        state = {"model": get_model_state_dict(self.model, options=opts),
-                 "optim": get_optimizer_state_dict(self.model, self.optimizer, options=opts)}
-        path = self._dcp_dir(directory)
-        if not os.path.isdir(path):
-            raise FileNotFoundError(f"{path}: not an FSDP2 checkpoint of this layout (see its meta.json)")
-        # only a checkpoint this engine published gets that far (any dp degree); DCP's .metadata and byte items are
-        # then unpickled by seqtrain's restricted loaders, never by DCP's own pickle.load / torch.load
-        require_layout(directory, self.name, tp=self.ctx.tp_size)
-        dcp_load(path, lambda reader: dcp.load(state, storage_reader=reader, process_group=self._group()))
-        set_model_state_dict(self.model, state["model"], options=opts)
-        set_optimizer_state_dict(self.model, self.optimizer, state["optim"], options=opts)
-        rest = load_plain(os.path.join(directory, SCHEDULER_FILE))  # plain values: no unpickling of classes
-        self.scheduler.load_state_dict(rest["scheduler"])
-        if rest.get("precision"):
-            self.precision.load_state_dict(rest["precision"])

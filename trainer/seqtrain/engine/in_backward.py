@@ -10,7 +10,7 @@ CPU, where FSDP2 reduce-scatters synchronously: on CUDA the sharded gradients ar
 and torch exposes no public event to wait for, so the GPU keeps the step after backward until a GPU run tests it.
 
 The global gradient norm is the same number `clip_grad_norm` reports: the local norms are taken as each unit is
-reduced and combined in parameter order at the end. A non-finite gradient skips the step as before when it shows
+reduced and combined in parameter order at the end. A non-finite gradient skips the whole step when it shows
 in the first unit reduced (the last block: a NaN/inf loss reaches every block); the units are checked on every
 rank (one flag all-reduce per unit) and none is updated from then on. Only a gradient that first turns non-finite
 in a lower block while the loss is finite finds the blocks above already updated: the step is still reported

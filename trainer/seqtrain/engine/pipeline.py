@@ -20,7 +20,6 @@ from torch import nn
 from seqtrain.data import Batch
 from seqtrain.engine.base import Engine, StepStats
 from seqtrain.engine.global_state import GlobalState
-from seqtrain.engine.sharded import load_shard
 from seqtrain.layout.rules import pipeline_micro_batches
 from seqtrain.layout.topology import INTERLEAVED_CHUNKS
 from seqtrain.parallel.grads import all_reduce_grads, clip_grad_norm
@@ -169,10 +168,6 @@ class PipelineEngine(Engine):
         self.ctx.all_reduce(total, group=self.ctx.pp_group)
         count = torch.stack([b.num_targets() for b in batches]).sum()
         return float(total), int(count)
-
-    def load_legacy(self, directory: str) -> None:
-        """A checkpoint from before the DCP format: this rank's `engine-pp<p>-tp<t>.pt` (same layout only)."""
-        self.load_state_dict(load_shard(self.ctx, directory))
 
 
 def _single_process_name(name: str) -> str:

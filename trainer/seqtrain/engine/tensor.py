@@ -11,7 +11,6 @@ from torch import nn
 
 from seqtrain.engine.global_state import GlobalState
 from seqtrain.engine.native import NativeEngine
-from seqtrain.engine.sharded import load_shard
 from seqtrain.parallel.grads import clip_grad_norm
 from seqtrain.parallel.tensor import tp_param_names, tp_shard_dims
 from seqtrain.runtime.dist import DistContext
@@ -31,7 +30,3 @@ class TensorParallelEngine(NativeEngine):
     def _clip(self) -> torch.Tensor:
         return clip_grad_norm(self.model, self.grad_clip if self.grad_clip is not None else math.inf, self.ctx,
                               self.tp_names)
-
-    def load_legacy(self, directory: str) -> None:
-        """A checkpoint from before the DCP format: this rank's `engine-pp0-tp<r>.pt` (same tp degree only)."""
-        self.load_state_dict(load_shard(self.ctx, directory))

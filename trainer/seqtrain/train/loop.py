@@ -238,9 +238,9 @@ class Trainer:
         self.data.load_state_dict(state["data"])
 
     def _write_checkpoint(self, directory: str) -> list[str]:
-        files = self.engine.save(directory)
+        """This rank's files beside the engine's DCP tree: its RNG state, and on rank 0 the trainer state."""
         torch.save(rng_state(), os.path.join(directory, rng_file(self.ctx.rank)))
-        files.append(rng_file(self.ctx.rank))
+        files = [rng_file(self.ctx.rank)]
         if self.ctx.is_main:
             torch.save(self.state_dict(), os.path.join(directory, TRAINER_STATE))
             files.append(TRAINER_STATE)
@@ -258,18 +258,16 @@ class Trainer:
             "job": self.job.to_dict(),  # self-describing: `seqtrain export/generate` rebuild the model from it
             # how long the previous save took: a restarted gang's SIGTERM check starts from it
             "save_seconds": self.checkpoints.last_save_seconds,
+            "format": FORMAT,
         }
-        # layout-independent engines hand over one DCP tree (any engine / dp size resumes it), written in the
-        # background when checkpoint.asyncSave; the others write their own files inside the save
-        state = self.engine.checkpoint_state if self.engine.layout_independent else None
-        if state is not None:
-            meta["format"] = FORMAT
-        # storage, not peers: the save has its own deadline (SEQTRAIN_CHECKPOINT_TIMEOUT_SECONDS), not the watchdog's
+        # one DCP tree from every engine (any engine / dp size resumes it), written in the background when
+        # checkpoint.asyncSave. Storage, not peers: the save has its own deadline (SEQTRAIN_CHECKPOINT_TIMEOUT_SECONDS), not the watchdog's
         started = time.monotonic()
         try:
             with waiting(f"checkpoint step-{self.step}: shard writes and the publishing barriers",
                          deadline_s=self.io_timeout_s + 60):
-                info = self._saved = self.checkpoints.save(self.step, self._write_checkpoint, meta, state=state,
+                info = self._saved = self.checkpoints.save(self.step, self._write_checkpoint, meta,
+                                                           state=self.engine.checkpoint_state,
                                                            background=self.spec.checkpoint.async_save)
         finally:  # what training waited for, however the save is done (published as progress.checkpointSeconds)
             self.checkpoint_seconds += time.monotonic() - started
@@ -338,7 +336,7 @@ class Trainer:
                 else:
                     verdict = (True, f"seqtrain: SIGTERM at step {self.step}: saving a checkpoint: the last save "
                                f"took {need:.1f}s, {left:.1f}s of the grace period ({GRACE_ENV}={raw}) are left")
-            else:  # nothing to judge by: save, as the trainer always did
+            else:  # nothing to judge by: save
                 verdict = (True, f"seqtrain: SIGTERM at step {self.step}: saving a checkpoint ("
                            + ("no save measured yet" if need is None else f"no grace period given in {GRACE_ENV}")
                            + ")")
@@ -374,7 +372,7 @@ class Trainer:
             raise
         except Exception as exc:
             # an engine's own failure of the moment (memory, device, storage I/O) keeps the checkpoint; anything
-            # else propagates as before (a layout change is the job's, not the checkpoint's fault)
+            # else propagates (a layout change is the job's, not the checkpoint's fault)
             from seqtrain.checkpoint.safe_load import classify, transient
 
             if transient(exc):
