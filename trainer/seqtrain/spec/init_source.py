@@ -48,10 +48,41 @@ def hf_snapshot(uri: str) -> tuple[str, str]:
     return snapshot, repo
 
 
+# Set in a Kubernetes job's pods: the folder on the checkpoint volume that the job's init container downloaded
+# hf:// models into (seqtrain.hub.download lays them out as ORG--NAME/<revision> with a marker written last).
+HF_DIR_ENV = "SEQTRAIN_HF_DIR"
+
+
+def hf_downloaded(uri: str) -> str | None:
+    """The complete download of `uri` below $SEQTRAIN_HF_DIR, or None (not set, or not downloaded there)."""
+    root = os.environ.get(HF_DIR_ENV)
+    if not root:
+        return None
+    from seqtrain.hub.download import HubError, HubModel, complete
+
+    try:
+        model = HubModel.parse(uri)
+    except HubError:
+        return None
+    folder = model.folder(root)
+    return folder if complete(folder, model) else None
+
+
 def local_folder(path: str) -> str:
-    """The folder a `model.init` value names here: hf://ORG/NAME[@REVISION] -> its cached snapshot (ValueError
-    when it is not cached), anything else -> the path itself."""
-    return hf_snapshot(path)[0] if path.startswith(HF_SCHEME) else os.path.expanduser(path)
+    """The folder a `model.init` value names here: hf://ORG/NAME[@REVISION] -> the job's download on the checkpoint
+    volume (in its pods), else its cached snapshot (ValueError when it is not cached); anything else -> the path
+    itself."""
+    if not path.startswith(HF_SCHEME):
+        return os.path.expanduser(path)
+    if (done := hf_downloaded(path)) is not None:
+        return done
+    try:
+        return hf_snapshot(path)[0]
+    except ValueError:
+        if os.environ.get(HF_DIR_ENV):  # in a job's pod: the init container's download is where it would be
+            raise ValueError(f"{path}: not downloaded into {os.environ[HF_DIR_ENV]} (the job's hf-download init "
+                             "container writes it there before the ranks start; see its log)") from None
+        raise
 
 
 def _json(path: str) -> dict[str, Any] | None:
