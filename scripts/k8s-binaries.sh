@@ -13,9 +13,17 @@
 #
 #   scripts/k8s-binaries.sh           # build if missing, print the folder
 #   scripts/k8s-binaries.sh --check   # exit 0 when the cache is complete, 1 otherwise; builds nothing
+#   scripts/k8s-binaries.sh --oldest [--check]  # the same for the oldest release the chart claims
+#   scripts/k8s-binaries.sh [--oldest] --version  # the Kubernetes version it builds; builds nothing
 set -euo pipefail
 
+# The oldest minor release charts/seqtrain/Chart.yaml's kubeVersion claims, at its newest patch the module proxy
+# serves with every staging module (v1.29.6 lacks k8s.io/endpointslice, k8s.io/kube-controller-manager and
+# k8s.io/legacy-cloud-providers there). tests/integration/test_oldest_kubernetes.py runs the chart on it.
+OLDEST_K8S_VERSION=v1.29.15
 K8S_VERSION=${SEQTRAIN_K8S_VERSION:-v1.36.1}
+if [[ ${1:-} == --oldest ]]; then K8S_VERSION=$OLDEST_K8S_VERSION; shift; fi
+if [[ ${1:-} == --version ]]; then echo "$K8S_VERSION"; exit 0; fi
 KWOK_VERSION=${SEQTRAIN_KWOK_VERSION:-v0.8.0}
 CACHE_ROOT=${SEQTRAIN_K8S_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/seqtrain/k8s}
 # -b2: the build recipe (b2 stamps the release version into the binaries); a new recipe is a new cache folder.
