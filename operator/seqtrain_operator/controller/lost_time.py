@@ -168,7 +168,7 @@ def account(before: JobStatus, after: JobStatus, created: datetime | None, now: 
 
     if len(after.steps_lost) == len(before.steps_lost) and after.steps_lost and \
             after.steps_lost[-1] < before.steps_lost[-1]:
-        # fewer steps to redo than the failure's pass counted (decide._recount_steps_lost: a checkpoint saved in
+        # fewer steps to redo than the failure's pass counted (absent.recount_steps_lost: a checkpoint saved in
         # the grace period): not yet priced, they are forgotten; priced, that time was training after all
         fewer = before.steps_lost[-1] - after.steps_lost[-1]
         pending = min(led.recompute_pending_steps, fewer)
