@@ -205,7 +205,7 @@ def _cmd_prepare_data(args: argparse.Namespace) -> int:
     from seqtrain.data.prepare import prepare_command
 
     return prepare_command(args.inputs, args.out, args.tokenizer, args.workers, args.field, quiet=args.quiet,
-                           overwrite=args.overwrite)
+                           overwrite=args.overwrite, fmt=args.format)
 
 
 # ---- cluster commands (seqtrain_operator.client; --local: the same against run folders) --------------------------
@@ -498,7 +498,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="byte (default), a tokenizer.json, a Hugging Face model folder holding one (as model.init "
                          "takes it), or hf://ORG/NAME[@REVISION] from the local Hugging Face cache")
     pd.add_argument("--workers", type=_positive_int, default=1, metavar="N", help="parallel worker processes")
-    pd.add_argument("--field", default="text", help="text field of jsonl records, parquet and dataset columns")
+    pd.add_argument("--field", default="text",
+                    help="text field of jsonl records, parquet and dataset columns (with --format chat: the "
+                         "messages list, default messages)")
+    pd.add_argument("--format", default="text", choices=("text", "chat"),
+                    help="chat: jsonl lines of {role, content} messages through the tokenizer folder's chat "
+                         "template; only the assistant turns are scored (data.format chat, prepared)")
     pd.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     pd.add_argument("--overwrite", action="store_true",
                     help="replace what an earlier prepare-data wrote into --out (other inputs or settings)")

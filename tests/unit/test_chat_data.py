@@ -191,3 +191,42 @@ def test_a_tiny_chat_fine_tune_runs_and_learns_the_answers(tmp_path: Path) -> No
             loss[int(m["step"])] = float(m["loss"])
     first, last = sum(loss[s] for s in (1, 2, 3)) / 3, sum(loss[s] for s in range(26, 31)) / 5
     assert last < 0.5 * first, loss
+
+
+def test_prepare_data_chat_writes_the_mask_the_tokens_source_reads(tmp_path: Path, capsys) -> None:
+    """`prepare-data --format chat --tokenizer FOLDER`: the same tokens and assistant mask as the jsonl loader,
+    memory-mapped through source tokens (packing and validation split alike)."""
+    tok_path = tokenizer_folder(tmp_path / "tok")
+    data = write_chat(tmp_path / "chat.jsonl", CONVERSATIONS)
+    out = tmp_path / "prepared"
+    assert cli_main(["prepare-data", str(data), "--format", "chat", "--tokenizer", str(tmp_path / "tok"),
+                     "--out", str(out), "-q"]) == 0
+    index = json.loads((out / "index.json").read_text())
+    assert index["loss_mask"] is True and index["documents"] == len(CONVERSATIONS)
+    prepared = load_source(chat_job(tok_path, out, source="tokens", format="text").spec.data, "train")
+    direct = load_source(chat_job(tok_path, data).spec.data, "train")
+    bounds = np.append(prepared.doc_starts, len(prepared))
+    eod = index["eod"]
+    for k, (a, b) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
+        ids, mask = np.asarray(prepared.tokens[np.arange(a, b)]), np.asarray(prepared.loss_mask[np.arange(a, b)])
+        da, db = direct.doc_starts[k], (np.append(direct.doc_starts, len(direct)))[k + 1]
+        assert ids[:-1].tolist() == np.asarray(direct.tokens[da:db]).tolist() and ids[-1] == eod
+        assert mask[:-1].tolist() == direct.loss_mask[da:db].tolist() and mask[-1] == 0  # the EOD is not scored
+    batches = DocumentBatches(prepared, seq_len=64, micro_batch_size=1, grad_accum=1, shuffle=False, packing=True)
+    seen = sum(int((b.targets != IGNORE_INDEX).sum()) for _ in range(batches.num_sequences) for b in batches.next_step())
+    assert seen == int(direct.loss_mask.sum())
+    with pytest.raises(SpecError, match=r"spec\.data\.format: a prepared folder carries its own format"):
+        chat_job(tok_path, out, source="tokens")
+    capsys.readouterr()
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "tokenizer.json").write_bytes(tok_path.read_bytes())
+    assert cli_main(["prepare-data", str(data), "--format", "chat", "--tokenizer", str(tmp_path / "plain"),
+                     "--out", str(tmp_path / "o2"), "-q"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--format chat needs a chat template" in err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    assert cli_main(["prepare-data", str(bad), "--format", "chat", "--tokenizer", str(tmp_path / "tok"),
+                     "--out", str(tmp_path / "o3"), "-q"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "no assistant turn" in err and "bad.jsonl" in err

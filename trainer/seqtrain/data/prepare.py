@@ -5,6 +5,7 @@ Output folder:
     plan.json                  the work units and settings (a rerun with other inputs or settings refuses to mix)
     shard-00000.bin            raw little-endian uint16/uint32 tokens; every document ends with the EOD token
     shard-00000.docs.npy       int64 start offset of every document in its shard
+    shard-00000.mask.bin       --format chat: one uint8 per token, 1 where the token is the assistant's (scored)
 Work is cut into units (text files grouped up to 16 MB, one document per file; a byte range of a jsonl file, cut at line ends; a parquet row group; a row
 range of a saved `datasets` dataset). Each unit becomes one shard, written to a temporary name and renamed when
 complete, so an interrupted run resumes by skipping the shards that exist; `--workers N` processes units in
@@ -259,10 +260,75 @@ def shard_name(i: int) -> str:
     return f"shard-{i:05d}"
 
 
-def _process(args: tuple[int, Unit, str, str, str]) -> tuple[int, int, int]:
+def _chat_records(unit: Unit, field: str) -> Iterator[tuple[str, list[dict[str, Any]]]]:
+    """(where, checked messages) of each line of a jsonl unit (--format chat)."""
+    from seqtrain.data.chat import check_messages
+
+    with open(unit.path, "rb") as f:
+        f.seek(unit.start)
+        pos = unit.start
+        while pos < unit.stop:
+            line = f.readline()
+            if not line:
+                break
+            where = f"{unit.path} (byte {pos})"
+            pos += len(line)
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except (ValueError, RecursionError) as exc:
+                raise PrepareError(f"{where}: not valid JSON ({str(exc).splitlines()[0][:120]})") from None
+            if not isinstance(rec, dict) or field not in rec:
+                raise PrepareError(f"{where}: no field {field!r} (--format chat reads each line's list of "
+                                   "{role, content} messages; name another with --field)")
+            yield where, check_messages(rec[field], where)
+
+
+def _process_chat(i: int, unit: Unit, tok: _Tok, field: str, out: str) -> tuple[int, int, int]:
+    """One jsonl unit of conversations -> its shard and its assistant mask (every document ends with EOD, unscored)."""
+    from seqtrain.data.chat import ChatEncoder
+
+    if tok._tok is None:
+        raise PrepareError("--format chat needs --tokenizer: a Hugging Face folder (or tokenizer.json) whose folder "
+                           "holds a chat template")
+    enc = ChatEncoder(tok._tok, tok.spec)
+    base = os.path.join(out, shard_name(i))
+    starts: list[int] = []
+    n = 0
+    eod = np.array([tok.eod], dtype=tok.dtype)
+    with open(base + ".bin.tmp", "wb") as f, open(base + ".mask.bin.tmp", "wb") as fm:
+        for where, messages in _chat_records(unit, field):
+            ids, mask = enc.encode(messages, where, tok.dtype)
+            if len(ids) < 2 or not mask[1:].any():
+                continue
+            starts.append(n)
+            f.write(ids.tobytes())
+            f.write(eod.tobytes())
+            fm.write(mask.astype(np.uint8).tobytes())
+            fm.write(b"\0")
+            n += len(ids) + 1
+        for fh in (f, fm):
+            fh.flush()
+            os.fsync(fh.fileno())
+    np.save(base + ".docs.tmp.npy", np.asarray(starts, dtype=np.int64))
+    os.replace(base + ".docs.tmp.npy", base + ".docs.npy")
+    os.replace(base + ".mask.bin.tmp", base + ".mask.bin")
+    os.replace(base + ".bin.tmp", base + ".bin")  # last: a .bin means the shard is complete
+    return i, n, len(starts)
+
+
+def _process(args: tuple[int, Unit, str, str, str, str]) -> tuple[int, int, int]:
     """Tokenize one unit into its shard (atomic rename); returns (unit index, tokens, documents)."""
-    i, unit, tok_spec, field, out = args
+    i, unit, tok_spec, field, out, fmt = args
     tok = _tok_cache(tok_spec)
+    if fmt == "chat":
+        from seqtrain.data.chat import ChatDataError
+
+        try:
+            return _process_chat(i, unit, tok, field, out)
+        except ChatDataError as exc:  # the spec's field name means nothing here: the option's does
+            raise PrepareError(str(exc).replace("spec.data.format: chat", "--format chat")) from None
     base = os.path.join(out, shard_name(i))
     tmp = base + ".bin.tmp"
     starts: list[int] = []
@@ -308,17 +374,20 @@ def _tok_cache(spec: str) -> _Tok:
 
 
 # ---- the command --------------------------------------------------------------------------------------------
-def _fingerprint(units: list[Unit], tok: _Tok, field: str) -> str:
+def _fingerprint(units: list[Unit], tok: _Tok, field: str, fmt: str = "text") -> str:
     h = hashlib.sha256()
     h.update(json.dumps([asdict(u) for u in units], sort_keys=True).encode())
     h.update(f"{tok.spec}|{tok.eod}|{tok.vocab_size}|{field}".encode())
+    if fmt != "text":  # the text format's fingerprint is what it always was: earlier runs still resume
+        h.update(f"|{fmt}".encode())
     if tok.spec != "byte":
         with open(tok.spec, "rb") as f:
             h.update(f.read())
     return h.hexdigest()
 
 
-_OWN_FILE = re.compile(r"^(shard-\d{5}(\.bin|\.docs\.npy|\.bin\.tmp|\.docs\.tmp\.npy)|plan\.json(\.tmp)?"
+_OWN_FILE = re.compile(r"^(shard-\d{5}(\.bin|\.docs\.npy|\.bin\.tmp|\.docs\.tmp\.npy|\.mask\.bin(\.tmp)?)"
+                       r"|plan\.json(\.tmp)?"
                        r"|index\.json(\.tmp)?|tokenizer\.json|tokenizer_config\.json|special_tokens_map\.json"
                        r"|chat_template\.jinja)$")
 
@@ -329,18 +398,34 @@ def _own_files(out: str) -> list[str]:
 
 
 def prepare(inputs: Sequence[str], out: str, tokenizer: str = "byte", workers: int = 1, field: str = "text",
-            progress: bool = True, overwrite: bool = False) -> dict[str, Any]:
+            progress: bool = True, overwrite: bool = False, fmt: str = "text") -> dict[str, Any]:
     """Tokenize `inputs` into `out`; resumes a previous run with the same inputs and settings. A folder holding
     another run's shards is refused unless `overwrite`, which first removes that run's files (only those). A
     folder whose earlier run wrote its plan but no shard (it failed first) is simply re-planned. Returns the
     index (also written to out/index.json) plus timing."""
     t0 = time.perf_counter()
     tok = _tok_cache(tokenizer)
+    if fmt not in ("text", "chat"):
+        raise PrepareError(f"--format {fmt!r}: use text or chat")
+    if fmt == "chat" and field == "text":
+        field = "messages"  # the default field of chat records
     units = plan_units(inputs, field)
     if not units:
         raise PrepareError("no input units")
+    if fmt == "chat":
+        if tok.spec == "byte":
+            raise PrepareError("--format chat needs --tokenizer: a Hugging Face folder (or its tokenizer.json) with a "
+                               "chat template")
+        from seqtrain.data.chat import ChatDataError, find_template
+
+        try:
+            find_template(tok.spec)
+        except ChatDataError as exc:
+            raise PrepareError(str(exc).replace("spec.data.format: chat", "--format chat")) from None
+        if other := [u.path for u in units if u.kind != "jsonl"]:
+            raise PrepareError(f"--format chat reads .jsonl files of messages; {other[0]} is not one")
     os.makedirs(out, exist_ok=True)
-    fp = _fingerprint(units, tok, field)
+    fp = _fingerprint(units, tok, field, fmt)
     plan_path = os.path.join(out, PLAN)
     if overwrite:
         for f in _own_files(out):
@@ -353,7 +438,7 @@ def prepare(inputs: Sequence[str], out: str, tokenizer: str = "byte", workers: i
         except ValueError:
             old = {}
         old = old if isinstance(old, dict) else {}
-        shards = [f for f in os.listdir(out) if f.startswith("shard-") and f.endswith(".bin")]
+        shards = [f for f in os.listdir(out) if re.fullmatch(r"shard-\d{5}\.bin", f)]
         if old.get("fingerprint") != fp and shards:
             raise PrepareError(f"--out {out}: holds {len(shards)} shard(s) of other inputs or settings (plan.json "
                                "differs); add --overwrite to replace them, or use an empty folder")
@@ -374,7 +459,7 @@ def prepare(inputs: Sequence[str], out: str, tokenizer: str = "byte", workers: i
                 shutil.copyfile(src, os.path.join(out, name))
     done = {i for i in range(len(units)) if os.path.isfile(os.path.join(out, shard_name(i) + ".bin"))}
     todo = [i for i in range(len(units)) if i not in done]
-    jobs = [(i, units[i], tokenizer, field, out) for i in todo]
+    jobs = [(i, units[i], tokenizer, field, out, fmt) for i in todo]
     results: dict[int, tuple[int, int]] = {}
     total = sum(u.size for u in units)
     from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
@@ -412,6 +497,8 @@ def prepare(inputs: Sequence[str], out: str, tokenizer: str = "byte", workers: i
     index = {"format": "seqtrain-tokens", "version": 1, "dtype": tok.dtype.name, "vocab_size": tok.vocab_size,
              "eod": tok.eod, "tokenizer": tok.describe(out), "shards": shards,
              "tokens": sum(s["tokens"] for s in shards), "documents": sum(s["documents"] for s in shards)}
+    if fmt == "chat":  # shard-N.mask.bin beside each shard: which tokens are scored
+        index["format"], index["loss_mask"] = "chat", True
     with open(os.path.join(out, INDEX + ".tmp"), "w", encoding="utf-8") as f:
         json.dump(index, f, indent=1)
     os.replace(os.path.join(out, INDEX + ".tmp"), os.path.join(out, INDEX))
@@ -420,10 +507,10 @@ def prepare(inputs: Sequence[str], out: str, tokenizer: str = "byte", workers: i
 
 
 def prepare_command(inputs: Sequence[str], out: str, tokenizer: str, workers: int, field: str,
-                    quiet: bool = False, overwrite: bool = False) -> int:
+                    quiet: bool = False, overwrite: bool = False, fmt: str = "text") -> int:
     try:
         info = prepare(inputs, out, tokenizer, workers, field, progress=not quiet and sys.stderr.isatty(),
-                       overwrite=overwrite)
+                       overwrite=overwrite, fmt=fmt)
     except (PrepareError, OSError) as exc:
         print(f"seqtrain prepare-data: {exc}", file=sys.stderr)
         return 2

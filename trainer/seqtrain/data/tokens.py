@@ -130,12 +130,31 @@ class DocumentView:
         return out.reshape(idx.shape)
 
 
+def _mask(base: str, n: int) -> np.ndarray:
+    """A chat shard's assistant mask (prepare-data --format chat): one uint8 per token, mapped."""
+    path = base + ".mask.bin"
+    try:
+        size = os.path.getsize(path)
+    except OSError as exc:
+        raise InvalidConfig(f"{path}: cannot read: {exc.strerror}; index.json says the shards carry a loss mask; "
+                            f"{_FIX}") from None
+    if size != n:
+        raise InvalidConfig(f"{path}: {size} bytes, but its shard has {n} tokens (one byte each): truncated or "
+                            f"replaced; {_FIX}")
+    try:
+        return np.memmap(path, dtype=np.uint8, mode="r", shape=(n,))
+    except (OSError, ValueError) as exc:
+        raise InvalidConfig(f"{path}: cannot be mapped ({exc}); {_FIX}") from None
+
+
 def _dataset_docs(path: str, split: str, fraction: float, src_base: int
-                  ) -> tuple[list[np.ndarray], np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
-    """(shard memmaps, src, start, length) of one prepared dataset's split."""
+                  ) -> tuple[list[np.ndarray], np.ndarray, np.ndarray, np.ndarray, dict[str, Any], list[np.ndarray]]:
+    """(shard memmaps, src, start, length, index, mask memmaps) of one prepared dataset's split (masks: a chat
+    dataset's assistant masks; every token scored otherwise)."""
     index = read_index(path)
     dtype = np.dtype(index["dtype"])
-    maps, srcs, starts, lengths = [], [], [], []
+    masked = index.get("loss_mask") is True
+    maps, srcs, starts, lengths, masks = [], [], [], [], []
     for shard in index["shards"]:
         n = int(shard["tokens"])
         if n == 0:
@@ -157,11 +176,12 @@ def _dataset_docs(path: str, split: str, fraction: float, src_base: int
             continue
         srcs.append(np.full(len(s), src_base + len(maps), dtype=np.int64))
         maps.append(mm)
+        masks.append(_mask(base, n) if masked else np.broadcast_to(np.uint8(1), (n,)))
         starts.append(s.astype(np.int64))
         lengths.append((e - s).astype(np.int64))
     if not maps:
-        return [], np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0, np.int64), index
-    return maps, np.concatenate(srcs), np.concatenate(starts), np.concatenate(lengths), index
+        return [], np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0, np.int64), index, []
+    return maps, np.concatenate(srcs), np.concatenate(starts), np.concatenate(lengths), index, masks
 
 
 def split_shard(doc_starts: np.ndarray, n: int, fraction: float, split: str) -> tuple[np.ndarray, np.ndarray]:
@@ -207,11 +227,15 @@ def load_prepared(paths: Sequence[str], weights: Sequence[float] | None, split: 
                   seed: int = 0) -> Corpus:
     """The corpus of one split over prepared datasets (blended by `weights` when given)."""
     sources: list[np.ndarray] = []
+    masks: list[np.ndarray] = []
+    masked = False
     per: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
     dtypes = []
     for path in paths:
-        maps, src, start, length, index = _dataset_docs(path, split, fraction, len(sources))
+        maps, src, start, length, index, mask = _dataset_docs(path, split, fraction, len(sources))
         sources += maps
+        masks += mask
+        masked |= index.get("loss_mask") is True
         per.append((src, start, length))
         dtypes.append(np.dtype(index["dtype"]))
     if not any(len(p[0]) for p in per):
@@ -229,7 +253,9 @@ def load_prepared(paths: Sequence[str], weights: Sequence[float] | None, split: 
         order = np.random.default_rng([seed, 2]).permutation(len(src))
         src, start, length = src[order], start[order], length[order]
     view = DocumentView(sources, src, start, length, np.dtype(dtype))
-    return Corpus(tokens=view, doc_starts=view.vstart.copy())  # type: ignore[arg-type]
+    # chat datasets score only assistant tokens: the mask is read through the same documents as the tokens
+    loss_mask = DocumentView(masks, src, start, length, np.dtype(np.uint8)) if masked else None
+    return Corpus(tokens=view, doc_starts=view.vstart.copy(), loss_mask=loss_mask)  # type: ignore[arg-type]
 
 
 def prepared_vocab(paths: Sequence[str]) -> int | None:

@@ -140,6 +140,10 @@ def _chat_problems(job: SeqTrainJob, readable: bool) -> list[Problem]:
     d = job.spec.data
     if d.format != "chat":
         return []
+    if d.source == "tokens":
+        return [Problem("spec.data.format", "a prepared folder carries its own format (`seqtrain prepare-data "
+                                            "--format chat` writes the assistant mask beside its shards); remove "
+                                            "data.format")]
     if d.source != "jsonl":
         return [Problem("spec.data.format", f"chat reads jsonl lines of messages, not source {d.source}; set "
                                             "data.source jsonl (or data.format text)")]
