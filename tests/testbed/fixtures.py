@@ -252,6 +252,8 @@ class Operator:
     master_port: int = field(default_factory=rendezvous_port)
     kubeconfig: Path = TB / "operator.kubeconfig"
     log: Path = TB / "logs" / "operator.log"
+    proxy: Any = None  # a testbed.faultproxy.FaultProxy: the operator talks to the apiserver through it
+    source: Path = ROOT  # the checkout whose operator runs (another one: a snapshot of a commit, a before/after)
 
     def values(self) -> list[str]:
         ca = base64.b64encode(self.tb.ca_pem()).decode()
@@ -277,7 +279,10 @@ class Operator:
                "users": [{"name": "seqtrain", "user": {"token": self.token()}}],
                "contexts": [{"name": "seqtrain", "context": {"cluster": "testbed", "user": "seqtrain"}}],
                "current-context": "seqtrain"}
-        self.kubeconfig.write_text(yaml.safe_dump(cfg))
+        if self.proxy is not None:
+            self.proxy.kubeconfig(str(self.kubeconfig), token=cfg["users"][0]["user"]["token"])
+        else:
+            self.kubeconfig.write_text(yaml.safe_dump(cfg))
         self.kubeconfig.chmod(0o600)
         certs = TB / "webhook-certs"
         certs.mkdir(exist_ok=True)
@@ -286,13 +291,14 @@ class Operator:
         # The same arguments as the chart's Deployment (templates/deployment.yaml), webhook on loopback. Every pod
         # here shares the host's network: free ports for rendezvous and progress keep two testbeds on one machine
         # (two clones) apart.
-        argv = [str(ROOT / ".venv" / "bin" / "seqtrain"), "operator", "--all-namespaces", "--peering=seqtrain",
+        argv = [str(ROOT / ".venv" / "bin" / "python"), "-m", "seqtrain_operator.cli", "operator", "--all-namespaces",
+                "--peering=seqtrain",
                 f"--progress-port={free_port()}", f"--master-port={self.master_port}", "--termination-grace=30",
                 "--rank-mtbf-hours=50000",
                 "--node-lost-grace=40", f"--metrics-port={self.metrics_port}",
                 f"--webhook-port={self.webhook_port}", f"--webhook-cert-dir={certs}", "--verbose", *extra]
         env = {**os.environ, "KUBECONFIG": str(self.kubeconfig),
-               "PYTHONPATH": f"{ROOT / 'trainer'}:{ROOT / 'operator'}"}
+               "PYTHONPATH": f"{self.source / 'trainer'}:{self.source / 'operator'}"}
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, start_new_session=True)
