@@ -4,7 +4,8 @@
 For each chunk of C tokens (C * V logits at a time):
     Z  = H_c W^T                                  (cuBLAS / torch matmul, input dtype)
     G  = (softmax(Z) - onehot(t_c)) / n_valid     (Triton kernel, written over Z in place)
-    dH_c = G W,   dW += G^T H_c                 (both float32: one rounding at the end, like autograd)
+    dH_c = G W,   dW += G^T H_c                 (both float32: one rounding at the end, like autograd;
+                                                 dW accumulated in place, `addmm_f32_`)
 The gradients are computed during the forward (the loss needs the same softmax), kept, and scaled
 by the incoming gradient in the backward. Peak extra memory is one [C, V] chunk plus dH [N, hidden]
 and dW [V, hidden] (both float32), instead of [N, V] logits and their gradient. By default C is chosen
@@ -32,6 +33,23 @@ def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a.float() @ b.float()
 
 
+def addmm_f32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc += a @ b in place into the float32 `acc`, never allocating an `acc`-sized temporary (at vocab 128k a
+    [V, hidden] float32 product per chunk is most of this kernel's memory traffic): float32 operands directly;
+    low-precision ones with cuBLAS's float32 output (`addmm(out_dtype=)`) where torch has it, else widened to
+    float32 first, which copies only the chunk-sized operands."""
+    if a.dtype == torch.float32 and b.dtype == torch.float32:
+        acc.addmm_(a, b)
+        return
+    if a.is_cuda:
+        try:
+            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+            return
+        except (RuntimeError, TypeError, NotImplementedError):
+            pass
+    acc.addmm_(a.float(), b.float())
+
+
 def default_chunk_size(tokens: int, hidden: int, vocab: int) -> int:
     """Tokens per chunk so that the chunk logits are about the size of the hidden states."""
     return min(max(1, tokens), triton.next_power_of_2(max(1, triton.cdiv(tokens, triton.cdiv(vocab, hidden)))))
@@ -53,17 +71,17 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         dh = _alloc.empty(n, d, dtype=torch.float32, device=hidden.device) if want_dh else None
         dw = torch.zeros(vocab, d, dtype=torch.float32, device=hidden.device) if want_dw else None
         loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        # dH's product with float32 output: cuBLAS takes low-precision operands (`_mm_f32`); elsewhere the weight
+        # is widened once here, not once per chunk
+        w_dh = weight.float() if dh is not None and not weight.is_cuda else weight
         for start in range(0, n, chunk):
             h_c = h[start:start + chunk]
             logits = h_c @ weight.t()  # [C, V]: the only vocab-sized buffer alive
             loss_sum += ce_rows_with_grad_(logits, t[start:start + chunk], scale, ignore_index).sum()
             if dh is not None:
-                dh[start:start + chunk] = _mm_f32(logits, weight)
+                dh[start:start + chunk] = _mm_f32(logits, w_dh)
             if dw is not None:
-                if logits.dtype == torch.float32:
-                    dw.addmm_(logits.t(), h_c)  # in place: no [V, hidden] temporary per chunk
-                else:
-                    dw += _mm_f32(logits.t(), h_c)
+                addmm_f32_(dw, logits.t(), h_c)
             del logits
         ctx.save_for_backward(dh, dw)
         ctx.shapes = (hidden.shape, hidden.dtype, weight.dtype)
