@@ -14,8 +14,8 @@
 # `--parts mfu,profile,training` to rehearse one call of the lease plan (docs/benchmarks.md).
 #
 # The environment is cached outside the clone (only the first run downloads it). torch is 2.11.0's CPU build from
-# PyTorch's CPU index (about 200 MB, where PyPI's CUDA build is a few GB): without a GPU here both run the same
-# Python code, and the dry run never loads CUDA's libraries. SEQTRAIN_GPU_MIRROR overrides where;
+# PyTorch's CPU index (about 200 MB) where that index answers, else PyPI's CUDA build (a few GB): without a GPU here
+# both run the same Python code, and the dry run never loads CUDA's libraries. SEQTRAIN_GPU_MIRROR overrides where;
 # SEQTRAIN_GPU_MIRROR_PYTHON the interpreter (default: pyenv's 3.12.1); SEQTRAIN_GPU_MIRROR_TORCH_INDEX where torch
 # comes from (https://pypi.org/simple: the CUDA build, where PyTorch's index is out of reach).
 set -euo pipefail
@@ -39,9 +39,14 @@ PACKAGES=(triton==3.6.0 numpy==2.5.2 pyyaml packaging pytest pytest-timeout pyte
 if [ "$(cat "$VENV/.complete" 2>/dev/null)" != "$TORCH ${PACKAGES[*]}" ]; then
     # --no-cache-dir: the wheels need not stay twice on a shared disk. PIP_FIND_LINKS is ignored: the mirror
     # takes what the lent image was built from (PyTorch's and PyPI's wheels), not this machine's local wheels.
-    PIP_FIND_LINKS='' "$VENV/bin/python" -m pip install -q --no-cache-dir --index-url "$TORCH_INDEX" "$TORCH" || {
-        echo "gpu-mirror: $TORCH not installable from $TORCH_INDEX; set SEQTRAIN_GPU_MIRROR_TORCH_INDEX" \
-             "(https://pypi.org/simple: the CUDA build, a few GB)" >&2
+    # PyTorch's CPU index first (small); where it is out of reach (this project's machines reach PyPI only), PyPI's
+    # CUDA build, which runs the same Python code on a machine without a GPU.
+    PIP_FIND_LINKS='' "$VENV/bin/python" -m pip install -q --no-cache-dir --timeout 20 --retries 1 \
+            --index-url "$TORCH_INDEX" "$TORCH" \
+        || { [ "$TORCH_INDEX" != https://pypi.org/simple ] \
+             && echo "gpu-mirror: $TORCH not installable from $TORCH_INDEX; taking PyPI's (CUDA) build" >&2 \
+             && PIP_FIND_LINKS='' "$VENV/bin/python" -m pip install -q --no-cache-dir "$TORCH"; } || {
+        echo "gpu-mirror: $TORCH installable neither from $TORCH_INDEX nor from PyPI; set SEQTRAIN_GPU_MIRROR_TORCH_INDEX" >&2
         exit 2
     }
     PIP_FIND_LINKS='' "$VENV/bin/python" -m pip install -q --no-cache-dir "${PACKAGES[@]}"
