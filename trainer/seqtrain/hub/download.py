@@ -115,8 +115,8 @@ class Hub:
             except urllib.error.HTTPError as exc:
                 if exc.code in (401, 403):
                     raise HubError(f"{what}: the hub answered {exc.code}; the model is gated or private: accept its "
-                                   "licence on the hub and give a token that may read it (model.hubTokenSecret)") \
-                        from None
+                                   "licence on the hub and give a token that may read it (HF_TOKEN; in a job: the "
+                                   "hub token Secret)") from None
                 if exc.code == 404:
                     raise HubError(f"{what}: not found on {self.endpoint} (404); check ORG/NAME and the revision") \
                         from None

@@ -150,11 +150,27 @@ def _chat_problems(job: SeqTrainJob, readable: bool) -> list[Problem]:
     from seqtrain.spec.chat_template import template_of
     from seqtrain.spec.init_tokenizer import data_tokenizer  # imports this module: here, not at the top
 
-    tok = data_tokenizer(job)
-    if tok.type != "file" or not tok.path:
-        return [Problem("spec.data.format", "chat needs a tokenizer with a chat template: start from a model.init "
-                                            "folder that holds tokenizer.json, or set data.tokenizer {type: file, "
-                                            "path: .../tokenizer.json}")]
+    refuse = [Problem("spec.data.format", "chat needs a tokenizer with a chat template: start from a model.init "
+                                          "folder that holds tokenizer.json, or set data.tokenizer {type: file, "
+                                          "path: .../tokenizer.json}")]
+    tok = d.tokenizer
+    if tok.type == "byte":
+        init = job.spec.model.init
+        if not init:
+            return refuse
+        if not readable:
+            return []  # the model.init folder's tokenizer is read where the folder is (the trainer's pod)
+        tok = data_tokenizer(job)
+        if tok.type == "byte":
+            from seqtrain.spec.init_source import local_folder
+
+            try:
+                here = os.path.isdir(local_folder(init))
+            except ValueError:
+                here = False  # model.init's own check says why
+            return refuse if here else []
+    if not tok.path:
+        return refuse
     path = os.path.expanduser(tok.path)
     if readable and os.path.isfile(path):
         try:
