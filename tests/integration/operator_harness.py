@@ -17,6 +17,7 @@ own kwok nodes (a label only its jobs select), so it neither sees nor disturbs t
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import socket
 import threading
@@ -33,7 +34,9 @@ from kubernetes.client.rest import ApiException
 
 from seqtrain_operator.k8s import handlers
 from seqtrain_operator.k8s.manifests import Settings
-from seqtrain_operator.k8s.reconcile import Config
+from seqtrain_operator.k8s.runtime import Runtime
+from seqtrain_operator.k8s.settings import Settings as OperatorSettings
+from seqtrain_operator.k8s.settings import WebhookConfig
 from testbed.faultproxy import FaultProxy
 from testbed.fixtures import TB, Operator
 
@@ -87,8 +90,8 @@ class Bed:
     webhook_port: int
     webhook_certs: Path
 
-    def webhook(self) -> handlers.WebhookConfig:
-        return handlers.WebhookConfig(port=self.webhook_port, certfile=str(self.webhook_certs / "tls.crt"),
+    def webhook(self) -> WebhookConfig:
+        return WebhookConfig(port=self.webhook_port, certfile=str(self.webhook_certs / "tls.crt"),
                                       keyfile=str(self.webhook_certs / "tls.key"))
 
 
@@ -146,13 +149,13 @@ def module_env(fixture_operator: Operator, tmp: Path, *, operator: bool) -> Iter
 # ---- the operator -------------------------------------------------------------------------------------------
 
 
-def fast_config(**settings: Any) -> Config:
+def fast_config(**settings: Any) -> OperatorSettings:
     """Short polls so tests finish quickly; nothing else differs from production (whose node-lost grace is 40 s: a
     node NotReady for a moment, as a late heartbeat on a busy machine makes it, is not a lost node)."""
     grace = settings.pop("node_lost_grace", 5.0)
-    return Config(settings=Settings(progress_port=settings.pop("progress_port", None), **settings),
-                  node_lost_grace=grace, running_poll=0.3, idle_poll=1.0, progress_timeout=1.0,
-                  progress_interval=1.0)
+    return OperatorSettings(pods=Settings(progress_port=settings.pop("progress_port", None), **settings),
+                            node_lost_grace=grace, running_poll=0.3, idle_poll=1.0, progress_timeout=1.0,
+                            progress_interval=1.0)
 
 
 def _listening(port: int) -> bool:
@@ -166,9 +169,10 @@ def _listening(port: int) -> bool:
 class OperatorThread:
     """`kopf.operator()` in its own thread and event loop (what kopf.testing.KopfRunner does), stoppable."""
 
-    def __init__(self, config: Config, webhook: handlers.WebhookConfig | None = None,
+    def __init__(self, config: OperatorSettings, webhook: WebhookConfig | None = None,
                  namespaces: tuple[str, ...] = ()):
         self.config = config
+        self.runtime = Runtime(dataclasses.replace(config, webhook=webhook))  # what the operator holds
         self.namespaces = namespaces
         self.webhook = webhook
         self.stop_flag = threading.Event()
@@ -177,16 +181,14 @@ class OperatorThread:
         self.error: BaseException | None = None
 
     def start(self) -> OperatorThread:
-        handlers.STATE.config = self.config
-        handlers.STATE.webhook = None
         if self.webhook is not None:
-            handlers.enable_webhook(self.webhook)
+            handlers.enable_webhook()
 
         def run() -> None:
             try:
                 asyncio.run(kopf.operator(standalone=True, clusterwide=not self.namespaces,
                                           namespaces=self.namespaces, stop_flag=self.stop_flag,
-                                          ready_flag=self.ready_flag))
+                                          ready_flag=self.ready_flag, memo=handlers.memo_of(self.runtime)))
             except BaseException as exc:  # noqa: BLE001 - surfaced by stop()
                 self.error = exc
 

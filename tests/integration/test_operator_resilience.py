@@ -37,7 +37,6 @@ from operator_harness import (
     wait_running,
 )
 
-from seqtrain_operator.k8s import handlers
 from testbed.fixtures import TB, rendezvous_port
 from testbed.node_agent import AGENT_LABEL, IGNORE_DELETION
 
@@ -57,9 +56,9 @@ def _ns(env, name: str) -> str:
     return ns
 
 
-def _passes() -> float:
-    """Reconcile passes this process's operators have made (the metrics outlive an OperatorThread)."""
-    return sum(s.value for metric in handlers.STATE.metrics.reconcile_seconds.collect() for s in metric.samples
+def _passes(op: OperatorThread) -> float:
+    """Reconcile passes this operator has made."""
+    return sum(s.value for metric in op.runtime.metrics.reconcile_seconds.collect() for s in metric.samples
                if s.name.endswith("_count"))
 
 
@@ -92,9 +91,8 @@ def test_operator_restart_mid_job_loses_nothing_duplicates_nothing(env):
         wait_phase(cp, ns, "j", "Running")
         # a restart with nothing to do creates nothing
         op2.stop()
-        seen = _passes()
         op2 = OperatorThread(fast_config(), b.webhook()).start()
-        wait_for(lambda: _passes() > seen, what="reconciled again")  # (from the watch's body: no GET needed)
+        wait_for(lambda: _passes(op2) > 0, what="reconciled again")  # (from the watch's body: no GET needed)
         finish_pods(cp, ns, "seqtrain.dev/attempt=3")
         wait_phase(cp, ns, "j", "Succeeded")
     finally:
@@ -272,7 +270,7 @@ def test_objects_deleted_while_the_watches_are_cut_leave_no_ghost(env):
         wait_running(cp, ns, "a", 1, 2)
         wait_phase(cp, ns, "a", "Running")
         add_node(cp, f"{ns}-1", pool=ns)  # empty: the only node job b below would fit on
-        wait_for(lambda: any(n["metadata"]["name"] == f"{ns}-1" for n in handlers.IndexViews().nodes()), 60,
+        wait_for(lambda: any(n["metadata"]["name"] == f"{ns}-1" for n in op.runtime.node_list()), 60,
                  what="the operator sees the new node")
         watches = r"^/api/v1/(pods|nodes)$"
         proxy.add_rule("GET", watches, gone=True, times=None)  # a watch that tries to resume: 410, LIST again

@@ -11,6 +11,7 @@ the node agent runs the trainer as a real process (examples/k8s-cpu.yaml, one re
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -78,8 +79,7 @@ def test_pushed_progress_reaches_the_status_and_a_hang_is_detected_when_polling_
     cfg = fast_config(progress_port=free_port(), master_port=seqtrain_operator.master_port,
                       termination_grace_seconds=30, progress_push_url=f"http://127.0.0.1:{push_port}",
                       push_key=os.urandom(32))
-    cfg.push_port = push_port
-    op = OperatorThread(cfg, b.webhook()).start()
+    op = OperatorThread(dataclasses.replace(cfg, push_port=push_port), b.webhook()).start()
     try:
         submit(cp, held_job("held", ns))
 
@@ -90,7 +90,9 @@ def test_pushed_progress_reaches_the_status_and_a_hang_is_detected_when_polling_
             return st if (st.get("progress") or {}).get("step", 0) >= 1 and st.get("attempt") == 1 and pushed else None
 
         wait_for(stepping, START_TIMEOUT, what="status.progress of attempt 1 from pushes", interval=1)
-        assert cfg.pushed.accepted >= 1 and not cfg.pushed.refused
+        assert op.runtime.reconciler is not None
+        pushed = op.runtime.reconciler.pushed
+        assert pushed.accepted >= 1 and not pushed.refused
         # the trainer holds after step 3; a hang is now declared after 20 s without a step
         patch_job(cp, ns, "held", {"spec": {"faultTolerance": {"hangTimeoutSeconds": 20}}})
 

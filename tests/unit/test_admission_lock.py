@@ -13,6 +13,7 @@ import pytest
 from test_placement import k8s_node
 
 from seqtrain_operator.k8s import reconcile
+from seqtrain_operator.k8s.settings import Settings
 
 NODE = k8s_node("n1", gpus=0, cpu="2", memory="8Gi", pods=110)
 
@@ -73,25 +74,20 @@ async def _admit_behind_another(job_a_appears: bool) -> list[dict]:
     """Job b's pass starts while another admission holds the lock; job a's pod shows up in the index (or not)
     before the lock is free. Returns the pods b created."""
     kube, index = Kube(_job("b")), Index()
-    cfg = reconcile.Config(poll_progress=False)
-    await reconcile._ADMISSION.acquire()
+    r = reconcile.Reconciler(kube, Settings(poll_progress=False))  # type: ignore[arg-type]
+    await r.lock.acquire()
     try:
-        task = asyncio.create_task(reconcile.reconcile(kube, cfg, "ml", "b", lambda *a: None, views=index))
+        task = asyncio.create_task(r.reconcile("ml", "b", lambda *a: None, index))
         for _ in range(5):  # b reads its job and the index, then waits for the lock
             await asyncio.sleep(0)
         assert not task.done()
         if job_a_appears:
             index.pods_now.append(_running_pod("a"))
     finally:
-        reconcile._ADMISSION.release()
+        r.lock.release()
     outcome = await task
     assert outcome.status is not None
     return [o for o in kube.created if o["kind"] == "Pod"]
-
-
-@pytest.fixture(autouse=True)
-def _fresh_lock(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(reconcile, "_ADMISSION", asyncio.Lock())  # an asyncio lock is bound to one event loop
 
 
 def test_a_gang_created_while_an_admission_waited_for_the_lock_takes_its_capacity() -> None:
@@ -114,8 +110,9 @@ def test_a_status_write_that_may_have_been_applied_keeps_the_gangs_reservation(u
         async def write_status(self, namespace: str, name: str, patch: dict, rv: str) -> dict[str, Any]:
             raise Conflict("Conflict", unsure=unsure)
 
-    kube, cfg = Conflicting(_job("b")), reconcile.Config(poll_progress=False)
-    outcome = asyncio.run(reconcile.reconcile(kube, cfg, "ml", "b", lambda *a: None, views=Index()))
+    kube = Conflicting(_job("b"))
+    cfg = reconcile.Reconciler(kube, Settings(poll_progress=False))  # type: ignore[arg-type]
+    outcome = asyncio.run(cfg.reconcile("ml", "b", lambda *a: None, Index()))
     assert outcome.requeue is not None and not kube.created
     assert sorted(cfg.busy.reserved) == ([("ml", "b-1-0")] if unsure else [])
     cfg.busy.release_job(("ml", "a"))  # another job's deletion leaves it

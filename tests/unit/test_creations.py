@@ -14,12 +14,7 @@ from test_admission_lock import Index, Kube, _job
 from seqtrain_operator.k8s import client as kc
 from seqtrain_operator.k8s import reconcile
 from seqtrain_operator.k8s.creations import Creations
-
-
-@pytest.fixture(autouse=True)
-def _fresh_lock(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(reconcile, "_ADMISSION", asyncio.Lock())  # an asyncio lock is bound to one event loop
-
+from seqtrain_operator.k8s.settings import Settings
 
 # ---- the bulk lane ------------------------------------------------------------------------------------------------
 
@@ -136,21 +131,21 @@ def test_an_admitting_pass_writes_the_status_and_hands_the_creation_off() -> Non
         kube = GatedKube(_job("b"))
         events: list[str] = []
         next_pass: list[Any] = []
-        cfg = reconcile.Config(poll_progress=False)
-        cfg.creations = Creations(on_done=lambda k, r: next_pass.append((k, r)))
+        cfg = reconcile.Reconciler(kube, Settings(poll_progress=False),  # type: ignore[arg-type]
+                                   creations=Creations(on_done=lambda k, r: next_pass.append((k, r))))
 
         def emit(body: dict, type_: str, reason: str, message: str) -> None:
             events.append(reason)
 
-        outcome = await reconcile.reconcile(kube, cfg, "ml", "b", emit, views=Index())
+        outcome = await cfg.reconcile("ml", "b", emit, Index())
         # the pass is over: the status names the attempt, nothing is created yet and no Event claims otherwise
         assert outcome.status is not None and outcome.status.attempt == 1 and outcome.status.phase == "Scheduling"
         assert kube.writes == 1 and kube.created == [] and events == []
-        assert cfg.creations.busy(("ml", "b"))
+        assert cfg.creations is not None and cfg.creations.busy(("ml", "b"))
         assert sorted(cfg.busy.reserved) == [("ml", "b-1-0")]  # its capacity is held meanwhile
 
         # a pass of the same job meanwhile (a pod event, the job's timer) does nothing at all
-        again = await reconcile.reconcile(kube, cfg, "ml", "b", emit, views=Index())
+        again = await cfg.reconcile("ml", "b", emit, Index())
         assert again.status is None and kube.writes == 1 and kube.created == []
 
         kube.gate.set()
@@ -158,7 +153,8 @@ def test_an_admitting_pass_writes_the_status_and_hands_the_creation_off() -> Non
         pods = [o["metadata"]["name"] for o in kube.created if o["kind"] == "Pod"]
         assert pods == ["b-1-0"] and all(kube.bulk)  # once, and behind the passes' requests
         assert events and next_pass and next_pass[0][0] == ("ml", "b")
-        assert cfg.expected.known(("ml", "b"), 1) == {"b-1-0"}  # a later pass never plans it again
+        assert cfg.jobs.get("ml", "b").expected.known(1) == {"b-1-0"}  # type: ignore[union-attr]
+        # (a later pass never plans it again)
 
     asyncio.run(run())
 
@@ -186,10 +182,10 @@ def test_a_refused_gang_in_a_creation_task_is_torn_down_and_its_reservation_rele
 
     async def run() -> None:
         kube = Refusing(_job("b"))
-        cfg = reconcile.Config(poll_progress=False)
-        cfg.creations = Creations()
-        await reconcile.reconcile(kube, cfg, "ml", "b", lambda *a: None, views=Index())
-        await cfg.creations.wait(("ml", "b"))
+        creations = Creations()
+        cfg = reconcile.Reconciler(kube, Settings(poll_progress=False), creations=creations)  # type: ignore[arg-type]
+        await cfg.reconcile("ml", "b", lambda *a: None, Index())
+        await creations.wait(("ml", "b"))
         # the refusal went the way it goes inside a pass: the job read again (after the pass's own read) and its
         # failure written
         assert kube.gets == 2 and kube.writes == 2
@@ -198,35 +194,35 @@ def test_a_refused_gang_in_a_creation_task_is_torn_down_and_its_reservation_rele
     asyncio.run(run())
 
 
-def test_pod_events_during_a_creation_bring_a_pass_soon_after_it_not_at_the_creations_own_delay(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_pod_events_during_a_creation_bring_a_pass_soon_after_it_not_at_the_creations_own_delay() -> None:
     """The gang's pods may be created, bound and started while its creation still runs: those events queue nothing
     then (a pass would do nothing), and the creation's end brings the pass they asked for, not one in 10 s."""
-    from seqtrain_operator.k8s import handlers
+    from seqtrain_operator.k8s import runtime
     from seqtrain_operator.k8s.workqueue import WorkQueue
 
     async def run() -> tuple[int, float | None, float | None]:
-        state = handlers.OperatorState()
-        monkeypatch.setattr(handlers, "STATE", state)
+        state = runtime.Runtime()
         passes: list[Any] = []
 
         async def process(key: Any) -> None:
             passes.append(key)
 
         state.queue = WorkQueue(process)
-        state.config.creations = Creations(on_done=handlers._created)
+        creations = Creations(on_done=state._created)
+        state.reconciler = reconcile.Reconciler(Kube(_job("b")), creations=creations)  # type: ignore[arg-type]
         key = ("ml", "b")
+        state.reconciler.jobs.seen(*key, "uid-b")
         state.queue._active.add(key)
         gate = asyncio.Event()
-        state.config.creations.start(key, lambda: gate.wait())
+        creations.start(key, lambda: gate.wait())
         await asyncio.sleep(0)
         state.poke_soon(*key)  # a pod of the gang was bound
         queued_meanwhile = len(state.queue) + len(state.queue._due)
         gate.set()  # the creation asks for no pass of its own (its work returned None)
-        await state.config.creations.wait(key)
+        await creations.wait(key)
         due = state.queue._due.get(key)
         return queued_meanwhile, due, time.monotonic()
 
     queued, due, now = asyncio.run(run())
     assert queued == 0
-    assert due is not None and due - now <= handlers.POD_BATCH_SECONDS
+    assert due is not None and due - now <= runtime.POD_BATCH_SECONDS

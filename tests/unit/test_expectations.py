@@ -13,6 +13,8 @@ import pytest
 from test_admission_lock import NODE, _job
 
 from seqtrain_operator.k8s import reconcile
+from seqtrain_operator.k8s.runtime import Runtime
+from seqtrain_operator.k8s.settings import Settings
 
 
 @dataclass
@@ -69,10 +71,14 @@ class LaggingIndex:
         return [NODE]
 
 
-def _pass(api: Api, cfg: reconcile.Config, monkeypatch: pytest.MonkeyPatch) -> reconcile.Outcome:
-    monkeypatch.setattr(reconcile, "_ADMISSION", asyncio.Lock())  # an asyncio lock is bound to one event loop
-    return asyncio.run(reconcile.reconcile(api, cfg, "ml", "j", lambda *a: None,  # type: ignore[arg-type]
-                                           views=LaggingIndex()))
+def _operator(api: Api) -> reconcile.Reconciler:
+    """A fresh operator: nothing in memory."""
+    return reconcile.Reconciler(api, Settings(poll_progress=False))  # type: ignore[arg-type]
+
+
+def _pass(api: Api, r: reconcile.Reconciler, monkeypatch: pytest.MonkeyPatch) -> reconcile.Outcome:
+    monkeypatch.setattr(r, "lock", asyncio.Lock())  # an asyncio lock is bound to one event loop
+    return asyncio.run(r.reconcile("ml", "j", lambda *a: None, LaggingIndex()))
 
 
 @pytest.fixture
@@ -85,7 +91,7 @@ def api() -> Api:
 
 
 def test_passes_before_the_index_shows_the_gang_post_nothing_again(api: Api, monkeypatch: pytest.MonkeyPatch) -> None:
-    cfg = reconcile.Config(poll_progress=False)
+    cfg = _operator(api)
     _pass(api, cfg, monkeypatch)
     assert sorted(api.posts) == ["j-1-0", "j-1-1"] and api.body["status"]["attempt"] == 1
     lists = len(api.lists)
@@ -98,20 +104,20 @@ def test_passes_before_the_index_shows_the_gang_post_nothing_again(api: Api, mon
 
 def test_a_restarted_operator_lists_the_attempt_before_re_creating_and_creates_only_what_is_absent(
         api: Api, monkeypatch: pytest.MonkeyPatch) -> None:
-    _pass(api, reconcile.Config(poll_progress=False), monkeypatch)
+    _pass(api, _operator(api), monkeypatch)
     del api.pods["j-1-1"]  # deleted while no operator ran (its DELETED event is lost with the old operator)
-    _pass(api, reconcile.Config(poll_progress=False), monkeypatch)  # a fresh operator: nothing in memory, index lagging
+    _pass(api, _operator(api), monkeypatch)  # a fresh operator: nothing in memory, index lagging
     assert sorted(api.posts) == ["j-1-0", "j-1-1", "j-1-1"]  # only the absent pod, once
     assert "seqtrain.dev/job=j,seqtrain.dev/attempt=1" in api.lists
     assert api.body["status"]["attempt"] == 1
 
 
 def test_a_pod_deleted_before_the_index_showed_it_is_created_again(api: Api, monkeypatch: pytest.MonkeyPatch) -> None:
-    cfg = reconcile.Config(poll_progress=False)
+    cfg = _operator(api)
     _pass(api, cfg, monkeypatch)
-    for name in ("j-1-0", "j-1-1"):  # deleted by someone; the DELETED events arrive (handlers.pod_changed)
-        del api.pods[name]
-        cfg.expected.gone("ml", name)
+    rt = Runtime(reconciler=cfg)
+    for name in ("j-1-0", "j-1-1"):  # deleted by someone; the DELETED events arrive (Runtime.pod_deleted)
+        rt.pod_deleted(api.pods.pop(name))
     _pass(api, cfg, monkeypatch)
     assert sorted(api.posts) == ["j-1-0", "j-1-0", "j-1-1", "j-1-1"]
     assert sorted(api.pods) == ["j-1-0", "j-1-1"]

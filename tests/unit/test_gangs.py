@@ -14,7 +14,9 @@ from seqtrain_operator.controller import conditions as cond
 from seqtrain_operator.k8s import manifests as m
 from seqtrain_operator.k8s.gangs import ADAPTERS, adapter_for
 from seqtrain_operator.k8s.gangs import kueue as kq
-from seqtrain_operator.k8s.reconcile import Config, _observe
+from seqtrain_operator.k8s.memory import JobMemory
+from seqtrain_operator.k8s.reconcile import _replicas
+from seqtrain_operator.k8s.settings import Settings
 
 OWNER = m.Owner(name="gpt", namespace="ml", uid="0a1b2c3d-4e5f")
 T0 = datetime(2026, 11, 23, 12, 0, 0, tzinfo=timezone.utc)
@@ -94,7 +96,7 @@ def test_observe_leaves_out_released_pods_and_marks_queued_ones():
     pods = [pod(1, 0, phase="Failed", finalizers=[kq.FINALIZER], deleting=True),
             pod(1, 1, phase="Failed", finalizers=[kq.FINALIZER], deleting=True),
             pod(2, 0, gates=[kq.GATE]), pod(2, 1, gates=[kq.GATE])]
-    seen = _observe(adapter_for("kueue"), pods, [], T0, Config())
+    seen = _replicas(adapter_for("kueue"), pods, [], T0, Settings())
     assert [(r.attempt, r.replica, r.queued) for r in seen] == [(2, 0, True), (2, 1, True)]
 
 
@@ -161,15 +163,17 @@ def test_a_queued_coscheduling_gang_has_its_podgroup_touched_at_most_every_retry
     clock = [1000.0]
     monkeypatch.setattr(calls, "patch_custom", patch_custom)
     monkeypatch.setattr(cs.time, "monotonic", lambda: clock[0])
-    monkeypatch.setattr(cs, "_touched", {})
     adapter, j = adapter_for("coscheduling"), job("coscheduling", queue=None)
+    mem = JobMemory(OWNER.namespace, OWNER.name, OWNER.uid)  # the throttle is the job's own
     for dt in (0.0, 1.0, cs.RETRY_SECONDS):  # at once, not again a second later, again after the interval
         clock[0] += dt
-        asyncio.run(adapter.on_queued(None, j, OWNER, 1))
+        asyncio.run(adapter.on_queued(None, j, OWNER, 1, mem))
     assert [(a, where) for a, where, _ in patches] == [("scheduling.x-k8s.io/v1alpha1", "ml/gpt-1")] * 2
     assert cs.RETRY_ANNOTATION in patches[0][2]["metadata"]["annotations"]
-    asyncio.run(adapter_for("volcano").on_queued(None, job("volcano"), OWNER, 1))  # others need no touch
-    assert len(patches) == 2
+    asyncio.run(adapter.on_queued(None, j, OWNER, 2, mem))  # the next attempt's PodGroup: at once
+    assert [where for _, where, _ in patches] == ["ml/gpt-1", "ml/gpt-1", "ml/gpt-2"]
+    asyncio.run(adapter_for("volcano").on_queued(None, job("volcano"), OWNER, 1, mem))  # others need no touch
+    assert len(patches) == 3
 
 
 @pytest.mark.parametrize(("seconds", "per_point", "cap", "boost"), [
@@ -198,19 +202,18 @@ def test_a_running_kueue_gang_has_its_workloads_boost_written_when_it_changes(mo
         return exists[0]
 
     monkeypatch.setattr(calls, "patch_custom", patch_custom)
-    monkeypatch.setattr(kq, "_boosts", {})
     adapter, j = adapter_for("kueue"), job()
     group = kq.group_name_for(OWNER.name, OWNER.uid)
-    kube = _NoKube()
-    asyncio.run(adapter.on_running(kube, j, OWNER, 3))  # no Workload yet: tried again
+    kube, mem = _NoKube(), JobMemory(OWNER.namespace, OWNER.name, OWNER.uid)
+    asyncio.run(adapter.on_running(kube, j, OWNER, 3, mem))  # no Workload yet: tried again
     exists[0] = True
     for boost in (3, 3, 0, 0, 7):
-        asyncio.run(adapter.on_running(kube, j, OWNER, boost))
+        asyncio.run(adapter.on_running(kube, j, OWNER, boost, mem))
     assert [(where, p["metadata"]["annotations"][kq.BOOST_ANNOTATION]) for _, where, p in patches] == \
         [(f"ml/{group}", v) for v in ("3", "3", "0", "7")]
     assert {api for api, _, _ in patches} == {"kueue.x-k8s.io/v1beta2/workloads"}
-    asyncio.run(adapter.on_finished(kube, j, OWNER, []))  # forgotten with the job: a new one writes again
-    assert (OWNER.namespace, group) not in kq._boosts
+    asyncio.run(adapter.on_finished(kube, j, OWNER, [], mem))  # forgotten with the job: a new one writes again
+    assert mem.boost is None
 
 
 class _NoKube:
@@ -255,13 +258,11 @@ def test_workload_deletes_and_boosts_go_to_the_served_version_and_are_skipped_wh
 
     monkeypatch.setattr(calls, "delete_custom", delete_custom)
     monkeypatch.setattr(calls, "patch_custom", patch_custom)
-    monkeypatch.setattr(kq, "_boosts", {})
     adapter, j = adapter_for("kueue"), job()
     for served in (["v1beta2"], ["v1beta1"], []):
-        kube = _NoKube(tuple(served))
-        kq._boosts.clear()
-        asyncio.run(adapter.on_running(kube, j, OWNER, 1))
-        asyncio.run(adapter.on_finished(kube, j, OWNER, []))
+        kube, mem = _NoKube(tuple(served)), JobMemory(OWNER.namespace, OWNER.name, OWNER.uid)
+        asyncio.run(adapter.on_running(kube, j, OWNER, 1, mem))
+        asyncio.run(adapter.on_finished(kube, j, OWNER, [], mem))
     assert seen == ["patch kueue.x-k8s.io/v1beta2", "delete kueue.x-k8s.io/v1beta2",
                     "patch kueue.x-k8s.io/v1beta1", "delete kueue.x-k8s.io/v1beta1"]
 

@@ -191,7 +191,7 @@ def test_operator_modules_do_not_import_torch():
 
 
 def test_status_is_written_only_on_change_goodput_alone_is_not_a_change():
-    from seqtrain_operator.k8s.reconcile import _changed
+    from seqtrain_operator.k8s.statuspatch import changed as _changed
 
     old = {"phase": "Running", "goodput": 0.5, "progress": {"step": 3}}
     assert not _changed(old, {**old, "goodput": 0.51})

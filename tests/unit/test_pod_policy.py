@@ -16,6 +16,8 @@ from seqtrain.spec import parse_job
 from seqtrain.spec.policy import PodPolicy, job_policy_problems, pod_spec_problems
 from seqtrain_operator.k8s import handlers, reconcile
 from seqtrain_operator.k8s import manifests as m
+from seqtrain_operator.k8s.runtime import Runtime
+from seqtrain_operator.k8s.settings import Settings
 from seqtrain_operator.planner.types import Layout, Plan, ReplicaAssignment
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -224,30 +226,24 @@ def test_validate_exits_2_with_one_line_per_offending_field(tmp_path):
     assert allowed.returncode == 2 and "capabilities" not in allowed.stderr and "serviceAccount" not in allowed.stderr
 
 
-def test_the_webhook_refuses_with_the_operators_policy(monkeypatch):
+def test_the_webhook_refuses_with_the_operators_policy():
     body = Job().trainer_caps("IPC_LOCK").obj()
     with pytest.raises(kopf.AdmissionError) as err:
         handlers.validate(body, operation="CREATE")
     assert f"{T}.containers[0].securityContext.capabilities.add[0]" in str(err.value)
-    settings = m.Settings(pod_policy=PodPolicy.of(capabilities=["IPC_LOCK"]))
-    monkeypatch.setattr(handlers.STATE, "config", reconcile.Config(settings=settings))
-    handlers.validate(body, operation="CREATE")
-
-
-@pytest.fixture
-def _fresh_lock(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(reconcile, "_ADMISSION", asyncio.Lock())
+    pods = m.Settings(pod_policy=PodPolicy.of(capabilities=["IPC_LOCK"]))
+    memo = handlers.memo_of(Runtime(Settings(pods=pods)))  # what kopf hands every handler
+    handlers.validate(body, operation="CREATE", memo=memo)
 
 
 def _reconcile(body: dict, settings: m.Settings) -> tuple[Kube, reconcile.Outcome]:
     kube = Kube(body)
-    cfg = reconcile.Config(settings=settings, poll_progress=False)
-    outcome = asyncio.run(reconcile.reconcile(kube, cfg, "ml", body["metadata"]["name"], lambda *a: None,
-                                              views=Index()))
+    r = reconcile.Reconciler(kube, Settings(pods=settings, poll_progress=False))  # type: ignore[arg-type]
+    outcome = asyncio.run(r.reconcile("ml", body["metadata"]["name"], lambda *a: None, Index()))
     return kube, outcome
 
 
-def test_reconcile_creates_no_pod_a_policy_refuses_and_fails_the_job_naming_the_field(_fresh_lock):
+def test_reconcile_creates_no_pod_a_policy_refuses_and_fails_the_job_naming_the_field():
     """The webhook may be off, or the policy stricter than when the job was admitted: reconcile checks it too."""
     body = Job().volume(hostPath={"path": "/"}).obj()
     body["spec"]["podTemplate"]["spec"]["containers"] = [
@@ -261,7 +257,7 @@ def test_reconcile_creates_no_pod_a_policy_refuses_and_fails_the_job_naming_the_
     assert [o["kind"] for o in kube.created if o["kind"] == "Pod"] == ["Pod"]
 
 
-def test_network_policy_is_created_with_the_gang_when_configured(_fresh_lock):
+def test_network_policy_is_created_with_the_gang_when_configured():
     settings = m.Settings(network_policy=True, operator_namespace="seqtrain-system",
                           operator_labels={"app.kubernetes.io/name": "seqtrain"})
     kube, _ = _reconcile(Job().obj(), settings)

@@ -24,6 +24,7 @@ from seqtrain_operator.k8s import reconcile
 from seqtrain_operator.k8s.progress import MAX_BODY_BYTES
 from seqtrain_operator.k8s.push import PushedProgress, serve
 from seqtrain_operator.k8s.pushauth import TOKEN_FILE, TOKEN_FILE_ENV, URL_ENV, job_token, push_url
+from seqtrain_operator.k8s.settings import Settings
 
 KEY = b"k" * 32
 DOC = json.dumps({"step": 7, "totalSteps": 10, "attempt": 2, "updatedAt": "2026-01-01T00:00:00Z"}).encode()
@@ -66,7 +67,7 @@ def test_pushed_progress_counts_while_fresh_for_this_uid_and_attempt():
     assert store.fresh("ml", "gpt", "u1", 30, now=131.0) is None  # stale: the pass polls instead
     assert store.fresh("ml", "gpt", "u2", 30, now=100.0) is None  # a re-created job of the same name
     assert store.fresh("ml", "gpt", "u1", 30, attempt=3, now=100.0) is None  # a dying gang's rank 0
-    store.forget("ml", "gpt")
+    store.forget("u1")
     assert store.fresh("ml", "gpt", "u1", 30, now=100.0) is None
 
 
@@ -249,8 +250,12 @@ def _running_rank0() -> list[dict]:
              "status": {"phase": "Running", "podIP": "10.0.0.5"}}]
 
 
-def _cfg() -> reconcile.Config:
-    return reconcile.Config(settings=m.Settings(progress_push_url="http://op:8472", push_key=KEY), push_port=8472)
+def _cfg(poll: bool = True) -> reconcile.Reconciler:
+    pods = m.Settings(progress_push_url="http://op:8472", push_key=KEY)
+    return reconcile.Reconciler(None, Settings(pods=pods, push_port=8472, poll_progress=poll))  # type: ignore[arg-type]
+
+
+OWNER = m.Owner(name="gpt", namespace="ml", uid="u1")
 
 
 async def _answers(step: int | None):
@@ -265,21 +270,21 @@ def test_a_pass_uses_fresh_pushed_progress_without_polling(monkeypatch):
     async def no_poll(*a, **k):
         raise AssertionError("polled although a fresh push was there")
     monkeypatch.setattr(reconcile, "poll_progress", no_poll)
-    reported, unreachable, source = asyncio.run(reconcile._progress(cfg, "ml", "gpt", "u1", _running_rank0(), 2))
+    reported, unreachable, source = asyncio.run(cfg.progress(OWNER, _running_rank0(), 2))
     assert (reported.progress.step, unreachable, source) == (7, None, "pushed")
 
 
 def test_without_a_fresh_push_a_pass_polls_and_says_when_neither_works(monkeypatch):
     cfg = _cfg()
     monkeypatch.setattr(reconcile, "poll_progress", lambda *a, **k: _answers(3))
-    reported, unreachable, source = asyncio.run(reconcile._progress(cfg, "ml", "gpt", "u1", _running_rank0(), 2))
+    reported, unreachable, source = asyncio.run(cfg.progress(OWNER, _running_rank0(), 2))
     assert (reported.progress.step, unreachable, source) == (3, None, "polled")
     monkeypatch.setattr(reconcile, "poll_progress", lambda *a, **k: _answers(None))
-    reported, unreachable, source = asyncio.run(reconcile._progress(cfg, "ml", "gpt", "u1", _running_rank0(), 2))
+    reported, unreachable, source = asyncio.run(cfg.progress(OWNER, _running_rank0(), 2))
     assert reported.progress is None and source is None
     assert "did not answer" in unreachable and "pushed nothing in the last 30s" in unreachable
-    cfg.poll_progress = False  # push only: a quiet channel pauses hang detection, as an unanswered poll does
-    reported, unreachable, source = asyncio.run(reconcile._progress(cfg, "ml", "gpt", "u1", _running_rank0(), 2))
+    cfg = _cfg(poll=False)  # push only: a quiet channel pauses hang detection, as an unanswered poll does
+    reported, unreachable, source = asyncio.run(cfg.progress(OWNER, _running_rank0(), 2))
     assert reported.progress is None and unreachable == "rank 0 pushed no progress in the last 30s"
 
 

@@ -58,7 +58,7 @@ def test_a_deleted_jobs_token_is_refused_and_never_displaces_its_re_created_name
     store = PushedProgress()
     assert push(store, "u1", step=5) == 204
     assert store.fresh("ml", "gpt", "u1", 30, attempt=1, now=100.0).progress.step == 5
-    store.forget("ml", "gpt")  # the job is deleted
+    store.forget("u1")  # the job is deleted
     assert push(store, "u1", seq="2", step=6) == 403
     assert store.fresh("ml", "gpt", "u1", 30, now=100.0) is None
     # re-created under the same name: its own uid, its own entry
@@ -66,6 +66,20 @@ def test_a_deleted_jobs_token_is_refused_and_never_displaces_its_re_created_name
     assert push(store, "u2", step=1) == 204
     assert push(store, "u1", seq="99", step=9) == 403  # the old job's token, with a higher sequence too
     assert store.fresh("ml", "gpt", "u2", 30, attempt=1, now=100.0).progress.step == 1
+
+
+def test_forgetting_a_deleted_job_late_leaves_its_re_created_namesakes_entry():
+    """The deletion of the old incarnation is handled after the new one's first pass and push (kopf's deletion
+    handler runs late under load): forgetting by uid drops the old one only."""
+    store = PushedProgress()
+    assert push(store, "u1", step=5) == 204
+    assert store.fresh("ml", "gpt", "u1", 30, attempt=1, now=100.0) is not None
+    assert store.fresh("ml", "gpt", "u2", 30, attempt=1, now=100.0) is None  # a pass saw the namesake
+    assert push(store, "u2", step=1) == 204
+    store.forget("u1")
+    assert store.fresh("ml", "gpt", "u2", 30, attempt=1, now=100.0).progress.step == 1
+    assert push(store, "u2", seq="2", step=2) == 204  # its tokens still count
+    assert push(store, "u1", seq="9", step=9) == 403
 
 
 def test_after_an_operator_restart_an_old_incarnations_push_lands_in_its_own_entry_only():

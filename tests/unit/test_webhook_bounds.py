@@ -16,6 +16,7 @@ from webhook_engine import answer, review_of
 from seqtrain.spec.bounds import MAX_DEPTH, MAX_SPEC_BYTES, bracket_depth
 from seqtrain_operator.k8s import manifests as m
 from seqtrain_operator.k8s import reconcile
+from seqtrain_operator.k8s.settings import Settings
 from seqtrain_operator.k8s.webhook import MAX_REVIEW_BYTES
 
 GOOD = {"apiVersion": "seqtrain.dev/v1alpha1", "kind": "SeqTrainJob",
@@ -104,16 +105,10 @@ def test_depth_is_counted_without_parsing_and_strings_do_not_count() -> None:
     assert bracket_depth(b"[" * 10_000, 40) == 41  # stops counting past the limit
 
 
-@pytest.fixture
-def _fresh_lock(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(reconcile, "_ADMISSION", asyncio.Lock())
-
-
 def _reconcile(body: dict[str, Any]) -> tuple[Kube, reconcile.Outcome]:
     kube = Kube(body)
-    cfg = reconcile.Config(settings=m.Settings(), poll_progress=False)
-    outcome = asyncio.run(reconcile.reconcile(kube, cfg, "ml", body["metadata"]["name"], lambda *a: None,
-                                              views=Index()))
+    r = reconcile.Reconciler(kube, Settings(pods=m.Settings(), poll_progress=False))  # type: ignore[arg-type]
+    outcome = asyncio.run(r.reconcile("ml", body["metadata"]["name"], lambda *a: None, Index()))
     return kube, outcome
 
 
@@ -124,7 +119,7 @@ def _failed(outcome: reconcile.Outcome) -> str:
     return failed.message
 
 
-def test_an_affinity_the_merge_cannot_read_fails_the_job_naming_the_field(_fresh_lock: None) -> None:
+def test_an_affinity_the_merge_cannot_read_fails_the_job_naming_the_field() -> None:
     """It passed validation and raised AttributeError in the pod builder on every reconcile pass."""
     body = job(affinity={"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": "x"}})
     kube, outcome = _reconcile(body)
@@ -134,7 +129,7 @@ def test_an_affinity_the_merge_cannot_read_fails_the_job_naming_the_field(_fresh
 
 
 def test_a_job_whose_pods_cannot_be_built_fails_once_instead_of_raising_every_pass(
-        _fresh_lock: None, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """Any builder error a rule does not catch yet: one Failed condition with the error, no object created."""
     def broken(*args: Any, **kwargs: Any) -> dict[str, Any]:
         raise KeyError("name")
@@ -176,7 +171,7 @@ def test_the_server_reads_at_most_the_bound_and_answers_with_a_review() -> None:
 
 
 @pytest.mark.parametrize("depth", [33, 250, 300])  # the fake API client's deepcopy itself recurses past ~450
-def test_a_stored_job_nested_too_deep_fails_once_naming_the_field(_fresh_lock: None, depth: int) -> None:
+def test_a_stored_job_nested_too_deep_fails_once_naming_the_field(depth: int) -> None:
     """Stored by an operator without these bounds (or with the webhook off): a pass went on with it."""
     kube, outcome = _reconcile(job(affinity={"podAffinity": {"x": nested(depth)}}))
     assert kube.created == []

@@ -41,7 +41,7 @@ class Admissions:
     own: Callable[[Key], list[tuple[str, Requests]]] = lambda key: []
     on_wait: Callable[[float], None] = lambda seconds: None
     on_cycle: Callable[[float], None] = lambda seconds: None
-    # Wake a job's pass (handlers.STATE.poke): a cycle asks the gangs ahead of its own to join it.
+    # Wake a job's pass (Runtime.poke): a cycle asks the gangs ahead of its own to join it.
     poke: Callable[[Key], None] = lambda key: None
     pending: list[tuple[Waiting[Any], asyncio.Future[None]]] = field(default_factory=list)
     first_seen: dict[Key, float] = field(default_factory=dict)  # time.monotonic() it first waited (head of line)

@@ -79,7 +79,7 @@ class BusyPods:
 
     def release_job(self, job: Key) -> None:
         """The job is deleted: none of its reserved pods will be created now (one kept after a status write that
-        may or may not have been applied, reconcile._write_and_act, would otherwise hold its capacity)."""
+        may or may not have been applied, reconcile.Pass.write_status, would otherwise hold its capacity)."""
         ns, name = job
         self.reserved = {k: v for k, v in self.reserved.items()
                          if not (k[0] == ns and (v[1]["metadata"].get("labels") or {}).get(m.LABEL_JOB) == name)}

@@ -123,8 +123,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from seqtrain.spec.policy import PodPolicy
     from seqtrain_operator.k8s import handlers
-    from seqtrain_operator.k8s.manifests import Settings
-    from seqtrain_operator.k8s.reconcile import Config
+    from seqtrain_operator.k8s import manifests as m
+    from seqtrain_operator.k8s.runtime import Runtime
+    from seqtrain_operator.k8s.settings import Settings, WebhookConfig
 
     schedulers = {}
     for item in args.scheduler_name:
@@ -150,29 +151,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not os.environ.get(KEY_ENV, "").strip():
             print(f"seqtrain operator: no ${KEY_ENV}: progress push tokens use a random key (pods created by "
                   "another operator process cannot push)", file=sys.stderr)
-    settings = Settings(master_port=args.master_port, progress_port=args.progress_port or None,
-                        metrics_port=args.trainer_metrics_port or None,
-                        termination_grace_seconds=args.termination_grace, scheduler_names=schedulers,
-                        rank_mtbf_hours=args.rank_mtbf_hours, autoscale=args.autoscale,
-                        kueue_boost_seconds=args.kueue_priority_boost_seconds,
-                        kueue_boost_max=args.kueue_priority_boost_max,
-                        pod_policy=PodPolicy.of(args.pod_policy, args.allow_service_account,
-                                                args.allow_priority_class, args.allow_capability,
-                                                args.allow_secret),
-                        network_policy=args.network_policy, operator_namespace=args.operator_namespace,
-                        operator_labels=dict(item.partition("=")[::2] for item in args.operator_pod_label),
-                        progress_push_url=args.progress_push_url if args.progress_push_port else None,
-                        push_key=push_key)
-    handlers.STATE.config = Config(settings=settings, node_lost_grace=args.node_lost_grace,
-                                   termination_overdue=args.termination_overdue,
-                                   poll_progress=bool(args.progress_port), push_port=args.progress_push_port or None)
-    handlers.STATE.metrics_port = args.metrics_port
-    handlers.STATE.api_qps, handlers.STATE.api_burst = args.api_qps, args.api_burst
-    handlers.STATE.workers, handlers.STATE.creators = args.workers, args.creators
+    pods = m.Settings(master_port=args.master_port, progress_port=args.progress_port or None,
+                      metrics_port=args.trainer_metrics_port or None,
+                      termination_grace_seconds=args.termination_grace, scheduler_names=schedulers,
+                      rank_mtbf_hours=args.rank_mtbf_hours, autoscale=args.autoscale,
+                      kueue_boost_seconds=args.kueue_priority_boost_seconds,
+                      kueue_boost_max=args.kueue_priority_boost_max,
+                      pod_policy=PodPolicy.of(args.pod_policy, args.allow_service_account,
+                                              args.allow_priority_class, args.allow_capability, args.allow_secret),
+                      network_policy=args.network_policy, operator_namespace=args.operator_namespace,
+                      operator_labels=dict(item.partition("=")[::2] for item in args.operator_pod_label),
+                      progress_push_url=args.progress_push_url if args.progress_push_port else None,
+                      push_key=push_key)
+    webhook = None
     if args.webhook_cert_dir:
-        handlers.enable_webhook(handlers.WebhookConfig(
-            port=args.webhook_port, certfile=os.path.join(args.webhook_cert_dir, "tls.crt"),
-            keyfile=os.path.join(args.webhook_cert_dir, "tls.key")))
+        webhook = WebhookConfig(port=args.webhook_port, certfile=os.path.join(args.webhook_cert_dir, "tls.crt"),
+                                keyfile=os.path.join(args.webhook_cert_dir, "tls.key"))
+        handlers.enable_webhook()
+    settings = Settings(pods=pods, node_lost_grace=args.node_lost_grace, termination_overdue=args.termination_overdue,
+                        poll_progress=bool(args.progress_port), push_port=args.progress_push_port or None,
+                        metrics_port=args.metrics_port, webhook=webhook, api_qps=args.api_qps,
+                        api_burst=args.api_burst, workers=args.workers, creators=args.creators)
 
     from seqtrain_operator.k8s import memprofile
 
@@ -191,6 +190,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         namespaces=args.namespace or (),
         clusterwide=not args.namespace,
         liveness_endpoint=args.liveness,
+        memo=handlers.memo_of(Runtime(settings)),
     )
     if traced:
         memprofile.dump(traced)

@@ -35,6 +35,7 @@ from typing import Any
 from seqtrain.runtime.exitcodes import last_error
 from seqtrain.runtime.restart import rounds_in
 from seqtrain.spec.progress_doc import Reported, reported_or_nothing
+from seqtrain.spec.replica_env import first_rank_exit
 from seqtrain_operator.controller.clock import parse, seconds_between
 from seqtrain_operator.controller.failure_policy import IMAGE_PULL_REASONS, kubelet_rejected
 from seqtrain_operator.controller.types import ReplicaObservation
@@ -121,8 +122,10 @@ def replica_of(pod: Mapping[str, Any], nodes: Mapping[str, Mapping[str, Any]], n
     message = status.get("message", "") or ""
     error: str | None = None
 
+    rank: int | None = None
     if phase in ("Failed", "Unknown"):
         phase = "Failed"
+        rank = _failed_rank(pod, term.get("message"))
         reason = "OOMKilled" if term.get("reason") == "OOMKilled" else None
         reason = reason or (status.get("reason") if status.get("reason") in ("Evicted", "Shutdown", "NodeShutdown",
                                                                              "DeadlineExceeded", "Terminated")
@@ -167,7 +170,21 @@ def replica_of(pod: Mapping[str, Any], nodes: Mapping[str, Mapping[str, Any]], n
                               exit_code=code, reason=reason, node=node, message=message, terminating=terminating,
                               node_lost=node_lost, node_unready=node_unready, overdue=overdue,
                               finished_at=term.get("finishedAt"), error=error,
-                              restart_round=rounds_in(term.get("message")), placed_at=_placed_at(pod))
+                              restart_round=rounds_in(term.get("message")), placed_at=_placed_at(pod), rank=rank)
+
+
+def _failed_rank(pod: Mapping[str, Any], message: str | None) -> int | None:
+    """The rank a multi-rank pod's launcher reported ending first, when its termination message fell back to the
+    log (None otherwise: the core then names the pod's ranks), from the identity the pod was given."""
+    first = first_rank_exit(message)
+    if first is None:
+        return None
+    trainer = next((c for c in (pod.get("spec") or {}).get("containers") or [] if c.get("name") == CONTAINER), {})
+    env = {e.get("name"): e.get("value") for e in trainer.get("env") or []}
+    try:
+        return int(env["NODE_RANK"]) * int(env["LOCAL_WORLD_SIZE"]) + first[0]
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 def _placed_at(pod: Mapping[str, Any]) -> str | None:

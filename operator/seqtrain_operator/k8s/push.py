@@ -15,7 +15,7 @@ document neither refreshes the entry nor sets progress back, and can never pass 
 (which a pass reads as a hang). The body is read up to MAX_BODY_BYTES (as a polled one) and parsed by the same
 parser.
 
-What was pushed is kept in memory (`PushedProgress`, in `reconcile.Config`) with the time it arrived; a pass uses
+What was pushed is kept in memory (`PushedProgress`, the Reconciler's, by job uid) with the time it arrived; a pass uses
 it while it is fresh (rank 0 repeats its document every few seconds even when no step completed, so a fresh but
 unchanged document is a hang, not a lost channel) and polls otherwise. Only the active operator's pushes count:
 with several replicas a push reaches one of them (one connection per push, so the Service spreads them).
@@ -28,6 +28,7 @@ import logging
 import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 from seqtrain.spec.progress_doc import ProgressError, parse_progress
 from seqtrain_operator.k8s.observe import Reported
@@ -119,13 +120,12 @@ class PushedProgress:
             return None
         return p.reported
 
-    def forget(self, namespace: str, name: str) -> None:
-        """The job was deleted: its entries go, and its tokens are refused from now on."""
-        uid, _ = self.live.pop((namespace, name), (None, None))
-        if uid is not None:
-            self._bury(uid)
-        for other in [u for u, p in self.jobs.items() if (p.namespace, p.name) == (namespace, name)]:
-            self._bury(other)
+    def forget(self, uid: str) -> None:
+        """The job incarnation `uid` was deleted: its entry goes and its tokens are refused from now on. A namesake
+        created since (another uid) keeps its entry and its name."""
+        for key in [k for k, (live_uid, _) in self.live.items() if live_uid == uid]:
+            del self.live[key]
+        self._bury(uid)
 
     def _bury(self, uid: str) -> None:
         self.jobs.pop(uid, None)
@@ -152,9 +152,10 @@ EVICT_AFTER_S = 1.0
 MAX_HEAD_BYTES = 8192
 LOG_EVERY_S = 60.0  # at most one summary line of what was refused per this many seconds
 
-_REASONS = {204: "No Content", 400: "Bad Request", 403: "Forbidden", 404: "Not Found", 405: "Method Not Allowed",
-            408: "Request Timeout", 409: "Conflict", 411: "Length Required", 413: "Content Too Large",
-            431: "Request Header Fields Too Large", 500: "Internal Server Error", 503: "Service Unavailable"}
+_REASONS = MappingProxyType({
+    204: "No Content", 400: "Bad Request", 403: "Forbidden", 404: "Not Found", 405: "Method Not Allowed",
+    408: "Request Timeout", 409: "Conflict", 411: "Length Required", 413: "Content Too Large",
+    431: "Request Header Fields Too Large", 500: "Internal Server Error", 503: "Service Unavailable"})
 
 
 class _Refused(Exception):

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
+
 from seqtrain_operator.k8s.gangs import coscheduling, kai, kueue, volcano
 from seqtrain_operator.k8s.gangs.base import GangScheduler
 
-ADAPTERS: dict[str, GangScheduler] = {a.name: a for a in (coscheduling.ADAPTER, volcano.ADAPTER, kueue.ADAPTER,
-                                                           kai.ADAPTER)}
+ADAPTERS: Mapping[str, GangScheduler] = MappingProxyType(
+    {a.name: a for a in (coscheduling.ADAPTER, volcano.ADAPTER, kueue.ADAPTER, kai.ADAPTER)})
 
 
 def adapter_for(gang: str) -> GangScheduler | None:

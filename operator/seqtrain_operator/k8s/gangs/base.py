@@ -2,7 +2,8 @@
 means adding a module here, not another `elif` in the builders and the reconciler).
 
 Builders (`pod_metadata`, `podgroup`, `queued`, `released`) are pure: they take the job and the objects read from the
-cluster and return dicts or booleans. The hooks (`on_*`) are the only I/O an adapter does, through `k8s.calls`.
+cluster and return dicts or booleans. The hooks (`on_*`) are the only I/O an adapter does, through `k8s.calls`; what
+an adapter remembers of a job between passes it keeps in the job's `JobMemory` (k8s/memory.py), never in itself.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from seqtrain.spec import SeqTrainJob
 if TYPE_CHECKING:
     from seqtrain_operator.k8s.client import Kube
     from seqtrain_operator.k8s.manifests import Owner
+    from seqtrain_operator.k8s.memory import JobMemory
 
 Pod = dict[str, Any]
 
@@ -62,13 +64,14 @@ class GangScheduler:
 
     # ---- I/O hooks -------------------------------------------------------------------------------------------
 
-    async def on_queued(self, kube: Kube, job: SeqTrainJob, owner: Owner, attempt: int) -> None:
+    async def on_queued(self, kube: Kube, job: SeqTrainJob, owner: Owner, attempt: int, memory: JobMemory) -> None:
         """On every pass while the whole gang waits in the scheduler's queue (the Scheduled condition says Queued)."""
 
-    async def on_finished(self, kube: Kube, job: SeqTrainJob, owner: Owner, pods: list[Pod]) -> None:
+    async def on_finished(self, kube: Kube, job: SeqTrainJob, owner: Owner, pods: list[Pod], memory: JobMemory
+                          ) -> None:
         """On every pass of a Succeeded or Failed job (idempotent)."""
 
-    async def on_running(self, kube: Kube, job: SeqTrainJob, owner: Owner, boost: int) -> None:
+    async def on_running(self, kube: Kube, job: SeqTrainJob, owner: Owner, boost: int, memory: JobMemory) -> None:
         """On every pass of a Running job: `boost` is its work at risk as a priority boost
         (controller.checkpoint_policy.priority_boost; 0 when off)."""
 

@@ -22,7 +22,6 @@ RETRY_ANNOTATION = "seqtrain.dev/retry-scheduling"
 # for podMaxInUnschedulablePodsDuration (5 min) after room freed, unless something else happened to be created.
 # Touching the PodGroup of a queued gang this often bounds that wait.
 RETRY_SECONDS = 20.0
-_touched: dict[tuple[str, str], float] = {}  # (namespace, PodGroup) -> monotonic time of the last touch
 
 
 class Coscheduling(GangScheduler):
@@ -44,15 +43,11 @@ class Coscheduling(GangScheduler):
             spec["scheduleTimeoutSeconds"] = s.scheduling.timeout_seconds
         return podgroup_object(self.podgroup_api or "", meta, spec)
 
-
-    async def on_queued(self, kube, job, owner, attempt):  # type: ignore[no-untyped-def]
-        group = self.group_name(job, owner, attempt)
-        key, now = (owner.namespace, group), time.monotonic()
-        if now - _touched.get(key, now - RETRY_SECONDS) < RETRY_SECONDS:
+    async def on_queued(self, kube, job, owner, attempt, memory):  # type: ignore[no-untyped-def]
+        group, now = self.group_name(job, owner, attempt), time.monotonic()
+        if memory.touched is not None and memory.touched[0] == group and now - memory.touched[1] < RETRY_SECONDS:
             return
-        _touched[key] = now
-        for stale in [k for k, t in _touched.items() if now - t > 10 * RETRY_SECONDS]:
-            del _touched[stale]  # gangs no longer queued
+        memory.touched = (group, now)
         stamp = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
         await calls.patch_custom(kube, self.podgroup_api or "", self.podgroup_plural, owner.namespace, group,
                                  {"metadata": {"annotations": {RETRY_ANNOTATION: stamp}}})

@@ -50,10 +50,6 @@ REQUIRED_TOPOLOGY = "kueue.x-k8s.io/podset-required-topology"
 PREFERRED_TOPOLOGY = "kueue.x-k8s.io/podset-preferred-topology"
 UNCONSTRAINED_TOPOLOGY = "kueue.x-k8s.io/podset-unconstrained-topology"
 
-# (namespace, group) -> the boost last written to its Workload: a pass writes only a change. Lost with the process:
-# a new operator writes each running job's boost once more.
-_boosts: dict[tuple[str, str], int] = {}
-
 
 def topology_request(job: SeqTrainJob) -> dict[str, str]:
     """scheduling.topology as Kueue's TAS annotation. `keys` are outermost first, so the last one names the
@@ -127,21 +123,23 @@ class Kueue(GangScheduler):
                 await calls.patch_pod(kube, meta["namespace"], meta["name"],
                                       {"metadata": {"annotations": {RETRIABLE_ANNOTATION: "false"}}})
 
-    async def on_running(self, kube, job, owner, boost):  # type: ignore[no-untyped-def]
+    async def on_running(self, kube, job, owner, boost, memory):  # type: ignore[no-untyped-def]
+        # the boost last written is remembered (memory.boost): a pass writes only a change; a new operator writes
+        # each running job's once more (it may have changed meanwhile)
         key = (owner.namespace, self.group_name(job, owner, 0))
-        if _boosts.get(key) == boost:
-            return  # unchanged (after an operator restart each job's is written once: it may have changed)
+        if memory.boost == boost:
+            return
         # a string, as annotations are; a Workload not created yet (404) is tried again on the next pass
         if (api := await _workload_api(kube)) is None:
             return
         if await calls.patch_custom(kube, api, WORKLOADS, key[0], key[1],
                                     {"metadata": {"annotations": {BOOST_ANNOTATION: str(boost)}}}):
-            _boosts[key] = boost
+            memory.boost = boost
             log.info("%s/%s: Workload %s priority boost %d (work at risk)", owner.namespace, owner.name, key[1], boost)
 
-    async def on_finished(self, kube, job, owner, pods):  # type: ignore[no-untyped-def]
+    async def on_finished(self, kube, job, owner, pods, memory):  # type: ignore[no-untyped-def]
         group = self.group_name(job, owner, 0)
-        _boosts.pop((owner.namespace, group), None)
+        memory.boost = None
         mine = [p for p in pods if (p["metadata"].get("labels") or {}).get(GROUP_LABEL) == group]
         await self._mark_unretriable(kube, mine)
         if not any(FINALIZER in (p["metadata"].get("finalizers") or []) for p in mine) \
@@ -155,7 +153,6 @@ class Kueue(GangScheduler):
         await self._mark_unretriable(kube, mine)
         api = await _workload_api(kube)
         for group in sorted({p["metadata"]["labels"][GROUP_LABEL] for p in mine}):
-            _boosts.pop((namespace, group), None)
             if api is not None:
                 await calls.delete_custom(kube, api, WORKLOADS, namespace, group)
         held = False
