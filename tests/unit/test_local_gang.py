@@ -13,6 +13,7 @@ import pytest
 
 from seqtrain.spec.status import JobStatus
 from seqtrain_operator.local.files import MetricsTail, latest_checkpoint, read_status, write_status
+from seqtrain_operator.controller import classify
 from seqtrain_operator.local.gang import LocalGang
 
 
@@ -147,7 +148,7 @@ def test_observe_carries_the_error_line_a_failing_rank_printed(tmp_path: Path) -
     wait_until(lambda: gang.observe()[0].phase == "Failed")
     (obs,) = gang.observe()
     assert obs.exit_code == 1 and obs.error == "AssertionError: backend is not initialized"
-    assert "(AssertionError: backend is not initialized)" in obs.message
+    assert obs.message.startswith("AssertionError: backend is not initialized; log ") and obs.rank == 0
 
 
 def test_a_multi_rank_replica_runs_through_the_one_launcher(tmp_path: Path) -> None:
@@ -158,7 +159,9 @@ def test_a_multi_rank_replica_runs_through_the_one_launcher(tmp_path: Path) -> N
                            log_dir=str(tmp_path), command=fake(code))
     wait_until(lambda: gang.observe()[0].phase == "Failed")
     (obs,) = gang.observe()
-    assert obs.exit_code == 3 and "ranks 0-1" in obs.message
+    # the rank the launcher reported first, not its peer it then stopped; the failure's message names it
+    assert obs.exit_code == 3 and obs.rank == 1 and obs.message.endswith("rank-1.log")
+    assert classify(obs, 2).message.startswith("replica 0 on localhost (rank 1) failed permanently (InvalidConfig")
     pids = gang.pids()
     assert sorted(pids) == [0, 1]
     gang.stop(grace=5)

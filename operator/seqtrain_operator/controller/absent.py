@@ -20,6 +20,7 @@ from seqtrain_operator.controller.context import (
     fail,
     in_place_delays,
     resume_step,
+    resumes,
     size_override,
 )
 from seqtrain_operator.controller.failed import on_failure
@@ -98,7 +99,7 @@ def create_gang(ctx: Pass, admitted: gang_policy.Admitted) -> None:
     # pendingGraceSeconds counts from here: the condition may have been False for long already (waiting for
     # capacity, a torn-down attempt), and that wait must not tear the new gang down before its pods could start.
     cond.get(st, "Scheduled").last_transition_time = iso(ctx.now)  # type: ignore[union-attr]
-    where = f"from checkpoint step {resume}" if resume is not None else "from scratch"
+    where = resumes(resume)
     cond.enter_phase(st, "Scheduling", "GangCreated", f"attempt {st.attempt}: starting {size} replica(s) {where}",
                      ctx.now)
     if admitted.scale_up:

@@ -25,7 +25,7 @@ from seqtrain_operator.controller import checkpoint_policy, gang_policy, goodput
 from seqtrain_operator.controller import conditions as cond
 from seqtrain_operator.controller.absent import create_failed, no_gang
 from seqtrain_operator.controller.clock import parse
-from seqtrain_operator.controller.context import POLL_SECONDS, SCALE_UP, Pass, resume_step
+from seqtrain_operator.controller.context import POLL_SECONDS, SCALE_UP, Pass, resume_step, resumes
 from seqtrain_operator.controller.failed import FAILURE_SETTLE_SECONDS, gang_failed, on_failure
 from seqtrain_operator.controller.failure_policy import Failure, FailureClass
 from seqtrain_operator.controller.pending import SLOW_START_SECONDS, gang_pending
@@ -58,6 +58,7 @@ def decide(job: SeqTrainJob, status: JobStatus, observed: Observed, now: datetim
     if observed.generation is not None:
         st.observed_generation = observed.generation
     _record_progress(ctx)
+    _record_resume(ctx)
     _record_divergence(ctx)
     _record_skipped_checkpoints(ctx)
     _prune_failed_nodes(ctx)
@@ -131,6 +132,31 @@ def _record_progress(ctx: Pass) -> None:
         # then; a SIGTERM save published after it, which the operator may learn only now, leaves fewer).
         st.steps_lost[-1] = min(st.steps_lost[-1], max(0, p.step_reached_before - p.resumed_from))
     checkpoint_policy.record(st, obs.checkpoint_policy, obs.work_at_risk, ctx.now)
+
+
+def _record_resume(ctx: Pass) -> None:
+    """Where the live attempt's trainer started, once it says so (its progress from the start of training:
+    resumedFrom): the Resumed condition, and one event per attempt (and in-place round). Said for every restart and
+    for a first attempt that resumed (a job re-applied over its checkpoints): the restart's own event could name only
+    the checkpoint reported before the failure (context.resumes); this is the trainer's word. Level-based: the
+    condition's message records what was said."""
+    p, st = ctx.observed.progress, ctx.st
+    if p is None or p.attempt != st.attempt or p.training_started_at is None:
+        return
+    if p.resumed_from is None and st.attempt <= 1 and not p.restart_round:
+        return
+    when = f"attempt {st.attempt}" + (f" round {p.restart_round}" if p.restart_round else "")
+    if p.resumed_from is not None:
+        value, reason, kind = "True", "Resumed", "Normal"
+        msg = f"{when}: the trainer resumed from checkpoint step {p.resumed_from}"
+    else:
+        value, reason, kind = "False", "StartedFromScratch", "Warning"
+        msg = f"{when}: the trainer found no complete checkpoint and started from step 0"
+    prev = cond.get(st, "Resumed")
+    if prev is not None and prev.message == msg:
+        return
+    cond.set_condition(st, "Resumed", value, reason, msg, ctx.now)
+    ctx.event(kind, reason, msg)
 
 
 def _record_divergence(ctx: Pass) -> None:
@@ -258,7 +284,7 @@ def _count_in_place(ctx: Pass, step_before: int) -> None:
         step_before = max(step_before, p.step_reached_before)
     st.steps_lost.append(max(0, step_before - (ck or 0)))
     msg = (f"attempt {st.attempt}: ranks restarted in place (round {rnd}, mode: in-place, same pods) "
-           f"from checkpoint step {ck if ck is not None else 'none'}; restart {st.restarts}/{ft.max_restarts}")
+           f"{resumes(ck)}; restart {st.restarts}/{ft.max_restarts}")
     st.message = msg
     ctx.event("Warning", "RestartedInPlace", msg)
 

@@ -10,7 +10,7 @@ from datetime import timedelta
 from seqtrain_operator.controller import conditions as cond
 from seqtrain_operator.controller.backoff import backoff_seconds
 from seqtrain_operator.controller.clock import iso, parse, seconds_between
-from seqtrain_operator.controller.context import POLL_SECONDS, Pass, fail, resume_step
+from seqtrain_operator.controller.context import POLL_SECONDS, Pass, fail, resume_step, resumes
 from seqtrain_operator.controller.failure_policy import Failure, FailureClass, root_cause
 from seqtrain_operator.controller.types import ReplicaObservation, RequeueAfter
 
@@ -24,7 +24,7 @@ FAILURE_SETTLE_SECONDS = 15.0
 def gang_failed(ctx: Pass, current: tuple[ReplicaObservation, ...]) -> None:
     """A replica of the live gang failed: act on the root cause, once the gang has settled (see
     FAILURE_SETTLE_SECONDS)."""
-    failure = root_cause(current)
+    failure = root_cause(current, ctx.gang_job.spec.resources.procs)
     assert failure is not None
     if failure.cls is FailureClass.USER and (wait := settling(ctx, current)) is not None:
         ctx.actions.append(RequeueAfter(wait))
@@ -82,7 +82,7 @@ def on_failure(ctx: Pass, failure: Failure) -> None:
     count = f"restart {st.restarts}/{ft.max_restarts}" if failure.cls is FailureClass.USER else \
         "restart (a disruption: not counted)" if failure.cls is FailureClass.DISRUPTION else \
         f"infrastructure restart {st.infra_restarts}/{ft.max_infra_restarts}"
-    msg = f"{failure.message}; {count} in {delay:g}s from checkpoint step {ck or 'none'}"
+    msg = f"{failure.message}; {count} in {delay:g}s {resumes(ck)}"
     cond.enter_phase(st, "Restarting", failure.reason, msg, ctx.now)
     ctx.actions.append(RequeueAfter(delay))
     ctx.event("Warning", failure.reason, msg)

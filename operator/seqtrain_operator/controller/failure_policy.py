@@ -87,9 +87,22 @@ def signature(r: ReplicaObservation) -> str | None:
     return f"exit {r.exit_code}: {re.sub(r'[0-9]+', '#', r.error)}"
 
 
-def classify(r: ReplicaObservation) -> Failure:
-    """Classify one failed replica."""
-    where = f"replica {r.replica}" + (f" on {r.node}" if r.node else "")
+def ranks_of(r: ReplicaObservation, procs: int | None) -> str:
+    """Which rank(s) the replica's failure is: the one its launcher reported first where the backend could tell,
+    else the replica's ranks (`procs` per replica; None: unknown, and nothing is said)."""
+    if r.rank is not None:
+        return f"rank {r.rank}"
+    if procs is None:
+        return ""
+    first = r.replica * procs
+    return f"rank {first}" if procs == 1 else f"ranks {first}-{first + procs - 1}"
+
+
+def classify(r: ReplicaObservation, procs: int | None = None) -> Failure:
+    """Classify one failed replica; the message names it, its node and its rank(s) (`procs`: ranks per replica),
+    the exit code and what the rank said (its error line, or the end of its log)."""
+    ranks = ranks_of(r, procs)
+    where = f"replica {r.replica}" + (f" on {r.node}" if r.node else "") + (f" ({ranks})" if ranks else "")
     detail = f": {r.message}" if r.message else ""
     if r.exit_code == EXIT_INVALID_CONFIG or (r.reason in PERMANENT_REASONS):
         reason = r.reason or "InvalidConfig"
@@ -129,9 +142,9 @@ def _rank(f: Failure, r: ReplicaObservation) -> tuple[int, int]:
     return (order, echo)
 
 
-def root_cause(failed: Iterable[ReplicaObservation]) -> Failure | None:
-    """The failure that explains the gang's death, or None when nothing failed."""
-    cands = [(classify(r), r) for r in failed if r.phase == "Failed"]
+def root_cause(failed: Iterable[ReplicaObservation], procs: int | None = None) -> Failure | None:
+    """The failure that explains the gang's death, or None when nothing failed (`procs`: see classify)."""
+    cands = [(classify(r, procs), r) for r in failed if r.phase == "Failed"]
     if not cands:
         return None
     cands.sort(key=lambda fr: (*_rank(fr[0], fr[1]), fr[1].replica))

@@ -40,6 +40,8 @@ class ReplicaObservation:
     restart_round: the in-place restarts its launcher reported making when it exited (seqtrain.runtime.restart);
     0 while it runs (rank 0's progress reports the round then).
     placed_at: when it was placed on its node (ISO-8601; None when the backend cannot tell).
+    rank: the rank whose exit ended the replica (of several: the first its launcher reported), None when the
+    backend cannot tell; the failure's message names it.
     """
 
     replica: int
@@ -58,6 +60,7 @@ class ReplicaObservation:
     queued: bool = False
     restart_round: int = 0
     placed_at: str | None = None
+    rank: int | None = None
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -23,7 +22,7 @@ from dataclasses import dataclass, field
 from seqtrain.runtime.exitcodes import last_error
 from seqtrain.runtime.launch import cpu_budget, free_port, normalize, replica_command
 from seqtrain.runtime.restart import rounds_in
-from seqtrain.spec.replica_env import GRACE_ENV, IDENTITY, cpu_share, replica_env
+from seqtrain.spec.replica_env import GRACE_ENV, IDENTITY, RANK_EXIT, cpu_share, first_rank_exit, replica_env
 from seqtrain_operator.controller.clock import iso, utcnow
 from seqtrain_operator.controller.failure_policy import describe_exit
 from seqtrain_operator.controller.types import ReplicaObservation
@@ -31,8 +30,6 @@ from seqtrain_operator.controller.types import ReplicaObservation
 NODE = "localhost"
 TERM_GRACE_SECONDS = 30.0  # SIGTERM -> SIGKILL: the trainer finishes its step and saves within this
 _CLI = (sys.executable, "-m", "seqtrain_operator.cli")
-# what the launcher says when one of its ranks ends badly (seqtrain.runtime.launch._wait)
-_RANK_EXIT = re.compile(r"seqtrain launch: local rank (\d+) exited with code (\d+)")
 CAUSE_MAX = 300  # characters of a rank failure's description in an event line
 
 
@@ -175,16 +172,29 @@ class LocalGang:
                 # The replica's code is already the one rule's answer (seqtrain.runtime.launch.replica_exit_code).
                 m.finished_at = m.finished_at or iso(utcnow())
                 code = exit_code(rc)
-                logs = [os.path.join(m.log_dir, f"rank-{r}.log") for r in m.ranks]
-                error = next((e for e in (last_error(_tail(p)) for p in logs) if e), None)
-                said = f" ({error})" if error else ""
-                who = f"rank {m.ranks[0]}" if len(m.ranks) == 1 else f"replica {m.replica} (ranks {m.ranks[0]}-{m.ranks[-1]})"
-                where = logs[0] if len(logs) == 1 else f"{m.log_path}, {logs[0]} ..."
+                rank, error, log = self._cause(m)
                 rounds = rounds_in(_tail(m.log_path)) if m.supervised else 0
+                # the failure's message names the replica, its rank and exit code (controller.failure_policy)
+                said = error or _describe(rc)
                 out.append(ReplicaObservation(m.replica, self.attempt, "Failed", exit_code=code, node=NODE,
-                                              message=f"{who} {_describe(rc)}{said}; log {where}", error=error,
-                                              restart_round=rounds, finished_at=m.finished_at))
+                                              message=f"{said}; log {log}", error=error, restart_round=rounds,
+                                              finished_at=m.finished_at, rank=rank))
         return tuple(out)
+
+    @staticmethod
+    def _cause(m: Replica) -> tuple[int, str | None, str]:
+        """(the rank whose exit ended the replica, its error line, its log): of several ranks the first the
+        launcher reported (its peers' lines are echoes of it); when the launcher named none, the first rank that
+        logged an error line."""
+        first = first_rank_exit(_tail(m.log_path)) if m.supervised else None
+        if first is not None or len(m.ranks) == 1:
+            rank = m.ranks[0] + (first[0] if first is not None else 0)
+            log = os.path.join(m.log_dir, f"rank-{rank}.log")
+            return rank, last_error(_tail(log)), log
+        logs = {r: os.path.join(m.log_dir, f"rank-{r}.log") for r in m.ranks}
+        said = [(r, e) for r in m.ranks if (e := last_error(_tail(logs[r])))]
+        rank, error = said[0] if said else (m.ranks[0], None)
+        return rank, error, logs[rank]
 
     def rank_failures(self) -> list[str]:
         """The rank failures the replicas' launchers reported since the last call, each as 'rank R exit code C
@@ -195,7 +205,7 @@ class LocalGang:
         for m in self.members:
             if not m.supervised:
                 continue
-            for local, code in _RANK_EXIT.findall(self._read_new(m.log_path)):
+            for local, code in RANK_EXIT.findall(self._read_new(m.log_path)):
                 rank = m.ranks[0] + int(local)
                 error = last_error(self._read_new(os.path.join(m.log_dir, f"rank-{rank}.log")))
                 text = f"rank {rank} {describe_exit(int(code))}" + (f": {error}" if error else "")

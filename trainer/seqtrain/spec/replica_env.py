@@ -17,6 +17,7 @@ What differs between the backends is a parameter, each saying why:
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 GRACE_ENV = "SEQTRAIN_TERM_GRACE_SECONDS"  # seqtrain.runtime.launch reads it under the same name
@@ -27,6 +28,8 @@ RESTART_PORT_ENV = "SEQTRAIN_RESTART_PORT"
 # kubelet's grace period, or the local backend's stop deadline), so it can still kill them itself and exit with a
 # code that says what happened; a trainer saves on SIGTERM only when its last save fits in what is left.
 TERM_GRACE_MARGIN_SECONDS = 5
+# What a replica's launcher (seqtrain.runtime.launch) prints when one of its ranks ends badly, in the order they end.
+RANK_EXIT = re.compile(r"seqtrain launch: local rank (\d+) exited with code (\d+)")
 # Never asked of a process: its identity comes from this environment only, not from the one it was started from.
 IDENTITY = ("RANK", "LOCAL_RANK", "NODE_RANK")
 
@@ -71,3 +74,10 @@ def replica_env(*, replica: int, attempt: int, world_size: int, procs: int, mast
         env |= {INPLACE_DELAYS_ENV: ",".join(f"{d:g}" for d in in_place_delays),
                 RESTART_PORT_ENV: str(restart_port)}
     return env
+
+
+def first_rank_exit(text: str | None) -> tuple[int, int] | None:
+    """(local rank, exit code) of the first rank a replica's launcher reported ending badly in `text` (its log,
+    or a pod's termination message that fell back to it); None when it reported none."""
+    found = RANK_EXIT.search(text or "")
+    return (int(found.group(1)), int(found.group(2))) if found else None
