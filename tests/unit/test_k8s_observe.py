@@ -240,9 +240,9 @@ def test_the_failure_message_is_the_error_line_never_a_fragment_of_progress_outp
 
 
 def test_a_failed_replica_is_reported_with_its_error_line():
-    """The issue: `replica 0 on cpu-0 failed (RankFailed, exit code 1): 914 mem 752MB`, the head of the log tail."""
+    """The reason is the rank's error line, never the head of a log tail cut mid-line (`914 mem 752MB`)."""
     tail = FAILURE_MESSAGES[0][1]
-    assert not tail.startswith("step ") and "mem 752MB" in tail.splitlines()[0]  # cut mid-line, as in the issue
+    assert not tail.startswith("step ") and "mem 752MB" in tail.splitlines()[0]  # cut mid-line by the kubelet
     (r,) = observe_replicas([pod(phase="Failed", term={"exitCode": 1, "reason": "Error", "message": tail})],
                             [node("n1")], NOW)
     assert r.message == ERROR and r.error == ERROR

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from seqtrain.spec.status import JobStatus
-from seqtrain_operator.local.files import MetricsTail, latest_checkpoint, read_status, write_status
 from seqtrain_operator.controller import classify
+from seqtrain_operator.local.files import MetricsTail, latest_checkpoint, read_status, write_status
 from seqtrain_operator.local.gang import LocalGang
 
 
@@ -182,8 +182,8 @@ def test_stopping_a_multi_rank_replica_reaches_every_rank(tmp_path: Path) -> Non
 
 
 def test_an_echo_seen_first_is_not_reported_as_the_cause_of_the_gangs_death(tmp_path: Path) -> None:
-    # Found as a flake of test_max_restarts_exhausted_fails_with_exit_1: replica 0 exits 4 (its peer died, the
-    # collective broke) before the runner sees replica 1's SIGKILL. The core must wait for replica 1 and name it.
+    # Replica 0 exits 4 (its peer died, the collective broke) before the runner sees replica 1's SIGKILL. The core
+    # must wait for replica 1 and name it.
     from seqtrain.spec import SeqTrainJob
     from seqtrain_operator.controller import Observed, decide, root_cause, utcnow
     from seqtrain_operator.controller.types import ReplicaObservation

@@ -4,8 +4,11 @@
     for action in decision.actions: ...   # CreateGang / DeleteGang / RequeueAfter; Events after the status write
     persist(decision.status)
 
-See `decide.py` for the phase machine and its invariants, `failure_policy.py` for how failures are classified
-(user / infrastructure / permanent), `gang_policy.py` for gang admission and `backoff.py` for restart delays.
+See `decide.py` for the phase machine and its invariants; it hands each state of the live gang to a policy of its
+own: `failed.py` (the failure policy executed: restart or Failed), `succeeded.py`, `running.py` (hangs, elastic
+growth), `pending.py` (the waits and their deadlines), and `absent.py` when there is no gang (admit, back off,
+re-create), all working on `context.Pass`. `failure_policy.py` classifies failures (user / infrastructure /
+disruption / permanent), `gang_policy.py` admits gangs and `backoff.py` spaces restarts.
 """
 
 from seqtrain_operator.controller.backoff import backoff_seconds

@@ -15,8 +15,8 @@ from seqtrain_operator.controller.failure_policy import IMAGE_PULL_REASONS
 from seqtrain_operator.controller.types import ReplicaObservation, RequeueAfter
 
 # Placed replicas still starting this long (a large image pull, a volume attach) get the Starting condition. A
-# quicker start is not worth a status write: a burst of thousands of pods takes the kubelets longer than that (see
-# docs/benchmarks.md), and every gang would cost one more write.
+# quicker start is not worth a status write: a burst of thousands of pods keeps the kubelets busy for more than 10 s
+# (`seqtrain bench operator`, docs/benchmarks.md), and every gang would then cost one more write.
 SLOW_START_SECONDS = 30.0
 
 

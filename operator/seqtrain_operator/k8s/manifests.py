@@ -52,8 +52,8 @@ CONFIG_DIR = "/etc/seqtrain"
 CONFIG_FILE = "config.json"
 CHECKPOINT_MOUNT = "/checkpoints"
 
-# The external gang schedulers, one module each under k8s/gangs/; this table is the view main.py and older callers
-# read (the CRD that proves one is installed, its PodGroup API, its scheduler name).
+# The external gang schedulers, one module each under k8s/gangs/, as main.py reads them: the CRD that proves one is
+# installed, its PodGroup API, its scheduler name.
 EXTERNAL = {name: {"crd": a.crd, "api": a.podgroup_api, "plural": a.podgroup_plural if a.podgroup_api else None,
                    "scheduler": a.scheduler_name} for name, a in ADAPTERS.items()}
 
