@@ -230,3 +230,22 @@ def test_prepare_data_chat_writes_the_mask_the_tokens_source_reads(tmp_path: Pat
                      "--out", str(tmp_path / "o3"), "-q"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "no assistant turn" in err and "bad.jsonl" in err
+
+
+# Qwen3's shape: the last assistant turn gets an empty think block that earlier turns do not have
+TEMPLATE_THINK = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' and loop.last %}"
+                  "<think>\n\n</think>\n\n{% endif %}{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_a_template_that_renders_the_last_turn_apart_still_masks_each_reply(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer
+
+    tok_path = tokenizer_folder(tmp_path / "tok", TEMPLATE_THINK)
+    data = write_chat(tmp_path / "chat.jsonl", CONVERSATIONS[:1])  # two assistant turns
+    corpus = load_source(chat_job(tok_path, data).spec.data, "train")
+    tok = Tokenizer.from_file(str(tok_path))
+    ids = np.asarray(corpus.tokens)
+    scored = [tok.decode(ids[a:b].tolist(), skip_special_tokens=False) for a, b in runs(corpus.loss_mask)]
+    # the first reply as written, the last with the think block its own rendering has
+    assert scored == ["paris<|im_end|>\n", "<think>\n\n</think>\n\nyou are welcome<|im_end|>\n"]

@@ -9,7 +9,8 @@ text is then encoded without added special tokens (the template writes them), as
 Which tokens are the assistant's: for assistant message i the template renders messages[:i] with the generation
 prompt, then messages[:i+1]; what the second adds to the first is the turn's text (its content and end-of-turn
 marker: the model learns to stop). That text is found in the whole conversation's rendering (in order), and every
-token whose characters overlap it is scored. Templates that mark turns with `{% generation %}` need nothing else.
+token whose characters overlap it is scored. A template that renders the last turn apart (Qwen3's empty <think>
+block) falls back to the reply's own text and the end-of-turn marker after it. Templates that mark turns with `{% generation %}` need nothing else.
 """
 
 from __future__ import annotations
@@ -130,12 +131,23 @@ class ChatEncoder:
                                     "that appends each turn")
             turn = upto[len(before):]
             at = text.find(turn, cursor) if turn else -1
-            if at < 0:
-                raise ChatDataError(f"{where}: the chat template renders messages[{i}] differently inside the whole "
-                                    "conversation, so its tokens cannot be found; data.format chat needs a template "
-                                    "that renders each turn the same way")
-            spans.append((at, at + len(turn)))
-            cursor = at + len(turn)
+            if at >= 0:
+                end = at + len(turn)
+            else:
+                # Templates that render the last assistant turn apart (Qwen3 adds an empty <think> block to it
+                # only): the reply itself and what follows it in the turn (the end-of-turn marker) are the span.
+                content = m.get("content") if isinstance(m.get("content"), str) else ""
+                k = turn.rfind(content) if content else -1
+                at = text.find(content, cursor) if k >= 0 else -1
+                if at < 0:
+                    raise ChatDataError(f"{where}: the chat template renders messages[{i}] differently inside the "
+                                        "whole conversation, so its tokens cannot be found; data.format chat needs a "
+                                        "template that renders each reply as written")
+                end = at + len(content)
+                suffix = turn[k + len(content):]
+                end += len(suffix) if suffix and text.startswith(suffix, end) else 0
+            spans.append((at, end))
+            cursor = end
         return text, spans
 
     def encode(self, messages: Sequence[dict[str, Any]], where: str, dtype: Any) -> tuple[np.ndarray, np.ndarray]:  # noqa: ANN401
