@@ -60,6 +60,9 @@ test: install tools
 	bin=$$(scripts/k8s-binaries.sh) || { \
 		if [ "$${CI:-}" = true ]; then echo "make test: scripts/k8s-binaries.sh failed (CI=true: no skipping)" >&2; exit 1; fi; \
 		echo "make test: no control-plane binaries; the testbed tests will skip" >&2; bin=; }; \
+	old=$$(scripts/k8s-binaries.sh --oldest) || { \
+		if [ "$${CI:-}" = true ]; then echo "make test: scripts/k8s-binaries.sh --oldest failed (CI=true: no skipping)" >&2; exit 1; fi; \
+		echo "make test: no binaries of the oldest Kubernetes the chart claims; its test will skip" >&2; old=; }; \
 	scripts/gang-schedulers.sh >/dev/null || { \
 		if [ "$${CI:-}" = true ]; then echo "make test: scripts/gang-schedulers.sh failed (CI=true: no skipping)" >&2; exit 1; fi; \
 		echo "make test: no gang schedulers; their tests will skip" >&2; }; \
@@ -67,7 +70,7 @@ test: install tools
 		rc=0; wait $$images || rc=$$?; cat .cache/images.log; \
 		[ $$rc = 0 ] || { echo "make test: make images failed (CI=true: the container tests need them)" >&2; exit 1; }; \
 	else echo "make test: the container-node tests use the images of a previous \`make images\` (else they skip)" >&2; fi; \
-	SEQTRAIN_K8S_BIN="$$bin" PATH="$(CURDIR)/$(BIN):$(CURDIR)/.tools/bin:$$PATH" $(PY) -m pytest -q --durations=25 tests
+	SEQTRAIN_K8S_BIN="$$bin" SEQTRAIN_K8S_OLDEST_BIN="$$old" PATH="$(CURDIR)/$(BIN):$(CURDIR)/.tools/bin:$$PATH" $(PY) -m pytest -q --durations=25 tests
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow" tests
