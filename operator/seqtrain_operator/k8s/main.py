@@ -14,9 +14,13 @@ import random
 import secrets
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from seqtrain_operator.k8s.manifests import EXTERNAL
 from seqtrain_operator.k8s.pushauth import KEY_ENV
+
+if TYPE_CHECKING:
+    from seqtrain_operator.k8s.settings import Settings
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -118,27 +122,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         return release_finalizers(args.namespace, args.service_account_dir)
     # The trainer's data paths exist inside the pods, not here: do not check them against this filesystem.
     os.environ.setdefault("SEQTRAIN_CHECK_PATHS", "0")
-
-    import kopf
-
-    from seqtrain.spec.policy import PodPolicy
-    from seqtrain_operator.k8s import handlers
-    from seqtrain_operator.k8s import manifests as m
-    from seqtrain_operator.k8s.runtime import Runtime
-    from seqtrain_operator.k8s.settings import Settings, WebhookConfig
-
-    schedulers = {}
-    for item in args.scheduler_name:
-        gang, sep, name = item.partition("=")
-        if not sep or gang not in EXTERNAL:
-            build_parser().error(f"--scheduler-name {item!r}: expected GANG=NAME with GANG one of {', '.join(EXTERNAL)}")
-        schedulers[gang] = name
+    schedulers = _schedulers(args.scheduler_name)
     from seqtrain_operator.k8s.client import cluster_config_problem
 
     # After the arguments (a usage error is reported as such), before kopf (which would retry forever).
     if (problem := cluster_config_problem()) is not None:
         print(f"seqtrain operator: {problem}", file=sys.stderr)
         return 2
+    return _run(args, settings_from(args, schedulers))
+
+
+def _schedulers(items: list[str]) -> dict[str, str]:
+    """--scheduler-name GANG=NAME, repeated, as {gang: schedulerName}."""
+    schedulers = {}
+    for item in items:
+        gang, sep, name = item.partition("=")
+        if not sep or gang not in EXTERNAL:
+            build_parser().error(f"--scheduler-name {item!r}: expected GANG=NAME with GANG one of {', '.join(EXTERNAL)}")
+        schedulers[gang] = name
+    return schedulers
+
+
+def settings_from(args: argparse.Namespace, schedulers: dict[str, str]) -> Settings:
+    """The frozen Settings of this operator process (usage errors exit 2 naming the flag)."""
+    from seqtrain.spec.policy import PodPolicy
+    from seqtrain_operator.k8s import manifests as m
+    from seqtrain_operator.k8s.settings import Settings, WebhookConfig
+
     if args.rank_mtbf_hours is not None and args.rank_mtbf_hours <= 0:
         build_parser().error(f"--rank-mtbf-hours {args.rank_mtbf_hours:g}: must be a positive number of hours")
     if args.kueue_priority_boost_seconds < 0 or args.kueue_priority_boost_max < 0:
@@ -167,14 +177,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.webhook_cert_dir:
         webhook = WebhookConfig(port=args.webhook_port, certfile=os.path.join(args.webhook_cert_dir, "tls.crt"),
                                 keyfile=os.path.join(args.webhook_cert_dir, "tls.key"))
+    return Settings(pods=pods, node_lost_grace=args.node_lost_grace, termination_overdue=args.termination_overdue,
+                    poll_progress=bool(args.progress_port), push_port=args.progress_push_port or None,
+                    metrics_port=args.metrics_port, webhook=webhook, api_qps=args.api_qps,
+                    api_burst=args.api_burst, workers=args.workers, creators=args.creators)
+
+
+def _run(args: argparse.Namespace, settings: Settings) -> int:
+    """kopf with one Runtime as its memo, until it stops."""
+    import kopf
+
+    from seqtrain_operator.k8s import handlers, memprofile
+    from seqtrain_operator.k8s.runtime import Runtime
+
+    if settings.webhook is not None:
         handlers.enable_webhook()
-    settings = Settings(pods=pods, node_lost_grace=args.node_lost_grace, termination_overdue=args.termination_overdue,
-                        poll_progress=bool(args.progress_port), push_port=args.progress_push_port or None,
-                        metrics_port=args.metrics_port, webhook=webhook, api_qps=args.api_qps,
-                        api_burst=args.api_burst, workers=args.workers, creators=args.creators)
-
-    from seqtrain_operator.k8s import memprofile
-
     traced = memprofile.install()
     kopf.configure(verbose=args.verbose, debug=args.debug)
     logging.getLogger("seqtrain.operator").setLevel(logging.DEBUG if args.debug else logging.INFO)
