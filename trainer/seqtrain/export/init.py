@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from seqtrain.export.weights import WeightsError, check_shapes, load_source
+from seqtrain.export.weights import WeightsError, check_shapes, load_source, pad_vocab
 from seqtrain.runtime.exitcodes import InvalidConfig
 
 
@@ -22,6 +22,7 @@ def load_initial_weights(model: torch.nn.Module, path: str) -> str:
 
             w = merge_weights(w)
         origin = f"model.init {path!r}"
+        w.state = pad_vocab(model, w.state)  # model.padVocabTo: zero pad rows below the real vocabulary
         check_shapes(w.state, model, origin)
     except WeightsError as exc:  # refused, corrupt or unfit weights: the job's input, restarting cannot help
         raise InitWeightsError(f"spec.model.init: {exc}") from None

@@ -226,13 +226,40 @@ def _from_checkpoint(step_dir: str, job: SeqTrainJob | None, records: tuple[str,
         raise WeightsError(f"{step_dir}: its model state is not a dict of parameter names to tensors (corrupt or "
                            "not written by seqtrain)")
     state = {_clean_name(k): v.detach().float().cpu().contiguous() for k, v in state.items()}
+    spec, state = unpad_vocab(job.spec.model, state)
     lora = getattr(job.spec.model, "lora", None)
     tokenizer = _tokenizer_of(job) if trusted else _tokenizer_of(job, root or step_dir, named_by)
-    w = Weights(spec=job.spec.model, state=state, tokenizer=tokenizer, job=job,
-                origin=os.path.abspath(step_dir))
+    w = Weights(spec=spec, state=state, tokenizer=tokenizer, job=job, origin=os.path.abspath(step_dir))
     if lora is not None and lora.rank > 0:
         w.lora = lora.to_dict()
     return w
+
+
+PADDED_ROWS = ("embed.weight", "lm_head.weight")  # the GPT tensors with a row per vocabulary entry
+
+
+def unpad_vocab(spec: ModelSpec, state: dict[str, torch.Tensor]) -> tuple[ModelSpec, dict[str, torch.Tensor]]:
+    """The weights of a run with model.padVocabTo as those of the same model without padding: the pad rows
+    dropped (they are never a token), padVocabTo 1. Everything that reads trained weights (export, generate,
+    model.init) sees the real vocabulary only."""
+    if spec.arch != "gpt" or spec.pad_vocab_to == 1 or not spec.vocab_size:
+        return spec, state
+    vocab = spec.vocab_size
+    state = {k: v[:vocab].contiguous() if k in PADDED_ROWS and v.shape[0] > vocab else v for k, v in state.items()}
+    return spec.model_copy(update={"pad_vocab_to": 1}), state
+
+
+def pad_vocab(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` (real vocabulary rows) with zero pad rows appended where `model` (built with model.padVocabTo)
+    has more rows; the inverse of `unpad_vocab`."""
+    want = model.state_dict()
+    out = dict(state)
+    for k in PADDED_ROWS:
+        v, m = state.get(k), want.get(k)
+        if v is not None and m is not None and v.ndim == 2 and v.shape[1] == m.shape[1] and v.shape[0] < m.shape[0] \
+                and v.shape[0] == getattr(model, "vocab_size", None):
+            out[k] = torch.cat([v, v.new_zeros(m.shape[0] - v.shape[0], v.shape[1])])
+    return out
 
 
 def _seqtrain_info(info_path: str) -> tuple[ModelSpec, dict[str, Any], dict[str, Any]]:

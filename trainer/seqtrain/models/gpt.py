@@ -62,13 +62,16 @@ class GPT(nn.Module):
         # One draw from the global CPU generator, before any submodule exists: the initial weights depend only on
         # the seed, never on the device, on what the constructors drew, or on which part a rank materialises.
         self.init_seed = int(torch.randint(0, 2**62, (), device="cpu"))
-        self.embed = nn.Embedding(spec.vocab_size, spec.dim)
+        # model.padVocabTo: rows beyond the vocabulary (zero, never a token; the loss masks them)
+        self.vocab_size = spec.vocab_size
+        rows = spec.padded_vocab_size
+        self.embed = nn.Embedding(rows, spec.dim)
         # learned positions (GPT-2): one row per position, added to the token embedding
         self.pos_embed = nn.Embedding(spec.max_seq_len, spec.dim) if spec.positions == "learned" else None
         self.drop = nn.Dropout(spec.dropout)
         self.blocks = nn.ModuleList(Block(spec) for _ in range(spec.layers))
         self.norm = make_norm(spec.norm, spec.dim, spec.norm_eps)
-        self.lm_head = None if spec.tie_embeddings else nn.Linear(spec.dim, spec.vocab_size, bias=False)
+        self.lm_head = None if spec.tie_embeddings else nn.Linear(spec.dim, rows, bias=False)
         cos, sin = self._rope_tables()
         # Not persistent: derived from the spec, so checkpoints hold only learned weights.
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -103,8 +106,12 @@ class GPT(nn.Module):
             sl = getattr(self.get_submodule(owner), "tp_slice", None) if attr == "weight" else None
             if sl is not None:
                 shape[sl[0]] = sl[2]
-            full = torch.empty(shape).normal_(0.0, out_std if name.endswith(("attn.out.weight", "mlp.down.weight"))
-                                              else std, generator=g)
+            # vocabulary padding: the real rows drawn as without padding, the pad rows zero
+            pad = shape[0] - self.vocab_size if name in ("embed.weight", "lm_head.weight") else 0
+            full = torch.empty([shape[0] - pad, *shape[1:]]).normal_(
+                0.0, out_std if name.endswith(("attn.out.weight", "mlp.down.weight")) else std, generator=g)
+            if pad:
+                full = torch.cat([full, full.new_zeros(pad, *shape[1:])])
             if not holds_memory(p):
                 continue
             if sl is not None:
@@ -122,7 +129,8 @@ class GPT(nn.Module):
 
     @property
     def output_weight(self) -> torch.Tensor:
-        """The [vocab, dim] output projection (the embedding itself when tied)."""
+        """The [vocab, dim] output projection (the embedding itself when tied); with model.padVocabTo its rows
+        from `vocab_size` on are padding (the loss masks them)."""
         return self.embed.weight if self.lm_head is None else self.lm_head.weight
 
     def forward(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:

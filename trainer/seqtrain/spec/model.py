@@ -76,6 +76,11 @@ class ModelSpec(SpecModel):
     vocab_size: int | None = Field(
         None, ge=2, le=2**22, description="Vocabulary size; default: the tokenizer's (256 for the byte-level tokenizer)."
     )
+    pad_vocab_to: int = Field(
+        1, ge=1, le=4096, description="Round the embedding and output rows up to a multiple of this (gpt only): "
+        "GPU matmuls prefer 64 or 128 (llm.c pads GPT-2's 50257 to 50304). The pad rows are never a token: their "
+        "logits are -inf in the loss, and export and generate drop them. 1: no padding.",
+    )
     dim: int | None = Field(None, ge=1, le=65536, description="Model width (embedding / hidden size).")
     layers: int | None = Field(None, ge=1, le=1024, description="Number of blocks (transformer) or stacked recurrent layers.")
     heads: int | None = Field(None, ge=1, le=1024, description="Attention heads (gpt only); dim must be divisible by heads.")
@@ -124,6 +129,12 @@ class ModelSpec(SpecModel):
     )
 
     @property
+    def padded_vocab_size(self) -> int:
+        """Rows of the embedding and the output projection: vocabSize rounded up to a multiple of padVocabTo."""
+        assert self.vocab_size, "resolve() the spec"
+        return -(-self.vocab_size // self.pad_vocab_to) * self.pad_vocab_to
+
+    @property
     def head_size(self) -> int:
         """Width of one attention head: headDim, or dim / heads (a resolved gpt spec)."""
         assert self.dim and self.heads, "resolve() the spec"
@@ -144,8 +155,14 @@ def layout_problems(m: ModelSpec, tensor_parallel: int, pipeline_parallel: int,
                                     ("qkv_bias", "qkvBias"), ("out_bias", "outBias"), ("mlp_bias", "mlpBias"),
                                     ("qk_norm", "qkNorm"), ("head_dim", "headDim"), ("rope_scaling", "ropeScaling"),
                                     ("sliding_window", "slidingWindow"))
-                if getattr(m, name) != GPT_SWITCHES[name]]
+                if getattr(m, name) != GPT_SWITCHES[name]] + (
+                    [("spec.model.padVocabTo", f"only applies to arch gpt, not {m.arch}; remove it")]
+                    if m.pad_vocab_to != 1 else [])
     out = []
+    if m.pad_vocab_to > 1 and (tensor_parallel > 1 or pipeline_parallel > 1):
+        which = "tensorParallel" if tensor_parallel > 1 else "pipelineParallel"
+        out.append(("spec.model.padVocabTo", f"vocabulary padding is not supported with {which} > 1 yet (its "
+                    f"vocabulary-parallel loss would see the pad rows); use padVocabTo: 1, or {which}: 1"))
     if m.positions == "learned" and m.rope_scaling is not None:
         out.append(("spec.model.ropeScaling", "applies to positions rope; remove it with positions learned"))
     if sequence_parallel and tensor_parallel > 1:
