@@ -288,8 +288,9 @@ class World:
         return view
 
     def all_pods(self) -> list[tuple[str, dict[str, Any]]]:
+        """Pods of the soak's jobs that have not ended (what a lost node takes down)."""
         return [((p["metadata"].get("labels") or {}).get("seqtrain.dev/job", ""), self._pod_view(p))
-                for p in self.snapshot["pods"]]
+                for p in self.snapshot["pods"] if (p.get("status") or {}).get("phase") not in TERMINAL]
 
     def running_pods(self) -> list[tuple[str, dict[str, Any]]]:
         """Running pods of the soak's jobs (not the reference's), not being deleted."""
@@ -328,7 +329,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="seqtrain bench chaos", description=__doc__.splitlines()[0])
     p.add_argument("--seed", type=int, default=None, help="the schedule's seed (default: a random one, printed)")
     p.add_argument("--minutes", type=float, default=10.0, help="how long faults are injected")
-    p.add_argument("--jobs", type=int, default=2, help="real trainer jobs running at once")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="real trainer jobs at once (more than 1: their ranks clash here, where every pod shares the "
+                   "host's network and the operator gives every job the same rendezvous port)")
     p.add_argument("--load-jobs", type=int, default=4, help="admission-only jobs (kwok nodes) at once")
     p.add_argument("--steps", type=int, default=300, help="steps of each trainer job")
     p.add_argument("--interval", type=int, default=10, help="checkpoint interval (steps) of each trainer job")

@@ -32,8 +32,8 @@ class Hit:
     detail: dict[str, Any] = field(default_factory=dict)
 
 
-def pgroup_pids(pgid: int) -> list[int]:
-    """Processes of a process group (the node agent runs each pod in its own), oldest first."""
+def children(pid: int) -> list[int]:
+    """Live child processes of `pid`, oldest first."""
     out = []
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
@@ -42,9 +42,9 @@ def pgroup_pids(pgid: int) -> list[int]:
             stat = Path(entry.path, "stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if int(stat[2]) == pgid and stat[0] not in ("Z", "X"):
+        if int(stat[1]) == pid and stat[0] not in ("Z", "X"):
             out.append((int(stat[19]), int(entry.name)))  # starttime, pid
-    return [pid for _, pid in sorted(out)]
+    return [p for _, p in sorted(out)]
 
 
 def cmdline(pid: int) -> str:
@@ -65,10 +65,10 @@ def waiting_spare(pid: int) -> bool:
     return fd is not None and fd.isdigit() and os.path.exists(f"/proc/{pid}/fd/{fd}")
 
 
-def rank_pids(pgid: int) -> list[int]:
-    """The training processes of a pod: the rank processes its launcher (the pgid leader) started, not a spare
-    waiting for an in-place restart (it holds no rank yet)."""
-    return [p for p in pgroup_pids(pgid) if p != pgid and "seqtrain" in cmdline(p) and not waiting_spare(p)]
+def rank_pids(launcher: int) -> list[int]:
+    """The training processes of a pod: the rank processes its launcher (the pod's process-group leader) started,
+    each in a session of its own, and not a spare waiting for an in-place restart (it holds no rank yet)."""
+    return [p for p in children(launcher) if "seqtrain.train.entry" in cmdline(p) and not waiting_spare(p)]
 
 
 @dataclass
@@ -248,7 +248,7 @@ class Injector:
                 self.filler.unlink(missing_ok=True)
                 self.filler = None
         self.later(ev.params["for_s"], "checkpoint volume freed", empty)
-        return Hit([job for job, _ in self.world.trainer_pods()], "checkpoint volume", {"for_s": ev.params["for_s"],
+        return Hit(sorted({job for job, _ in self.world.trainer_pods()}), "checkpoint volume", {"for_s": ev.params["for_s"],
                                                                                       "filled_bytes": free})
 
     def _checkpoint_corrupt(self, ev: Event) -> Hit:
