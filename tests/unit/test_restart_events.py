@@ -88,7 +88,7 @@ def test_a_checkpoint_nobody_reported_is_not_called_none_and_the_trainers_word_i
     d = decide(j, st, Observed(replicas=dead), T0)
     (failed,) = events(d)
     assert "step none" not in failed.message and "scratch" not in failed.message, failed.message
-    assert failed.message.endswith("from its newest checkpoint, if any (none reported yet)")
+    assert failed.message.endswith("from checkpoint step ? (the newest the ranks find; none reported yet)")
     d = decide(j, d.status, Observed(), T0 + timedelta(seconds=5))
     (create,) = d.of(CreateGang)
     assert create.attempt == 2 and create.resume_from_step is None

@@ -66,8 +66,9 @@ def resumes(step: int | None) -> str:
     """Where a new gang (or round) resumes, as the core knows it. The ranks themselves load the newest complete
     checkpoint they find, so a checkpoint nobody reported yet (on Kubernetes the operator sees only what rank 0
     reports, and a save published just before a failure is reported at the next step end, which never comes) is
-    not called "none": the trainer's own report says where it resumed (the Resumed condition)."""
-    return f"from checkpoint step {step}" if step else "from its newest checkpoint, if any (none reported yet)"
+    not called "none": the trainer's own report says where it resumed (the Resumed condition). Every such message
+    holds "from checkpoint step" (the client lists restart events by it)."""
+    return f"from checkpoint step {step}" if step else "from checkpoint step ? (the newest the ranks find; none reported yet)"
 
 
 def avoid(ctx: Pass) -> tuple[str, ...]:
