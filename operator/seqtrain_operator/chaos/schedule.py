@@ -14,24 +14,25 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-# kind -> (target selector, default rate per hour). Selectors: "rank" a running rank of a trainer job; "pod" a
-# running pod of any job (trainer or admission-only); "node" an agent node; "operator" the operator process; "api"
-# the operator's API traffic (the fault proxy); "checkpoint" the newest checkpoint of a trainer job.
+# kind -> (target selector, default rate per hour: about one fault of the ranks' kinds per trainer job's life, the
+# API's and the operator's many more, about 650 an hour in all). Selectors: "rank" a running rank of a trainer job;
+# "pod" a running pod of any job (trainer or admission-only); "node" an agent node; "operator" the operator process;
+# "api" the operator's API traffic (the fault proxy); "checkpoint" the newest checkpoint of a trainer job.
 KINDS: dict[str, tuple[str, float]] = {
-    "sigkill-rank": ("rank", 60.0),
-    "sigstop-rank": ("rank", 20.0),  # params: cont_after (seconds) or None: never continued (a hang)
-    "node-down": ("node", 10.0),  # params: up_after (seconds)
-    "delete-pod": ("pod", 40.0),
-    "evict-pod": ("pod", 40.0),
-    "operator-kill": ("operator", 12.0),  # SIGKILL, then started again
-    "operator-restart": ("operator", 12.0),  # SIGTERM (graceful), then started again
-    "api-5xx": ("api", 60.0),  # params: status, times
-    "api-429": ("api", 60.0),  # params: times, retry_after
-    "api-slow": ("api", 40.0),  # params: delay, times
-    "watch-cut": ("api", 40.0),
-    "watch-gone": ("api", 30.0),  # the next watch after a cut gets 410 Gone
-    "checkpoint-full": ("checkpoint", 10.0),  # ENOSPC on the checkpoint volume; params: for_s
-    "checkpoint-corrupt": ("checkpoint", 10.0),  # the newest checkpoint's files garbled, then the gang killed
+    "sigkill-rank": ("rank", 40.0),
+    "sigstop-rank": ("rank", 15.0),  # params: cont_after (seconds) or None: never continued (a hang)
+    "node-down": ("node", 12.0),  # params: up_after (seconds)
+    "delete-pod": ("pod", 60.0),
+    "evict-pod": ("pod", 60.0),
+    "operator-kill": ("operator", 15.0),  # SIGKILL, then started again
+    "operator-restart": ("operator", 15.0),  # SIGTERM (graceful), then started again
+    "api-5xx": ("api", 120.0),  # params: status, times
+    "api-429": ("api", 120.0),  # params: times, retry_after
+    "api-slow": ("api", 60.0),  # params: delay, times
+    "watch-cut": ("api", 60.0),
+    "watch-gone": ("api", 40.0),  # the next watch after a cut gets 410 Gone
+    "checkpoint-full": ("checkpoint", 12.0),  # ENOSPC on the checkpoint volume; params: for_s
+    "checkpoint-corrupt": ("checkpoint", 15.0),  # the newest checkpoint's files garbled, then the gang killed
     "sigterm-node-loss": ("rank", 10.0),  # a pod deleted (SIGTERM save), its node lost during the save
 }
 
