@@ -97,3 +97,15 @@ def test_padded_rows_are_masked_out():
 def test_bad_vocab_is_a_clear_error():
     with pytest.raises(ValueError, match=r"vocab 20 must be in \[1, 13\]"):
         linear_cross_entropy(torch.randn(2, 8), torch.randn(13, 8), torch.tensor([0, 1]), vocab=20)
+
+
+def test_narrow_vocabulary_takes_the_plain_path_with_the_same_result():
+    """vocab <= hidden: logits no larger than the hidden states, plain cross-entropy (pad rows sliced off)."""
+    torch.manual_seed(0)
+    h, w = torch.randn(2, 9, 32), torch.randn(24, 32)
+    t = torch.randint(0, 20, (2, 9))
+    ref = _grads(lambda a, b, c: chunked_linear_cross_entropy(a, b, c, vocab=20), h, w, t)
+    got = _grads(lambda a, b, c: linear_cross_entropy(a, b, c, vocab=20), h, w, t)
+    for r, g in zip(ref, got, strict=True):
+        assert torch.allclose(g, r, rtol=1e-5, atol=1e-5)
+    assert not got[2][20:].any()

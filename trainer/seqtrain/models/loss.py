@@ -5,7 +5,9 @@ global batch: all micro-batches, all dp ranks), so accumulation and data paralle
 batch. With `optimization.kernels` on (the model's `use_kernels`, set by `seqtrain.models.dispatch`) the loss is
 `seqtrain.kernels.linear_cross_entropy` (Triton); otherwise `chunked_linear_cross_entropy` below, the same
 algorithm in PyTorch ops. Neither materialises the float32 [tokens, vocab] logits: the logits exist one chunk of
-tokens at a time, and the gradients are computed in the forward (the loss needs the same softmax).
+tokens at a time, and the gradients are computed in the forward (the loss needs the same softmax). Where the
+vocabulary is no wider than the model the logits are no larger than the hidden states, and the plain
+`F.cross_entropy` runs (cheaper there, nothing to save).
 
 Padded vocabularies (`model.padVocabTo`): the output weight has more rows than the vocabulary; `vocab` names the
 real ones, and the logits of the pad rows are -inf before the softmax (no probability, no gradient).
@@ -14,6 +16,7 @@ real ones, and the logits of the pad rows are -inf before the softmax (no probab
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from seqtrain import kernels as K
@@ -30,6 +33,13 @@ def linear_cross_entropy(
         if vocab is not None and vocab < weight.shape[0]:
             weight = weight[:vocab]  # the kernel has no pad mask: the real rows (a contiguous view)
         return fused_linear_cross_entropy_sum(hidden, weight, targets, ignore_index)
+    if weight.shape[0] <= hidden.shape[-1]:
+        # Logits no larger than the hidden states (a character-level vocabulary): nothing to save by chunking,
+        # and PyTorch's fused log-softmax + NLL is cheaper than the chunk loop (nanoGPT's shakespeare_char size).
+        logits = hidden.reshape(-1, hidden.shape[-1]) @ weight.t()
+        if vocab is not None and vocab < weight.shape[0]:
+            logits = logits[:, :vocab]  # the pad rows: no probability, no gradient
+        return F.cross_entropy(logits.float(), targets.reshape(-1), ignore_index=ignore_index, reduction="sum")
     return chunked_linear_cross_entropy(hidden, weight, targets, ignore_index, vocab=vocab)
 
 
