@@ -54,7 +54,9 @@ from seqtrain_operator.local.files import (
     write_status,
 )
 from seqtrain_operator.local.gang import TERM_GRACE_SECONDS, LocalGang, kill_leftovers
+from seqtrain_operator.local.memory_limit import MemoryLimit
 from seqtrain_operator.planner import local_plan
+from seqtrain_operator.planner.fit import memory_problems
 
 EXIT_OK, EXIT_FAILED, EXIT_INVALID, EXIT_INTERRUPTED = 0, 1, 2, 130
 POLL_SECONDS = 0.2
@@ -75,6 +77,10 @@ def run_file(path: str, workdir: str | None = None, overrides: Sequence[str] = (
     problem = _local_problem(job)
     if problem is not None:
         print(f"{path}: {problem}", file=sys.stderr)
+        return EXIT_INVALID
+    if problems := memory_problems(job):  # the verdict `validate` and `plan` give: the same estimate, the same line
+        for p in problems:
+            print(f"{path}: {p}", file=sys.stderr)
         return EXIT_INVALID
     prior = os.environ.get(RANK_MTBF_ENV, "").strip()
     try:
@@ -251,6 +257,7 @@ class LocalRun:
         self.status: JobStatus | None = None  # the loop's latest status: what an interruption starts from
         self.startup: StartupWatch | None = None
         self.memory_warned = False
+        self.limit = MemoryLimit(job.spec.resources.memory)  # resources.memory, enforced as a pod's limit is
 
     # ---- entry --------------------------------------------------------------------------------------------------
 
@@ -302,10 +309,9 @@ class LocalRun:
             print(f"{job.name}: stopped rank processes left behind by an earlier run", file=sys.stderr)
         status = self._initial_status(prev)
         write_status(self.workdir, status)
-        if not self.quiet:
-            print(f"{job.name}: resources.memory {job.spec.resources.memory} per replica is not enforced on this "
-                  "machine (a pod's limit is); the ranks' peak memory is checked against it as they train",
-                  file=sys.stderr)
+        if not self.quiet and not self.limit.enforced:
+            print(f"{job.name}: resources.memory {job.spec.resources.memory} per replica cannot be enforced on this "
+                  "system (no /proc); the ranks' peak memory is checked against it as they train", file=sys.stderr)
         started = time.monotonic()
         with _sigterm_as_interrupt(), ProgressView(job.name, steps, self.quiet) as view:
             try:
@@ -337,6 +343,9 @@ class LocalRun:
             replicas = self.gang.observe() if self.gang is not None else ()
             if self.gang is not None:
                 self._record_gang()  # a multi-rank replica's launcher reports its ranks' pids after starting them
+                replicas = tuple(self.limit.observed(r) for r in replicas)  # killed by the limit: as OOMKilled
+                for why in self.limit.watch(self.gang.attempt, self.gang.members):
+                    view.line(f"{self.job.name}: {why}", always=True)
             for r in replicas:
                 if r.phase == "Failed":
                     self.last_failed = r

@@ -10,6 +10,7 @@ import yaml
 
 from seqtrain.spec import SeqTrainJob, SpecError, load_job_file
 from seqtrain.spec.datafiles import data_notes
+from seqtrain.spec.memory import memory_notes, with_micro_batch
 from seqtrain.spec.optimization import describe_compile, describe_precision
 from seqtrain.spec.resolve import paths_readable, resolve_model
 from seqtrain_operator.planner.fit import memory_problems
@@ -50,6 +51,9 @@ def _cluster_plan(job: SeqTrainJob, nodes: list[Node]) -> Plan | Unschedulable:
 
 def plan_dict(job: SeqTrainJob, plan: Plan) -> dict:
     est = estimate(job)
+    auto = job.spec.training.micro_batch_size == "auto"
+    mem_notes = memory_notes(job, est)
+    job = with_micro_batch(job, est.micro_batch) if auto else job  # the rest of the plan is that of auto's choice
     resolved = resolve_model(job)
     m = resolved.model
     return {
@@ -68,8 +72,11 @@ def plan_dict(job: SeqTrainJob, plan: Plan) -> dict:
         "ranks": [r.to_dict() for r in rank_table(job, plan)],
         "pipeline": pipeline_summary(job),
         "microBatch": est.micro_batch,
+        "microBatchAuto": auto,
+        "processBaseline": est.baseline,
+        "hostPerRank": est.host_per_rank(job.spec.resources.gpus),
         "memoryPerRank": [s.to_dict() for s in est.stages],
-        "notes": list(plan.notes) + _notes(job, plan, est) + data_notes(job, paths_readable()),
+        "notes": list(plan.notes) + mem_notes + _notes(job, plan, est) + data_notes(job, paths_readable()),
     }
 
 
@@ -97,7 +104,8 @@ def render(d: dict) -> str:
                 if d["model"]["trainableParams"] != d["model"]["params"] else ""),
              d["model"]["derived"],
              f"engine {d['engine']} (ZeRO-{d['zeroStage']} accounting), precision {d['precision']}, "
-             f"compile {d['compile']}, micro-batch {d['microBatch']} sequences"]
+             f"compile {d['compile']}, micro-batch {d['microBatch']} sequences"
+             + (" (auto)" if d.get("microBatchAuto") else "")]
     p = d["pipeline"]
     if p["stages"] > 1:
         lines.append(f"pipeline {p['schedule']}: {p['stages']} stages, {p['microBatches']} micro-batches, "
@@ -118,6 +126,8 @@ def render(d: dict) -> str:
         lines.append(f"{s['stage']:>5} {s['params_count']:>12,} {gib(s['params']):>11} {gib(s['grads']):>11} "
                      f"{gib(s['optimizer']):>11} {gib(s['activations']):>11} {gib(s['total']):>11} "
                      f"{gib(s['cpu']):>11}")
+    lines.append(f"host memory per rank: {gib(d['hostPerRank'])} (process baseline {gib(d['processBaseline'])} "
+                 "included)")
     for n in d["notes"]:
         lines.append(f"note: {n}")
     return "\n".join(lines)
@@ -144,7 +154,7 @@ def plan_command(file: str, nodes_file: str | None = None, overrides: Sequence[s
         return EXIT_UNSCHEDULABLE
     d = plan_dict(job, plan)
     print(json.dumps(d, indent=2) if as_json else render(d))
-    if problems := memory_problems(job, estimate(job)):  # after the plan: it shows where the memory goes
+    if problems := memory_problems(job):  # after the plan: it shows where the memory goes
         for p in problems:
             print(f"{file}: {p}", file=sys.stderr)
         return EXIT_INVALID

@@ -12,6 +12,7 @@ padding (one document piece per row, padded to seqLen) and bucketing (padded to 
 micro-batch) on the built-in corpus, at several sequence lengths.
 
     seqtrain bench memory --out memory.json
+    seqtrain bench memory --baseline     # a rank process's resident set before its model: BASELINE_BYTES
     seqtrain bench memory --device cuda --gpt-dim 1024 --gpt-layers 16 --seq-lens 1024,2048,4096
 """
 
@@ -158,6 +159,50 @@ def _packing_rows(name: str, corpus: Corpus, seq_lens: list[int], micro: int, st
     return rows
 
 
+# What a rank process holds before its model is built, started as the launcher starts it: the trainer's imports
+# (torch, the interpreter), the gloo process group of a 2-rank world, and glibc's settings from the launcher.
+_BASELINE_RANK = """
+import os, sys
+from seqtrain.runtime.launch import apply_malloc_defaults
+apply_malloc_defaults()
+import seqtrain.train.loop, seqtrain.train.callbacks  # what `seqtrain train` imports before it builds the model
+from seqtrain.runtime.dist import init_distributed, shutdown
+ctx = init_distributed(use_gpu=False, expected_world=int(os.environ["WORLD_SIZE"]))
+import torch.distributed as dist
+dist.barrier()
+with open("/proc/self/status") as f:
+    rss = {l.split(":")[0]: int(l.split()[1]) * 1024 for l in f if l.startswith(("VmRSS", "VmHWM"))}
+rss = max(rss.values())
+print(rss, flush=True)
+dist.barrier()
+shutdown(ctx)
+os._exit(0)
+"""
+
+
+def rank_baseline(world: int = 2, timeout: float = 300.0) -> list[int]:
+    """Resident bytes of each of `world` real rank processes (gloo on loopback) before the model: the process
+    baseline of the memory estimate (seqtrain.spec.memory.BASELINE_BYTES)."""
+    import os
+    import subprocess
+
+    from seqtrain.runtime.launch import rank_envs
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
+    env.setdefault("OMP_NUM_THREADS", "1")
+    roots = [os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))]
+    env["PYTHONPATH"] = os.pathsep.join(roots + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    procs = [subprocess.Popen([sys.executable, "-c", _BASELINE_RANK], env={**env, **extra}, stdout=subprocess.PIPE,
+                              text=True) for extra in rank_envs(world, env)]
+    out = []
+    for p in procs:
+        stdout, _ = p.communicate(timeout=timeout)
+        if p.returncode != 0:
+            raise RuntimeError(f"a baseline rank exited {p.returncode}")
+        out.append(int(stdout.split()[-1]))
+    return out
+
+
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
@@ -176,8 +221,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--packing-steps", type=int, default=200, help="micro-batches sampled for padded/bucketed")
     p.add_argument("--skip-packing", action="store_true")
     p.add_argument("--skip-checkpointing", action="store_true")
+    p.add_argument("--baseline", action="store_true", help="only measure a rank process's resident set before its "
+                   "model (the estimate's process baseline) and exit")
     p.add_argument("--out", default=None, help="write the JSON here (default: stdout only)")
     args = p.parse_args(argv)
+    if args.baseline:
+        from seqtrain.spec.memory import BASELINE_BYTES
+
+        rss = rank_baseline()
+        print(json.dumps({"benchmark": "memory-baseline", "rank_rss_bytes": rss, "max_mib": round(max(rss) / 2**20, 1),
+                          "estimate_baseline_mib": round(BASELINE_BYTES / 2**20, 1), "torch": torch.__version__}))
+        return 0
     device = torch.device(args.device)
     heads = max(1, args.gpt_dim // 64)
     gpt = ModelSpec(arch="gpt", vocab_size=256, dim=args.gpt_dim, layers=args.gpt_layers, heads=heads,

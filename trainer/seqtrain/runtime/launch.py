@@ -13,7 +13,8 @@ What it does, in order:
   child `local` RANK = NODE_RANK * N + local, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT;
   CUDA_VISIBLE_DEVICES is left alone (each rank takes cuda:LOCAL_RANK); OMP_NUM_THREADS, unless set, is the
   container's CPUs (`cpu_budget`) divided by N; PYTORCH_CUDA_ALLOC_CONF, unless set, is
-  `expandable_segments:True` (`cuda_alloc_env`);
+  `expandable_segments:True` (`cuda_alloc_env`); glibc's malloc settings, each unless set, so that memory a rank
+  frees goes back to the OS and its resident set is what it holds (`malloc_env`);
 - starts every child in its own session (process group), so a signal reaches the child and anything it spawned;
 - forwards SIGTERM/SIGINT to every child and waits up to SEQTRAIN_TERM_GRACE_SECONDS (the manifests set it a little
   below the pod's terminationGracePeriodSeconds) before SIGKILL;
@@ -126,6 +127,44 @@ def cuda_alloc_env(environ: Mapping[str, str]) -> dict[str, str]:
     return {} if environ.get(CUDA_ALLOC_VAR) else {CUDA_ALLOC_VAR: CUDA_ALLOC_DEFAULT}
 
 
+# glibc malloc, for a process whose big buffers come and go every step (tensors: torch's CPU allocator has no cache
+# and hands every free to malloc). glibc's default mmap threshold grows to 32 MiB after the first large free, so
+# freed 1-32 MiB tensors stay in the heap, resident, and a heap shrinks only from its top: after an FSDP2 backward
+# the 350m job's busiest rank kept ~800 MiB of freed gather and gradient buffers (tests/integration/
+# test_sharded_init.py). A fixed 1 MiB threshold maps every buffer of 1 MiB or more on its own (munmap on free);
+# the trim threshold returns freed heap tops beyond 1 MiB; two arenas stop every gloo/OpenMP thread from growing a
+# heap of its own (each one's freed chunks stay resident). What is left resident is what the rank holds, which is
+# what resources.memory is checked and enforced against (seqtrain.spec.memory).
+MALLOC_DEFAULTS = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 20),
+                   "MALLOC_ARENA_MAX": "2"}
+# mallopt(3) parameters of the same settings, for a rank started without this launcher (one rank per pod)
+_MALLOPT = {"MALLOC_MMAP_THRESHOLD_": -3, "MALLOC_TRIM_THRESHOLD_": -1, "MALLOC_ARENA_MAX": -8}
+
+
+def malloc_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The glibc malloc variables a rank gets: MALLOC_DEFAULTS, each one the user has not set (then theirs wins)."""
+    return {k: v for k, v in MALLOC_DEFAULTS.items() if not environ.get(k)}
+
+
+def apply_malloc_defaults(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """In a rank started without the launcher (glibc read its environment at exec, before we could set it): apply
+    `malloc_env` with mallopt(3), before the rank allocates its model. Returns what was applied (nothing off glibc,
+    or when every variable is set: glibc took the user's values at start)."""
+    import ctypes
+    import ctypes.util
+
+    todo = malloc_env(os.environ if environ is None else environ)
+    name = ctypes.util.find_library("c")
+    if not todo or name is None:
+        return {}
+    try:
+        libc = ctypes.CDLL(name)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # not glibc (musl has no mallopt)
+        return {}
+    return {k: v for k, v in todo.items() if mallopt(_MALLOPT[k], int(v)) == 1}
+
+
 def rank_envs(nproc: int, environ: Mapping[str, str]) -> list[dict[str, str]]:
     """The variables each of the `nproc` children gets on top of `environ` (index = local rank).
 
@@ -157,7 +196,7 @@ def rank_envs(nproc: int, environ: Mapping[str, str]) -> list[dict[str, str]]:
     threads = environ.get("OMP_NUM_THREADS") or str(max(1, cpu_budget() // nproc))
     return [{"RANK": str(node_rank * nproc + local), "LOCAL_RANK": str(local), "WORLD_SIZE": str(world),
              "LOCAL_WORLD_SIZE": str(nproc), "NODE_RANK": str(node_rank), "MASTER_ADDR": addr, "MASTER_PORT": port,
-             "OMP_NUM_THREADS": threads, **cuda_alloc_env(environ)} for local in range(nproc)]
+             "OMP_NUM_THREADS": threads, **cuda_alloc_env(environ), **malloc_env(environ)} for local in range(nproc)]
 
 
 def cpu_budget(cpu_max: str = "/sys/fs/cgroup/cpu.max") -> int:

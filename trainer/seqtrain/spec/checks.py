@@ -47,8 +47,16 @@ def _init_problems(job: SeqTrainJob, m) -> list[Problem]:  # noqa: ANN001 - the 
 
 
 def check(job: SeqTrainJob) -> list[Problem]:
-    s = job.spec
     out: list[Problem] = []
+    if job.spec.training.micro_batch_size == "auto":
+        from seqtrain.spec.memory import auto_micro_batch, with_micro_batch
+
+        if job.spec.optimization.pipeline_parallel > 1:
+            return [Problem("spec.training.microBatchSize", "auto chooses the micro-batch of data parallelism; with "
+                            "pipelineParallel > 1 the pipeline's micro-batches come from "
+                            "optimization.pipelineMicroBatches: set microBatchSize to a number")]
+        job = with_micro_batch(job, auto_micro_batch(job).size)  # every rule below checks the size auto picks
+    s = job.spec
     res = s.resources
     opt = s.optimization
     tr = s.training

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
@@ -52,15 +52,36 @@ class ProfileSpec(SpecModel):
     steps: int = Field(3, ge=1, le=1000, description="Number of steps to capture.")
 
 
+MAX_MICRO_BATCH = 1_000_000
+
+
 class TrainingSpec(SpecModel):
     steps: int = Field(100, ge=1, le=MAX_STEPS, description="Optimizer steps to train for.")
     global_batch_size: int = Field(
         8, ge=1, le=100_000_000, description="Sequences per optimizer step across all data-parallel ranks."
     )
-    micro_batch_size: int = Field(
-        8, ge=1, le=1_000_000, description="Sequences per forward/backward on one rank; accumulation fills the global batch."
+    micro_batch_size: int | Literal["auto"] = Field(
+        8, json_schema_extra={"x-kubernetes-int-or-string": True},
+        description="Sequences per forward/backward on one rank; gradient accumulation (globalBatchSize / (this x "
+        "data-parallel ranks)) fills the global batch. `auto`: the largest size that divides globalBatchSize / "
+        "data-parallel ranks and fits resources.memory (or the GPU's memory) by the plan's memory estimate, "
+        "confirmed by one probe step per candidate before training (stepping down when a step runs out of memory); "
+        "the global batch stays as set, and the choice and its reason are printed and shown by plan and validate."
     )
     optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec, description="Optimizer and its settings.")
+
+    @field_validator("micro_batch_size", mode="before")
+    @classmethod
+    def _micro_batch(cls, value: Any) -> Any:
+        # a number of sequences, or the one word `auto`; bounds by hand: `ge` does not apply to a union with a string
+        if isinstance(value, str) and value.strip() != "auto":
+            raise ValueError(f"{value!r} is neither a number of sequences nor 'auto'; write e.g. 8 or auto")
+        if isinstance(value, float) and not value.is_integer():
+            raise ValueError(f"{value} is not a whole number of sequences; write e.g. 8 or auto")
+        if isinstance(value, int | float) and not isinstance(value, bool) and not 1 <= value <= MAX_MICRO_BATCH:
+            raise ValueError(f"{value} is out of range: use 1..{MAX_MICRO_BATCH} sequences, or auto")
+        return value.strip() if isinstance(value, str) else value
+
     schedule: ScheduleSpec = Field(default_factory=ScheduleSpec, description="Learning-rate schedule.")
     grad_clip: float | None = Field(1.0, gt=0, le=1e6, description="Clip gradients to this global L2 norm (null: no clipping).")
     seed: int = Field(0, ge=0, le=2**32 - 1, description="Seed for init, data order and dropout.")

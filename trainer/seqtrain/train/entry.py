@@ -16,6 +16,7 @@ from pydantic import ValidationError
 
 from seqtrain.runtime import exitcodes
 from seqtrain.runtime.exitcodes import DeviceUnavailable, InvalidConfig
+from seqtrain.runtime.launch import apply_malloc_defaults
 from seqtrain.runtime.restart import STANDBY_ENV, await_start, die_with_launcher, wait_not_before
 from seqtrain.spec import SpecError, TrainerConfig, parse_job, read_trainer_config, resolve
 from seqtrain.spec.job import SeqTrainJob
@@ -119,6 +120,8 @@ def warm_up(job: SeqTrainJob) -> None:
 
 def main(config_path: str) -> int:
     die_with_launcher()
+    # Before torch allocates anything: freed memory goes back to the OS (the launcher sets the same by environment)
+    os.environ.update(apply_malloc_defaults())
     flag = _TerminateFlag()
     signal.signal(signal.SIGTERM, flag)
     ctx = None
@@ -138,6 +141,9 @@ def main(config_path: str) -> int:
         ctx = init_distributed(use_gpu=job.spec.resources.gpus > 0,
                                timeout_seconds=job.spec.optimization.comm_timeout_seconds,
                                expected_world=job.spec.world_size)
+        from seqtrain.train.autobatch import resolve_auto
+
+        job = resolve_auto(job, ctx.device, ctx.rank == 0)  # microBatchSize auto: chosen and probed before the model
         trainer = Trainer(job, cfg.runtime, ctx)
         flag.attach(trainer)
         from seqtrain.runtime.faults import maybe_fail_setup
