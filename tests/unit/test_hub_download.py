@@ -37,6 +37,7 @@ class Hub_:
         self.cut_next: dict[str, int] = {}
         self.need_token = True
         self.lie_sha = False
+        self.lie_blob = False
 
 
 def serve(state: Hub_) -> Iterator[tuple[str, str]]:
@@ -60,7 +61,9 @@ def serve(state: Hub_) -> Iterator[tuple[str, str]]:
                 return self._send(401, b"gated")
             if role == "hub" and path == "/api/models/org/tiny/revision/main":
                 siblings = [{"rfilename": n, "size": len(b)} for n, b in state.files.items()]
-                for s in siblings:
+                for s in siblings:  # git's blob id of the content (an LFS file's is its pointer's: not checked)
+                    body = b"x" if state.lie_blob else state.files[s["rfilename"]]
+                    s["blobId"] = hashlib.sha1(b"blob %d\0" % len(body) + body).hexdigest()
                     if s["rfilename"].endswith(".safetensors"):
                         digest = hashlib.sha256(b"x" if state.lie_sha else state.files[s["rfilename"]]).hexdigest()
                         s["lfs"] = {"sha256": digest, "size": s["size"]}
@@ -170,6 +173,10 @@ def test_refusals_are_one_line(fake, tmp_path: Path, capsys: pytest.CaptureFixtu
         download("hf://org/tiny", str(tmp_path / "a"), hub=Hub(url, TOKEN), log=quiet)
     assert not (tmp_path / "a" / "org--tiny" / "main").exists()  # nothing half-done where the ranks read
     state.lie_sha = False
+    state.lie_blob = True
+    with pytest.raises(HubError, match="config.json does not have the git blob id"):
+        download("hf://org/tiny", str(tmp_path / "a2"), hub=Hub(url, TOKEN), log=quiet)
+    state.lie_blob = False
     with pytest.raises(HubError, match="more than the 1000-byte cap per file"):
         download("hf://org/tiny", str(tmp_path / "b"), hub=Hub(url, TOKEN), max_file=1000, log=quiet)
     with pytest.raises(HubError, match="more than the 100000-byte cap"):

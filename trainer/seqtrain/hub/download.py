@@ -3,14 +3,15 @@ runs (`python -m seqtrain.hub hf://ORG/NAME@REV --root DIR`) so that every rank 
 
 The hub's file API, as huggingface_hub speaks it (endpoint $HF_ENDPOINT, default https://huggingface.co):
     GET {endpoint}/api/models/{repo}/revision/{revision}?blobs=true   -> {"sha": commit, "siblings": [{"rfilename",
-                                                                         "size", "lfs": {"sha256", "size"}}, ...]}
+                                                                         "size", "blobId", "lfs": {"sha256",
+                                                                         "size"}}, ...]}
     GET {endpoint}/{repo}/resolve/{commit}/{file}                     -> the file (LFS files redirect to a CDN)
 A token ($HF_TOKEN) goes as `Authorization: Bearer`, and only to the endpoint's host (never to a redirect's CDN).
 
 Bounded: the files seqtrain reads (top-level config/tokenizer JSON, safetensors, templates, vocabularies; not the
 duplicate .bin/.pth/.gguf weights or sub-folders), a size cap per file and in all (and the disk's free space), a
 timeout per request and a few retries with backoff (resuming a partial file with a Range request). Checked: sizes
-and LFS sha256 as the listing gives them; a file name that would leave the folder is refused, as is a redirect to
+and the LFS sha256 (other files: their git blob id) as the listing gives them; a file name that would leave the folder is refused, as is a redirect to
 anything but http(s). Atomic: files land in `<dest>.partial`, a marker file is written last, then the folder is
 renamed to `<dest>`; a folder with the marker is complete and is not downloaded again. A lock file serialises the
 pods of one job that start together (the first downloads, the others find the marker).
@@ -155,7 +156,7 @@ class Hub:
         return sha, [s for s in siblings if isinstance(s, dict)]
 
     def fetch(self, model: HubModel, commit: str, name: str, dest: str, size: int | None, sha256: str | None,
-              cap: int) -> int:
+              cap: int, blob_id: str | None = None) -> int:
         """One file to `dest` (resuming a partial one); its size, checked against the listing and `cap`."""
         url = f"{self.endpoint}/{model.repo}/resolve/{commit}/{urllib.parse.quote(name)}"
 
@@ -181,14 +182,16 @@ class Hub:
             return n
 
         n = self._retrying(f"hf://{model.repo}: {name}", get)
-        if sha256 is not None:
-            h = hashlib.sha256()
+        # LFS files by their content's sha256; the others by git's blob id: sha1 of "blob <size>\0" + content
+        want, h = (sha256, hashlib.sha256()) if sha256 is not None else (blob_id, hashlib.sha1(f"blob {n}\0".encode()))
+        if want is not None:
             with open(dest, "rb") as f:
                 while chunk := f.read(CHUNK):
                     h.update(chunk)
-            if h.hexdigest() != sha256:
+            if h.hexdigest() != want:
                 os.remove(dest)
-                raise HubError(f"hf://{model.repo}: {name} does not have the sha256 the hub lists; run the job again")
+                kind = "sha256" if sha256 is not None else "git blob id"
+                raise HubError(f"hf://{model.repo}: {name} does not have the {kind} the hub lists; run the job again")
         return n
 
 
@@ -250,7 +253,7 @@ def download(uri: str, root: str, hub: Hub | None = None, max_total: int = MAX_T
             return dest
         hub = hub or Hub()
         commit, siblings = hub.listing(model)
-        files: list[tuple[str, int | None, str | None]] = []
+        files: list[tuple[str, int | None, str | None, str | None]] = []
         for s in siblings:
             name = safe_name(s.get("rfilename"))
             if not wanted(name):
@@ -261,11 +264,12 @@ def download(uri: str, root: str, hub: Hub | None = None, max_total: int = MAX_T
             sha = lfs.get("sha256") if isinstance(lfs.get("sha256"), str) else None
             if size is not None and size > max_file:
                 raise HubError(f"{uri}: {name} is {size} bytes, more than the {max_file}-byte cap per file")
-            files.append((name, size, sha))
-        if not any(n == "config.json" for n, _, _ in files):
+            blob = s.get("blobId") if not lfs and isinstance(s.get("blobId"), str) else None
+            files.append((name, size, sha, blob if blob and re.fullmatch(r"[0-9a-f]{40}", blob) else None))
+        if not any(n == "config.json" for n, _, _, _ in files):
             raise HubError(f"{uri}: revision {commit[:12]} has no config.json at its top level: not a transformers "
                            "model folder")
-        known = sum(s or 0 for _, s, _ in files)
+        known = sum(s or 0 for _, s, _, _ in files)
         if known > max_total:
             raise HubError(f"{uri}: {known} bytes to download, more than the {max_total}-byte cap")
         partial = dest + ".partial"
@@ -276,18 +280,18 @@ def download(uri: str, root: str, hub: Hub | None = None, max_total: int = MAX_T
         with open(stamp, "w", encoding="utf-8") as f:
             f.write(commit)
         free = shutil.disk_usage(partial).free + sum(
-            os.path.getsize(os.path.join(partial, n)) for n, _, _ in files if os.path.isfile(os.path.join(partial, n)))
+            os.path.getsize(os.path.join(partial, n)) for n, _, _, _ in files if os.path.isfile(os.path.join(partial, n)))
         if known > free:
             raise HubError(f"{uri}: {known} bytes to download but the volume at {root} has {free} free; give the "
                            "checkpoint volume more room")
         total = 0
-        for name, size, sha in files:
+        for name, size, sha, blob in files:
             total += hub.fetch(model, commit, name, os.path.join(partial, name), size, sha,
-                               min(max_file, max_total - total))
+                               min(max_file, max_total - total), blob)
             log(f"{uri}: {name} ({total / 2**20:.1f} MiB so far)")
         with open(os.path.join(partial, MARKER + ".tmp"), "w", encoding="utf-8") as f:
             json.dump({"repo": model.repo, "revision": model.revision, "commit": commit, "endpoint": hub.endpoint,
-                       "files": {n: os.path.getsize(os.path.join(partial, n)) for n, _, _ in files}}, f, indent=1)
+                       "files": {n: os.path.getsize(os.path.join(partial, n)) for n, _, _, _ in files}}, f, indent=1)
             f.flush()
             os.fsync(f.fileno())
         os.replace(os.path.join(partial, MARKER + ".tmp"), os.path.join(partial, MARKER))
