@@ -238,7 +238,10 @@ class Pass:
         mem = self.r.jobs.get(*self.key) or JobMemory(self.namespace, self.name, uid="")
         live = mem.live
         body = await read_job(self.r.kube, mem, live)
-        if body is not None and live is not None and (settling := kopf_settling(body, self.now)) is not None:
+        if body is None or body["metadata"].get("deletionTimestamp"):
+            mem.known, mem.written = None, None
+            return Outcome(requeue=None)
+        if live is not None and (settling := kopf_settling(body, self.now)) is not None:
             if settling:
                 # A new job: kopf is adding its finalizer. Writing the status now races that PATCH (a 409, then a
                 # GET and a retry); its watch event wakes us.
@@ -247,9 +250,8 @@ class Pass:
             # write over a body the watch may not have updated.
             mem.known = STALE
             body = await read_job(self.r.kube, mem, live)
-        if body is None or body["metadata"].get("deletionTimestamp"):
-            mem.known, mem.written = None, None
-            return Outcome(requeue=None)
+            if body is None or body["metadata"].get("deletionTimestamp"):
+                return Outcome(requeue=None)
         uid = body["metadata"].get("uid") or ""
         if mem.uid != uid:  # first sight (no daemon registered it), or a namesake's record: this one's own
             scratch, mem = mem, self.r.jobs.seen(self.namespace, self.name, uid)

@@ -140,7 +140,7 @@ class Runtime:
         started = time.perf_counter()
         queued: list[float] = []  # seconds the pass waited for its admission cycle (admission.py)
         try:
-            outcome = await r.reconcile(namespace, name, self.emit, IndexViews(self), admission_wait=queued)
+            outcome = await r.reconcile(namespace, name, self.emit, MirrorViews(self), admission_wait=queued)
         finally:
             self.metrics.reconcile_seconds.observe(time.perf_counter() - started - sum(queued))
         if outcome.status is not None and (mem := r.jobs.get(namespace, name)) is not None:
@@ -259,7 +259,7 @@ def _node_digest(body: dict[str, Any]) -> Any:
 
 
 @dataclass(eq=False)
-class IndexViews:
+class MirrorViews:
     """reconcile.Views over the runtime's mirrors."""
 
     rt: Runtime
