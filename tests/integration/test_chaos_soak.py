@@ -6,7 +6,8 @@ Two soaks: a fixed seed (the same schedule every run) and a random one, printed 
 with `seqtrain bench chaos --seed N --minutes M --rates ...` (the command is in the failure message). Deadlines are
 the jobs' own (pending grace, hang timeout, backoff) and the operator's options, not this machine's speed.
 
-The soak runs its own operator behind the fault proxy: the session's operator is stopped for it, and started again
+The second soak reuses the first one's reference losses (`--reference`: same spec, an uninterrupted run), so both
+take about 3 minutes of faults beside one reference job. The soak runs its own operator behind the fault proxy: the session's operator is stopped for it, and started again
 (re-installed: the soak's release points the webhook at its own operator) afterwards.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,6 +27,7 @@ pytestmark = pytest.mark.slow
 
 FIXED_SEED = 41
 MINUTES = 1.5
+STEPS = 150
 # Faults per hour: high, so that a minute and a half meets most kinds (a 3-minute CI budget for both soaks).
 RATES = ("sigkill-rank=400,sigstop-rank=120,node-down=60,delete-pod=120,evict-pod=120,operator-kill=60,"
          "operator-restart=60,api-5xx=240,api-429=240,api-slow=120,watch-cut=240,watch-gone=120,"
@@ -42,16 +45,28 @@ def own_operator(testbed: Testbed, seqtrain_operator: Operator) -> Iterator[None
         seqtrain_operator.start()
 
 
+@pytest.fixture(scope="module")
+def reference_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the first soak leaves its reference losses: the second one (same spec) reuses them."""
+    return tmp_path_factory.mktemp("chaos-reference")
+
+
 @pytest.mark.timeout(3600)
 @pytest.mark.parametrize("which", ["fixed", "random"])
-def test_a_short_soak_violates_no_invariant(own_operator: None, tmp_path: Path, which: str) -> None:
+def test_a_short_soak_violates_no_invariant(own_operator: None, tmp_path: Path, reference_dir: Path,
+                                            which: str) -> None:
     from seqtrain_operator.chaos import bench
 
     seed = FIXED_SEED if which == "fixed" else random.SystemRandom().randrange(2**31)
-    argv = ["--seed", str(seed), "--minutes", str(MINUTES), "--load-jobs", "2", "--steps", "200",
+    argv = ["--seed", str(seed), "--minutes", str(MINUTES), "--load-jobs", "2", "--steps", str(STEPS),
             "--rates", RATES, "--out", str(tmp_path / "chaos.json")]
+    reference = reference_dir / "reference.jsonl"
+    if reference.exists():
+        argv += ["--reference", str(reference)]
     print(f"chaos soak seed {seed}: seqtrain bench chaos {' '.join(argv)}")
     rc = bench.main(argv)
+    if (tmp_path / "chaos.reference.jsonl").exists() and not reference.exists():
+        shutil.copy(tmp_path / "chaos.reference.jsonl", reference)
     result = json.loads((tmp_path / "chaos.json").read_text())
     replay = f"replay: seqtrain bench chaos {' '.join(argv)} (events: {result.get('events_log')})"
     assert result["violations"] == [], f"{json.dumps(result['violations'], indent=1)}\n{replay}"

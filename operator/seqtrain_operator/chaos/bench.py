@@ -338,6 +338,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--rates", default="", help="faults per hour by kind, e.g. sigkill-rank=120,node-down=0 "
                    f"(kinds: {', '.join(schedule.KINDS)})")
     p.add_argument("--volume-mib", type=int, default=1024, help="size of the checkpoint tmpfs (root only)")
+    p.add_argument("--reference", metavar="METRICS_JSONL",
+                   help="the losses of an uninterrupted run of the same --steps (an earlier soak's "
+                   "<out>.reference.jsonl) instead of running the reference job")
     p.add_argument("--operator-source", metavar="DIR", help="run the operator of this checkout (default: this one)")
     p.add_argument("--keep-testbed", action="store_true", help="leave a testbed this run started up")
     p.add_argument("--out", default="chaos.json", help="the JSON figure (events: <out>.events.jsonl)")
@@ -351,6 +354,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             p.error(f"--{name} must be at least 1")
     if args.minutes <= 0:
         p.error("--minutes must be more than 0")
+    if args.reference:
+        got, _ = _losses(Path(args.reference))
+        if sorted(got) != list(range(1, args.steps + 1)):
+            p.error(f"--reference: {args.reference} holds {len(got)} steps, not steps 1..{args.steps} of an "
+                    "uninterrupted run (run without --reference, or with the same --steps)")
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
     _log(f"seed {seed} (reproduce: seqtrain bench chaos --seed {seed} ...)")
     out = Path(args.out).resolve()
@@ -401,12 +409,17 @@ def _soak(world: World, args: argparse.Namespace, seed: int, events: list[schedu
     checker = threading.Thread(target=check_loop, name="chaos-checker", daemon=True)
     checker.start()
     try:
-        _log("reference job (no faults)")
-        world.submit("ref", "reference", spec)
-        _wait_ended(world, ["ref"])
-        reference, _ = _losses(world.volume / "ref" / "metrics.jsonl")
-        if len(reference) != args.steps:
-            chk._violate(world.now(), "ref", "reference incomplete", f"{len(reference)} of {args.steps} steps")
+        if args.reference:
+            reference, _ = _losses(Path(args.reference))
+        else:
+            _log("reference job (no faults)")
+            world.submit("ref", "reference", spec)
+            _wait_ended(world, ["ref"])
+            reference, _ = _losses(world.volume / "ref" / "metrics.jsonl")
+            if len(reference) != args.steps:
+                chk._violate(world.now(), "ref", "reference incomplete", f"{len(reference)} of {args.steps} steps")
+        out.with_suffix(".reference.jsonl").write_text(
+            "".join(json.dumps({"step": k, "loss": v}) + "\n" for k, v in sorted(reference.items())))
         start = world.now()
         counter = 0
         load_until: dict[str, float] = {}
@@ -460,7 +473,7 @@ def _soak(world: World, args: argparse.Namespace, seed: int, events: list[schedu
         _wait_ended(world, trainers)
         for name in list(load_until):
             world.delete_job(name, "load")
-        for name in trainers + ["ref"]:
+        for name in trainers + (["ref"] if "ref" in chk.jobs else []):
             world.delete_job(name, "trainer")
         _wait_pods_gone(world)
     finally:

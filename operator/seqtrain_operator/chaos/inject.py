@@ -154,8 +154,14 @@ class Injector:
         return pods[ev.pick % len(pods)]
 
     def _delete_pod(self, ev: Event) -> Hit:
+        from kubernetes import client
         job, pod = self._pick_pod(ev)
-        self.world.core.delete_namespaced_pod(pod["name"], pod["namespace"])
+        try:
+            self.world.core.delete_namespaced_pod(pod["name"], pod["namespace"])
+        except client.ApiException as exc:
+            if exc.status != 404:
+                raise
+            raise Skip(f"{pod['name']} went before it could be deleted") from None
         return Hit([job], pod["name"])
 
     def _evict_pod(self, ev: Event) -> Hit:
