@@ -25,7 +25,7 @@ from seqtrain.engine.global_state import GlobalState
 from seqtrain.models.loss import CausalLMLoss
 from seqtrain.optim.build import build_optimizer, build_scheduler
 from seqtrain.runtime.dist import DistContext
-from seqtrain.runtime.precision import MixedPrecision
+from seqtrain.runtime.precision import MasterWeights, MixedPrecision
 from seqtrain.spec.job import SeqTrainJob
 
 
@@ -73,6 +73,13 @@ class Engine(ABC):
         # autocast + fp32 master weights; fp16 adds the dynamic loss scaler (its state is checkpointed)
         self.precision = MixedPrecision(job.spec.optimization.precision, ctx.device)
         self._skips_on_device: bool | None = None  # skips_on_device(self.optimizer), once the engine wrapped it
+        self.master: MasterWeights | None = None  # paramDtype bf16: the fp32 masters of the bf16 parameters
+
+    @property
+    def state_module(self) -> nn.Module:
+        """What the optimizer steps and checkpoints hold: the model, or with bf16 parameters the module of their
+        fp32 masters under the same names."""
+        return self.master.module if self.master is not None else self.model
 
     @abstractmethod
     def step(self, micro_batches: list[Batch]) -> StepStats: ...
@@ -110,7 +117,7 @@ class Engine(ABC):
 
     def _clip(self) -> torch.Tensor:
         """Global gradient L2 norm before clipping, as a device tensor (clipped in place to training.gradClip)."""
-        params = [p for p in self.model.parameters() if p.grad is not None]
+        params = [p for p in self.state_module.parameters() if p.grad is not None]
         clip = self.job.spec.training.grad_clip
         return torch.nn.utils.clip_grad_norm_(params, clip if clip is not None else math.inf)
 
@@ -124,6 +131,17 @@ class Engine(ABC):
           non-finite flag as a device tensor, and the figures are read once, after `optimizer.step()` was queued;
         - any other optimizer needs the norm on the host to decide whether to step: one read before the step.
         """
+        if self.master is not None:  # paramDtype bf16: clip and update the fp32 masters with fp32 gradients
+            self.master.step_grads()
+        stats = self._clip_and_step(batches, loss_sum, tokens)
+        self.precision.update(stats.skipped)  # fp16: halve the scale after an overflow, grow after a good run
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        stats.loss_scale = self.precision.loss_scale
+        return stats
+
+    def _clip_and_step(self, batches: list[Batch], loss_sum: torch.Tensor, tokens: torch.Tensor) -> StepStats:
+        """`_update` without the schedule: unscale (fp16), clip, all-reduce the figures, step unless non-finite."""
         overflow = self.precision.unscale_and_check(self.model.parameters())  # sync: fp16's scaler only
         grad_norm = self._clip()
         # a fill kernel with the count as its argument: no host-to-device copy (torch.tensor(x, device=cuda) is one)
@@ -141,6 +159,7 @@ class Engine(ABC):
                 self.optimizer.step()
             finally:
                 del self.optimizer.found_inf
+            self._refresh()
             norm, loss, ntok, nslots = figures.tolist()  # sync: the step's one read, after the update is queued
             skipped = not math.isfinite(norm)
         else:
@@ -148,11 +167,13 @@ class Engine(ABC):
             skipped = overflow or not math.isfinite(norm)  # skipping keeps inf/NaN out of the weights
             if not skipped:
                 self.optimizer.step()
-        self.precision.update(skipped)  # fp16: halve the scale after an overflow, grow after a good run
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return StepStats(loss_sum=loss, target_tokens=int(ntok), slots=int(nslots), grad_norm=norm, skipped=skipped,
-                         loss_scale=self.precision.loss_scale)
+                self._refresh()
+        return StepStats(loss_sum=loss, target_tokens=int(ntok), slots=int(nslots), grad_norm=norm, skipped=skipped)
+
+    def _refresh(self) -> None:
+        """bf16 parameters: round the updated (or loaded) fp32 masters into them."""
+        if self.master is not None:
+            self.master.refresh()
 
     @property
     def lr(self) -> float:
@@ -180,16 +201,13 @@ class Engine(ABC):
         return float(total), int(count)
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "precision": self.precision.state_dict(),
-        }
+        return {"model": self.state_module.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(), "precision": self.precision.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.model.load_state_dict(state["model"])
+        self.state_module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
+        self._refresh()
         self.scheduler.load_state_dict(state["scheduler"])
         self._reapply_schedule()
         if state.get("precision"):
@@ -226,8 +244,8 @@ class Engine(ABC):
         )
 
         opts = StateDictOptions(flatten_optimizer_state_dict=True)
-        tree = {"model": get_model_state_dict(self.model, options=opts),
-                "optim": get_optimizer_state_dict(self.model, self.optimizer, options=opts),
+        tree = {"model": get_model_state_dict(self.state_module, options=opts),
+                "optim": get_optimizer_state_dict(self.state_module, self.optimizer, options=opts),
                 "scheduler": self.scheduler.state_dict(), "precision": self.precision.state_dict()}
         return self.global_state.to_global(tree) if self.global_state is not None else tree
 
@@ -246,8 +264,9 @@ class Engine(ABC):
         dcp_format.read(folder, target, self._dcp_group())
         if self.global_state is not None:
             target = self.global_state.to_local(target)
-        set_model_state_dict(self.model, target["model"], options=opts)
-        set_optimizer_state_dict(self.model, self.optimizer, target["optim"], options=opts)
+        set_model_state_dict(self.state_module, target["model"], options=opts)
+        set_optimizer_state_dict(self.state_module, self.optimizer, target["optim"], options=opts)
+        self._refresh()
         self.scheduler.load_state_dict(target["scheduler"])
         self._reapply_schedule()
         if target.get("precision"):

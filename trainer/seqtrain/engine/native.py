@@ -1,4 +1,6 @@
-"""The native engine: PyTorch DistributedDataParallel (gloo on CPU, nccl on CUDA), fp32/bf16/fp16 autocast."""
+"""The native engine: PyTorch DistributedDataParallel (gloo on CPU, nccl on CUDA), fp32/bf16/fp16 autocast, and
+with `optimization.paramDtype: bf16` bf16 parameters and gradients over fp32 master weights
+(`seqtrain.runtime.precision.MasterWeights`)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from seqtrain.data import Batch
 from seqtrain.engine.base import Engine, StepStats
 from seqtrain.runtime.dist import DistContext
+from seqtrain.runtime.exitcodes import InvalidConfig
+from seqtrain.runtime.precision import MasterWeights
 from seqtrain.spec.job import SeqTrainJob
 
 
@@ -18,6 +22,13 @@ class NativeEngine(Engine):
 
     def __init__(self, model: nn.Module, job: SeqTrainJob, ctx: DistContext) -> None:
         super().__init__(model, job, ctx)
+        if job.spec.optimization.param_dtype == "bf16":
+            # bf16 parameters from here on (DDP's buckets take the parameters' dtype): fp32 masters for the update
+            if self.precision.name != "bf16":
+                raise InvalidConfig(f"spec.optimization.paramDtype: bf16 computes in bf16, and precision "
+                                    f"{job.spec.optimization.precision} runs {self.precision.name} on "
+                                    f"{ctx.device.type}: set optimization.precision: bf16, or paramDtype: fp32")
+            self.master = MasterWeights(model, self.optimizer)
         self.wrapped: nn.Module = self.loss_module
         if ctx.distributed and ctx.dp_size > 1:
             self.wrapped = DDP(

@@ -178,6 +178,72 @@ class MixedPrecision:
             self.scaler.load_state_dict(state["scaler"])
 
 
+class MasterWeights:
+    """bf16 parameters and gradients with fp32 master weights inside the optimizer step (`paramDtype: bf16`).
+
+    The model's trained parameters become bf16 (forward and backward read them without a per-micro-batch cast;
+    gradients are bf16, half the bytes to reduce). Each has an fp32 master, and the optimizer steps the masters:
+    `step_grads()` hands them the bf16 gradients as fp32 ones, so clipping, the update and the optimizer's fp32
+    state are what fp32 parameters get; `refresh()` rounds every master into its bf16 parameter (the only
+    rounding). The parameters themselves are never swapped (a dtype change through `.data` would drop the hooks
+    DDP registered on their gradient accumulators).
+
+    `module` is a plain module that holds the same names as the model: the fp32 masters where the model trains a
+    parameter, the model's own frozen parameters (LoRA's base) and buffers elsewhere. Checkpoints and state dicts
+    read and write it, so they hold the fp32 masters under the model's names: resume is exact and the format is
+    that of fp32 parameters."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 dtype: torch.dtype = torch.bfloat16) -> None:
+        self.module = torch.nn.Module()
+        master_of: dict[int, torch.nn.Parameter] = {}
+        self.params: list[torch.nn.Parameter] = []  # the model's trained parameters, each once (tied ones too)
+        self.masters: list[torch.nn.Parameter] = []
+        for name, p in model.named_parameters(remove_duplicate=False):
+            if p.requires_grad and p.is_floating_point():
+                if id(p) not in master_of:
+                    # an fp32 parameter's own storage becomes its master; the bf16 copy is allocated below
+                    master_of[id(p)] = torch.nn.Parameter(p.detach().float())
+                    self.params.append(p)
+                    self.masters.append(master_of[id(p)])
+                _place(self.module, name, master_of[id(p)])
+            else:
+                _place(self.module, name, p)
+        owners = dict(model.named_modules(remove_duplicate=False))
+        for name, b in model.named_buffers(remove_duplicate=False):
+            owner, _, leaf = name.rpartition(".")
+            _place(self.module, name, b, persistent=leaf not in owners[owner]._non_persistent_buffers_set)
+        for p in self.params:
+            p.data = p.data.to(dtype)
+        for group in optimizer.param_groups:  # the optimizer, built over the model, steps the masters instead
+            group["params"] = [master_of.get(id(p), p) for p in group["params"]]
+
+    def step_grads(self) -> None:
+        """The model's bf16 gradients as the masters' fp32 gradients; the bf16 ones are dropped."""
+        for p, m in zip(self.params, self.masters, strict=True):
+            m.grad = None if p.grad is None else p.grad.float()
+            p.grad = None
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """Round every master into its bf16 parameter (after an update or a load), in one launch."""
+        torch._foreach_copy_(self.params, self.masters)
+
+
+def _place(root: torch.nn.Module, name: str, tensor: torch.Tensor, persistent: bool = True) -> None:
+    """Register `tensor` at dotted `name` under `root`, creating plain modules on the way (a parameter or buffer)."""
+    *path, leaf = name.split(".")
+    module = root
+    for part in path:
+        if part not in module._modules:
+            module.add_module(part, torch.nn.Module())
+        module = module._modules[part]
+    if isinstance(tensor, torch.nn.Parameter):
+        module.register_parameter(leaf, tensor)
+    else:
+        module.register_buffer(leaf, tensor, persistent=persistent)
+
+
 def grads_finite(params: Iterable[torch.nn.Parameter]) -> bool:
     """True when every gradient is finite (one host sync)."""
     grads = [p.grad for p in params if p.grad is not None]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from seqtrain.spec.base import DAY, SpecModel
 
@@ -30,6 +30,11 @@ class OptimizationSpec(SpecModel):
     precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
         "auto", description="Compute precision (master weights stay fp32). auto: bf16 on a CUDA GPU that supports it, "
         "else fp32 (the CPU always runs fp32).")
+    param_dtype: Literal["fp32", "bf16"] = Field(
+        "fp32", description="Storage of the trained parameters and their gradients. bf16: bf16 parameters and "
+        "gradients with an fp32 master copy the optimizer updates (half the weight and gradient bytes, no per-step "
+        "re-cast of the weights); needs precision bf16 (or auto on a bf16 GPU) and the native DDP engine without "
+        "tensor or pipeline parallel. Checkpoints hold the fp32 master weights either way.")
     engine: Literal["auto", "native", "deepspeed"] = Field(
         "auto", description="native: DDP/FSDP2; deepspeed: DeepSpeed ZeRO engine; auto: deepspeed when zero.stage > 0."
     )
@@ -56,6 +61,32 @@ class OptimizationSpec(SpecModel):
     comm_timeout_seconds: int = Field(
         600, ge=10, le=DAY, description="Collective timeout; on expiry every rank reports what it waited for and exits."
     )
+
+    @model_validator(mode="after")
+    def _param_dtype_fits(self) -> OptimizationSpec:
+        why = param_dtype_problem(self)
+        if why is not None:
+            raise ValueError(why)
+        return self
+
+
+def param_dtype_problem(opt: OptimizationSpec) -> str | None:
+    """Why `paramDtype: bf16` cannot run with the rest of `opt`; None when it can (or it is fp32). `precision: auto`
+    passes here and is checked on the rank, once the device it resolves on is known."""
+    if opt.param_dtype == "fp32":
+        return None
+    where = "paramDtype: bf16"
+    if opt.precision in ("fp32", "fp16"):
+        return (f"{where} computes in bf16, and precision is {opt.precision}: set precision: bf16 (or auto), or "
+                "paramDtype: fp32")
+    if opt.engine == "deepspeed" or opt.zero.stage > 0:
+        return (f"{where} is the native DDP engine's: with zero.stage {opt.zero.stage} / engine {opt.engine} the "
+                "engine keeps bf16 compute weights and fp32 masters itself under precision bf16; set paramDtype: fp32")
+    if opt.tensor_parallel > 1 or opt.pipeline_parallel > 1:
+        return (f"{where} runs with data parallel only (tensorParallel {opt.tensor_parallel}, pipelineParallel "
+                f"{opt.pipeline_parallel}): set paramDtype: fp32, or both degrees to 1")
+    return None
+
 
 
 AUTO_PRECISION = "auto: bf16 on a bf16-capable GPU, else fp32"
