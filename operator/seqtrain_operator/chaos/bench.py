@@ -262,14 +262,14 @@ class World:
         for i, line in enumerate(lines):
             if "Traceback (most recent call last)" in line:
                 tail = next((x for x in lines[i + 1:] if x and not x.startswith((" ", "Traceback"))), "")
-                self.checker._violate(self.now(), "-", "operator traceback", tail[:300] or line)
+                self.checker.violate(self.now(), "-", "operator traceback", tail[:300] or line)
 
     def _status_writes(self) -> None:
         recs = self.proxy.requests()
         for r in recs[self.proxy_seen:]:
             if (r.method == "PATCH" and r.path.endswith("/status") and "/seqtrainjobs/" in r.path and not r.injected
                     and 400 <= r.status < 500 and r.status not in (404, 409)):
-                self.checker._violate(self.now(), r.path.split("/")[-2], "status write refused",
+                self.checker.violate(self.now(), r.path.split("/")[-2], "status write refused",
                                       f"PATCH {r.path} answered {r.status}")
         self.proxy_seen = len(recs)
 
@@ -417,7 +417,7 @@ def _soak(world: World, args: argparse.Namespace, seed: int, events: list[schedu
             _wait_ended(world, ["ref"])
             reference, _ = _losses(world.volume / "ref" / "metrics.jsonl")
             if len(reference) != args.steps:
-                chk._violate(world.now(), "ref", "reference incomplete", f"{len(reference)} of {args.steps} steps")
+                chk.violate(world.now(), "ref", "reference incomplete", f"{len(reference)} of {args.steps} steps")
         out.with_suffix(".reference.jsonl").write_text(
             "".join(json.dumps({"step": k, "loss": v}) + "\n" for k, v in sorted(reference.items())))
         start = world.now()
@@ -530,7 +530,7 @@ def _figure(world: World, result: dict[str, Any], limits: dict[str, tuple[int, i
     lost = sum(sum((t.status.get("lostSeconds") or {}).values()) for t in trainers.values())
     limit = chart_memory_limit()
     if limit is not None and world.peak_rss > limit:
-        chk._violate(world.now(), "-", "operator memory", f"peak RSS {world.peak_rss >> 20} MiB over the chart's "
+        chk.violate(world.now(), "-", "operator memory", f"peak RSS {world.peak_rss >> 20} MiB over the chart's "
                      f"limit {limit >> 20} MiB")
     result.update({
         "jobs_run": len(trainers), "load_jobs_run": sum(t.kind == "load" for t in chk.jobs.values()),

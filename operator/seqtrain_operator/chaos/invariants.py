@@ -108,7 +108,7 @@ class Checker:
     def corrupted(self, job: str, step: int) -> None:
         self.jobs[job].corrupted.add(step)
 
-    def _violate(self, now: float, job: str, what: str, detail: str) -> None:
+    def violate(self, now: float, job: str, what: str, detail: str) -> None:
         self.violations.append(Violation(now, job, what, detail))
 
     def observe(self, now: float, objects: Iterable[Mapping[str, Any]], pods: Iterable[Mapping[str, Any]],
@@ -137,7 +137,7 @@ class Checker:
                     and now - track.last_change > limit):
                 track.stuck_reported = True
                 self.stuck += 1
-                self._violate(now, name, "stuck", f"phase {track.phase or '-'}, no change for "
+                self.violate(now, name, "stuck", f"phase {track.phase or '-'}, no change for "
                               f"{now - track.last_change:.0f}s (its deadline {limit:.0f}s); status {st}")
         self._pods(now, pods, present, down_nodes)
         for name, steps in checkpoints.items():
@@ -160,7 +160,7 @@ class Checker:
                 if key not in track.dup_suspect:  # counted once per pod
                     track.dup_suspect.add(key)
                     self.orphans += 1
-                    self._violate(now, job, "orphan pod", f"{meta['name']} still there "
+                    self.violate(now, job, "orphan pod", f"{meta['name']} still there "
                                   f"{now - track.deleted_at:.0f}s after its job was deleted")
                 continue
             if meta.get("deletionTimestamp") or (pod.get("status") or {}).get("phase") in TERMINAL:
@@ -173,7 +173,7 @@ class Checker:
                 # Seen twice in a row: not a moment between the operator's delete and the list.
                 if key in track.dup_suspect:
                     self.duplicate_pods += len(names) - 1
-                    self._violate(now, job, "duplicate pods", f"replica {replica}: {sorted(names)} all live")
+                    self.violate(now, job, "duplicate pods", f"replica {replica}: {sorted(names)} all live")
                     track.dup_suspect.discard(key)
                     track.dup_suspect.add(f"reported:{key}")
                 elif f"reported:{key}" not in track.dup_suspect:
@@ -197,7 +197,7 @@ class Checker:
             newest = max(loadable, default=None)
             if newest is not None and (resumed is None or resumed < newest):
                 self.checkpoints_lost += 1
-                self._violate(now, name, "older checkpoint" if resumed is not None else "restart from scratch",
+                self.violate(now, name, "older checkpoint" if resumed is not None else "restart from scratch",
                               f"started {'from scratch' if resumed is None else f'from step {resumed}'} while "
                               f"step {newest} was loadable (published: {sorted(before)}, corrupted by the soak: "
                               f"{sorted(track.corrupted)})")
@@ -212,24 +212,24 @@ class Checker:
             if track.kind == "load":
                 continue
             if track.phase not in TERMINAL:
-                self._violate(now, name, "not ended", f"phase {track.phase or '-'} at the end of the soak")
+                self.violate(now, name, "not ended", f"phase {track.phase or '-'} at the end of the soak")
                 continue
             if track.phase == "Failed":
                 training = sum(k in TRAINING_FAULTS for k in track.faults)
                 infra = sum(k in INFRA_FAULTS for k in track.faults)
                 max_r, max_i = restart_limit.get(name, (0, 0))
                 if training <= max_r and infra <= max_i:
-                    self._violate(now, name, "unexpected failure", f"{training} training and {infra} infrastructure "
+                    self.violate(now, name, "unexpected failure", f"{training} training and {infra} infrastructure "
                                   f"faults within budget ({max_r}, {max_i}): {track.message}")
                 elif not any(re.search(FAULT_WORDS.get(k, "$^"), track.message, re.I) for k in set(track.faults)):
-                    self._violate(now, name, "failure names no fault",
+                    self.violate(now, name, "failure names no fault",
                                   f"faults {sorted(set(track.faults))}; message: {track.message}")
             if track.phase == "Succeeded" and reference is not None and name in losses:
                 got, twice = losses[name]
                 wrong = sorted(s for s in reference if got.get(s) != reference[s])
                 if wrong:
                     s = wrong[0]
-                    self._violate(now, name, "wrong losses", f"{len(wrong)} steps differ from the uninterrupted run, "
+                    self.violate(now, name, "wrong losses", f"{len(wrong)} steps differ from the uninterrupted run, "
                                   f"first step {s}: {got.get(s)} vs {reference[s]} (faults {track.faults})")
 
     def expected_failure(self, name: str, limits: tuple[int, int]) -> bool:
