@@ -87,3 +87,30 @@ def test_in_place_restarts_need_the_coordinator_port() -> None:
                              grace_period=30, in_place_delays=(1.0,))
     assert contract.cpu_share(2, 4) == 1 and contract.cpu_share(16, 4) == 4
     assert contract.term_grace_seconds(3) == 1
+
+
+def test_a_running_local_replica_sees_what_its_pod_would(tmp_path) -> None:  # noqa: ANN001
+    """The local backend started for real (a fake rank that dumps its environment) against the pod builder."""
+    import json
+    import sys
+    import time
+
+    names = sorted({*pod_env(job(2, 0), 1, 0, ()), *DIFFERENCES} - {"SEQTRAIN_JOB"})
+    dump = (f"import json, os; json.dump({{k: os.environ.get(k) for k in {names!r}}}, "
+            f"open(r'{tmp_path}/env-' + os.environ['SEQTRAIN_REPLICA'], 'w'))")
+    gang = local.LocalGang.start(1, replicas=2, procs_per_replica=1, gpus_per_replica=0, config_path="unused",
+                                 log_dir=str(tmp_path / "logs"), command=[sys.executable, "-c", dump])
+    try:
+        deadline = time.monotonic() + 60
+        while not all((tmp_path / f"env-{r}").exists() for r in range(2)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for replica in range(2):
+            ran = {k: v for k, v in json.loads((tmp_path / f"env-{replica}").read_text()).items() if v is not None}
+            pod = pod_env(job(2, 0), 1, replica, ())
+            same = (pod.keys() & ran.keys()) - DIFFERENCES.keys()
+            assert same >= {"WORLD_SIZE", "RANK", "NODE_RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SEQTRAIN_ATTEMPT",
+                            "SEQTRAIN_REPLICA", "PYTHONUNBUFFERED"}
+            assert {k: ran[k] for k in same} == {k: pod[k] for k in same}
+            assert (pod.keys() - ran.keys()) - {"SEQTRAIN_JOB"} <= {k for k, o in DIFFERENCES.items() if o == "pod"}
+    finally:
+        gang.stop(grace=0)
