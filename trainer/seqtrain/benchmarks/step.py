@@ -6,7 +6,8 @@ loss SUM divided by the token count, as the engines do) against `BareGPT` below:
 block (RMSNorm, RoPE, causal SDPA, SwiGLU, tied embeddings, same parameter count) written the way a user writes
 it. Both run in this process on one thread (`torch.set_num_threads(1)`), in interleaved rounds so machine noise
 hits both alike; each figure is the median over every measured step, in CPU time (`time.process_time`) and wall
-time. The ratio is seqtrain's median over the bare model's.
+time. The ratio is seqtrain's median over the bare model's. A third figure, the engine's whole step
+(`EngineStepper`: what `seqtrain run` executes per step, gradient clipping included), is reported beside them.
 
 Start-up: `seqtrain run examples/quickstart.yaml` in a fresh run folder, the time from the command's start to
 its first step's metrics record (metrics.jsonl), median of `--startup-runs` runs; the run is stopped there.
@@ -116,6 +117,42 @@ def bare_model() -> tuple[nn.Module, Callable[[torch.Tensor, torch.Tensor], torc
     return module, module
 
 
+ENGINE_JOB = """
+apiVersion: seqtrain.dev/v1alpha1
+kind: SeqTrainJob
+metadata: {name: step-bench}
+spec:
+  model: {arch: gpt, dim: %(dim)d, layers: %(layers)d, heads: %(heads)d, ffnDim: %(ffn)d, maxSeqLen: %(seq)d}
+  data: {source: builtin, seqLen: %(seq)d}
+  training: {steps: 1000, globalBatchSize: %(batch)d, microBatchSize: %(batch)d,
+             optimizer: {lr: 0.001, betas: [0.9, 0.99]}}
+"""
+
+
+class EngineStepper:
+    """seqtrain's whole training step: the native engine's `step` (loss normalisation, backward, gradient
+    clipping at training.gradClip 1.0 as nanoGPT clips, AdamW, the schedule, the step's figures)."""
+
+    def __init__(self, seed: int) -> None:
+        from seqtrain.data import Batch
+        from seqtrain.engine import build_engine
+        from seqtrain.models import build_model
+        from seqtrain.runtime.dist import DistContext
+        from seqtrain.spec import load_job, resolve
+
+        torch.manual_seed(seed)
+        job = resolve(load_job(ENGINE_JOB % SIZE))  # the byte tokenizer's data: the model gets SIZE's vocabulary
+        model = build_model(job.spec.model.model_copy(update={"vocab_size": SIZE["vocab"]}))
+        self.params = sum(p.numel() for p in model.parameters())
+        self.engine = build_engine(model, job, DistContext())
+        g = torch.Generator().manual_seed(seed)
+        rows = torch.randint(0, SIZE["vocab"], (SIZE["batch"], SIZE["seq"] + 1), generator=g)
+        self.batch = Batch(tokens=rows[:, :-1].contiguous(), targets=rows[:, 1:].contiguous())
+
+    def step(self) -> float:
+        return self.engine.step([self.batch]).loss_sum
+
+
 class Stepper:
     """One model, its AdamW (nanoGPT's settings) and a fixed batch; `step()` runs one training step."""
 
@@ -139,7 +176,7 @@ class Stepper:
         return float(loss.detach())
 
 
-def time_steps(stepper: Stepper, n: int) -> tuple[list[float], list[float]]:
+def time_steps(stepper: Stepper | EngineStepper, n: int) -> tuple[list[float], list[float]]:
     cpu, wall = [], []
     for _ in range(n):
         c0, w0 = time.process_time(), time.perf_counter()
@@ -149,12 +186,15 @@ def time_steps(stepper: Stepper, n: int) -> tuple[list[float], list[float]]:
     return cpu, wall
 
 
-def measure_steps(rounds: int, steps: int, warmup: int) -> dict[str, Any]:
+def measure_steps(rounds: int, steps: int, warmup: int, engine: bool = True) -> dict[str, Any]:
     """Interleaved rounds of `steps` steps per model (the order alternates per round); medians over all steps."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        models = {"seqtrain": Stepper(seqtrain_model, 0), "bare": Stepper(bare_model, 0)}
+        models: dict[str, Stepper | EngineStepper] = {"seqtrain": Stepper(seqtrain_model, 0),
+                                                      "bare": Stepper(bare_model, 0)}
+        if engine:
+            models["seqtrain_engine"] = EngineStepper(0)
         for s in models.values():
             time_steps(s, warmup)
         cpu: dict[str, list[float]] = {k: [] for k in models}
@@ -162,7 +202,8 @@ def measure_steps(rounds: int, steps: int, warmup: int) -> dict[str, Any]:
         per_round = []
         for r in range(rounds):
             row = {}
-            for name in (("seqtrain", "bare") if r % 2 == 0 else ("bare", "seqtrain")):
+            order = list(models) if r % 2 == 0 else list(reversed(models))
+            for name in order:
                 c, w = time_steps(models[name], steps)
                 cpu[name] += c
                 wall[name] += w
@@ -179,6 +220,8 @@ def measure_steps(rounds: int, steps: int, warmup: int) -> dict[str, Any]:
         "ratio_cpu": med["seqtrain"]["cpu_ms"] / med["bare"]["cpu_ms"],
         "ratio_wall": med["seqtrain"]["wall_ms"] / med["bare"]["wall_ms"],
         "ratio_cpu_per_round": [round(x["ratio_cpu"], 4) for x in per_round],
+        **({"seqtrain_engine": med["seqtrain_engine"],
+            "ratio_engine_cpu": med["seqtrain_engine"]["cpu_ms"] / med["bare"]["cpu_ms"]} if engine else {}),
     }
 
 
@@ -232,16 +275,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=10, help="steps per model before measuring (default 10)")
     p.add_argument("--startup-runs", type=int, default=3, help="start-up measurements, 0 to skip (default 3)")
     p.add_argument("--config", default=QUICKSTART, help=f"job whose start-up is measured (default {QUICKSTART})")
+    p.add_argument("--no-engine", action="store_true", help="skip the third figure: the engine's whole step")
     p.add_argument("--out", default="step-bench.json")
     a = p.parse_args(argv)
     if a.startup_runs > 0 and not os.path.exists(a.config):
         print(f"seqtrain bench step: --config {a.config}: no such file; run from the repository root or pass "
               "--config PATH (or --startup-runs 0)", file=sys.stderr)
         return 2
-    step = measure_steps(a.rounds, a.steps, a.warmup)
+    step = measure_steps(a.rounds, a.steps, a.warmup, engine=not a.no_engine)
     print(f"step: seqtrain {step['seqtrain']['cpu_ms']:.2f} ms CPU ({step['seqtrain']['wall_ms']:.2f} wall), "
           f"bare {step['bare']['cpu_ms']:.2f} ms CPU ({step['bare']['wall_ms']:.2f} wall): "
           f"{step['ratio_cpu']:.3f}x CPU, {step['ratio_wall']:.3f}x wall")
+    if "seqtrain_engine" in step:
+        print(f"seqtrain's engine step (clipping, schedule, figures): {step['seqtrain_engine']['cpu_ms']:.2f} ms CPU: "
+              f"{step['ratio_engine_cpu']:.3f}x the bare model's step")
     startup = measure_startup(a.config, a.startup_runs, 300.0) if a.startup_runs > 0 else None
     if startup:
         print(f"start-up to the first step of {a.config}: {startup['first_step_s']:.2f} s (median of "
