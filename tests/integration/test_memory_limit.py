@@ -57,6 +57,8 @@ def test_auto_micro_batch_fits_the_limit_and_keeps_the_global_batch(tmp_path: Pa
     size, accum = int(said.group(1)), int(said.group(2))
     assert size <= first.size and size * accum == 64  # the probe confirms or steps down; the global batch is kept
     assert f"global batch 64 = {size} x {accum} accum x 1 dp" in log
+    progress = json.loads((tmp_path / "status.json").read_text())["progress"]
+    assert progress["microBatchSize"] == size and progress["microBatchReason"].startswith(f"microBatchSize auto -> {size}")
     metrics = [json.loads(ln) for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2, 3]
     assert all(m["slots"] == 64 * 128 for m in metrics)  # 64 sequences of seqLen 128 per step

@@ -36,6 +36,7 @@ from seqtrain.checkpoint.discovery import quarantined
 from seqtrain.spec import SeqTrainJob, SpecError, load_job_file, resolve
 from seqtrain.spec.cluster import quantity_value
 from seqtrain.spec.init_source import TOKENIZER_COMPANIONS
+from seqtrain.spec.memory import AUTO_CHOICE, AUTO_MARKER
 from seqtrain.spec.runtime import RuntimeConfig, write_trainer_config
 from seqtrain.spec.status import TERMINAL_PHASES, JobStatus, Layout, Progress
 from seqtrain_operator.controller import CreateGang, DeleteGang, Event, Observed, decide, utcnow
@@ -258,6 +259,7 @@ class LocalRun:
         self.startup: StartupWatch | None = None
         self.memory_warned = False
         self.limit = MemoryLimit(job.spec.resources.memory)  # resources.memory, enforced as a pod's limit is
+        self._auto_said: dict[int, tuple[int, str]] = {}  # attempt -> microBatchSize auto's choice and reason
 
     # ---- entry --------------------------------------------------------------------------------------------------
 
@@ -350,6 +352,8 @@ class LocalRun:
                 if r.phase == "Failed":
                     self.last_failed = r
             progress = with_trainer_progress(self.tail.progress(), os.path.join(self.workdir, "progress.json"))
+            if progress is not None and (said := self._auto_batch()) is not None:
+                progress = progress.model_copy(update={"micro_batch_size": said[0], "micro_batch_reason": said[1]})
             policy, at_risk = trainer_checkpoint_report(os.path.join(self.workdir, "progress.json"))
             observed = Observed(replicas=replicas, latest_checkpoint=latest_checkpoint(self.ckpt_dir),
                                 progress=progress, skipped_checkpoints=tuple(quarantined(self.ckpt_dir)),
@@ -392,6 +396,24 @@ class LocalRun:
                       f"{rec.get('step') if rec else '?'}), over resources.memory {res.memory} "
                       f"({limit_mb:,.0f} MiB): a pod with this limit would be OOM-killed; raise resources.memory "
                       "(seqtrain plan estimates it)", always=True)
+
+    def _auto_batch(self) -> tuple[int, str] | None:
+        """training.microBatchSize auto: the size rank 0 of the running attempt chose, and why (its log line)."""
+        if self.job.spec.training.micro_batch_size != "auto" or self.gang is None:
+            return None
+        key = self.gang.attempt
+        if self._auto_said.get(key) is None:
+            try:
+                with open(os.path.join(self.workdir, "attempts", str(key), "rank-0.log"), encoding="utf-8",
+                          errors="replace") as f:
+                    line = next((ln for ln in f if ln.startswith(AUTO_MARKER)), None)
+            except OSError:
+                line = None
+            m = AUTO_CHOICE.search(line or "")
+            if line is None or m is None:
+                return self._auto_said.get(key - 1)  # until this attempt says, the previous one's stands
+            self._auto_said[key] = (int(m.group(1)), line[len(AUTO_MARKER):].strip())
+        return self._auto_said[key]
 
     def _follow_startup(self, view: ProgressView) -> None:
         if self.startup is None or self.startup.view is not view:

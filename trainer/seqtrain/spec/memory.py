@@ -338,6 +338,10 @@ def quantity(x: float) -> str:
 
 # ---- training.microBatchSize: auto ---------------------------------------------------------------------------
 
+# The line rank 0 logs with auto's choice (seqtrain.train.autobatch); the local backend reads it into the status.
+AUTO_MARKER = "seqtrain autobatch: "
+AUTO_CHOICE = re.compile(r"microBatchSize auto -> (\d+)")
+
 
 @dataclass(frozen=True)
 class AutoBatch:

@@ -77,6 +77,10 @@ class Progress(_StatusModel):
     stop_reason: str | None = Field(None, description="Why training ended before training.steps, e.g. EarlyStopped.")
     stop_message: str | None = Field(None, description="Human-readable detail of stopReason.")
     attempt: int | None = Field(None, description="The gang attempt whose trainer reported this progress.")
+    micro_batch_size: int | None = Field(None, description="training.microBatchSize: auto: the size the trainer "
+                                         "chose (its probe steps confirmed it); null otherwise.")
+    micro_batch_reason: str | None = Field(None, description="Why auto chose microBatchSize, e.g. `microBatchSize "
+                                           "auto -> 8, gradient accumulation 2 (16 does not fit: ...)`.")
     training_started_at: str | None = Field(None, description="When this attempt's trainer began its first step "
                                             "(start-up and restart time end here).")
     checkpoint_seconds: float | None = Field(None, description="Time this attempt's training loop was blocked on "

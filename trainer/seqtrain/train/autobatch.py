@@ -26,9 +26,9 @@ from dataclasses import dataclass
 
 from seqtrain.spec.cluster import quantity_value
 from seqtrain.spec.job import SeqTrainJob
-from seqtrain.spec.memory import auto_micro_batch, estimate, gib, with_micro_batch
+from seqtrain.spec.memory import AUTO_MARKER, auto_micro_batch, estimate, gib, with_micro_batch
 
-MARKER = "seqtrain autobatch: "  # the line rank 0 logs: the choice and its reason
+MARKER = AUTO_MARKER  # the line rank 0 logs: the choice and its reason
 
 
 def resident_bytes(field: str = "VmRSS") -> int | None:
