@@ -78,7 +78,13 @@ def test_identity_comes_from_the_contract_only() -> None:
 
 
 def test_the_launcher_reads_the_names_the_contract_writes() -> None:
+    from seqtrain.runtime import restart
+
     assert (launch.GRACE_ENV, launch.LOG_DIR_ENV) == (contract.GRACE_ENV, contract.LOG_DIR_ENV)
+    assert (restart.DELAYS_ENV, restart.PORT_ENV) == (contract.INPLACE_DELAYS_ENV, contract.RESTART_PORT_ENV)
+    # and what it prints of a failed rank is what both backends read back
+    assert contract.first_rank_exit("x\nseqtrain launch: local rank 3 exited with code 137\n") == (3, 137)
+    assert contract.first_rank_exit("seqtrain launch: exit codes of local ranks ...") is None
 
 
 def test_in_place_restarts_need_the_coordinator_port() -> None:
