@@ -6,12 +6,12 @@ micro-batches, concatenated) are split into `optimization.microBatches` pipeline
 through the schedule (GPipe, 1F1B or interleaved 1F1B with two model chunks per rank). The loss function
 returns each micro-batch's loss SUM / the global target-token count (`scale_grads=False`), so the summed
 gradients equal the single-process ones. Afterwards: tied-embedding gradients summed between the first and
-last stage, gradients summed over the data-parallel group (flat buckets), mesh-wide norm and clipping, step.
+last stage, gradients summed over the data-parallel group (flat buckets), then `Engine._update`: mesh-wide norm
+and clipping, the step (skipped on device by a fused optimizer), the schedule.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -114,25 +114,19 @@ class PipelineEngine(Engine):
         self.ctx.all_reduce(count, group=self.ctx.dp_group)
         self._scale = 1.0 / count.clamp(min=1.0)  # a device tensor: the loss function needs no host value
         loss_sum = self._run(tokens, targets, self.n_micro, train=True)
-        params = list(self.model.parameters())
         if self.tied:
             self._sync_tied()
         if self.ctx.dp_size > 1:
-            all_reduce_grads(params, self.ctx.dp_group, self.job.spec.optimization.bucket_mb)
-        grad_norm = clip_grad_norm(self.model, self.grad_clip, self.ctx, self.tp_names, self.skip_names)
+            all_reduce_grads(list(self.model.parameters()), self.ctx.dp_group, self.job.spec.optimization.bucket_mb)
         loss_sum = loss_sum.to(dev)
         self.ctx.all_reduce(loss_sum, group=self.ctx.pp_group)  # only the last stage has losses
-        totals = torch.stack([loss_sum, torch.tensor(float(sum(b.slots for b in batches)), dtype=torch.float64,
-                                                     device=dev)])
-        self.ctx.all_reduce(totals, group=self.ctx.dp_group)
-        # The step's one host sync: the update decision needs the norm, the metrics the totals.
-        norm, loss, ntok, nslots = torch.stack([grad_norm, totals[0], count, totals[1]]).tolist()
-        skipped = not math.isfinite(norm)
-        if not skipped:
-            self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return StepStats(loss_sum=loss, target_tokens=int(ntok), slots=int(nslots), grad_norm=norm, skipped=skipped)
+        # clip, step and schedule as the data-parallel engines do: with a fused optimizer no host read comes
+        # before optimizer.step() (the figures are read once, after it is queued)
+        return self._update(batches, loss_sum, count)
+
+    def _clip(self) -> torch.Tensor:
+        """Mesh-wide gradient norm (every stage and tensor-parallel slice; the tied copy counted once), clipped."""
+        return clip_grad_norm(self.model, self.grad_clip, self.ctx, self.tp_names, self.skip_names)
 
     def _sync_tied(self) -> None:
         """Sum the tied embedding's gradient between its first-stage and last-stage copies."""
