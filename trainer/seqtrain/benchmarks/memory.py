@@ -159,48 +159,39 @@ def _packing_rows(name: str, corpus: Corpus, seq_lens: list[int], micro: int, st
     return rows
 
 
-# What a rank process holds before its model is built, started as the launcher starts it: the trainer's imports
-# (torch, the interpreter), the gloo process group of a 2-rank world, and glibc's settings from the launcher.
-_BASELINE_RANK = """
-import os, sys
-from seqtrain.runtime.launch import apply_malloc_defaults
-apply_malloc_defaults()
-import seqtrain.train.loop, seqtrain.train.callbacks  # what `seqtrain train` imports before it builds the model
-from seqtrain.runtime.dist import init_distributed, shutdown
-ctx = init_distributed(use_gpu=False, expected_world=int(os.environ["WORLD_SIZE"]))
-import torch.distributed as dist
-dist.barrier()
-with open("/proc/self/status") as f:
-    rss = {l.split(":")[0]: int(l.split()[1]) * 1024 for l in f if l.startswith(("VmRSS", "VmHWM"))}
-rss = max(rss.values())
-print(rss, flush=True)
-dist.barrier()
-shutdown(ctx)
-os._exit(0)
+BASELINE_JOB = """
+apiVersion: seqtrain.dev/v1alpha1
+kind: SeqTrainJob
+metadata: {name: baseline}
+spec:
+  replicas: 2
+  model: {arch: gpt, preset: tiny}
+  data: {source: synthetic, seqLen: 64, synthetic: {length: 16}}
+  training: {steps: 1, globalBatchSize: 2, microBatchSize: 1}
+  checkpoint: {intervalSteps: 1000}
 """
 
 
 def rank_baseline(world: int = 2, timeout: float = 300.0) -> list[int]:
-    """Resident bytes of each of `world` real rank processes (gloo on loopback) before the model: the process
-    baseline of the memory estimate (seqtrain.spec.memory.BASELINE_BYTES)."""
-    import os
-    import subprocess
+    """Resident bytes of each rank of a real `world`-rank job (gloo on loopback, started as the launcher starts
+    ranks) when it is about to build its model: the line every rank logs there (seqtrain.train.entry). The process
+    baseline of the memory estimate, seqtrain.spec.memory.BASELINE_BYTES."""
+    import re
+    import tempfile
+    from pathlib import Path
 
-    from seqtrain.runtime.launch import rank_envs
+    from seqtrain.parallel.launch import run_ranks
+    from seqtrain.spec import load_job, resolve
+    from seqtrain.spec.memory import BASELINE_MARKER
 
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
-    env.setdefault("OMP_NUM_THREADS", "1")
-    roots = [os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))]
-    env["PYTHONPATH"] = os.pathsep.join(roots + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    procs = [subprocess.Popen([sys.executable, "-c", _BASELINE_RANK], env={**env, **extra}, stdout=subprocess.PIPE,
-                              text=True) for extra in rank_envs(world, env)]
-    out = []
-    for p in procs:
-        stdout, _ = p.communicate(timeout=timeout)
-        if p.returncode != 0:
-            raise RuntimeError(f"a baseline rank exited {p.returncode}")
-        out.append(int(stdout.split()[-1]))
-    return out
+    job = resolve(load_job(BASELINE_JOB, [f"replicas={world}"]))
+    with tempfile.TemporaryDirectory(prefix="seqtrain-baseline-") as tmp:
+        codes = run_ranks(job, Path(tmp), world, timeout=timeout)
+        logs = [p.read_text(errors="replace") for p in sorted(Path(tmp).glob("rank*.log"))]
+    if codes != [0] * world:
+        raise RuntimeError(f"the baseline job's ranks exited {codes}:\n" + "\n".join(t[-2000:] for t in logs))
+    pattern = re.compile(re.escape(BASELINE_MARKER) + r"(\d+) bytes")
+    return [int(m.group(1)) for t in logs for m in pattern.finditer(t)]
 
 
 def _ints(text: str) -> list[int]:

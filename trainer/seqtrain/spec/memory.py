@@ -63,11 +63,15 @@ from seqtrain.spec.optimization import planned_precision
 from seqtrain.spec.problems import Problem
 from seqtrain.spec.resolve import resolved_model
 
-# A rank process's resident set before its model is built: the largest VmHWM of 2 real gloo ranks started as the
-# launcher starts them (torch 2.x CPU wheel, Python 3.12, Linux x86_64), measured with
-#     seqtrain bench memory --baseline       -> {"rank_rss_bytes": [598419456, 598253568], "max_mib": 570.7, ...}
-# `import torch` alone is ~513 MiB of it. A CUDA rank holds more host memory (the CUDA context), not counted here.
+# A rank process's resident set when it is about to build its model (the line each rank logs there, VmRSS): the
+# ranks of a real 2-rank gloo job started as the launcher starts them, with its malloc settings (torch 2.13 CPU
+# wheel, Python 3.11, Linux x86_64, 2 cores), measured with
+#     seqtrain bench memory --baseline   -> {"rank_rss_bytes": [594866176, 594747392], "max_mib": 567.3, ...}
+# (567-571 MiB over four runs; `import torch` alone is ~513 MiB of it). Not counted: the training data (the built-in
+# corpus: ~60 MiB), first-use costs of building the model (~100 MiB of code and caches), and on a GPU the CUDA
+# context's host memory.
 BASELINE_BYTES = 571 * 2**20
+BASELINE_MARKER = "seqtrain train: process baseline "  # each rank's log line (train/entry.py) the benchmark reads
 
 # bytes per parameter: (params, grads, optimizer states)
 STATE_BYTES = {"mixed": (2, 2, 12), "fp32": (4, 4, 8)}

@@ -20,6 +20,7 @@ from seqtrain.runtime.launch import apply_malloc_defaults
 from seqtrain.runtime.restart import STANDBY_ENV, await_start, die_with_launcher, wait_not_before
 from seqtrain.spec import SpecError, TrainerConfig, parse_job, read_trainer_config, resolve
 from seqtrain.spec.job import SeqTrainJob
+from seqtrain.spec.memory import BASELINE_MARKER
 
 
 def _load(config_path: str) -> tuple[TrainerConfig, SeqTrainJob]:
@@ -141,7 +142,10 @@ def main(config_path: str) -> int:
         ctx = init_distributed(use_gpu=job.spec.resources.gpus > 0,
                                timeout_seconds=job.spec.optimization.comm_timeout_seconds,
                                expected_world=job.spec.world_size)
-        from seqtrain.train.autobatch import resolve_auto
+        from seqtrain.train.autobatch import resident_bytes, resolve_auto
+
+        if (held := resident_bytes()) is not None:  # the process baseline (seqtrain.spec.memory.BASELINE_BYTES)
+            print(f"{BASELINE_MARKER}{held} bytes resident before the model", flush=True)
 
         job = resolve_auto(job, ctx.device, ctx.rank == 0)  # microBatchSize auto: chosen and probed before the model
         trainer = Trainer(job, cfg.runtime, ctx)
