@@ -151,12 +151,14 @@ class World:
         self.load_ns = self.tb.namespace("chaos-load")
 
     def teardown(self) -> None:
+        # The namespaces go while the operator still runs: it releases its jobs' finalizers.
+        self.proxy.clear_rules()
+        for ns in (self.ns, self.load_ns):
+            if ns:
+                self.tb.kubectl("delete", "namespace", ns, "--wait=true", "--timeout=180s", check=False, timeout=240)
         with contextlib.suppress(Exception):
             self.op.stop()
         self.proxy.stop()
-        for ns in (self.ns, self.load_ns):
-            if ns:
-                self.tb.kubectl("delete", "namespace", ns, "--wait=false", check=False)
         if self.volume_is_tmpfs:
             subprocess.run(["umount", "-l", str(self.volume)], check=False, capture_output=True)
         if self.started_testbed and not self.args.keep_testbed:
