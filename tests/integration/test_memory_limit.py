@@ -31,16 +31,26 @@ def run(workdir: Path, sets: list[str]) -> subprocess.CompletedProcess:
                            *args], env=env, text=True, capture_output=True, timeout=600)
 
 
+# The local backend itself, without run_file's verdict in front (which refuses a cap under the estimate): what a
+# pod's limit does to a replica that passes it, whatever the estimate said.
+LOCAL_RUN = """
+import sys
+from seqtrain.spec import load_job_file
+from seqtrain_operator.local.runner import LocalRun
+sys.exit(LocalRun(load_job_file(sys.argv[1], sys.argv[3:]), sys.argv[2], quiet=True).run())
+"""
+
+
 def test_a_run_over_resources_memory_fails_as_a_pod_would(tmp_path: Path) -> None:
-    # 640Mi passes the estimate (the process baseline and the mini model), but a real rank holds more (its data):
-    # the limit stops it, the way a pod's would
-    sets = ["resources.memory=640Mi"]
-    assert memory_problems(load_job_file(QUICK, [*COMMON, *sets])) == []
-    out = run(tmp_path, sets)
+    sets = [*COMMON, "resources.memory=400Mi"]  # less than a rank's imports: killed at start-up
+    assert memory_problems(load_job_file(QUICK, sets))  # `seqtrain run` would refuse it (the verdict)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", LOCAL_RUN, QUICK, str(tmp_path), *sets], env=env, text=True,
+                         capture_output=True, timeout=600)
     assert out.returncode == 1, out.stdout + out.stderr
     failed = [ln for ln in (out.stdout + out.stderr).splitlines() if ": Failed: " in ln]
-    assert len(failed) == 1, out.stdout
-    assert "OOMKilled" in failed[0] and "resources.memory 640Mi" in failed[0]
+    assert len(failed) == 1, out.stdout + out.stderr
+    assert "OOMKilled" in failed[0] and "resources.memory 400Mi" in failed[0]
     assert "raise spec.resources.memory" in failed[0] and "exit code 137" in failed[0]
     status = json.loads((tmp_path / "status.json").read_text())
     assert status["phase"] == "Failed" and "OOMKilled" in status["message"]

@@ -12,7 +12,7 @@ padding (one document piece per row, padded to seqLen) and bucketing (padded to 
 micro-batch) on the built-in corpus, at several sequence lengths.
 
     seqtrain bench memory --out memory.json
-    seqtrain bench memory --baseline     # a rank process's resident set before its model: BASELINE_BYTES
+    seqtrain bench memory --baseline     # what a rank process holds beside its model: BASELINE_BYTES
     seqtrain bench memory --device cuda --gpt-dim 1024 --gpt-layers 16 --seq-lens 1024,2048,4096
 """
 
@@ -167,31 +167,37 @@ spec:
   replicas: 2
   model: {arch: gpt, preset: tiny}
   data: {source: synthetic, seqLen: 64, synthetic: {length: 16}}
-  training: {steps: 1, globalBatchSize: 2, microBatchSize: 1}
+  training: {steps: 2, globalBatchSize: 2, microBatchSize: 1}
   checkpoint: {intervalSteps: 1000}
 """
 
 
-def rank_baseline(world: int = 2, timeout: float = 300.0) -> list[int]:
-    """Resident bytes of each rank of a real `world`-rank job (gloo on loopback, started as the launcher starts
-    ranks) when it is about to build its model: the line every rank logs there (seqtrain.train.entry). The process
-    baseline of the memory estimate, seqtrain.spec.memory.BASELINE_BYTES."""
+def rank_baseline(world: int = 2, timeout: float = 300.0) -> dict[str, Any]:
+    """A real `world`-rank job of the tiny GPT (gloo on loopback, ranks started as the launcher starts them, two
+    steps): each rank's resident set when it is about to build its model (the line it logs there,
+    seqtrain.train.entry), the busiest rank's peak through its steps (mem_peak_mb), and that peak less the model's
+    estimate (parameters, gradients, optimizer states, activations): the process baseline of the memory estimate,
+    seqtrain.spec.memory.BASELINE_BYTES."""
     import re
     import tempfile
     from pathlib import Path
 
     from seqtrain.parallel.launch import run_ranks
     from seqtrain.spec import load_job, resolve
-    from seqtrain.spec.memory import BASELINE_MARKER
+    from seqtrain.spec.memory import BASELINE_MARKER, estimate
 
     job = resolve(load_job(BASELINE_JOB, [f"replicas={world}"]))
     with tempfile.TemporaryDirectory(prefix="seqtrain-baseline-") as tmp:
         codes = run_ranks(job, Path(tmp), world, timeout=timeout)
         logs = [p.read_text(errors="replace") for p in sorted(Path(tmp).glob("rank*.log"))]
-    if codes != [0] * world:
-        raise RuntimeError(f"the baseline job's ranks exited {codes}:\n" + "\n".join(t[-2000:] for t in logs))
+        if codes != [0] * world:
+            raise RuntimeError(f"the baseline job's ranks exited {codes}:\n" + "\n".join(t[-2000:] for t in logs))
+        with open(Path(tmp) / "metrics.jsonl", encoding="utf-8") as f:
+            peak = max(float(json.loads(line)["mem_peak_mb"]) for line in f) * 2**20
     pattern = re.compile(re.escape(BASELINE_MARKER) + r"(\d+) bytes")
-    return [int(m.group(1)) for t in logs for m in pattern.finditer(t)]
+    model = estimate(job).busiest.total
+    return {"before_model_bytes": [int(m.group(1)) for t in logs for m in pattern.finditer(t)],
+            "peak_bytes": int(peak), "model_estimate_bytes": int(model), "baseline_bytes": int(peak - model)}
 
 
 def _ints(text: str) -> list[int]:
@@ -212,15 +218,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--packing-steps", type=int, default=200, help="micro-batches sampled for padded/bucketed")
     p.add_argument("--skip-packing", action="store_true")
     p.add_argument("--skip-checkpointing", action="store_true")
-    p.add_argument("--baseline", action="store_true", help="only measure a rank process's resident set before its "
-                   "model (the estimate's process baseline) and exit")
+    p.add_argument("--baseline", action="store_true", help="only measure what a rank process holds beside its model "
+                   "(the estimate's process baseline) and exit")
     p.add_argument("--out", default=None, help="write the JSON here (default: stdout only)")
     args = p.parse_args(argv)
     if args.baseline:
         from seqtrain.spec.memory import BASELINE_BYTES
 
-        rss = rank_baseline()
-        print(json.dumps({"benchmark": "memory-baseline", "rank_rss_bytes": rss, "max_mib": round(max(rss) / 2**20, 1),
+        got = rank_baseline()
+        print(json.dumps({"benchmark": "memory-baseline", **got, "baseline_mib": round(got["baseline_bytes"] / 2**20, 1),
                           "estimate_baseline_mib": round(BASELINE_BYTES / 2**20, 1), "torch": torch.__version__}))
         return 0
     device = torch.device(args.device)

@@ -40,9 +40,9 @@ Pipeline stages hold several micro-batches in flight: GPipe all m, 1F1B min(m, p
 about (2 (pp - 1) + (v - 1) pp + 1) / v. Estimates, not measurements: allocator fragmentation, framework
 buffers (DeepSpeed buckets, NCCL) and the CUDA context (~0.5 GiB) come on top.
 
-Host memory per rank adds the process baseline, BASELINE_BYTES: what a rank process holds before its model (the
-interpreter, torch and the trainer's imports, the gloo process group, glibc's heap under the launcher's malloc
-settings). A replica (a pod) needs procs x (baseline + the states it keeps in host memory); `resources.memory`
+Host memory per rank adds the process baseline, BASELINE_BYTES: what a rank process holds beside its model (the
+interpreter, torch and the trainer's imports, the gloo process group, the first step's code and caches, glibc's heap
+under the launcher's malloc settings). A replica (a pod) needs procs x (baseline + the states it keeps in host memory); `resources.memory`
 is checked against that (`memory_problems`) and the local backend enforces it (seqtrain_operator.local.runner).
 """
 
@@ -63,14 +63,15 @@ from seqtrain.spec.optimization import planned_precision
 from seqtrain.spec.problems import Problem
 from seqtrain.spec.resolve import resolved_model
 
-# A rank process's resident set when it is about to build its model (the line each rank logs there, VmRSS): the
-# ranks of a real 2-rank gloo job started as the launcher starts them, with its malloc settings (torch 2.13 CPU
-# wheel, Python 3.11, Linux x86_64, 2 cores), measured with
-#     seqtrain bench memory --baseline   -> {"rank_rss_bytes": [594866176, 594747392], "max_mib": 567.3, ...}
-# (567-571 MiB over four runs; `import torch` alone is ~513 MiB of it). Not counted: the training data (the built-in
-# corpus: ~60 MiB), first-use costs of building the model (~100 MiB of code and caches), and on a GPU the CUDA
-# context's host memory.
-BASELINE_BYTES = 571 * 2**20
+# What a rank process holds beside its model's states and activations: the busiest rank's peak resident set through
+# two steps of a real 2-rank gloo job of the tiny GPT (ranks started as the launcher starts them, its malloc
+# settings), less that model's estimate (2.2 MiB). Torch 2.13 CPU wheel, Python 3.11, Linux x86_64, 2 cores:
+#     seqtrain bench memory --baseline
+#     -> {"before_model_bytes": [595079168, 594661376], "peak_bytes": 742706380, "baseline_mib": 706.1, ...}
+# Of it: ~567 MiB resident when the rank is about to build its model (`import torch` alone ~513 MiB, the trainer's
+# imports, gloo), the rest the first model build and step (code, caches, the engine). Not counted: training data held
+# in memory (the built-in corpus: ~60 MiB) and, on a GPU, the CUDA context's host memory.
+BASELINE_BYTES = 706 * 2**20
 BASELINE_MARKER = "seqtrain train: process baseline "  # each rank's log line (train/entry.py) the benchmark reads
 
 # bytes per parameter: (params, grads, optimizer states)
