@@ -1,6 +1,7 @@
-"""resources.memory on this machine: not enforced (a pod's limit is), and the run says so; once the ranks' peak
-memory passes it, one warning line says that a pod with this limit would be OOM-killed. From a hand-written
-metrics.jsonl (no rank is started)."""
+"""resources.memory on this machine: the local backend samples the replicas' resident memory and kills one over it
+(tests/unit/test_memory_verdict.py); a peak between two samples still shows in the ranks' own peak (ru_maxrss in
+metrics.jsonl): once that passes the limit, one warning line says that a pod with this limit would be OOM-killed.
+From a hand-written metrics.jsonl (no rank is started)."""
 
 from __future__ import annotations
 
