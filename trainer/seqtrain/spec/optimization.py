@@ -32,8 +32,8 @@ class OptimizationSpec(SpecModel):
         "else fp32 (the CPU always runs fp32).")
     param_dtype: Literal["fp32", "bf16"] = Field(
         "fp32", description="Storage of the trained parameters and their gradients. bf16: bf16 parameters and "
-        "gradients with an fp32 master copy the optimizer updates (half the weight and gradient bytes, no per-step "
-        "re-cast of the weights); needs precision bf16 (or auto on a bf16 GPU) and the native DDP engine without "
+        "gradients with an fp32 master copy the optimizer updates (half the weight and gradient bytes; no cast of "
+        "the weights in every forward); needs precision bf16 (or auto on a bf16 GPU) and the native DDP engine without "
         "tensor or pipeline parallel. Checkpoints hold the fp32 master weights either way.")
     engine: Literal["auto", "native", "deepspeed"] = Field(
         "auto", description="native: DDP/FSDP2; deepspeed: DeepSpeed ZeRO engine; auto: deepspeed when zero.stage > 0."
@@ -80,8 +80,9 @@ def param_dtype_problem(opt: OptimizationSpec) -> str | None:
         return (f"{where} computes in bf16, and precision is {opt.precision}: set precision: bf16 (or auto), or "
                 "paramDtype: fp32")
     if opt.engine == "deepspeed" or opt.zero.stage > 0:
-        return (f"{where} is the native DDP engine's: with zero.stage {opt.zero.stage} / engine {opt.engine} the "
-                "engine keeps bf16 compute weights and fp32 masters itself under precision bf16; set paramDtype: fp32")
+        return (f"{where} is for the native DDP engine, and zero.stage {opt.zero.stage} (engine {opt.engine}) "
+                "picks FSDP2 or DeepSpeed, which keep bf16 compute weights over fp32 masters themselves under "
+                "precision bf16: set paramDtype: fp32")
     if opt.tensor_parallel > 1 or opt.pipeline_parallel > 1:
         return (f"{where} runs with data parallel only (tensorParallel {opt.tensor_parallel}, pipelineParallel "
                 f"{opt.pipeline_parallel}): set paramDtype: fp32, or both degrees to 1")
