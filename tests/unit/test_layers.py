@@ -15,6 +15,7 @@ LAYERS: dict[str, int] = {
     # torch-free floor: layout arithmetic and rules, the spec that names them, the kernels (own their fallbacks)
     "seqtrain.layout": 0,
     "seqtrain.kernels": 0,
+    "seqtrain.hub": 0,  # the hf:// downloader (stdlib only); spec.init_source reads the layout it writes
     "seqtrain.spec": 1,
     "seqtrain.runtime": 2,
     "seqtrain.data": 3,
@@ -39,6 +40,7 @@ LAYERS: dict[str, int] = {
     "seqtrain_operator.benchmark": 3,
     "seqtrain_operator.bench_recovery": 3,
     "seqtrain_operator.interval_bench": 3,
+    "seqtrain_operator.chaos": 3,  # the chaos soak: a benchmark over the test control plane
 }
 # The operator image has no torch: from the trainer it may import only these torch-free packages/modules.
 OPERATOR_MAY_IMPORT = ("seqtrain.spec", "seqtrain.layout", "seqtrain.runtime.exitcodes", "seqtrain.runtime.launch",

@@ -23,6 +23,7 @@ from seqtrain.spec.policy import PodPolicy
 from seqtrain.spec.replica_env import INPLACE_DELAYS_ENV, replica_env
 from seqtrain.spec.runtime import FailureHistory
 from seqtrain_operator.k8s.gangs import ADAPTERS, adapter_for
+from seqtrain_operator.k8s.hfinit import add_hf_init
 from seqtrain_operator.k8s.owner import LABEL_UID
 from seqtrain_operator.k8s.pushauth import (
     TOKEN_DIR,
@@ -384,6 +385,8 @@ def build_pod(job: SeqTrainJob, owner: Owner, attempt: int, replica: int, settin
         spec["volumes"].append({"name": PUSH_VOLUME, "secret": {
             "secretName": secret_name(owner.name, owner.uid, attempt), "defaultMode": 0o444}})
         container["volumeMounts"].append({"name": PUSH_VOLUME, "mountPath": TOKEN_DIR, "readOnly": True})
+    # model.init hf://: the init container fills /checkpoints/<job>/hf once; the ranks read it through SEQTRAIN_HF_DIR
+    add_hf_init(spec, job, settings.image_pull_policy, CONTAINER, CHECKPOINT_MOUNT)
     if node_selector:
         spec["nodeSelector"] = node_selector
     if tolerations := pod_tolerations(job):  # the user's, and nvidia.com/gpu on GPU pods (ExtendedResourceToleration)

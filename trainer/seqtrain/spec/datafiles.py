@@ -148,7 +148,8 @@ def _chat_problems(job: SeqTrainJob, readable: bool) -> list[Problem]:
         return [Problem("spec.data.format", f"chat reads jsonl lines of messages, not source {d.source}; set "
                                             "data.source jsonl (or data.format text)")]
     from seqtrain.spec.chat_template import template_of
-    from seqtrain.spec.init_tokenizer import data_tokenizer  # imports this module: here, not at the top
+    from seqtrain.spec.data import TokenizerSpec
+    from seqtrain.spec.init_source import folder_tokenizer, local_folder
 
     refuse = [Problem("spec.data.format", "chat needs a tokenizer with a chat template: start from a model.init "
                                           "folder that holds tokenizer.json, or set data.tokenizer {type: file, "
@@ -160,10 +161,13 @@ def _chat_problems(job: SeqTrainJob, readable: bool) -> list[Problem]:
             return refuse
         if not readable:
             return []  # the model.init folder's tokenizer is read where the folder is (the trainer's pod)
-        tok = data_tokenizer(job)
-        if tok.type == "byte":
-            from seqtrain.spec.init_source import local_folder
-
+        # The model.init folder's tokenizer when data.tokenizer is unset (as resolve.init_tokenizer gives it: that
+        # module imports this one, so the rule for a jsonl source is read here directly).
+        own = folder_tokenizer(init) if "tokenizer" not in d.model_fields_set and \
+            not ("://" in init and not init.startswith("hf://")) else None
+        if own:
+            tok = TokenizerSpec(type="file", path=own)
+        else:
             try:
                 here = os.path.isdir(local_folder(init))
             except ValueError:

@@ -382,4 +382,10 @@ def job_policy_problems(spec: Any, policy: PodPolicy, name: str | None = None) -
     if name is not None and policy.level != "privileged" and \
             (why := checkpoint_path_problem(spec.checkpoint.path, name)) is not None:
         out.append(Problem("spec.checkpoint.path", f"{why} [pod policy {policy.level}]"))
+    # The hf:// download's token Secret goes into the operator's own init container, which the template view above
+    # does not hold: the same allowlist decides.
+    hub = getattr(spec.model, "hub_token_secret", None)
+    if hub and policy.level != "privileged" and not policy.secret_allowed(hub):
+        out.append(Problem("spec.model.hubTokenSecret", f"Secret {hub!r} is not in the pod policy's Secret allowlist;"
+                           f" list it in podPolicy.secrets [pod policy {policy.level}]"))
     return out
