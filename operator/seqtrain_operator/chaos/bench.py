@@ -47,6 +47,7 @@ from seqtrain_operator.chaos.invariants import TERMINAL, Checker, Deadlines, stu
 ROOT = Path(__file__).resolve().parents[3]
 GROUP, VERSION, PLURAL = "seqtrain.dev", "v1alpha1", "seqtrainjobs"
 CHECK_INTERVAL = 3.0  # seconds between rounds of observation
+DEFER_S = 60.0  # how long a rank or checkpoint event waits for a gang that trains
 TERMINATION_GRACE, NODE_LOST_GRACE = 30.0, 40.0  # the operator's options as tests/testbed/fixtures.py starts it
 
 
@@ -427,6 +428,7 @@ def _soak(world: World, args: argparse.Namespace, seed: int, events: list[schedu
         counter = 0
         load_until: dict[str, float] = {}
         pending = list(events)
+        waiting: list[schedule.Event] = []  # rank and checkpoint events that found no candidate yet
         _log(f"{len(events)} faults over {args.minutes:g} minutes, {args.jobs} trainer jobs and {args.load_jobs} "
              "load jobs at once")
         while world.now() - start < args.minutes * 60:
@@ -451,8 +453,10 @@ def _soak(world: World, args: argparse.Namespace, seed: int, events: list[schedu
                     record({"undo": what})
                 except Exception as exc:  # noqa: BLE001
                     record({"undo": what, "error": repr(exc)[:300]})
+            due, waiting = waiting, []
             while pending and pending[0].at <= now - start:
-                ev = pending.pop(0)
+                due.append(pending.pop(0))
+            for ev in due:
                 entry: dict[str, Any] = {"kind": ev.kind, "at": ev.at, "pick": ev.pick}
                 try:
                     hit = world.injector.fire(ev)
@@ -463,12 +467,20 @@ def _soak(world: World, args: argparse.Namespace, seed: int, events: list[schedu
                         chk.fault(None, ev.kind, world.now())
                     _log(f"{ev.kind}: {hit.target} {hit.jobs or ''}")
                 except Skip as why:
+                    # A rank or a checkpoint is there only while a gang trains: such an event waits a while for one
+                    # (a gang between attempts) before it counts as skipped.
+                    if ev.target in ("rank", "checkpoint") and world.now() - start - ev.at < DEFER_S:
+                        waiting.append(ev)
+                        continue
                     entry |= {"injected": False, "skipped": str(why)}
                 except Exception as exc:  # noqa: BLE001 (an injection that failed is logged, not the end)
                     entry |= {"injected": False, "error": repr(exc)[:300]}
                     _log(f"{ev.kind} failed: {exc!r}"[:300])
                 record(entry)
             time.sleep(0.5)
+        for ev in waiting:
+            record({"kind": ev.kind, "at": ev.at, "pick": ev.pick, "injected": False,
+                    "skipped": "no candidate before the faults were over"})
         _log("faults over: healing, then waiting for every trainer job to end")
         for what in world.injector.heal():
             record({"undo": what, "at_end": True})
