@@ -36,6 +36,7 @@ BENCHMARKS = {
 
 def _cmd_validate(args: argparse.Namespace) -> int:
     from seqtrain.spec import SpecError, load_jobs
+    from seqtrain.spec.memory import memory_notes, memory_problems
     from seqtrain.spec.policy import PodPolicy, job_policy_problems
 
     policy = PodPolicy.of(args.policy, args.allow_service_account or (), args.allow_priority_class or (),
@@ -46,7 +47,10 @@ def _cmd_validate(args: argparse.Namespace) -> int:
             with open(path, encoding="utf-8") as f:
                 text = f.read()
             jobs = load_jobs(text, args.set or ())
-            if problems := [p for j in jobs for p in job_policy_problems(j.spec, policy, j.name)]:
+            # the same memory verdict as `plan` and `run` (one estimate, the rank process's baseline included)
+            problems = [p for j in jobs for p in job_policy_problems(j.spec, policy, j.name)] + \
+                [p for j in jobs for p in memory_problems(j)]
+            if problems:
                 raise SpecError(problems)
         except OSError as exc:
             print(f"{path}: <file>: cannot read: {exc.strerror}", file=sys.stderr)
@@ -67,7 +71,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
             from seqtrain.spec.resolve import job_notes
 
             for j in jobs:  # derived model fields with their origin; warnings that are not errors
-                print("\n".join(f"{path}: note: {n}" for n in job_notes(j)))
+                print("\n".join(f"{path}: note: {n}" for n in [*job_notes(j), *memory_notes(j)]))
     return EXIT_INVALID if bad else EXIT_OK
 
 

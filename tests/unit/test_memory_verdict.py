@@ -99,3 +99,16 @@ def test_a_replica_over_resources_memory_is_killed_and_observed_as_oomkilled() -
         for p in (small, big):
             p.kill()
             p.wait()
+
+
+def test_validate_gives_the_plans_memory_verdict(tmp_path, capsys) -> None:
+    """validate, plan and run: one verdict. A replica too small for the estimate is refused at validate, naming the
+    field and the size to ask for; one that fits gets the estimate as a note."""
+    from seqtrain_operator.cli import main as cli_main
+
+    job = Path(__file__).resolve().parents[2] / "examples" / "quickstart.yaml"
+    assert cli_main(["validate", str(job), "--set", "spec.resources.memory=100Mi"]) == 2
+    err = capsys.readouterr().err
+    assert "spec.resources.memory: the estimate needs" in err and "raise resources.memory to at least" in err, err
+    assert cli_main(["validate", str(job)]) == 0
+    assert "note: memory: a replica needs" in capsys.readouterr().out
