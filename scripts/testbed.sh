@@ -210,6 +210,16 @@ up() {
     plugins+=,CertificateSigning,CertificateSubjectRestriction,TaintNodesByCondition,Priority,PodSecurity
     plugins+=,ExtendedResourceToleration,OwnerReferencesPermissionEnforcement,NodeRestriction
     plugins+=,MutatingAdmissionPolicy,MutatingAdmissionWebhook,ValidatingAdmissionPolicy,ValidatingAdmissionWebhook,ResourceQuota
+    # An older kube-apiserver (the oldest release the chart claims: tests/integration/test_oldest_kubernetes.py) lacks
+    # the newer plugins (MutatingAdmissionPolicy, from 1.32): keep those its --help lists, say which were dropped.
+    local known p kept=() dropped=()
+    known=$("$bin/kube-apiserver" --help 2>&1 | sed -n 's/.*Comma-delimited list of admission plugins: \(.*\)\. The order .*/\1/p' | head -1)
+    [[ -n $known ]] || die "could not read the admission plugins from $bin/kube-apiserver --help"
+    for p in ${plugins//,/ }; do
+        if [[ ", $known, " == *", $p, "* ]]; then kept+=("$p"); else dropped+=("$p"); fi
+    done
+    (( ${#dropped[@]} == 0 )) || log "kube-apiserver $("$bin/kube-apiserver" --version | cut -d' ' -f2) has no ${dropped[*]}: not enabled"
+    plugins=$(IFS=,; echo "${kept[*]}")
     start kube-apiserver "$bin/kube-apiserver" --etcd-servers "http://127.0.0.1:$ETCD_PORT" \
         --bind-address 127.0.0.1 --advertise-address 127.0.0.1 --secure-port "$API_PORT" \
         --tls-cert-file "$PKI/apiserver.crt" --tls-private-key-file "$PKI/apiserver.key" --client-ca-file "$PKI/ca.crt" \
