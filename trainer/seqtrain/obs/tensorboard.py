@@ -103,7 +103,7 @@ class TensorBoard(BaseCallback):
         self.writer = SummaryWriter(self.logdir, purge_step=trainer.step + 1 if trainer.step else None)
         optimizer = getattr(trainer.engine, "optimizer", None)
         if optimizer is not None:
-            self.grads = GroupGradNorms(trainer.model, optimizer)
+            self.grads = GroupGradNorms(getattr(trainer.engine, "state_module", trainer.model), optimizer)
             self.grads.armed = (trainer.step + 1) % self.every == 0
 
     def on_step_end(self, trainer: Trainer, step: int, metrics: dict[str, Any]) -> None:
