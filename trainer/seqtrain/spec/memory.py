@@ -251,9 +251,10 @@ def estimate(job: SeqTrainJob, micro_batch: int | None = None) -> MemoryEstimate
     for st in range(pp):
         psi = stage_params(p, bounds, st, tp, m.tie_embeddings)
         # The native engines (DDP, FSDP2) autocast with fp32 weights and gradients: same 16 bytes per
-        # parameter as the paper's mixed-precision Adam, split 4 + 4 + 8 instead of 2 + 2 + 12.
-        ms = model_state_bytes(psi, precision if engine == "deepspeed" else "fp32", zstage, dp,
-                               opt.zero.offload)
+        # parameter as the paper's mixed-precision Adam, split 4 + 4 + 8 instead of 2 + 2 + 12; with
+        # paramDtype bf16 the native engine holds the paper's split (bf16 weights and grads, fp32 masters).
+        split = precision if engine == "deepspeed" or opt.param_dtype == "bf16" else "fp32"
+        ms = model_state_bytes(psi, split, zstage, dp, opt.zero.offload)
         if m.lora is not None:  # frozen weights: no gradients or optimizer states for them, only for adapters
             ad = model_state_bytes(lora_param_count(m), "fp32", zstage, dp, opt.zero.offload)
             ms = ModelStates(params=ms.params + ad.params, grads=ad.grads, optimizer=ad.optimizer, cpu=ad.cpu)
