@@ -71,7 +71,7 @@ def test_rates_parse_and_unknown_kind_in_build_refused() -> None:
     assert parse_rates("sigkill-rank=30, api-5xx=0") == {"sigkill-rank": 30.0, "api-5xx": 0.0}
     with pytest.raises(ValueError, match="unknown fault kind"):
         build(1, 60, {"nan": 1})
-    assert "nan-loss" in schedule.NOT_INJECTABLE
+    assert not schedule.NOT_INJECTABLE  # every kind the issue lists has an injector
 
 
 # ---- the invariants the soak checks every round (seqtrain_operator.chaos.invariants) ----------------------------
@@ -176,3 +176,21 @@ def test_the_end_judges_failures_by_budget_and_losses_by_the_reference() -> None
              {n: (4, 20) for n in ("ok", "over", "early", "wrong")})
     assert sorted((v.job, v.what) for v in c.violations) == [("early", "unexpected failure"),
                                                             ("wrong", "wrong losses")]
+
+
+def test_a_nan_loss_job_is_exact_up_to_its_nan_step_and_only_there() -> None:
+    """A NaN loss skips its step's update: the steps before it must equal the reference, the ones after follow
+    another trajectory; a job the nan-loss fault never hit is held to every step."""
+    c = Checker(D)
+    for name in ("nan", "nan-early-diff", "plain"):
+        c.add_job(name, "trainer", SPEC, 0)
+    c.observe(1, [job(n, "Succeeded") for n in ("nan", "nan-early-diff", "plain")], [], {}, {}, set())
+    c.fault("nan", "nan-loss", 1)
+    c.fault("nan-early-diff", "nan-loss", 1)
+    ref = {1: 5.0, 2: 4.5, 3: 4.0, 4: 3.5}
+    c.finish(2, ref, {"nan": ({1: 5.0, 2: 4.5, 3: None, 4: 3.9}, 0),
+                      "nan-early-diff": ({1: 5.1, 2: 4.5, 3: None, 4: 3.9}, 0),
+                      "plain": ({1: 5.0, 2: 4.5, 3: None, 4: 3.9}, 0)},
+             {n: (4, 20) for n in ("nan", "nan-early-diff", "plain")})
+    assert sorted((v.job, v.what) for v in c.violations) == [("nan-early-diff", "wrong losses"),
+                                                            ("plain", "wrong losses")]

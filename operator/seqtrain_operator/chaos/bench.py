@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from seqtrain_operator.chaos import schedule
-from seqtrain_operator.chaos.inject import Injector, Skip
+from seqtrain_operator.chaos.inject import NAN_TRIGGER, Injector, Skip
 from seqtrain_operator.chaos.invariants import TERMINAL, Checker, Deadlines, stuck_after
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -199,6 +199,9 @@ class World:
 
     def submit(self, name: str, kind: str, spec: dict[str, Any]) -> None:
         ns = self.load_ns if kind == "load" else self.ns
+        if kind != "load":  # rank 0 watches for the nan-loss injector's file in the job's folder on the volume
+            env = [{"name": "SEQTRAIN_FAULT_NAN_FILE", "value": f"/checkpoints/{name}/{NAN_TRIGGER}"}]
+            spec = {**spec, "podTemplate": {"spec": {"containers": [{"name": "trainer", "env": env}]}}}
         body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "SeqTrainJob", "metadata": {"name": name}, "spec": spec}
         deadline = time.monotonic() + 300
         while True:  # the webhook refuses while the operator restarts (failurePolicy Fail): a user retries

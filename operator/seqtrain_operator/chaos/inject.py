@@ -25,6 +25,9 @@ class Skip(Exception):
     """No candidate for this event now (e.g. no running trainer job, a node already down)."""
 
 
+NAN_TRIGGER = "chaos-nan-loss"  # in the job's folder on the checkpoint volume (SEQTRAIN_FAULT_NAN_FILE)
+
+
 @dataclass
 class Hit:
     jobs: list[str]
@@ -133,6 +136,15 @@ class Injector:
         job, pod, pid = self._pick_rank(ev)
         os.kill(pid, signal.SIGKILL)
         return Hit([job], f"{pod['name']} pid {pid}")
+
+    def _nan_loss(self, ev: Event) -> Hit:
+        """The job's rank 0 makes its next micro-batch's loss NaN (it watches for this file: chaos.bench sets
+        SEQTRAIN_FAULT_NAN_FILE in every trainer job): the step is skipped, the job goes on."""
+        job, pod, _ = self._pick_rank(ev)
+        trigger = self.world.volume / job / NAN_TRIGGER
+        trigger.parent.mkdir(parents=True, exist_ok=True)
+        trigger.touch()
+        return Hit([job], f"{pod['name']} ({NAN_TRIGGER})")
 
     def _sigstop_rank(self, ev: Event) -> Hit:
         job, pod, pid = self._pick_rank(ev)

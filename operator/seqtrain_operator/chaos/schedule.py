@@ -34,10 +34,11 @@ KINDS: dict[str, tuple[str, float]] = {
     "checkpoint-full": ("checkpoint", 12.0),  # ENOSPC on the checkpoint volume; params: for_s
     "checkpoint-corrupt": ("checkpoint", 15.0),  # the newest checkpoint's files garbled, then the gang killed
     "sigterm-node-loss": ("rank", 10.0),  # a pod deleted (SIGTERM save), its node lost during the save
+    "nan-loss": ("rank", 15.0),  # the next micro-batch's loss on rank 0 is NaN (seqtrain.runtime.faults)
 }
 
-# Kinds the issue lists that the testbed and the trainer's fault hooks (seqtrain.runtime.faults) cannot inject yet.
-NOT_INJECTABLE = {"nan-loss": "seqtrain.runtime.faults has no hook that makes a step's loss NaN"}
+# Kinds the issue lists that the testbed and the trainer's fault hooks (seqtrain.runtime.faults) cannot inject (none).
+NOT_INJECTABLE: dict[str, str] = {}
 
 # Faults the trainer sees as its own failure (counted against faultTolerance.maxRestarts); the others are the
 # infrastructure's (maxInfraRestarts) or touch only the operator's side.

@@ -24,6 +24,7 @@ from seqtrain.data import Batch
 from seqtrain.engine.global_state import GlobalState
 from seqtrain.models.loss import CausalLMLoss
 from seqtrain.optim.build import build_optimizer, build_scheduler
+from seqtrain.runtime import faults
 from seqtrain.runtime.dist import DistContext
 from seqtrain.runtime.precision import MasterWeights, MixedPrecision
 from seqtrain.spec.job import SeqTrainJob
@@ -110,7 +111,7 @@ class Engine(ABC):
         for i, b in enumerate(batches):
             with before_micro(i == len(batches) - 1):
                 with self.precision.autocast():
-                    ls = forward(b)
+                    ls = faults.poison_loss(forward(b))  # a no-op unless a drill asks for a NaN loss
                 self.precision.backward(ls * scale)  # fp16: x loss scale, so small gradients do not underflow
             loss_sum += ls.detach().double()
         return self._update(batches, loss_sum, tokens)

@@ -18,6 +18,9 @@ cluster they go in the trainer container's env (spec.podTemplate): the one SEQTR
   at a known rate, in every attempt.
 - SEQTRAIN_FAULT_SETUP_ERROR=TEXT: every rank raises RuntimeError(TEXT) while setting up, before its first step
   (a start-up failure that repeats identically on every attempt).
+- SEQTRAIN_FAULT_NAN_FILE=PATH: when PATH exists at a micro-batch's loss, rank 0 removes it and that loss becomes
+  NaN (so the step's gradients are non-finite and the update is skipped): a NaN loss at a time chosen from outside
+  (the chaos soak creates the file), not at a step fixed before the start.
 - SEQTRAIN_FAULT_ATTEMPT=A: inject only in gang incarnation A (the controller sets SEQTRAIN_ATTEMPT for every
   rank), so a fault fires once and the restarted gang runs clean; an in-place restart (the launcher sets
   SEQTRAIN_RESTART_ROUND) is a new incarnation too: A fires in A's first start only, A.R in its in-place round R.
@@ -30,6 +33,9 @@ import random
 import signal
 import time
 from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 def _int(name: str) -> int | None:
@@ -113,3 +119,17 @@ def maybe_fail_setup() -> None:
     text = os.environ.get("SEQTRAIN_FAULT_SETUP_ERROR", "").strip()
     if text and _armed():
         raise RuntimeError(text)
+
+
+def poison_loss(loss: T) -> T:
+    """`loss`, or NaN times it once SEQTRAIN_FAULT_NAN_FILE appears (rank 0 only: the gradients' all-reduce carries
+    the NaN to every rank, so all of them skip the same step). One stat per micro-batch, only with the variable set."""
+    path = os.environ.get("SEQTRAIN_FAULT_NAN_FILE", "")
+    if not path or os.environ.get("RANK", "0") != "0":
+        return loss
+    try:
+        os.unlink(path)
+    except OSError:
+        return loss
+    print("seqtrain: fault injection: this step's loss is NaN", flush=True)
+    return loss * float("nan")
