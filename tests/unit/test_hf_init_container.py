@@ -99,3 +99,26 @@ def test_the_init_containers_command_then_every_rank_reads_the_volume(tmp_path: 
     assert described is not None and described["vocab_size"] == 128 and described["dim"] == 32
     with pytest.raises(ValueError, match=r"hf://org/other: not downloaded into .*hf-download init container"):
         local_folder("hf://org/other")
+
+
+def test_hub_token_secret_is_a_model_field_only_for_hf_uris_and_the_policy_decides(monkeypatch) -> None:
+    monkeypatch.setenv("SEQTRAIN_CHECK_PATHS", "0")  # as the operator reads it: the model is fetched in the pod
+    from seqtrain.spec import SpecError, load_job
+    from seqtrain.spec.policy import PodPolicy, job_policy_problems
+
+    base = """
+apiVersion: seqtrain.dev/v1alpha1
+kind: SeqTrainJob
+metadata: {name: hub}
+spec:
+  model: {arch: gpt, preset: tiny, hubTokenSecret: hub-token%s}
+  data: {source: builtin, seqLen: 32}
+  training: {steps: 2, globalBatchSize: 2, microBatchSize: 1}
+"""
+    with pytest.raises(SpecError, match="hubTokenSecret is for model.init hf://"):
+        load_job(base % "")
+    job = load_job(base % ', init: "hf://Org/Model"')
+    assert job.spec.model.hub_token_secret == "hub-token"
+    refused = job_policy_problems(job.spec, PodPolicy.of("restricted"), job.name)
+    assert [p.path for p in refused] == ["spec.model.hubTokenSecret"], refused
+    assert not job_policy_problems(job.spec, PodPolicy.of("restricted", secrets=["hub-token"]), job.name)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from seqtrain.spec.base import MAX_SEQ_LEN, SpecModel
 
@@ -127,6 +127,19 @@ class ModelSpec(SpecModel):
         "job's tokenizer unless data.tokenizer names another. Resuming from the job's own checkpoints takes "
         "precedence.",
     )
+    hub_token_secret: str | None = Field(
+        None, max_length=253, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$",
+        description="model.init hf:// on Kubernetes: a Secret of the job's namespace (key `token`) with the "
+        "Hugging Face token; read only by the download init container (as HF_TOKEN); the pod policy's Secret "
+        "allowlist (podPolicy.secrets) must list it.",
+    )
+
+    @model_validator(mode="after")
+    def _hub_token_needs_hf(self) -> ModelSpec:
+        if self.hub_token_secret and not (self.init or "").startswith("hf://"):
+            raise ValueError("hubTokenSecret is for model.init hf://ORG/NAME (the init container's download); "
+                             "remove it or set model.init to an hf:// model")
+        return self
 
     @property
     def padded_vocab_size(self) -> int:
