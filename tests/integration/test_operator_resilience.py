@@ -7,6 +7,7 @@ a kwok pod's IP is a simulated address that nothing here can serve, and pod IPs 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -409,8 +410,8 @@ def test_a_replica_stuck_terminating_on_a_ready_node_is_force_deleted_saying_so(
     b, _ = env
     cp = b.cp
     ns = _ns(env, "res-stuck")
-    cfg = fast_config(termination_grace_seconds=1, master_port=rendezvous_port())
-    cfg.termination_overdue = 2.0
+    cfg = dataclasses.replace(fast_config(termination_grace_seconds=1, master_port=rendezvous_port()),
+                              termination_overdue=2.0)  # Settings are frozen
     # every rank of attempt 1 holds after step 1 (until SIGTERM, idle: no collective notices a peer's death)
     hold = [{"name": "SEQTRAIN_FAULT_HOLD_AT_STEP", "value": "1:600"}, {"name": "SEQTRAIN_FAULT_ATTEMPT", "value": "1"}]
     doc = job_doc("j", ns, resources={"cpu": "500m"}, model={"arch": "gpt", "preset": "tiny"},
