@@ -28,8 +28,7 @@ _SCALARS = (str, bytes, int, float, complex, bool, type(None), type(Ellipsis), e
 
 # Read-only tables held in a mutable container, in modules whose owners have yet to freeze them (MappingProxyType,
 # frozenset). Exempt by identity: the same object imported elsewhere is exempt there too. Nothing may join this list.
-_NOT_YET_FROZEN = (("seqtrain_operator.k8s.manifests", "EXTERNAL"), ("seqtrain_operator.k8s.observe", "_NEVER_STARTS"),
-                   ("seqtrain_operator.k8s.observe", "_DISRUPTION"), ("seqtrain_operator.k8s.hfinit", "RESOURCES"))
+_NOT_YET_FROZEN: tuple[tuple[str, str], ...] = ()
 
 
 def _exempt() -> set[int]:

@@ -13,6 +13,7 @@ name that Secret (seqtrain.spec.policy).
 
 from __future__ import annotations
 
+from types import MappingProxyType
 from typing import Any
 
 from seqtrain.spec import SeqTrainJob
@@ -21,7 +22,8 @@ from seqtrain.spec.init_source import HF_DIR_ENV, HF_SCHEME
 INIT_CONTAINER = "hf-download"
 TOKEN_KEY = "token"  # the key of the user's Secret that holds the hub token
 # The download itself is I/O: a small share of a node; the limit bounds what a misbehaving server could make it hold.
-RESOURCES = {"requests": {"cpu": "500m", "memory": "512Mi"}, "limits": {"memory": "2Gi"}}
+RESOURCES = MappingProxyType({"requests": MappingProxyType({"cpu": "500m", "memory": "512Mi"}),
+                              "limits": MappingProxyType({"memory": "2Gi"})})
 
 
 def hf_root(job: SeqTrainJob, checkpoint_mount: str = "/checkpoints") -> str:
@@ -58,7 +60,7 @@ def hf_init_container(job: SeqTrainJob, image_pull_policy: str, checkpoint_mount
         # an argv list: the URI is the user's string and never reaches a shell
         "command": ["python", "-m", "seqtrain.hub", uri, "--root", hf_root(job, checkpoint_mount)],
         "env": env,
-        "resources": RESOURCES,
+        "resources": {k: dict(v) for k, v in RESOURCES.items()},  # a manifest of plain dicts
         "volumeMounts": [{"name": "checkpoints", "mountPath": checkpoint_mount},
                          {"name": "tmp", "mountPath": "/tmp"}],
         "terminationMessagePath": "/dev/termination-log",

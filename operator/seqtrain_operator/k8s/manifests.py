@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 from seqtrain.runtime.launch import replica_command
@@ -55,8 +56,9 @@ CHECKPOINT_MOUNT = "/checkpoints"
 
 # The external gang schedulers, one module each under k8s/gangs/, as main.py reads them: the CRD that proves one is
 # installed, its PodGroup API, its scheduler name.
-EXTERNAL = {name: {"crd": a.crd, "api": a.podgroup_api, "plural": a.podgroup_plural if a.podgroup_api else None,
-                   "scheduler": a.scheduler_name} for name, a in ADAPTERS.items()}
+EXTERNAL = MappingProxyType({
+    name: MappingProxyType({"crd": a.crd, "api": a.podgroup_api, "plural": a.podgroup_plural if a.podgroup_api else None,
+                            "scheduler": a.scheduler_name}) for name, a in ADAPTERS.items()})
 
 
 @dataclass(frozen=True)

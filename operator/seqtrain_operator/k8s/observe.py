@@ -30,6 +30,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping
 from datetime import datetime
+from types import MappingProxyType
 from typing import Any
 
 from seqtrain.runtime.exitcodes import last_error
@@ -43,7 +44,7 @@ from seqtrain_operator.k8s.manifests import CONTAINER, LABEL_ATTEMPT, LABEL_REPL
 
 # Reasons a container cannot start that retrying will not fix. Image pulls are not among them: a registry hiccup
 # on a large CUDA image must not fail a job (the core gives them faultTolerance.imagePullTimeoutSeconds).
-_NEVER_STARTS = {"InvalidImageName", "CreateContainerConfigError", "CreateContainerError"}
+_NEVER_STARTS = frozenset({"InvalidImageName", "CreateContainerConfigError", "CreateContainerError"})
 # FallbackToLogsOnError: the kubelet keeps the log's last 2048 bytes (or 80 lines) as the termination message.
 _FALLBACK_BYTES = 2048
 # The trainer's per-step console line (seqtrain.train.loop.Trainer.log_step): progress, never a failure's reason.
@@ -52,8 +53,8 @@ _PROGRESS_LINE = re.compile(r"^step \d+/\d+ ")
 # there this long after that, on a Ready node, is stuck (a wedged kubelet or runtime): the core force-deletes it.
 TERMINATION_OVERDUE_SECONDS = 60.0
 OUT_OF_SERVICE = "node.kubernetes.io/out-of-service"
-_DISRUPTION = {"PreemptionByScheduler": "Preempted", "DeletionByTaintManager": "NodeLost",
-               "EvictionByEvictionAPI": "Evicted", "TerminationByKubelet": "Evicted"}
+_DISRUPTION = MappingProxyType({"PreemptionByScheduler": "Preempted", "DeletionByTaintManager": "NodeLost",
+                                "EvictionByEvictionAPI": "Evicted", "TerminationByKubelet": "Evicted"})
 
 
 def _container(pod: Mapping[str, Any]) -> Mapping[str, Any]:
