@@ -279,3 +279,31 @@ def test_a_kueue_gang_carries_the_tas_request_its_topology_asks_for(topology, an
         j["spec"]["scheduling"]["topology"] = topology
     _, ann = adapter_for("kueue").pod_metadata(SeqTrainJob.model_validate(j), OWNER, 1)
     assert {k: v for k, v in ann.items() if "topology" in k} == annotations
+
+
+@pytest.mark.parametrize(("topology", "constraint"), [
+    (None, None),
+    ({"policy": "require", "keys": ["example.com/block", "example.com/rack"], "name": "cluster-topology"},
+     {"topology": "cluster-topology", "requiredTopologyLevel": "example.com/rack"}),
+    ({"policy": "pack", "keys": ["example.com/rack"], "name": "cluster-topology"},
+     {"topology": "cluster-topology", "preferredTopologyLevel": "example.com/rack"}),
+    ({"policy": "spread", "keys": ["example.com/rack"], "name": "cluster-topology"}, None),
+])
+def test_a_kai_podgroup_carries_the_topology_constraint_its_spec_asks_for(topology, constraint):
+    from seqtrain.spec import parse_job
+
+    doc = job("kai", "research").model_dump(by_alias=True, exclude_none=True, exclude_unset=True)
+    if topology is not None:
+        doc["spec"].setdefault("scheduling", {})["topology"] = topology
+    j = parse_job(doc)
+    pg = m.build_gang(j, OWNER, 1, m.Settings(), None).podgroup
+    assert pg["spec"].get("topologyConstraint") == constraint
+
+
+def test_a_kai_topology_without_its_name_is_refused_naming_the_field():
+    from seqtrain.spec import SpecError, parse_job
+
+    doc = job("kai", "research").model_dump(by_alias=True, exclude_none=True, exclude_unset=True)
+    doc["spec"].setdefault("scheduling", {})["topology"] = {"policy": "require", "keys": ["example.com/rack"]}
+    with pytest.raises(SpecError, match=r"spec.scheduling.topology.name: gang kai places a gang by a named Topology"):
+        parse_job(doc)

@@ -201,6 +201,10 @@ def check(job: SeqTrainJob) -> list[Problem]:
     if sched.gang == "kueue" and not sched.queue:
         out.append(Problem("spec.scheduling.queue", "gang kueue needs the name of a Kueue LocalQueue in the job's "
                            "namespace"))
+    if sched.gang == "kai" and "topology" in sched.model_fields_set and sched.topology.policy in ("require", "pack") \
+            and not sched.topology.name:
+        out.append(Problem("spec.scheduling.topology.name", "gang kai places a gang by a named Topology object: set "
+                                                            "it (kubectl get topologies.kueue.x-k8s.io), or policy none"))
     if sched.gang == "coscheduling" and sched.queue:
         out.append(Problem("spec.scheduling.queue", "coscheduling has no queues (its PodGroup has no queue field); "
                            "remove it, or use gang kueue, volcano or kai"))

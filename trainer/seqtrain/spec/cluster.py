@@ -210,6 +210,11 @@ class TopologySpec(SpecModel):
         default_factory=lambda: ["topology.kubernetes.io/zone"],
         description="Node label keys that define topology domains, outermost first.",
     )
+    name: str | None = Field(
+        None, max_length=253, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$",
+        description="gang kai: the cluster's Topology object (kueue.x-k8s.io Topology, which KAI reads) that the "
+        "PodGroup's topologyConstraint names; Kueue takes it from the ResourceFlavor instead.",
+    )
 
 
 class SchedulingSpec(SpecModel):

@@ -8,6 +8,10 @@ documents for workloads it does not know (docs/topology/multilevel.md: pods that
 created): a pod with a `pod-group-name` annotation and no ownerReferences (isOrphanPodWithPodGroup). So for KAI
 the pods carry no ownerReference; the PodGroup, ConfigMap and Service keep theirs, and the operator deletes the
 pods itself (every gang teardown, and the job's finalizer).
+
+scheduling.topology (with its `name`: the Topology object KAI reads) becomes the PodGroup's topologyConstraint.
+KAI's Go module is not served by this machine's module proxy, so neither its controller nor its CRD schema runs
+in the tests: the field names follow its v2alpha2 types.
 """
 
 from __future__ import annotations
@@ -35,8 +39,24 @@ class Kai(GangScheduler):
         spec: dict[str, Any] = {"minMember": s.replicas, "queue": _queue(job)}
         if s.scheduling.priority_class_name:
             spec["priorityClassName"] = s.scheduling.priority_class_name
+        if (constraint := topology_constraint(job)) is not None:
+            spec["topologyConstraint"] = constraint
         labels = {**meta.get("labels", {}), QUEUE_LABEL: _queue(job)}
         return podgroup_object(self.podgroup_api or "", {**meta, "labels": labels}, spec)
+
+
+def topology_constraint(job: SeqTrainJob) -> dict[str, str] | None:
+    """scheduling.topology as KAI's PodGroup topologyConstraint (pkg/apis/scheduling/v2alpha2: the Topology object's
+    name and a level, which is a node label key of it): `require` keeps the gang in one domain of the innermost key,
+    `pack` prefers one. Only a topology the spec sets is passed on (validation asks for its name)."""
+    topo = job.spec.scheduling.topology
+    if "topology" not in job.spec.scheduling.model_fields_set or not topo.keys or not topo.name:
+        return None
+    if topo.policy == "require":
+        return {"topology": topo.name, "requiredTopologyLevel": topo.keys[-1]}
+    if topo.policy == "pack":
+        return {"topology": topo.name, "preferredTopologyLevel": topo.keys[-1]}
+    return None
 
 
 ADAPTER = Kai(name="kai", crd="podgroups.scheduling.run.ai", scheduler_name="kai-scheduler",
