@@ -18,6 +18,7 @@ DIFFERENCES = {
     "MASTER_ADDR": None, "MASTER_PORT": None, contract.RESTART_PORT_ENV: None,  # DNS and fixed ports vs loopback
     contract.GRACE_ENV: None,  # each backend's own SIGTERM -> SIGKILL deadline, less the same margin
     "HOME": "pod", "TRITON_CACHE_DIR": "pod", "TORCH_EXTENSIONS_DIR": "pod",  # the pod's root is read-only
+    "TORCHINDUCTOR_CACHE_DIR": "pod with a GPU and a claim",  # a GPU pod's compile cache on its checkpoint claim (local: the user's ~/.cache)
     "OMP_NUM_THREADS": "local",  # every local rank shares one machine; a pod's launcher divides the pod's CPUs
     "CUDA_VISIBLE_DEVICES": "local",  # a pod's device plugin shows it its GPUs
     contract.LOG_DIR_ENV: "local",  # a pod's output is its container log
@@ -120,3 +121,18 @@ def test_a_running_local_replica_sees_what_its_pod_would(tmp_path) -> None:  # n
             assert (pod.keys() - ran.keys()) - {"SEQTRAIN_JOB"} <= {k for k, o in DIFFERENCES.items() if o == "pod"}
     finally:
         gang.stop(grace=0)
+
+
+@pytest.mark.parametrize(("gpus", "pvc", "where"), [
+    (1, "ckpt", "/checkpoints/gpt/.compile-cache"), (0, "ckpt", None), (1, None, None)])
+def test_a_gpu_pods_compile_caches_live_on_its_checkpoint_claim(gpus: int, pvc: str | None, where: str | None) -> None:
+    """torch.compile's and Triton's caches outlast a GPU pod on the job's claim, so the next attempt's pods start
+    with the kernels compiled; without a claim (an emptyDir dies with the pod) or a GPU they stay in /tmp."""
+    j = job(2, gpus)
+    j.spec.checkpoint.pvc = pvc
+    env = pod_env(j, 1, 0, ())
+    if where is None:
+        assert env["TRITON_CACHE_DIR"] == "/tmp/triton" and "TORCHINDUCTOR_CACHE_DIR" not in env
+    else:
+        assert (env["TRITON_CACHE_DIR"], env["TORCHINDUCTOR_CACHE_DIR"]) == (f"{where}/triton", f"{where}/inductor")
+

@@ -235,7 +235,8 @@ def _env(job: SeqTrainJob, owner: Owner, attempt: int, replica: int, settings: S
                            procs=job.spec.resources.procs, master_addr=master_addr(owner),
                            master_port=settings.master_port, grace_period=settings.termination_grace_seconds,
                            job=owner.name, read_only_root=True, in_place_delays=in_place_delays,
-                           restart_port=restart_port(settings) if in_place_delays else None)
+                           restart_port=restart_port(settings) if in_place_delays else None,
+                           compile_cache_dir=compile_cache_dir(job))
     env: list[dict[str, Any]] = []
     for name, value in contract.items():
         if name == INPLACE_DELAYS_ENV and _pushes(settings):
@@ -287,6 +288,14 @@ def _resources(job: SeqTrainJob) -> dict[str, Any]:
         requests[GPU_RESOURCE] = str(r.gpus)
         limits[GPU_RESOURCE] = str(r.gpus)
     return {"requests": requests, "limits": limits}
+
+
+def compile_cache_dir(job: SeqTrainJob) -> str | None:
+    """A GPU job's torch.compile/Triton caches on its checkpoint claim (beside its checkpoints), so the pods of its
+    next attempt start with the kernels compiled; None (the pod's /tmp) without a claim or a GPU."""
+    if not job.spec.checkpoint.pvc or job.spec.resources.gpus <= 0:
+        return None
+    return f"{checkpoint_paths(job)[0]}/.compile-cache"
 
 
 def _volumes(job: SeqTrainJob, owner: Owner, attempt: int) -> list[dict[str, Any]]:

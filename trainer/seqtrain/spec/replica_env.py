@@ -48,10 +48,12 @@ def replica_env(*, replica: int, attempt: int, world_size: int, procs: int, mast
                 grace_period: float, job: str | None = None, read_only_root: bool = False,
                 omp_threads: int | None = None, visible_gpus: Sequence[int] | None = None,
                 rank_log_dir: str | None = None, in_place_delays: tuple[float, ...] = (),
-                restart_port: int | None = None) -> dict[str, str]:
+                restart_port: int | None = None, compile_cache_dir: str | None = None) -> dict[str, str]:
     """The variables replica `replica` of attempt `attempt` starts with, in a fixed order. RANK and LOCAL_RANK only
     for a replica of one rank (several ranks get theirs from the launcher); the in-place restart variables only
-    with `in_place_delays` (then `restart_port` is required: replica 0's launcher coordinates there)."""
+    with `in_place_delays` (then `restart_port` is required: replica 0's launcher coordinates there).
+    `compile_cache_dir`: where torch.compile's and Triton's caches live when they should outlast the pod (a GPU job's
+    checkpoint volume: a re-created gang finds its kernels compiled, and recovery time is goodput)."""
     env = {"MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port), "WORLD_SIZE": str(world_size)}
     if procs == 1:
         env |= {"RANK": str(replica), "LOCAL_RANK": "0"}
@@ -61,6 +63,8 @@ def replica_env(*, replica: int, attempt: int, world_size: int, procs: int, mast
     env |= {"SEQTRAIN_ATTEMPT": str(attempt), "SEQTRAIN_REPLICA": str(replica), "PYTHONUNBUFFERED": "1"}
     if read_only_root:
         env |= {"HOME": "/tmp", "TRITON_CACHE_DIR": "/tmp/triton", "TORCH_EXTENSIONS_DIR": "/tmp/torch_extensions"}
+    if compile_cache_dir is not None:
+        env |= {"TRITON_CACHE_DIR": f"{compile_cache_dir}/triton", "TORCHINDUCTOR_CACHE_DIR": f"{compile_cache_dir}/inductor"}
     env[GRACE_ENV] = f"{term_grace_seconds(grace_period):g}"
     if omp_threads is not None:
         env["OMP_NUM_THREADS"] = str(omp_threads)
