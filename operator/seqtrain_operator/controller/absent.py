@@ -99,9 +99,11 @@ def create_gang(ctx: Pass, admitted: gang_policy.Admitted) -> None:
     # pendingGraceSeconds counts from here: the condition may have been False for long already (waiting for
     # capacity, a torn-down attempt), and that wait must not tear the new gang down before its pods could start.
     cond.get(st, "Scheduled").last_transition_time = iso(ctx.now)  # type: ignore[union-attr]
-    where = resumes(resume)
-    cond.enter_phase(st, "Scheduling", "GangCreated", f"attempt {st.attempt}: starting {size} replica(s) {where}",
-                     ctx.now)
+    # A first gang with no checkpoint known starts where the ranks find one (usually nowhere): said by the Resumed
+    # condition once they report, not guessed here; a re-created gang always says what the core knows.
+    where = resumes(resume) if resume is not None or restarting else ""
+    cond.enter_phase(st, "Scheduling", "GangCreated",
+                     f"attempt {st.attempt}: starting {size} replica(s) {where}".rstrip(), ctx.now)
     if admitted.scale_up:
         ctx.event("Normal", SCALE_UP, f"attempt {st.attempt}: {size} replica(s) created unpinned for the node "
                   f"autoscaler: {admitted.short}"[:1000])
@@ -109,7 +111,7 @@ def create_gang(ctx: Pass, admitted: gang_policy.Admitted) -> None:
         ctx.event("Normal", "Restarted", f"attempt {st.attempt}: gang of {size} replica(s) re-created {where} "
                   "(mode: re-created, new pods)")
     else:
-        ctx.event("Normal", "GangCreated", f"attempt {st.attempt}: gang of {size} replica(s) created {where}")
+        ctx.event("Normal", "GangCreated", f"attempt {st.attempt}: gang of {size} replica(s) created {where}".rstrip())
     _resized(ctx, admitted, before)
 
 
