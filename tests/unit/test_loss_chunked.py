@@ -6,27 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from seqtrain.data import IGNORE_INDEX
+from seqtrain.kernels.memory import NewTensors
 from seqtrain.models.loss import chunked_linear_cross_entropy, linear_cross_entropy
-
-
-class Allocations(TorchDispatchMode):
-    """(shape, dtype) of every tensor an operator returns in new memory (views and in-place results excluded)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: list[tuple[tuple[int, ...], torch.dtype]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
-                  if isinstance(t, torch.Tensor)}
-        self.seen += [(tuple(t.shape), t.dtype) for t in tree_flatten(out)[0]
-                      if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs]
-        return out
 
 
 def _reference(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -61,7 +44,7 @@ def test_no_float32_tokens_by_vocab_tensor_is_allocated():
     w = torch.randn(vocab, hidden, requires_grad=True)
     t = torch.randint(0, vocab, (tokens,))
     for fn, full in ((_reference, True), (linear_cross_entropy, False)):
-        with Allocations() as rec:
+        with NewTensors() as rec:
             fn(h, w, t).backward()
         big = [s for s, dt in rec.seen if dt == torch.float32 and len(s) == 2 and s[0] * s[1] >= tokens * vocab]
         assert bool(big) == full, (fn.__name__, big)  # the reference does hold [tokens, vocab]: the probe works

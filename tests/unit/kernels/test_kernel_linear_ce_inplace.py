@@ -6,28 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 import seqtrain.kernels as K
+from seqtrain.kernels.memory import NewTensors
 from seqtrain.kernels.ops.linear_cross_entropy import addmm_f32_
-
-
-class Shapes(TorchDispatchMode):
-    """Records (shape, dtype) of every tensor an operator returns in new memory (not a view or an in-place
-    result of one of its arguments)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: list[tuple[tuple[int, ...], torch.dtype]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
-                  if isinstance(t, torch.Tensor)}
-        self.seen += [(tuple(t.shape), t.dtype) for t in tree_flatten(out)[0]
-                      if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs]
-        return out
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU dispatch recording; the GPU path is the gpu tests'")
@@ -39,7 +21,7 @@ def test_dw_is_one_float32_buffer_accumulated_in_place():
     t = torch.randint(0, vocab, (tokens,))
     counts = []
     for size in (tokens, chunk):  # one chunk, then 8
-        with Shapes() as rec:
+        with NewTensors() as rec:
             loss = K.linear_cross_entropy(h, w, t, chunk_size=size)
         counts.append(sum(1 for s in rec.seen if s == ((vocab, hidden), torch.float32)))
     # dW itself (and, off CUDA, the weight widened once for dH): never one per chunk

@@ -55,6 +55,23 @@ class LiveTensorBytes(TorchDispatchMode):
         return out
 
 
+class NewTensors(TorchDispatchMode):
+    """Dispatch mode that records (shape, dtype) of every tensor an operator returns in new memory (views and
+    in-place results of an argument excluded): a test's proof that a path never materialises some tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[tuple[int, ...], torch.dtype]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
+                  if isinstance(t, torch.Tensor)}
+        self.seen += [(tuple(t.shape), t.dtype) for t in tree_flatten(out)[0]
+                      if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs]
+        return out
+
+
 def peak_bytes(fn: Callable[[], Any], device: torch.device | str) -> int:
     """Peak memory (bytes) allocated while `fn()` runs, above what was allocated before it."""
     device = torch.device(device)
