@@ -288,7 +288,8 @@ def tas_gang(name: str, replicas: int, policy: str) -> dict[str, Any]:
 def test_kueue_tas_puts_a_gang_in_one_rack_waits_when_none_fits_or_spreads_when_preferred(testbed: Testbed, operator: Operator, kueue: str) -> None:
     """scheduling.topology under Kueue is a Topology-Aware Scheduling request: the kwok GPU nodes are 3 racks of 2
     nodes (8 GPUs each; rack-3 tainted, tolerated by GPU pods). `require` by rack puts a 2-node gang in one rack
-    and keeps a 3-node gang waiting (no rack has 3 nodes); `pack` (preferred) places the 3-node gang over 2 racks."""
+    and keeps a 3-node gang waiting (no rack has 3 nodes); `pack` (preferred) places a 5-node gang over the 3 racks,
+    in rank order: Kueue reads each pod's rank from our replica label, so consecutive ranks share a rack."""
     ns = kueue
     testbed.apply([
         {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "Topology", "metadata": {"name": f"racks-{ns}"},
@@ -304,7 +305,7 @@ def test_kueue_tas_puts_a_gang_in_one_rack_waits_when_none_fits_or_spreads_when_
                                                         {"name": "nvidia.com/gpu", "nominalQuota": "64"}]}]}]}},
         {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "LocalQueue", "metadata": {"name": "tas", "namespace": ns},
          "spec": {"clusterQueue": f"cq-tas-{ns}"}}])
-    names = ("rack-pair", "rack-three", "spread-three")
+    names = ("rack-pair", "rack-three", "spread-five")
     try:
         testbed.apply(tas_gang("rack-pair", 2, "require"), ns)
         pair = wait("rack-pair: both pods bound", lambda: (ps := pods(testbed, ns, "rack-pair")) and len(ps) == 2
@@ -320,11 +321,19 @@ def test_kueue_tas_puts_a_gang_in_one_rack_waits_when_none_fits_or_spreads_when_
         for name in ("rack-pair", "rack-three"):
             testbed.kubectl("delete", "stj", name, "-n", ns, "--wait=true", "--timeout=180s", timeout=240)
 
-        testbed.apply(tas_gang("spread-three", 3, "pack"), ns)
-        spread = wait("spread-three: all 3 pods bound", lambda: (ps := pods(testbed, ns, "spread-three"))
-                      and len(ps) == 3 and all(p["spec"].get("nodeName") for p in ps) and ps, 240)
+        testbed.apply(tas_gang("spread-five", 5, "pack"), ns)
+        spread = wait("spread-five: all 5 pods bound", lambda: (ps := pods(testbed, ns, "spread-five"))
+                      and len(ps) == 5 and all(p["spec"].get("nodeName") for p in ps) and ps, 240)
         racks = node_racks(testbed, spread)
-        assert len(racks) == 3 and len(set(racks.values())) == 2, racks  # as few racks as fit: 2 + 1
+        assert len(racks) == 5 and len(set(racks.values())) == 3, racks  # as few racks as fit: 2 + 2 + 1
+        by_rank = sorted(spread, key=lambda p: int(p["metadata"]["labels"]["seqtrain.dev/replica"]))
+        # Kueue took each pod's rank from our replica label ...
+        assert [p["metadata"]["labels"].get("kueue.x-k8s.io/pod-group-pod-index") for p in by_rank] == [
+            str(r) for r in range(5)], [p["metadata"]["labels"] for p in by_rank]
+        # ... and filled its racks in rank order: each rack holds a run of consecutive ranks (2, 2, 1)
+        layout = [racks[p["spec"]["nodeName"]] for p in by_rank]
+        runs = [rack for i, rack in enumerate(layout) if i == 0 or rack != layout[i - 1]]
+        assert len(runs) == 3 and sorted(layout.count(r) for r in set(layout)) == [1, 2, 2], layout
     finally:
         for name in names:
             testbed.kubectl("delete", "stj", name, "-n", ns, "--ignore-not-found", "--wait=true", "--timeout=180s",

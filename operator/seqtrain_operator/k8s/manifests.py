@@ -25,7 +25,7 @@ from seqtrain.spec.replica_env import INPLACE_DELAYS_ENV, replica_env
 from seqtrain.spec.runtime import FailureHistory
 from seqtrain_operator.k8s.gangs import ADAPTERS, adapter_for
 from seqtrain_operator.k8s.hfinit import add_hf_init
-from seqtrain_operator.k8s.owner import LABEL_UID
+from seqtrain_operator.k8s.owner import LABEL_ATTEMPT, LABEL_JOB, LABEL_REPLICA, LABEL_UID
 from seqtrain_operator.k8s.pushauth import (
     TOKEN_DIR,
     TOKEN_FILE,
@@ -41,10 +41,6 @@ from seqtrain_operator.planner.inventory import GPU_PRODUCT_LABEL, GPU_RESOURCE
 from seqtrain_operator.planner.placement import pod_tolerations
 from seqtrain_operator.planner.types import Plan
 
-GROUP = "seqtrain.dev"
-LABEL_JOB = f"{GROUP}/job"
-LABEL_ATTEMPT = f"{GROUP}/attempt"
-LABEL_REPLICA = f"{GROUP}/replica"
 LABEL_MANAGED = "app.kubernetes.io/managed-by"
 MANAGER = "seqtrain-operator"
 CONTAINER = "trainer"

@@ -15,6 +15,11 @@ from typing import Any
 from seqtrain.spec import API_GROUP, KIND
 
 LABEL_UID = f"{API_GROUP}/job-uid"
+# The labels every pod of a job carries (here, not in manifests, so the gang adapters can name them without importing
+# the pod builder that imports them).
+LABEL_JOB = f"{API_GROUP}/job"
+LABEL_ATTEMPT = f"{API_GROUP}/attempt"
+LABEL_REPLICA = f"{API_GROUP}/replica"
 
 
 def owner_uid(obj: Mapping[str, Any]) -> str | None:

@@ -27,6 +27,7 @@ import logging
 from seqtrain.spec import SeqTrainJob
 from seqtrain_operator.k8s import calls
 from seqtrain_operator.k8s.gangs.base import GangScheduler, Pod
+from seqtrain_operator.k8s.owner import LABEL_REPLICA
 
 log = logging.getLogger("seqtrain.operator")
 
@@ -49,6 +50,11 @@ BOOST_ANNOTATION = "kueue.x-k8s.io/priority-boost"
 REQUIRED_TOPOLOGY = "kueue.x-k8s.io/podset-required-topology"
 PREFERRED_TOPOLOGY = "kueue.x-k8s.io/podset-preferred-topology"
 UNCONSTRAINED_TOPOLOGY = "kueue.x-k8s.io/podset-unconstrained-topology"
+# Which label holds a pod's index in its group: TAS's ungater then gives the chosen domains to the pods in rank order
+# (ranks 0..k-1 fill the first domain, and so on), so tensor-parallel peers and pipeline neighbours, which are
+# consecutive ranks, share the smallest domain Kueue found rather than wherever the greedy fill put them. Kueue's
+# pod webhook copies our replica label into `kueue.x-k8s.io/pod-group-pod-index` from it.
+INDEX_LABEL_ANNOTATION = "kueue.x-k8s.io/pod-group-pod-index-label"
 
 
 def topology_request(job: SeqTrainJob) -> dict[str, str]:
@@ -104,7 +110,8 @@ class Kueue(GangScheduler):
         labels = {GROUP_LABEL: self.group_name(job, owner, attempt)}
         if job.spec.scheduling.queue:
             labels[QUEUE_LABEL] = job.spec.scheduling.queue
-        return labels, {TOTAL_ANNOTATION: str(job.spec.replicas), **topology_request(job)}
+        return labels, {TOTAL_ANNOTATION: str(job.spec.replicas), INDEX_LABEL_ANNOTATION: LABEL_REPLICA,
+                        **topology_request(job)}
 
     def queued(self, pod: Pod) -> bool:
         return GATE in [g.get("name") for g in (pod.get("spec") or {}).get("schedulingGates") or []]
