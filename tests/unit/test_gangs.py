@@ -281,6 +281,15 @@ def test_a_kueue_gang_carries_the_tas_request_its_topology_asks_for(topology, an
     assert {k: v for k, v in ann.items() if "topology" in k} == annotations
 
 
+def test_a_kueue_gang_names_its_rank_label_so_tas_places_consecutive_ranks_together():
+    """Kueue's TAS fills the domains it chose in rank order only when it can read each pod's rank; without the
+    annotation it assigns pods to domains greedily and tensor-parallel peers may land in different racks."""
+    from seqtrain_operator.k8s.owner import LABEL_REPLICA
+
+    _, ann = adapter_for("kueue").pod_metadata(job(), OWNER, 1)
+    assert ann[kq.INDEX_LABEL_ANNOTATION] == LABEL_REPLICA
+
+
 @pytest.mark.parametrize(("topology", "constraint"), [
     (None, None),
     ({"policy": "require", "keys": ["example.com/block", "example.com/rack"], "name": "cluster-topology"},
