@@ -91,7 +91,7 @@ def _check_crd() -> int:
 
     from seqtrain.spec import API_GROUP, PLURAL
     from seqtrain.spec.crd import UPGRADE_HINT, drift_message, missing_fields
-    from seqtrain_operator.k8s.client import load_config
+    from seqtrain_operator.k8s.api.client import load_config
 
     name = f"{PLURAL}.{API_GROUP}"
     try:
@@ -253,9 +253,15 @@ def _cluster(args: argparse.Namespace) -> int:
 
 
 def _cmd_submit(args: argparse.Namespace) -> int:
-    from seqtrain_operator.client import prepare
+    from seqtrain.spec import parse_job
+    from seqtrain.spec.memory import memory_problems
+    from seqtrain_operator.client import InvalidJob, prepare
 
-    prepare(args.file, args.set or (), args.name, args.namespace)  # invalid: exit 2 before any cluster call
+    doc = prepare(args.file, args.set or (), args.name, args.namespace)  # invalid: exit 2 before any cluster call
+    # the memory verdict `validate`, `plan` and `run` give (microBatchSize auto: the size the estimate chooses), so a
+    # job that cannot fit is refused here with run's line and exit code, not OOM-killed on the cluster
+    if problems := memory_problems(parse_job(doc)):
+        raise InvalidJob(args.file, [str(p) for p in problems])
     c = _client(args)
     job = c.submit(args.file, set=args.set or (), name=args.name, namespace=args.namespace)
     where = f"in namespace {job.namespace}" if job.namespace else f"locally (run folder {job.workdir})"
