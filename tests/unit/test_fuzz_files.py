@@ -198,7 +198,7 @@ def test_fuzz_dcp_metadata(data: bytes) -> None:
             _one_line(exc, str(folder))
 
 
-# ---- a checkpoint's meta.json: discovery, the manager, require_layout, export -----------------------------------
+# ---- a checkpoint's meta.json: discovery, the manager, export ---------------------------------------------------
 def _checkpoint_template() -> Path:
     """A real checkpoint folder `<tmp>/ckpt/step-6` of a tiny in-process run (built once)."""
     if "ckpt" not in _BUILT:
@@ -229,7 +229,6 @@ def _meta_inputs() -> st.SearchStrategy[bytes]:
 def test_fuzz_checkpoint_meta_json(data: bytes) -> None:
     from seqtrain.checkpoint import CheckpointManager
     from seqtrain.checkpoint.discovery import problem, quarantined, read_complete, verify_hashes
-    from seqtrain.checkpoint.safe_load import require_layout
     from seqtrain.runtime.dist import DistContext
 
     work = Path(tempfile.mkdtemp(prefix="seqtrain-fuzz-meta-"))
@@ -246,10 +245,6 @@ def test_fuzz_checkpoint_meta_json(data: bytes) -> None:
                 assert info.time is None or isinstance(info.time, str)
                 hashed = verify_hashes(str(step))
                 assert hashed is None or isinstance(hashed, str)
-            try:
-                require_layout(str(step), "native", dp=1, tp=1, pp=1)
-            except (UnusableCheckpoint, InvalidConfig) as exc:
-                _one_line(exc, "meta.json")
             latest = CheckpointManager(str(ckpt), keep=3, ctx=DistContext()).latest()
             assert latest is None or latest.step in (4, 6)
             for _, reason in quarantined(str(ckpt)):

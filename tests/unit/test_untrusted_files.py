@@ -70,7 +70,7 @@ def test_could_not_load_now_is_an_infrastructure_failure_for_the_controller() ->
     assert replica_exit_code([exitcodes.COMM_TIMEOUT, exitcodes.CHECKPOINT_UNAVAILABLE]) == 6
     assert exitcodes.CHECKPOINT_UNAVAILABLE in exitcodes.RETRYABLE
     obs = ReplicaObservation(replica=0, attempt=1, phase="Failed", exit_code=6, node="n1",
-                             error="CheckpointUnavailable: /c/step-6/engine.pt: could not be loaded now")
+                             error="CheckpointUnavailable: /c/step-6/state/__0_0.distcp: could not be loaded now")
     f = classify(obs)
     assert f.cls is FailureClass.INFRASTRUCTURE and f.reason == "CheckpointUnavailable" and f.node is None
 

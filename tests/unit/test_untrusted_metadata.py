@@ -289,21 +289,23 @@ class Payload:
 
 
 def test_torch_loaded_files_refuse_payloads_whatever_the_caller_asks(tmp_path: Path, marker: Path) -> None:
-    """seqtrain's own files (trainer.pt, rng-rank*.pt, engine*.pt) and DeepSpeed's zero/*.pt (through
-    restricted_loads, whatever weights_only DeepSpeed asks for)."""
-    for name in ("trainer.pt", "rng-rank0.pt", "engine.pt", "engine-pp0-tp0.pt", "scheduler.pt"):
+    """seqtrain's own files (trainer.pt, rng-rank*.pt) and DCP's byte items (through restricted_loads, whatever
+    weights_only DCP asks for)."""
+    import io
+
+    for name in ("trainer.pt", "rng-rank0.pt"):
         path = tmp_path / name
         torch.save({"model": Payload(marker)}, path)
         with pytest.raises(UnusableCheckpoint) as err:
             load_plain(str(path))
         _one_line(str(err.value), name)
-    zero = tmp_path / "zero"
-    zero.mkdir()
-    torch.save({"optimizer_state_dict": Payload(marker)}, zero / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
-    with pytest.raises(UnusableCheckpoint) as err, restricted_loads(str(zero)):
-        torch.load(str(zero / "zero_pp_rank_0_mp_rank_00_optim_states.pt"), weights_only=False)
-    _one_line(str(err.value), "optim_states.pt")
-    raw = tmp_path / "raw.pt"  # a bare pickle (torch's legacy format)
+    item = io.BytesIO()
+    torch.save({"last_epoch": Payload(marker)}, item)
+    item.seek(0)
+    with pytest.raises(UnusableCheckpoint) as err, restricted_loads(str(tmp_path / "state" / "__0_0.distcp")):
+        torch.load(item, weights_only=False)
+    _one_line(str(err.value), "__0_0.distcp")
+    raw = tmp_path / "raw.pt"  # a bare pickle, not torch's zip container
     raw.write_bytes(_evil_pickle(marker))
     with pytest.raises(UnusableCheckpoint):
         load_plain(str(raw))
@@ -389,9 +391,9 @@ def test_a_payload_in_a_dcp_byte_item_is_refused(trained: Path, tmp_path: Path, 
     _never_ran(marker)
 
 
-def _legacy_step(tmp_path: Path, trained: Path, engine: str, files: dict[str, bytes]) -> Path:
-    """A step folder of an older layout (no state/): the files consolidate reads for that engine."""
-    step = tmp_path / "legacy" / "step-6"
+def _other_layout_step(tmp_path: Path, trained: Path, engine: str, files: dict[str, bytes]) -> Path:
+    """A complete step folder without state/ (meta.json lists its files), as another version's engine laid out."""
+    step = tmp_path / "other" / "step-6"
     step.mkdir(parents=True)
     meta = json.loads((trained / "ckpt" / "step-6" / "meta.json").read_text())
     for name, data in files.items():
@@ -402,15 +404,32 @@ def _legacy_step(tmp_path: Path, trained: Path, engine: str, files: dict[str, by
     return step
 
 
-@pytest.mark.parametrize(("engine", "name"), [("fsdp2", "fsdp/.metadata"), ("native", "engine.pt"),
-                                              ("native", "engine-pp0-tp0.pt")])
-def test_older_layouts_refuse_a_planted_file(engine: str, name: str, trained: Path, tmp_path: Path,
-                                             marker: Path, capsys) -> None:  # noqa: ANN001
-    data = _payloads(marker, tmp_path)["STACK_GLOBAL-dotted-os.system"]
-    step = _legacy_step(tmp_path, trained, engine, {name: data})
+@pytest.mark.parametrize(("engine", "name", "found"), [
+    ("fsdp2", "fsdp/.metadata", "fsdp/"), ("native", "engine.pt", "engine.pt"),
+    ("native", "engine-pp0-tp0.pt", "engine-pp0-tp0.pt"),
+    ("deepspeed", "zero/mp_rank_00_model_states.pt", "zero/"), ("native", "model.bin", "model.bin")])
+def test_a_layout_without_state_is_refused_unread(engine: str, name: str, found: str, trained: Path, tmp_path: Path,
+                                                  marker: Path, monkeypatch, capsys) -> None:  # noqa: ANN001
+    """Only `state/` is read: a folder holding anything else (here a planted pickle where such a layout kept its
+    weights) is refused by export, consolidate and model.init in one line naming what it holds, before any file
+    of it is opened."""
+    from seqtrain.parallel.consolidate import main as consolidate_main
+
+    payload = _payloads(marker, tmp_path)["STACK_GLOBAL-dotted-os.system"]
+    step = _other_layout_step(tmp_path, trained, engine, {name: payload})
+
+    def never(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a file of a refused layout was unpickled")
+
+    monkeypatch.setattr(torch, "load", never)
+    monkeypatch.setattr(pickle, "load", never)
+    want = f"does not read ({found}); re-run it with this version or export it with the seqtrain that wrote it"
     assert cli_main(["export", str(step), "--format", "hf", "--out", str(tmp_path / "hf")]) == 2
-    _one_line(capsys.readouterr().err, os.path.basename(name))
-    _model_init_refuses(step, os.path.basename(name))
+    _one_line(capsys.readouterr().err, want)
+    assert consolidate_main([str(step), str(tmp_path / "out.pt")]) == 2
+    _one_line(capsys.readouterr().err, want)
+    assert not (tmp_path / "out.pt").exists()
+    _model_init_refuses(step, want)
     _never_ran(marker)
 
 

@@ -2,12 +2,10 @@
 
 Files in a checkpoint folder may come from anyone who can write the storage (a shared PVC, a downloaded run), so
 no file may run code when it is loaded. Every unpickling in seqtrain goes through this module:
-- `load_plain`: seqtrain's own files (`engine*.pt`, `trainer.pt`, `rng-rank*.pt`, `scheduler.pt`), with
-  `torch.load(weights_only=True)`, always onto the CPU first (the caller copies into its own device, so a resume
-  never needs a second full copy of the state in GPU memory);
-- `restricted_loads()`: while a library loads its own files (DeepSpeed's `zero/*.pt`, DCP's byte items), every
-  `torch.load` it makes is held to weights_only=True with `LIBRARY_GLOBALS`, the few plain classes those
-  libraries pickle (loss scaler, ZeRO stage enum, fragment addresses), whatever `weights_only` it asked for;
+- `load_plain`: seqtrain's own files (`trainer.pt`, `rng-rank*.pt`), with `torch.load(weights_only=True)` onto
+  the CPU;
+- `restricted_loads()`: while DCP loads its byte items, every `torch.load` it makes is held to weights_only=True
+  (tensors and plain values only), whatever `weights_only` it asked for;
 - `SafeFileSystemReader`: DCP's `.metadata` (a raw pickle) through an Unpickler that builds only the classes of
   an exact (module, name) table (DCP's metadata dataclasses, torch sizes/dtypes/layouts, plain containers), and
   whose result must be DCP metadata describing only byte ranges of this folder's `.distcp` files
@@ -29,14 +27,11 @@ import os
 import pickle
 import re
 import struct
-import sys
 import zipfile
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-
-from seqtrain.runtime.exitcodes import InvalidConfig
 
 
 class UnusableCheckpoint(Exception):
@@ -107,29 +102,13 @@ def refuse_symlink(path: str) -> None:
                                  "links; copy the file in its place)")
 
 
-def _library_globals() -> list[Any]:
-    """The plain classes DeepSpeed pickles into its ZeRO files (data holders and enums: building them runs
-    nothing of the file's choosing)."""
-    out: list[Any] = []
-    if "deepspeed" not in sys.modules:  # only DeepSpeed's files need them (and importing it is slow)
-        return out
-    with contextlib.suppress(ImportError):
-        from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-        from deepspeed.runtime.zero.config import ZeroStageEnum
-        from deepspeed.utils.tensor_fragment import fragment_address
-
-        out += [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
-    return out
-
-
 @contextlib.contextmanager
 def restricted_loads(what: str) -> Iterator[list[Exception]]:
-    """Every `torch.load` made inside (by DeepSpeed or DCP on files they name) is weights_only with the library
-    allowlist and maps to the CPU unless told otherwise; a refusal or a corrupt file raises UnusableCheckpoint
-    naming the file, a fault of the moment CheckpointUnavailable. `what` names the folder for messages. Yields the
-    list of those raised (a library may wrap them in its own exception: `dcp_load` unwraps them)."""
+    """Every `torch.load` made inside (by DCP on the files it names) is weights_only and maps to the CPU unless
+    told otherwise; a refusal or a corrupt file raises UnusableCheckpoint naming the file, a fault of the moment
+    CheckpointUnavailable. `what` names the folder for messages. Yields the list of those raised (DCP wraps them
+    in its own exception: `dcp_load` unwraps them)."""
     original = torch.load
-    allowed = _library_globals()
     raised: list[Exception] = []
 
     def guarded(f: Any, map_location: Any = None, pickle_module: Any = None, **kwargs: Any) -> Any:
@@ -139,9 +118,8 @@ def restricted_loads(what: str) -> Iterator[list[Exception]]:
         if isinstance(f, str | os.PathLike):
             refuse_symlink(str(f))
         try:
-            with torch.serialization.safe_globals(allowed):
-                return original(f, map_location=map_location if map_location is not None else "cpu",
-                                weights_only=True, **kwargs)
+            return original(f, map_location=map_location if map_location is not None else "cpu", weights_only=True,
+                            **kwargs)
         except _LOAD_ERRORS as exc:
             raised.append(classify(str(name), exc))
             raise raised[-1] from None
@@ -502,29 +480,3 @@ def dcp_load(folder: str, load: Callable[[Any], Any]) -> Any:
                 else first if isinstance(first, BaseException) else exc
             raise classify(folder, cause) from None
 
-
-def require_layout(directory: str, engine: str, **layout: int) -> None:
-    """Before a library loads its own files (DeepSpeed's shards, DCP's folder): the checkpoint's meta.json must
-    name this engine and these layout degrees (dp/tp/pp given as keywords). A mismatch is the job's change, not
-    damage: InvalidConfig (the job fails at once, the checkpoint is kept)."""
-    from seqtrain.checkpoint.discovery import MetaError, read_meta
-
-    path = os.path.join(directory, "meta.json")
-    try:
-        meta = read_meta(path)
-    except OSError as exc:
-        raise classify(path, exc) from None
-    except MetaError as exc:
-        raise UnusableCheckpoint(f"{path}: unreadable: {exc}") from None
-    if meta.get("engine") != engine:
-        said = meta.get("engine") if isinstance(meta.get("engine"), str | None) else "?"
-        raise InvalidConfig(f"{path}: written by engine {said if said is None else said[:40]!r}, but this job runs {engine!r}: "
-                            "resume with the engine in its meta.json, or use a new checkpoint folder")
-    saved = meta.get("layout") or {}
-    if not isinstance(saved, dict):
-        raise UnusableCheckpoint(f"{path}: `layout` is not an object of dp/tp/pp degrees")
-    for key, want in layout.items():
-        if saved.get(key) != want:
-            said = saved.get(key) if isinstance(saved.get(key), int | None) else "?"
-            raise InvalidConfig(f"{path}: layout {key}={said} but this job runs {key}={want}: resume "
-                                "with the layout in its meta.json, or use a new checkpoint folder")

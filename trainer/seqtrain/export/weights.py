@@ -2,8 +2,8 @@
 
 Accepted sources (`load_source(path)`):
 - a run folder (`runs/<name>`): its latest complete checkpoint, with the job from the run's trainer config;
-- a checkpoint folder (`.../checkpoints/step-N`) of any engine and layout: DeepSpeed ZeRO, FSDP2 DCP, tensor/
-  pipeline shard files or the replicated `engine.pt`, consolidated by `seqtrain.parallel.consolidate`;
+- a checkpoint folder (`.../checkpoints/step-N`) of any engine and parallel layout: its `state/` DCP folder,
+  consolidated by `seqtrain.parallel.consolidate` (a folder without one is refused unread, naming what it holds);
 - a seqtrain export (`seqtrain export`, recognised by its `seqtrain.json`), Hugging Face or seqtrain format;
 - a Hugging Face model folder of a family seqtrain's GPT computes (llama, mistral, qwen2, qwen3, gpt2:
   `seqtrain.spec.hf`; `config.json` + `model.safetensors` or a sharded index), read as one even when it also holds
@@ -181,13 +181,17 @@ def _from_checkpoint(step_dir: str, job: SeqTrainJob | None, records: tuple[str,
     from pydantic import ValidationError
 
     from seqtrain.checkpoint.safe_load import UnusableCheckpoint
-    from seqtrain.parallel.consolidate import consolidate
+    from seqtrain.parallel.consolidate import consolidate, layout_problem
     from seqtrain.spec import resolve
 
     meta_path = os.path.join(step_dir, "meta.json")
     meta = _read_json(meta_path)
     if not isinstance(meta, dict):
         raise WeightsError(f"{meta_path}: not a checkpoint's meta.json (not an object)")
+    # before its job is read: another version's folder may also hold a job this version does not accept
+    why = layout_problem(step_dir)
+    if why is not None:
+        raise WeightsError(why)
     trusted = job is not None and records is None  # a job the caller gave, not the folder's own records
     named_by, root = records or (meta_path, step_dir)
     if job is None and isinstance(meta.get("job"), dict):
