@@ -361,10 +361,11 @@ def _bare_pods(jobs: int, replicas: int, ns: str, prefix: str) -> list[list[dict
     """The operator's gangs' pods (its own manifests: same requests, node selector, everything), without an owner,
     one list per gang, named `<prefix><job>-<replica>`."""
     from seqtrain.spec import parse_job
-    from seqtrain_operator.k8s import manifests as m
+    from seqtrain_operator.k8s.owner import Owner
+    from seqtrain_operator.k8s.pods import manifests as m
 
     spec = parse_job({**_job("b", replicas), "metadata": {"name": "b", "namespace": ns}})
-    template = m.build_gang(spec, m.Owner("b", ns, "00000000-0000-0000-0000-000000000000"), 1, m.Settings(),
+    template = m.build_gang(spec, Owner("b", ns, "00000000-0000-0000-0000-000000000000"), 1, m.Settings(),
                             None).pods
     gangs = []
     for j in range(jobs):

@@ -32,9 +32,9 @@ import kopf
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 
-from seqtrain_operator.k8s import handlers
-from seqtrain_operator.k8s.manifests import Settings
-from seqtrain_operator.k8s.runtime import Runtime
+from seqtrain_operator.k8s.pods.manifests import Settings
+from seqtrain_operator.k8s.process import handlers
+from seqtrain_operator.k8s.process.runtime import Runtime
 from seqtrain_operator.k8s.settings import Settings as OperatorSettings
 from seqtrain_operator.k8s.settings import WebhookConfig
 from testbed.faultproxy import FaultProxy

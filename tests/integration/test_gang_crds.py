@@ -13,12 +13,13 @@ import pytest
 import yaml
 
 from seqtrain.spec import parse_job
-from seqtrain_operator.k8s import manifests as m
+from seqtrain_operator.k8s.owner import Owner
+from seqtrain_operator.k8s.pods import manifests as m
 from testbed.fixtures import Testbed
 from testbed.gangs import crd_files, install_crds
 
 CI = os.environ.get("CI", "").lower() == "true"
-OWNER = m.Owner(name="gang", namespace="gangs", uid="8c0ffee0-1234-5678-9abc-def012345678")
+OWNER = Owner(name="gang", namespace="gangs", uid="8c0ffee0-1234-5678-9abc-def012345678")
 
 
 FILES = crd_files()

@@ -110,8 +110,8 @@ def test_conflicts_500s_and_timeouts_are_retried_without_duplicates(env):
     conflicts = proxy.add_rule("PATCH", rf"/namespaces/{ns}/seqtrainjobs/j/status$", status=409, times=2)
     unavailable = proxy.add_rule("GET", rf"/namespaces/{ns}/seqtrainjobs/j$", status=503, times=2)
     # Native admission plans on every pod bound to a node, other tenants' included: those come from a paged LIST
-    # (then a watch) of the pods without the job label that the operator sends at startup (k8s/foreign.py). Hang
-    # that LIST for longer than the client waits: it is retried, and no gang is planned without it.
+    # (then a watch) of the pods without the job label that the operator sends at startup (k8s/capacity/foreign.py).
+    # Hang that LIST for longer than the client waits: it is retried, and no gang is planned without it.
     hung = proxy.add_rule("GET", r"^/api/v1/pods$", watch=False, query=r"fieldSelector=", delay=20.0)
     op = OperatorThread(fast_config(), b.webhook()).start()
     try:
@@ -362,7 +362,7 @@ def test_an_eviction_is_a_disruption_and_a_budget_makes_it_wait(env):
 def test_a_429_retry_after_is_waited_out_and_the_job_still_runs(env):
     """The fault proxy answers the operator's first pod creations and a status write 429 Too Many Requests with
     Retry-After: 2 (an apiserver over its max-in-flight limit, or API Priority and Fairness). The operator's client
-    (k8s/client.py, Kube._call) sends the same request again no sooner than that (its own backoff would retry in
+    (k8s/api/client.py, Kube._call) sends the same request again no sooner than that (its own backoff would retry in
     0.2 s), and the job still gets its pods and completes. The wait is read from the proxy's request log: the
     retry's arrival minus the refused request's arrival is a lower bound of what the client waited, so the check
     does not race the machine's speed. (kopf's own requests go through kopf's client, which honours Retry-After

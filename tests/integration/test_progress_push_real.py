@@ -31,7 +31,7 @@ from operator_harness import (
     wait_phase,
 )
 
-from seqtrain_operator.k8s import reconcile
+from seqtrain_operator.k8s.passes import reconcile
 from testbed.fixtures import ROOT, free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]

@@ -1,6 +1,6 @@
 """Every server the operator and the trainer run is bounded against a client that holds connections open: the
-operator's progress push endpoint (k8s/push.py), its `/metrics` (k8s/metrics.py) and the trainer's HTTP server
-(seqtrain.obs.httpserve). Each test starts the real server on a loopback ephemeral port, opens as many slow
+operator's progress push endpoint (k8s/progress/push.py), its `/metrics` (k8s/process/metrics.py) and the trainer's HTTP
+server (seqtrain.obs.httpserve). Each test starts the real server on a loopback ephemeral port, opens as many slow
 connections as the server takes (a header byte a second, the slowloris pattern), checks that valid requests are
 still answered, and that the slow connections are closed by the server's deadline for the whole request (not per
 read). No control plane; every loop is bounded and every server is stopped by the test."""
@@ -20,11 +20,11 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from seqtrain.obs import httpserve
-from seqtrain_operator.k8s import push
-from seqtrain_operator.k8s.metrics import OperatorMetrics
-from seqtrain_operator.k8s.progress import MAX_BODY_BYTES
-from seqtrain_operator.k8s.push import PushedProgress
-from seqtrain_operator.k8s.pushauth import job_token
+from seqtrain_operator.k8s.pods.pushauth import job_token
+from seqtrain_operator.k8s.process.metrics import OperatorMetrics
+from seqtrain_operator.k8s.progress import push
+from seqtrain_operator.k8s.progress.poll import MAX_BODY_BYTES
+from seqtrain_operator.k8s.progress.push import PushedProgress
 
 HOST = "127.0.0.1"
 CAP = 8  # connections each server takes at once, for these tests
@@ -268,18 +268,18 @@ def _review_request(body: bytes = REVIEW) -> bytes:
 @contextlib.contextmanager
 def webhook_server(monkeypatch: pytest.MonkeyPatch) -> Iterator[int]:
     """The operator's webhook server (plain HTTP here: the limits are below TLS), answering every review allowed."""
-    from seqtrain_operator.k8s import webhookserve
+    from seqtrain_operator.k8s.webhook import server as server_module
 
-    monkeypatch.setattr(webhookserve, "MAX_CONNECTIONS", CAP)
-    monkeypatch.setattr(webhookserve, "DEADLINE_S", DEADLINE)
-    monkeypatch.setattr(webhookserve, "EVICT_AFTER_S", 0.5)
+    monkeypatch.setattr(server_module, "MAX_CONNECTIONS", CAP)
+    monkeypatch.setattr(server_module, "DEADLINE_S", DEADLINE)
+    monkeypatch.setattr(server_module, "EVICT_AFTER_S", 0.5)
 
     async def allow(data: dict, **_: object) -> dict:
         return {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
                 "response": {"uid": data["request"]["uid"], "allowed": True}}
 
     loop, port, ready, stop = asyncio.new_event_loop(), _free_port(), threading.Event(), threading.Event()
-    server = webhookserve.GuardedWebhookServer(addr=HOST, port=port, insecure=True)
+    server = server_module.GuardedWebhookServer(addr=HOST, port=port, insecure=True)
 
     async def run() -> None:
         async with server:  # as kopf runs it: leaving the context closes what it served

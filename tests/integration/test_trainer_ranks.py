@@ -208,7 +208,7 @@ def test_ranks_without_shared_checkpoint_storage_train_on_without_checkpoints(tm
     """Before: rank 1 crashed in the first save (the folder rank 0 created was not there for it), at every attempt.
     Now no rank crashes in a save: they say the folder is not shared, save nothing and train on; a rank killed later
     ends its peer with exit 4 (the echo of a peer's death) and the error line as the termination message."""
-    from seqtrain_operator.k8s.observe import failure_message
+    from seqtrain_operator.k8s.pods.observe import failure_message
 
     (r0, r1), codes = start_ranks_each_with_own_storage(tmp_path, "killed", {"SEQTRAIN_FAULT_KILL_AT_STEP": "5:1"})
     rank_logs = (r0 / "rank.log").read_text() + (r1 / "rank.log").read_text()

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from test_placement import k8s_node
 
-from seqtrain_operator.k8s import reconcile
+from seqtrain_operator.k8s.passes import reconcile
 from seqtrain_operator.k8s.settings import Settings
 
 NODE = k8s_node("n1", gpus=0, cpu="2", memory="8Gi", pods=110)
@@ -104,7 +104,7 @@ def test_a_status_write_that_may_have_been_applied_keeps_the_gangs_reservation(u
     """A 409 on the status write releases the placed gang's capacity, unless an earlier attempt of that write timed
     out: then the status may name the placement already, the next pass creates the pods there, and the capacity
     must still be held for them (the 3000-job run pinned 8 gangs to nodes that had gone to other gangs)."""
-    from seqtrain_operator.k8s.client import Conflict
+    from seqtrain_operator.k8s.api.client import Conflict
 
     class Conflicting(Kube):
         async def write_status(self, namespace: str, name: str, patch: dict, rv: str) -> dict[str, Any]:

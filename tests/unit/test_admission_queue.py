@@ -1,11 +1,11 @@
-"""One admission cycle for every waiting gang (planner/queue.py, k8s/admission.py): the order, the capacity each
-plan leaves to the next, head-of-line reservation, and the shell that batches passes into cycles."""
+"""One admission cycle for every waiting gang (planner/queue.py, k8s/capacity/admission.py): the order, the capacity
+each plan leaves to the next, head-of-line reservation, and the shell that batches passes into cycles."""
 
 from __future__ import annotations
 
 import asyncio
 
-from seqtrain_operator.k8s.admission import Admissions
+from seqtrain_operator.k8s.capacity.admission import Admissions
 from seqtrain_operator.planner.inventory import Requests
 from seqtrain_operator.planner.queue import HEAD_OF_LINE_SECONDS, Waiting, admit, order, take
 from seqtrain_operator.planner.types import Node

@@ -91,7 +91,7 @@ def grants(rules: list[dict]) -> set[tuple[str, str, str]]:
     return {(g, r, v) for rule in rules for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]}
 
 
-# Exactly what the operator calls (seqtrain_operator/k8s/client.py) and what kopf does for our handlers: nothing
+# Exactly what the operator calls (seqtrain_operator/k8s/api/client.py) and what kopf does for our handlers: nothing
 # missing (finalizers update: OwnerReferencesPermissionEnforcement; namespaces: kopf's globs), nothing more.
 OPERATOR_NAMESPACED = {
     *(("seqtrain.dev", "seqtrainjobs", v) for v in ("get", "list", "watch", "patch", "delete")),  # delete: TTL
@@ -114,7 +114,7 @@ OPERATOR_CLUSTER = {
     ("", "namespaces", "list"), ("", "namespaces", "watch"),
     *(("apiextensions.k8s.io", "customresourcedefinitions", v) for v in ("get", "list", "watch")),
     *(("kopf.dev", "clusterkopfpeerings", v) for v in ("get", "list", "watch", "patch")),
-    ("scheduling.k8s.io", "priorityclasses", "get"),  # the admission order (k8s/admission.py)
+    ("scheduling.k8s.io", "priorityclasses", "get"),  # the admission order (k8s/capacity/admission.py)
 }
 
 
@@ -329,7 +329,7 @@ def exported_series() -> set[str]:
     """Every series name the operator's and a trainer rank's registries expose (counters with _total, histograms
     with _bucket/_sum/_count, ...), from the code itself."""
     from seqtrain.obs.prometheus import TrainerMetrics
-    from seqtrain_operator.k8s.metrics import OperatorMetrics
+    from seqtrain_operator.k8s.process.metrics import OperatorMetrics
 
     names = set()
     for registry in (OperatorMetrics().registry, TrainerMetrics("j", 0, {"arch": "gpt"}).registry):
@@ -402,7 +402,8 @@ def test_the_operators_pods_take_ingress_only_on_their_ports_from_who_needs_them
     from nobody; off with its value; every variant passes the Kubernetes schema."""
     kubernetes_validate = pytest.importorskip("kubernetes_validate")
     from seqtrain.spec import SeqTrainJob
-    from seqtrain_operator.k8s import manifests as m
+    from seqtrain_operator.k8s.owner import Owner
+    from seqtrain_operator.k8s.pods import manifests as m
 
     docs = render()
     (policy,) = by_kind(docs, "NetworkPolicy")
@@ -422,7 +423,7 @@ def test_the_operators_pods_take_ingress_only_on_their_ports_from_who_needs_them
     job = SeqTrainJob.model_validate({"apiVersion": "seqtrain.dev/v1alpha1", "kind": "SeqTrainJob",
                                       "metadata": {"name": "gpt", "namespace": "ml"},
                                       "spec": {"replicas": 1, "resources": {"gpus": 0, "cpu": "1", "memory": "1Gi"}}})
-    pod_labels = m.build_pod(job, m.Owner("gpt", "ml", "u1"), 1, 0, m.Settings())["metadata"]["labels"]
+    pod_labels = m.build_pod(job, Owner("gpt", "ml", "u1"), 1, 0, m.Settings())["metadata"]["labels"]
     selector = trainers["podSelector"]
     assert selector["matchLabels"].items() <= pod_labels.items()
     assert all(e["operator"] == "Exists" and e["key"] in pod_labels for e in selector["matchExpressions"])

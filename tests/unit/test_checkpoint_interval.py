@@ -148,10 +148,11 @@ def test_every_attempt_is_told_the_jobs_failures_in_its_trainer_config() -> None
     import json
 
     from seqtrain.spec import TrainerConfig
-    from seqtrain_operator.k8s import manifests as m
+    from seqtrain_operator.k8s.owner import Owner
+    from seqtrain_operator.k8s.pods import manifests as m
 
     job = load_job(HEAD + "spec:\n  checkpoint: {intervalSteps: auto}\n")
-    owner = m.Owner(name="j", namespace="ns", uid="u-1")
+    owner = Owner(name="j", namespace="ns", uid="u-1")
     settings = m.Settings(rank_mtbf_hours=2000.0)
     history = failure_history(JobStatus(restarts=1, infra_restarts=2, running_seconds=42.5), settings.rank_mtbf_hours)
     gang = m.build_gang(job, owner, 4, settings, None, history=history)

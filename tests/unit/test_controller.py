@@ -669,7 +669,7 @@ def test_partial_gang_refused_by_the_api_is_torn_down_reported_and_retried_with_
 def test_api_message_is_the_apiservers_own() -> None:
     from kubernetes.client.rest import ApiException
 
-    from seqtrain_operator.k8s.client import api_message
+    from seqtrain_operator.k8s.api.client import api_message
 
     exc = ApiException(status=403, reason="Forbidden")
     exc.body = '{"kind":"Status","reason":"Forbidden","message":"pods \\"x\\" is forbidden: exceeded quota: q"}'

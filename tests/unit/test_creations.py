@@ -1,5 +1,5 @@
-"""Gang creations beside the passes (k8s/creations.py) and the API client's bulk lane (client.Budget.bulk): a pass
-that admits a gang writes the status and returns; the gang's objects are created in a task of their own, behind
+"""Gang creations beside the passes (k8s/passes/creations.py) and the API client's bulk lane (client.Budget.bulk): a
+pass that admits a gang writes the status and returns; the gang's objects are created in a task of their own, behind
 every pass's own requests, and the job's passes keep off it until it ends."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 from test_admission_lock import Index, Kube, _job
 
-from seqtrain_operator.k8s import client as kc
-from seqtrain_operator.k8s import reconcile
-from seqtrain_operator.k8s.creations import Creations
+from seqtrain_operator.k8s.api import client as kc
+from seqtrain_operator.k8s.passes import reconcile
+from seqtrain_operator.k8s.passes.creations import Creations
 from seqtrain_operator.k8s.settings import Settings
 
 # ---- the bulk lane ------------------------------------------------------------------------------------------------
@@ -197,8 +197,8 @@ def test_a_refused_gang_in_a_creation_task_is_torn_down_and_its_reservation_rele
 def test_pod_events_during_a_creation_bring_a_pass_soon_after_it_not_at_the_creations_own_delay() -> None:
     """The gang's pods may be created, bound and started while its creation still runs: those events queue nothing
     then (a pass would do nothing), and the creation's end brings the pass they asked for, not one in 10 s."""
-    from seqtrain_operator.k8s import runtime
-    from seqtrain_operator.k8s.workqueue import WorkQueue
+    from seqtrain_operator.k8s.passes.workqueue import WorkQueue
+    from seqtrain_operator.k8s.process import runtime
 
     async def run() -> tuple[int, float | None, float | None]:
         state = runtime.Runtime()

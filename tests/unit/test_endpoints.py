@@ -17,7 +17,7 @@ import pytest
 from seqtrain.obs import httpserve
 from seqtrain.obs.progress import ProgressReporter
 from seqtrain.obs.prometheus import TrainerMetrics
-from seqtrain_operator.k8s.progress import MAX_BODY_BYTES, poll_progress, progress_url
+from seqtrain_operator.k8s.progress.poll import MAX_BODY_BYTES, poll_progress, progress_url
 
 
 def _connect(port: int) -> socket.socket:

@@ -1,4 +1,4 @@
-"""A cache that lags the API never makes the operator re-create a gang it created (k8s/expect.py): the CI-red case
+"""A cache that lags the API never makes the operator re-create a gang it created (k8s/cache/expect.py): the CI-red case
 of test_operator_restart_mid_job_loses_nothing_duplicates_nothing, where a pass after the operator's restart ran
 before kopf's pod index showed the gang it had just created and re-POSTed it (answered 409)."""
 
@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 from test_admission_lock import NODE, _job
 
-from seqtrain_operator.k8s import reconcile
-from seqtrain_operator.k8s.runtime import Runtime
+from seqtrain_operator.k8s.passes import reconcile
+from seqtrain_operator.k8s.process.runtime import Runtime
 from seqtrain_operator.k8s.settings import Settings
 
 

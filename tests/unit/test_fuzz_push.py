@@ -1,7 +1,7 @@
 """Fuzzing the servers' request surfaces with generated hostile input: the progress push endpoint's HTTP reader and
-its store (k8s/push.py), and the trainer's bounded server (seqtrain.obs.httpserve), which also serves the operator's
-/metrics. The invariant: an answer with a 2xx or 4xx status (or, for a request cut short, no answer), never another
-exception, a 500 or a hang. Inputs that once broke one of these stay below as explicit examples."""
+its store (k8s/progress/push.py), and the trainer's bounded server (seqtrain.obs.httpserve), which also serves the
+operator's /metrics. The invariant: an answer with a 2xx or 4xx status (or, for a request cut short, no answer), never
+another exception, a 500 or a hang. Inputs that once broke one of these stay below as explicit examples."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from seqtrain.obs import httpserve
-from seqtrain_operator.k8s import push
-from seqtrain_operator.k8s.pushauth import job_token
+from seqtrain_operator.k8s.pods.pushauth import job_token
+from seqtrain_operator.k8s.progress import push
 
 pytestmark = pytest.mark.fuzz
 KEY = b"k" * 32

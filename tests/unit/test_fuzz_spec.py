@@ -26,7 +26,8 @@ from webhook_engine import answer, engine, review_of
 from seqtrain.spec import SpecError, load_jobs, parse_job
 from seqtrain.spec.load import apply_overrides
 from seqtrain.spec.policy import PodPolicy, job_policy_problems, pod_spec_problems
-from seqtrain_operator.k8s import manifests as m
+from seqtrain_operator.k8s.owner import Owner
+from seqtrain_operator.k8s.pods import manifests as m
 
 pytestmark = pytest.mark.fuzz
 LEVELS_ = ["privileged", "baseline", "restricted"]
@@ -107,7 +108,7 @@ def buildable(job: Any) -> None:
     for level in ("privileged", "baseline", "restricted"):
         for p in job_policy_problems(job.spec, PodPolicy.of(level), job.name):
             assert p.path and p.message and "\n" not in p.message, repr(p)
-    gang = m.build_gang(job, m.Owner(job.name, "ml", "uid"), 1, m.Settings(), None)
+    gang = m.build_gang(job, Owner(job.name, "ml", "uid"), 1, m.Settings(), None)
     for obj in (*gang.pods, gang.configmap):
         json.dumps(obj, allow_nan=False)  # NaN, Infinity or a non-JSON value would be refused by the API server
 

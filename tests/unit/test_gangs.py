@@ -11,14 +11,15 @@ from seqtrain.spec import SeqTrainJob
 from seqtrain.spec.status import JobStatus
 from seqtrain_operator.controller import DeleteGang, Observed, ReplicaObservation, decide
 from seqtrain_operator.controller import conditions as cond
-from seqtrain_operator.k8s import manifests as m
+from seqtrain_operator.k8s.cache.memory import JobMemory
 from seqtrain_operator.k8s.gangs import ADAPTERS, adapter_for
 from seqtrain_operator.k8s.gangs import kueue as kq
-from seqtrain_operator.k8s.memory import JobMemory
-from seqtrain_operator.k8s.reconcile import _replicas
+from seqtrain_operator.k8s.owner import Owner
+from seqtrain_operator.k8s.passes.reconcile import _replicas
+from seqtrain_operator.k8s.pods import manifests as m
 from seqtrain_operator.k8s.settings import Settings
 
-OWNER = m.Owner(name="gpt", namespace="ml", uid="0a1b2c3d-4e5f")
+OWNER = Owner(name="gpt", namespace="ml", uid="0a1b2c3d-4e5f")
 T0 = datetime(2026, 11, 23, 12, 0, 0, tzinfo=timezone.utc)
 
 
@@ -53,7 +54,7 @@ def test_every_gang_of_the_spec_has_an_adapter_and_every_adapter_its_crd():
 def test_kueue_group_is_stable_across_attempts_and_unique_per_job():
     a = adapter_for("kueue")
     assert a.group_name(job(), OWNER, 1) == a.group_name(job(), OWNER, 7) == "gpt-0a1b2c3d"
-    other = m.Owner(name="gpt", namespace="ml", uid="ffff0000-1111")
+    other = Owner(name="gpt", namespace="ml", uid="ffff0000-1111")
     assert a.group_name(job(), other, 1) != a.group_name(job(), OWNER, 1)
 
 
@@ -152,7 +153,7 @@ def test_a_queued_coscheduling_gang_has_its_podgroup_touched_at_most_every_retry
     gang's PodGroup, throttled per group."""
     import asyncio
 
-    from seqtrain_operator.k8s import calls
+    from seqtrain_operator.k8s.api import calls
     from seqtrain_operator.k8s.gangs import coscheduling as cs
 
     patches: list[tuple[str, str, dict]] = []
@@ -192,7 +193,7 @@ def test_a_running_kueue_gang_has_its_workloads_boost_written_when_it_changes(mo
     writes the job's (work at risk) there, once per change; a Workload not created yet is tried again."""
     import asyncio
 
-    from seqtrain_operator.k8s import calls
+    from seqtrain_operator.k8s.api import calls
 
     patches: list[tuple[str, str, dict]] = []
     exists = [False]
@@ -245,7 +246,7 @@ def test_the_kueue_adapter_speaks_the_workload_version_the_crd_serves(served, ap
 def test_workload_deletes_and_boosts_go_to_the_served_version_and_are_skipped_when_none_is(monkeypatch):
     import asyncio
 
-    from seqtrain_operator.k8s import calls
+    from seqtrain_operator.k8s.api import calls
 
     seen: list[str] = []
 

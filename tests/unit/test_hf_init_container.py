@@ -15,10 +15,11 @@ from test_hub_download import COMMIT, TOKEN, Hub_, serve
 from seqtrain.spec import SeqTrainJob
 from seqtrain.spec.init_source import HF_DIR_ENV, describe_init, local_folder
 from seqtrain.spec.policy import PodPolicy, pod_spec_problems
-from seqtrain_operator.k8s import manifests as m
-from seqtrain_operator.k8s.hfinit import INIT_CONTAINER, add_hf_init, hf_init_container
+from seqtrain_operator.k8s.owner import Owner
+from seqtrain_operator.k8s.pods import manifests as m
+from seqtrain_operator.k8s.pods.hfinit import INIT_CONTAINER, add_hf_init, hf_init_container
 
-OWNER = m.Owner(name="ft", namespace="ml", uid="1234-abcd")
+OWNER = Owner(name="ft", namespace="ml", uid="1234-abcd")
 
 
 def job(init: str) -> SeqTrainJob:

@@ -1,4 +1,4 @@
-"""The operator's API client (k8s/client.py) without a cluster: the token bucket on a fake clock, Retry-After read
+"""The operator's API client (k8s/api/client.py) without a cluster: the token bucket on a fake clock, Retry-After read
 from an ApiException, and `Kube._call` waiting what a 429 asks (the fault proxy's 429s on the real control plane:
 tests/integration/test_operator_resilience.py::test_429_retry_after_is_honoured_and_the_job_still_runs)."""
 
@@ -11,7 +11,7 @@ import pytest
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
-from seqtrain_operator.k8s import client as kc
+from seqtrain_operator.k8s.api import client as kc
 
 
 class Clock:

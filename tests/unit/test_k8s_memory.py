@@ -1,5 +1,5 @@
-"""One JobMemory per job incarnation, keyed by uid (k8s/memory.py), dropped by one forget(uid): a deleted job's record
-is never read or dropped for a namesake created under the same name (the deletion handler of the old one may run
+"""One JobMemory per job incarnation, keyed by uid (k8s/cache/memory.py), dropped by one forget(uid): a deleted job's
+record is never read or dropped for a namesake created under the same name (the deletion handler of the old one may run
 after the new one's first passes and pushes)."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import copy
 from test_admission_lock import Index, Kube, _job
 from test_push_token import push
 
-from seqtrain_operator.k8s.memory import STALE, Jobs
-from seqtrain_operator.k8s.reconcile import Reconciler
-from seqtrain_operator.k8s.release import FINALIZER
-from seqtrain_operator.k8s.runtime import Runtime
+from seqtrain_operator.k8s.api.finalizers import FINALIZER
+from seqtrain_operator.k8s.cache.memory import STALE, Jobs
+from seqtrain_operator.k8s.passes.reconcile import Reconciler
+from seqtrain_operator.k8s.process.runtime import Runtime
 from seqtrain_operator.k8s.settings import Settings
 
 

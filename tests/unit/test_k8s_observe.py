@@ -10,7 +10,7 @@ import pytest
 from seqtrain.spec.status import Condition, JobStatus, LostSeconds, Progress
 from seqtrain_operator.controller import goodput
 from seqtrain_operator.controller.failure_policy import FailureClass, classify
-from seqtrain_operator.k8s.observe import (
+from seqtrain_operator.k8s.pods.observe import (
     Reported,
     failure_message,
     final_progress,
@@ -184,14 +184,14 @@ def test_operator_modules_do_not_import_torch():
     import sys
 
     code = ("import sys\n"
-            "import seqtrain_operator.k8s.handlers, seqtrain_operator.k8s.main\n"
+            "import seqtrain_operator.k8s.process.handlers, seqtrain_operator.k8s.main\n"
             "assert not [m for m in sys.modules if m == 'torch' or m.startswith('torch.')], 'torch imported'\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
 
 
 def test_status_is_written_only_on_change_goodput_alone_is_not_a_change():
-    from seqtrain_operator.k8s.statuspatch import changed as _changed
+    from seqtrain_operator.k8s.passes.statuspatch import changed as _changed
 
     old = {"phase": "Running", "goodput": 0.5, "progress": {"step": 3}}
     assert not _changed(old, {**old, "goodput": 0.51})
@@ -259,7 +259,7 @@ def test_error_line_helpers():
 
 
 def test_a_pod_is_awaiting_the_scheduler_until_bound_or_refused():
-    from seqtrain_operator.k8s.observe import awaiting_scheduler
+    from seqtrain_operator.k8s.pods.observe import awaiting_scheduler
 
     fresh = {"spec": {}, "status": {"phase": "Pending"}}
     assert awaiting_scheduler(fresh)
@@ -309,7 +309,7 @@ def test_a_crash_beside_a_sidecar_is_classified_like_any_crash_and_the_endpoint_
 
 def test_in_cluster_login_uses_the_service_env_the_kubelet_sets_not_cluster_dns() -> None:
     # kopf's helper names https://kubernetes.default.svc: a pod without cluster DNS never reached the API server.
-    from seqtrain_operator.k8s.handlers import in_cluster_server
+    from seqtrain_operator.k8s.process.handlers import in_cluster_server
 
     env = {"KUBERNETES_SERVICE_HOST": "10.96.0.1", "KUBERNETES_SERVICE_PORT": "443"}
     assert in_cluster_server(env, "https://kubernetes.default.svc") == "https://10.96.0.1:443"

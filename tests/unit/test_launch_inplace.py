@@ -17,7 +17,8 @@ from seqtrain.runtime import faults
 from seqtrain.runtime import launch as L
 from seqtrain.runtime import restart as R
 from seqtrain.spec import SeqTrainJob
-from seqtrain_operator.k8s import manifests as m
+from seqtrain_operator.k8s.owner import Owner
+from seqtrain_operator.k8s.pods import manifests as m
 
 TRAINER_ROOT = str(Path(L.__file__).resolve().parents[2])
 DEADLINE_S = 60
@@ -133,7 +134,7 @@ def test_a_fault_armed_for_an_attempt_fires_in_its_first_round_only(monkeypatch:
 def test_pods_carry_the_in_place_settings_only_when_the_core_hands_them_out() -> None:
     job = SeqTrainJob.model_validate({"apiVersion": "seqtrain.dev/v1alpha1", "kind": "SeqTrainJob",
                                       "metadata": {"name": "gpt", "namespace": "ml"}, "spec": {"replicas": 2}})
-    owner, settings = m.Owner(name="gpt", namespace="ml", uid="u"), m.Settings()
+    owner, settings = Owner(name="gpt", namespace="ml", uid="u"), m.Settings()
 
     def env(pod: dict) -> dict[str, str]:
         return {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}

@@ -18,12 +18,13 @@ from seqtrain.runtime import launch as L
 from seqtrain.spec import SeqTrainJob
 from seqtrain_operator import cli
 from seqtrain_operator.controller.failure_policy import FailureClass, classify
-from seqtrain_operator.k8s import manifests as m
-from seqtrain_operator.k8s.observe import observe_replicas
+from seqtrain_operator.k8s.owner import Owner
+from seqtrain_operator.k8s.pods import manifests as m
+from seqtrain_operator.k8s.pods.observe import observe_replicas
 
 TRAINER_ROOT = str(Path(L.__file__).resolve().parents[2])
 DEADLINE_S = 30
-OWNER = m.Owner(name="gpt", namespace="ml", uid="1234-abcd")
+OWNER = Owner(name="gpt", namespace="ml", uid="1234-abcd")
 SETTINGS = m.Settings()
 # Identity variables a developer's shell might hold; the tests give the launcher its environment explicitly.
 IDENTITY = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "SEQTRAIN_REPLICA", "MASTER_ADDR",

@@ -42,6 +42,23 @@ LAYERS: dict[str, int] = {
     "seqtrain_operator.interval_bench": 3,
     "seqtrain_operator.chaos": 3,  # the chaos soak: a benchmark over the test control plane
 }
+# Inside the Kubernetes backend, its parts bottom to top (docs/architecture.md's module map lists them in this order):
+# a module may import its own part and parts of a lower rank; the longest matching prefix names a module's part.
+K8S_PARTS: dict[str, int] = {
+    "seqtrain_operator.k8s.owner": 0,  # whose object: `Owner`, the uid and pod labels
+    "seqtrain_operator.k8s.api": 1,
+    "seqtrain_operator.k8s.webhook": 1,
+    "seqtrain_operator.k8s.cache": 2,
+    "seqtrain_operator.k8s.gangs": 3,  # below the pod builders, which import the adapters
+    "seqtrain_operator.k8s.pods": 4,
+    "seqtrain_operator.k8s.progress": 5,
+    "seqtrain_operator.k8s.capacity": 5,
+    "seqtrain_operator.k8s.settings": 5,
+    "seqtrain_operator.k8s.passes": 6,
+    "seqtrain_operator.k8s.process": 7,
+    "seqtrain_operator.k8s.main": 8,
+    "seqtrain_operator.k8s": 8,  # the package's own __init__ (a docstring)
+}
 # The operator image has no torch: from the trainer it may import only these torch-free packages/modules.
 OPERATOR_MAY_IMPORT = ("seqtrain.spec", "seqtrain.layout", "seqtrain.runtime.exitcodes", "seqtrain.runtime.launch",
                        "seqtrain.runtime.restart", "seqtrain.train.metrics",
@@ -133,6 +150,38 @@ def test_imports_go_downward_only(module: str) -> None:
         if LAYERS[theirs] >= LAYERS[mine] and mine.split(".")[0] == theirs.split(".")[0]:
             bad.append(f"{target} ({theirs} is layer {LAYERS[theirs]}, {mine} is layer {LAYERS[mine]})")
     assert not bad, f"{module} imports upward or sideways: " + "; ".join(bad)
+
+
+def k8s_part_of(module: str) -> str | None:
+    parts = module.split(".")
+    return next((".".join(parts[:n]) for n in range(len(parts), 1, -1) if ".".join(parts[:n]) in K8S_PARTS), None)
+
+
+K8S_MODULES = sorted(m for m in MODULES if k8s_part_of(m))
+
+
+@pytest.mark.parametrize("module", K8S_MODULES)
+def test_k8s_parts_import_downward_only(module: str) -> None:
+    mine = k8s_part_of(module)
+    assert mine is not None
+    bad = [f"{target} ({theirs} is rank {K8S_PARTS[theirs]}, {mine} is rank {K8S_PARTS[mine]})"
+           for target in sorted(imports_of(module))
+           if (theirs := k8s_part_of(target)) and theirs != mine and K8S_PARTS[theirs] >= K8S_PARTS[mine]]
+    assert not bad, f"{module} imports a k8s part at or above its own (see K8S_PARTS): " + "; ".join(bad)
+
+
+def test_every_k8s_subpackage_is_placed() -> None:
+    k8s = ROOT / "operator" / "seqtrain_operator" / "k8s"
+    packages = sorted(f"seqtrain_operator.k8s.{p.parent.name}" for p in k8s.glob("*/__init__.py"))
+    assert [p for p in packages if p not in K8S_PARTS] == [], f"add each to K8S_PARTS in {__file__}"
+
+
+def test_the_k8s_part_reader_takes_the_longest_prefix() -> None:
+    assert k8s_part_of("seqtrain_operator.k8s.owner") == "seqtrain_operator.k8s.owner"
+    assert k8s_part_of("seqtrain_operator.k8s.progress.push") == "seqtrain_operator.k8s.progress"
+    assert k8s_part_of("seqtrain_operator.k8s.gangs.kai") == "seqtrain_operator.k8s.gangs"
+    assert k8s_part_of("seqtrain_operator.k8s") == "seqtrain_operator.k8s"
+    assert k8s_part_of("seqtrain_operator.planner.queue") is None
 
 
 def test_no_import_cycle_between_modules() -> None:

@@ -1,5 +1,5 @@
-"""The operator's caches keep trimmed projections of pods and nodes (k8s/project.py), and admission reads free
-capacity from a ledger updated one pod event at a time (k8s/ledger.py): both must see exactly what the whole
+"""The operator's caches keep trimmed projections of pods and nodes (k8s/cache/project.py), and admission reads free
+capacity from a ledger updated one pod event at a time (k8s/capacity/ledger.py): both must see exactly what the whole
 objects and a full inventory show."""
 
 from __future__ import annotations
@@ -14,11 +14,12 @@ from test_k8s_observe import CASES, NOW, node
 from test_placement import job_pod, k8s_node
 
 from seqtrain.spec import parse_job
-from seqtrain_operator.k8s import manifests as m
-from seqtrain_operator.k8s import project
-from seqtrain_operator.k8s.busy import BusyPods
-from seqtrain_operator.k8s.ledger import Ledger
-from seqtrain_operator.k8s.observe import observe_replicas
+from seqtrain_operator.k8s.cache import project
+from seqtrain_operator.k8s.capacity.busy import BusyPods
+from seqtrain_operator.k8s.capacity.ledger import Ledger
+from seqtrain_operator.k8s.owner import Owner
+from seqtrain_operator.k8s.pods import manifests as m
+from seqtrain_operator.k8s.pods.observe import observe_replicas
 from seqtrain_operator.planner.inventory import inventory
 
 
@@ -39,7 +40,7 @@ def _as_served(pod: dict) -> dict:
 
 def _gang_pods() -> list[dict]:
     job = parse_job(_job("big"))
-    gang = m.build_gang(job.with_replicas(job.spec.replicas), m.Owner("big", "ml", "uid-big"), 3, m.Settings(), None)
+    gang = m.build_gang(job.with_replicas(job.spec.replicas), Owner("big", "ml", "uid-big"), 3, m.Settings(), None)
     return [_as_served(p) for p in gang.pods]
 
 

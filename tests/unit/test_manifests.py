@@ -7,10 +7,11 @@ import json
 import pytest
 
 from seqtrain.spec import SeqTrainJob, TrainerConfig, resolve
-from seqtrain_operator.k8s import manifests as m
+from seqtrain_operator.k8s.owner import Owner
+from seqtrain_operator.k8s.pods import manifests as m
 from seqtrain_operator.planner.types import Layout, Plan, ReplicaAssignment
 
-OWNER = m.Owner(name="gpt", namespace="ml", uid="1234-abcd")
+OWNER = Owner(name="gpt", namespace="ml", uid="1234-abcd")
 SETTINGS = m.Settings()
 
 
@@ -190,7 +191,7 @@ def test_every_generated_name_is_valid_for_the_longest_valid_job_name(replicas: 
     name = "j" + "7" * (MAX_JOB_NAME - 1)
     job = parse_job({"apiVersion": "seqtrain.dev/v1alpha1", "kind": "SeqTrainJob", "metadata": {"name": name},
                      "spec": {"replicas": replicas, "training": {"globalBatchSize": 8 * replicas}}})
-    owner = m.Owner(name=name, namespace="ns", uid="u")
+    owner = Owner(name=name, namespace="ns", uid="u")
     svc = m.build_service(owner, m.Settings())
     assert DNS1035_LABEL.match(svc["metadata"]["name"]) and len(svc["metadata"]["name"]) <= 63
     gang = m.build_gang(job, owner, 999_999, m.Settings(), None)

@@ -1,6 +1,6 @@
 """No module of the Kubernetes backend holds mutable state: what the operator remembers lives in one `Runtime`
-(k8s/runtime.py) and one `JobMemory` per job (k8s/memory.py), made by `main()` or a test. A module-level dict, list,
-set, lock or dataclass instance would be shared by every operator in the process (the integration tests run
+(k8s/process/runtime.py) and one `JobMemory` per job (k8s/cache/memory.py), made by `main()` or a test. A module-level
+dict, list, set, lock or dataclass instance would be shared by every operator in the process (the integration tests run
 several) and outlive a deleted job."""
 
 from __future__ import annotations
@@ -74,9 +74,9 @@ def mutable_globals(module: types.ModuleType) -> list[str]:
 @pytest.mark.parametrize("name", _modules())
 def test_no_module_of_the_backend_holds_mutable_state(name: str) -> None:
     found = mutable_globals(importlib.import_module(name))
-    assert not found, (f"module-level mutable state: {', '.join(found)}; keep it in the Runtime (k8s/runtime.py) or "
-                       "the job's JobMemory (k8s/memory.py), or make it a constant (tuple, MappingProxyType, frozen "
-                       "dataclass)")
+    assert not found, (f"module-level mutable state: {', '.join(found)}; keep it in the Runtime "
+                       "(k8s/process/runtime.py) or the job's JobMemory (k8s/cache/memory.py), or make it a constant "
+                       "(tuple, MappingProxyType, frozen dataclass)")
 
 
 def test_the_check_finds_what_the_backend_used_to_hold() -> None:

@@ -341,7 +341,7 @@ def test_progress_output_after_the_error_line_never_becomes_the_reported_reason(
     from datetime import datetime, timezone
 
     from seqtrain_operator.controller.failure_policy import classify
-    from seqtrain_operator.k8s.observe import observe_replicas
+    from seqtrain_operator.k8s.pods.observe import observe_replicas
 
     a, core = agent
     script = ("import sys\n"

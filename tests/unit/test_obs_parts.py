@@ -97,15 +97,16 @@ def test_group_grad_norms_rescale_to_before_clipping() -> None:
 
 def test_trainer_pods_can_be_scraped() -> None:
     from seqtrain.spec import SeqTrainJob
-    from seqtrain_operator.k8s import manifests as m
+    from seqtrain_operator.k8s.owner import Owner
+    from seqtrain_operator.k8s.pods import manifests as m
 
     job = SeqTrainJob.model_validate({"metadata": {"name": "gpt"}, "spec": {"resources": {"gpus": 2}}})
-    pod = m.build_pod(job, m.Owner(name="gpt", namespace="ml", uid="u"), 1, 0, m.Settings(metrics_port=9400))
+    pod = m.build_pod(job, Owner(name="gpt", namespace="ml", uid="u"), 1, 0, m.Settings(metrics_port=9400))
     ann = pod["metadata"]["annotations"]
     assert ann["prometheus.io/scrape"] == "true" and ann["prometheus.io/port"] == "9400"
     ports = {p["name"]: p["containerPort"] for p in pod["spec"]["containers"][0]["ports"]}
     assert ports["metrics"] == 9400 and ports["metrics-1"] == 9401  # one per local rank
-    plain = m.build_pod(job, m.Owner(name="gpt", namespace="ml", uid="u"), 1, 0, m.Settings(metrics_port=None))
+    plain = m.build_pod(job, Owner(name="gpt", namespace="ml", uid="u"), 1, 0, m.Settings(metrics_port=None))
     assert "prometheus.io/scrape" not in plain["metadata"].get("annotations", {})
 
 

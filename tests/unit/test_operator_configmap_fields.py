@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 
 from seqtrain.spec import TrainerConfig, parse_job, resolve
-from seqtrain_operator.k8s import manifests as m
+from seqtrain_operator.k8s.owner import Owner
+from seqtrain_operator.k8s.pods import manifests as m
 
-OWNER = m.Owner(name="j", namespace="ml", uid="u")
+OWNER = Owner(name="j", namespace="ml", uid="u")
 
 
 def _doc(**spec: object) -> dict:

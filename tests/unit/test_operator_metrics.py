@@ -4,7 +4,7 @@ choosing a job to preempt reads), and a deleted job's series go with it."""
 from __future__ import annotations
 
 from seqtrain.spec.status import JobStatus, WorkAtRisk
-from seqtrain_operator.k8s.metrics import OperatorMetrics
+from seqtrain_operator.k8s.process.metrics import OperatorMetrics
 
 
 def _value(m: OperatorMetrics, name: str) -> float | None:

@@ -367,8 +367,8 @@ def test_admissions_share_one_cluster_wide_list_and_count_the_pods_created_since
     previous gang, going)."""
     import asyncio
 
-    from seqtrain_operator.k8s import busy as busy_mod
-    from seqtrain_operator.k8s import reconcile
+    from seqtrain_operator.k8s.capacity import busy as busy_mod
+    from seqtrain_operator.k8s.passes import reconcile
 
     new = job_pod("new", pinned="g3", gpus=8)
     new["metadata"]["namespace"] = "ml"
@@ -416,8 +416,8 @@ def test_admission_with_the_index_lists_only_foreign_pods_and_reservations_end_w
     a failed write, or its pod's DELETED event; only a backstop of BACKSTOP_SECONDS after its creation lapses it."""
     import asyncio
 
-    from seqtrain_operator.k8s import busy as busy_mod
-    from seqtrain_operator.k8s import reconcile
+    from seqtrain_operator.k8s.capacity import busy as busy_mod
+    from seqtrain_operator.k8s.passes import reconcile
 
     class Kube:
         selectors: list[str] = []

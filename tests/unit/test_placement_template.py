@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from seqtrain.spec import SeqTrainJob
-from seqtrain_operator.k8s import manifests as m
+from seqtrain_operator.k8s.owner import Owner
+from seqtrain_operator.k8s.pods import manifests as m
 from seqtrain_operator.planner.affinity import matches
 from seqtrain_operator.planner.inventory import Requests, pod_requests
 from seqtrain_operator.planner.placement import Demand, place, replica_requests
@@ -42,7 +43,7 @@ def node(name: str, cpu: int, ib: int = 0, **labels: str) -> Node:
 
 def test_a_replica_requests_what_the_pod_the_operator_creates_requests():
     j = job(TEMPLATE)
-    pod = m.build_pod(j, m.Owner(name="j", namespace="ml", uid="u-1"), 1, 0, m.Settings(), "n1")
+    pod = m.build_pod(j, Owner(name="j", namespace="ml", uid="u-1"), 1, 0, m.Settings(), "n1")
     from_pod = pod_requests(pod)
     assert replica_requests(j) == Requests(from_pod.gpus, from_pod.cpu_millis, from_pod.memory_bytes, 0,
                                            from_pod.other)

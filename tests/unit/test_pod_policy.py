@@ -14,9 +14,11 @@ from test_admission_lock import Index, Kube
 
 from seqtrain.spec import parse_job
 from seqtrain.spec.policy import PodPolicy, job_policy_problems, pod_spec_problems
-from seqtrain_operator.k8s import handlers, reconcile
-from seqtrain_operator.k8s import manifests as m
-from seqtrain_operator.k8s.runtime import Runtime
+from seqtrain_operator.k8s.owner import Owner
+from seqtrain_operator.k8s.passes import reconcile
+from seqtrain_operator.k8s.pods import manifests as m
+from seqtrain_operator.k8s.process import handlers
+from seqtrain_operator.k8s.process.runtime import Runtime
 from seqtrain_operator.k8s.settings import Settings
 from seqtrain_operator.planner.types import Layout, Plan, ReplicaAssignment
 
@@ -172,7 +174,7 @@ def test_the_operators_own_pods_pass_restricted():
     meets the restricted level, so an admin can choose it."""
     job = parse_job(Job().trainer_caps("IPC_LOCK").volume(persistentVolumeClaim={"claimName": "d"}).obj())
     plan = Plan(world_size=1, procs_per_replica=1, layout=Layout(dp=1), replicas=(ReplicaAssignment(0, "n", (0,)),))
-    pod = m.build_gang(job, m.Owner("j", "ml", "u"), 1, m.Settings(), plan).pods[0]
+    pod = m.build_gang(job, Owner("j", "ml", "u"), 1, m.Settings(), plan).pods[0]
     assert pod_spec_problems(pod["spec"], PodPolicy.of("restricted", capabilities=["IPC_LOCK"])) == []
     assert [p for p, _ in pod_spec_problems(pod["spec"], PodPolicy.of("restricted"))] == [
         "containers[0].securityContext.capabilities.add[0]"]
@@ -269,7 +271,7 @@ def test_network_policy_is_created_with_the_gang_when_configured():
 
 def test_network_policy_admits_only_the_gang_and_the_operator():
     job = parse_job(Job().obj())
-    owner = m.Owner("j", "ml", "u")
+    owner = Owner("j", "ml", "u")
     settings = m.Settings(progress_port=8471, operator_namespace="seqtrain-system",
                           operator_labels={"app.kubernetes.io/name": "seqtrain"})
     np = m.build_network_policy(job, owner, settings)

@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 
 from seqtrain.spec import SpecError, parse_job
-from seqtrain_operator.k8s import manifests as m
+from seqtrain_operator.k8s.owner import Owner
+from seqtrain_operator.k8s.pods import manifests as m
 from seqtrain_operator.planner.types import Layout, Plan, ReplicaAssignment
 
-OWNER = m.Owner(name="gpt", namespace="ml", uid="1234-abcd")
+OWNER = Owner(name="gpt", namespace="ml", uid="1234-abcd")
 
 RDMA_TEMPLATE = {
     "metadata": {"labels": {"team": "nlp"}, "annotations": {"example.com/cost-center": "42"}},
@@ -172,8 +173,8 @@ def test_the_push_token_volume_and_its_mount_are_the_operators():
     a user's volume of that name would make the apiserver refuse every pod (duplicate name), a mount there would
     hide the token."""
     from seqtrain.spec.template import OWNED_MOUNT_PATHS, OWNED_VOLUMES
-    from seqtrain_operator.k8s.manifests import PUSH_VOLUME
-    from seqtrain_operator.k8s.pushauth import TOKEN_DIR
+    from seqtrain_operator.k8s.pods.manifests import PUSH_VOLUME
+    from seqtrain_operator.k8s.pods.pushauth import TOKEN_DIR
 
     assert PUSH_VOLUME in OWNED_VOLUMES
     assert any(p == TOKEN_DIR or TOKEN_DIR.startswith(p + "/") for p in OWNED_MOUNT_PATHS)

@@ -24,8 +24,8 @@ from seqtrain.spec.progress_doc import (
     read_progress,
 )
 from seqtrain.spec.status import JobStatus, Progress
-from seqtrain_operator.k8s.observe import progress_from_json
-from seqtrain_operator.k8s.progress import poll_progress
+from seqtrain_operator.k8s.pods.observe import progress_from_json
+from seqtrain_operator.k8s.progress.poll import poll_progress
 from seqtrain_operator.local.files import MetricsTail, read_status, with_trainer_progress, write_status
 
 NOW = datetime(2026, 11, 28, 8, 0, 0, tzinfo=timezone.utc)
@@ -373,8 +373,8 @@ def test_a_checkpoint_of_a_diverged_step_has_strict_json_meta(tmp_path: Path) ->
 def test_a_final_progress_with_a_nan_loss_still_gives_a_writable_status(message: str) -> None:
     """The termination message is the trainer's final word: if it held a NaN the status with it could never be
     written, and the job's end would never be recorded."""
-    from seqtrain_operator.k8s.manifests import CONTAINER, LABEL_ATTEMPT, LABEL_REPLICA
-    from seqtrain_operator.k8s.observe import final_progress
+    from seqtrain_operator.k8s.pods.manifests import CONTAINER, LABEL_ATTEMPT, LABEL_REPLICA
+    from seqtrain_operator.k8s.pods.observe import final_progress
 
     pod = {"metadata": {"labels": {LABEL_REPLICA: "0", LABEL_ATTEMPT: "1"}},
            "status": {"phase": "Succeeded", "containerStatuses": [

@@ -1,5 +1,5 @@
-"""Progress pushed by rank 0 to the operator (seqtrain.obs.push -> seqtrain_operator.k8s.push): the per-job token,
-the body checks, freshness, the coalescing sender, the wire between the two, the pod env and the pass's choice of
+"""Progress pushed by rank 0 to the operator (seqtrain.obs.push -> seqtrain_operator.k8s.progress.push): the per-job
+token, the body checks, freshness, the coalescing sender, the wire between the two, the pod env and the pass's choice of
 source."""
 
 from __future__ import annotations
@@ -19,11 +19,12 @@ from seqtrain.obs.push import ProgressPusher
 from seqtrain.spec import SeqTrainJob
 from seqtrain.spec.status import Progress
 from seqtrain_operator.controller import Observed, decide, iso
-from seqtrain_operator.k8s import manifests as m
-from seqtrain_operator.k8s import reconcile
-from seqtrain_operator.k8s.progress import MAX_BODY_BYTES
-from seqtrain_operator.k8s.push import PushedProgress, serve
-from seqtrain_operator.k8s.pushauth import TOKEN_FILE, TOKEN_FILE_ENV, URL_ENV, job_token, push_url
+from seqtrain_operator.k8s.owner import Owner
+from seqtrain_operator.k8s.passes import reconcile
+from seqtrain_operator.k8s.pods import manifests as m
+from seqtrain_operator.k8s.pods.pushauth import TOKEN_FILE, TOKEN_FILE_ENV, URL_ENV, job_token, push_url
+from seqtrain_operator.k8s.progress.poll import MAX_BODY_BYTES
+from seqtrain_operator.k8s.progress.push import PushedProgress, serve
 from seqtrain_operator.k8s.settings import Settings
 
 KEY = b"k" * 32
@@ -235,7 +236,7 @@ def _job() -> SeqTrainJob:
 
 
 def test_pods_get_their_attempts_push_url_and_token_file_only_when_push_is_configured():
-    owner = m.Owner(name="gpt", namespace="ml", uid="u1")
+    owner = Owner(name="gpt", namespace="ml", uid="u1")
     env = lambda s: {e["name"]: e.get("value") for e in m.build_pod(_job(), owner, 1, 0, s, None)  # noqa: E731
                      ["spec"]["containers"][0]["env"]}
     assert URL_ENV not in env(m.Settings())
@@ -255,11 +256,11 @@ def _cfg(poll: bool = True) -> reconcile.Reconciler:
     return reconcile.Reconciler(None, Settings(pods=pods, push_port=8472, poll_progress=poll))  # type: ignore[arg-type]
 
 
-OWNER = m.Owner(name="gpt", namespace="ml", uid="u1")
+OWNER = Owner(name="gpt", namespace="ml", uid="u1")
 
 
 async def _answers(step: int | None):
-    from seqtrain_operator.k8s.observe import Reported
+    from seqtrain_operator.k8s.pods.observe import Reported
     return Reported(Progress(step=step, total_steps=10)) if step is not None else Reported()
 
 

@@ -19,7 +19,7 @@ from seqtrain.spec.progress_doc import (
     with_latest_step,
 )
 from seqtrain.spec.status import Progress
-from seqtrain_operator.k8s.observe import progress_from_json
+from seqtrain_operator.k8s.pods.observe import progress_from_json
 from seqtrain_operator.local.files import progress_of_record, with_trainer_progress
 
 

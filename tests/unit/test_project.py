@@ -1,11 +1,11 @@
-"""What the operator's caches keep of a pod (k8s/project.py): what its readers need, shared where it repeats."""
+"""What the operator's caches keep of a pod (k8s/cache/project.py): what its readers need, shared where it repeats."""
 
 from __future__ import annotations
 
 import json
 
-from seqtrain_operator.k8s import project
-from seqtrain_operator.k8s.observe import _disruption, _placed_at, awaiting_scheduler
+from seqtrain_operator.k8s.cache import project
+from seqtrain_operator.k8s.pods.observe import _disruption, _placed_at, awaiting_scheduler
 
 
 def pod(name: str) -> dict:
@@ -60,13 +60,14 @@ def test_a_reservation_kept_as_a_projection_takes_what_the_pod_will_take() -> No
     """Admission reserves placed pods as projections (reconcile._placed_pods): the node and the requests the capacity
     ledger charges are those of the manifest that is created, GPUs, init containers and overhead included."""
     from seqtrain.spec import SeqTrainJob
-    from seqtrain_operator.k8s import manifests as m
+    from seqtrain_operator.k8s.owner import Owner
+    from seqtrain_operator.k8s.pods import manifests as m
     from seqtrain_operator.planner.inventory import node_of, pod_requests
 
     job = SeqTrainJob.model_validate({
         "apiVersion": "seqtrain.dev/v1alpha1", "kind": "SeqTrainJob", "metadata": {"name": "gpt", "namespace": "ml"},
         "spec": {"replicas": 2, "resources": {"gpus": 8, "cpu": "32", "memory": "256Gi"}}})
-    full = m.build_pod(job, m.Owner(name="gpt", namespace="ml", uid="u-1"), 1, 1, m.Settings(), "gpu-node-7")
+    full = m.build_pod(job, Owner(name="gpt", namespace="ml", uid="u-1"), 1, 1, m.Settings(), "gpu-node-7")
     kept = project.pod(full)
     assert node_of(kept) == node_of(full) == "gpu-node-7"
     assert pod_requests(kept) == pod_requests(full) and pod_requests(kept)

@@ -1,7 +1,8 @@
 """The progress push token worth the name (issue 35, outcome 5): bound to the job's uid and attempt
-(k8s/pushauth.py), delivered as a file from a per-attempt Secret the job owns (k8s/manifests.py), never in the pod
-spec or env; the operator's store (k8s/push.py) refuses a deleted job's token, keeps entries by uid so no token can
-displace a re-created namesake's progress, and ignores older or replayed documents by their sequence number."""
+(k8s/pods/pushauth.py), delivered as a file from a per-attempt Secret the job owns (k8s/pods/manifests.py), never in
+the pod spec or env; the operator's store (k8s/progress/push.py) refuses a deleted job's token, keeps entries by uid so
+no token can displace a re-created namesake's progress, and ignores older or replayed documents by their sequence
+number."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ import json
 import pytest
 
 from seqtrain.spec import SeqTrainJob
-from seqtrain_operator.k8s import manifests as m
-from seqtrain_operator.k8s.push import PushedProgress
-from seqtrain_operator.k8s.pushauth import (
+from seqtrain_operator.k8s.owner import Owner
+from seqtrain_operator.k8s.pods import manifests as m
+from seqtrain_operator.k8s.pods.pushauth import (
     TOKEN_DIR,
     TOKEN_FILE,
     TOKEN_FILE_ENV,
@@ -20,6 +21,7 @@ from seqtrain_operator.k8s.pushauth import (
     secret_name,
     valid_token,
 )
+from seqtrain_operator.k8s.progress.push import PushedProgress
 
 KEY = b"k" * 32
 
@@ -136,7 +138,7 @@ def _job() -> SeqTrainJob:
 
 
 def test_each_attempts_token_is_a_secret_owned_by_the_job_and_mounted_never_in_the_pod_spec():
-    owner = m.Owner(name="gpt", namespace="ml", uid="3f2a9c1e-0000-4000-8000-000000000001")
+    owner = Owner(name="gpt", namespace="ml", uid="3f2a9c1e-0000-4000-8000-000000000001")
     settings = m.Settings(progress_push_url="http://op.seqtrain-system.svc:8472", push_key=KEY)
     gang = m.build_gang(_job(), owner, 3, settings, None)
     secret = gang.push_secret

@@ -8,9 +8,9 @@ import copy
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
-from seqtrain_operator.k8s.memory import STALE, JobMemory
-from seqtrain_operator.k8s.readjob import KOPF_SETTLE_SECONDS, kopf_settling, read_job
-from seqtrain_operator.k8s.release import FINALIZER
+from seqtrain_operator.k8s.api.finalizers import FINALIZER
+from seqtrain_operator.k8s.cache.memory import STALE, JobMemory
+from seqtrain_operator.k8s.passes.readjob import KOPF_SETTLE_SECONDS, kopf_settling, read_job
 
 
 class Kube:

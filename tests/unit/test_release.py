@@ -8,7 +8,7 @@ import copy
 import pytest
 from kubernetes.client.rest import ApiException
 
-from seqtrain_operator.k8s.release import FINALIZER, release_one
+from seqtrain_operator.k8s.api.finalizers import FINALIZER, release_one
 
 
 class Api:

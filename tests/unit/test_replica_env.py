@@ -1,5 +1,5 @@
 """One pod contract: the environment a replica starts with is built by seqtrain.spec.replica_env for both backends.
-The same job through the pod builder (k8s/manifests.py) and the local backend (local/gang.py) gives the same
+The same job through the pod builder (k8s/pods/manifests.py) and the local backend (local/gang.py) gives the same
 variables and values, except the differences the contract documents as parameters."""
 
 from __future__ import annotations
@@ -9,10 +9,11 @@ import pytest
 from seqtrain.runtime import launch
 from seqtrain.spec import SeqTrainJob
 from seqtrain.spec import replica_env as contract
-from seqtrain_operator.k8s import manifests as m
+from seqtrain_operator.k8s.owner import Owner
+from seqtrain_operator.k8s.pods import manifests as m
 from seqtrain_operator.local import gang as local
 
-OWNER = m.Owner(name="gpt", namespace="ml", uid="1234-abcd")
+OWNER = Owner(name="gpt", namespace="ml", uid="1234-abcd")
 # Each documented difference: the variable, and the backend that alone sets it (None: both, with other values).
 DIFFERENCES = {
     "MASTER_ADDR": None, "MASTER_PORT": None, contract.RESTART_PORT_ENV: None,  # DNS and fixed ports vs loopback

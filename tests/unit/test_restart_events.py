@@ -11,11 +11,12 @@ from seqtrain.spec import SeqTrainJob
 from seqtrain.spec.status import CheckpointRef, JobStatus, Progress
 from seqtrain_operator.controller import CreateGang, Event, Observed, ReplicaObservation, decide, iso
 from seqtrain_operator.controller import conditions as cond
-from seqtrain_operator.k8s import manifests as m
-from seqtrain_operator.k8s.observe import observe_replicas
+from seqtrain_operator.k8s.owner import Owner
+from seqtrain_operator.k8s.pods import manifests as m
+from seqtrain_operator.k8s.pods.observe import observe_replicas
 
 T0 = datetime(2026, 11, 28, 12, 0, 0, tzinfo=timezone.utc)
-OWNER = m.Owner(name="t", namespace="ml", uid="u-1")
+OWNER = Owner(name="t", namespace="ml", uid="u-1")
 ERROR = "RuntimeError: CUDA error: an illegal memory access was encountered"
 
 

@@ -1,4 +1,4 @@
-"""The validating webhook handler (seqtrain_operator.k8s.handlers.validate), called as kopf calls it."""
+"""The validating webhook handler (seqtrain_operator.k8s.process.handlers.validate), called as kopf calls it."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import kopf
 import pytest
 
 from seqtrain.spec import parse_job
-from seqtrain_operator.k8s.claims import claim_problem
-from seqtrain_operator.k8s.handlers import validate
+from seqtrain_operator.k8s.process.handlers import validate
+from seqtrain_operator.k8s.webhook.claims import claim_problem
 
 
 def job(**spec: object) -> dict:
@@ -67,7 +67,7 @@ def test_the_kopf_floor_in_pyproject_is_the_one_the_code_documents() -> None:
 
     import tomllib
 
-    from seqtrain_operator.k8s import handlers
+    from seqtrain_operator.k8s.process import handlers
 
     root = Path(__file__).resolve().parents[2]
     deps = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]["operator"]

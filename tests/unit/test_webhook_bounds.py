@@ -1,5 +1,5 @@
-"""The webhook's bounds (seqtrain_operator/k8s/webhook.py, seqtrain/spec/bounds.py): a review too large, too deep,
-with an unreadable number or not a review at all is refused with one line in an AdmissionReview, never a 500; a
+"""The webhook's bounds (seqtrain_operator/k8s/webhook/review.py, seqtrain/spec/bounds.py): a review too large, too
+deep, with an unreadable number or not a review at all is refused with one line in an AdmissionReview, never a 500; a
 job whose pods cannot be built fails once, naming why, instead of raising on every pass."""
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from test_admission_lock import Index, Kube
 from webhook_engine import answer, review_of
 
 from seqtrain.spec.bounds import MAX_DEPTH, MAX_SPEC_BYTES, bracket_depth
-from seqtrain_operator.k8s import manifests as m
-from seqtrain_operator.k8s import reconcile
+from seqtrain_operator.k8s.passes import reconcile
+from seqtrain_operator.k8s.pods import manifests as m
 from seqtrain_operator.k8s.settings import Settings
-from seqtrain_operator.k8s.webhook import MAX_REVIEW_BYTES
+from seqtrain_operator.k8s.webhook.review import MAX_REVIEW_BYTES
 
 GOOD = {"apiVersion": "seqtrain.dev/v1alpha1", "kind": "SeqTrainJob",
         "metadata": {"name": "j", "namespace": "ml", "uid": "uid-j", "resourceVersion": "1", "generation": 1},
@@ -147,7 +147,7 @@ def test_the_server_reads_at_most_the_bound_and_answers_with_a_review() -> None:
     from aiohttp.test_utils import TestClient, TestServer
     from webhook_engine import engine
 
-    from seqtrain_operator.k8s.webhook import BoundedWebhookServer
+    from seqtrain_operator.k8s.webhook.review import BoundedWebhookServer
 
     fn = engine()
 

@@ -1,4 +1,4 @@
-"""The operator's keyed work queue (k8s/workqueue.py): what a job's passes may rely on."""
+"""The operator's keyed work queue (k8s/passes/workqueue.py): what a job's passes may rely on."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from seqtrain_operator.k8s import workqueue
-from seqtrain_operator.k8s.workqueue import WorkQueue
+from seqtrain_operator.k8s.passes import workqueue
+from seqtrain_operator.k8s.passes.workqueue import WorkQueue
 
 HANG = 10.0  # a guard against a hang, never a speed requirement
 

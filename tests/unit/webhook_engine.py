@@ -13,7 +13,8 @@ from kopf._core.engines import admission, indexing
 from kopf._core.intents import registries
 from kopf._core.reactor import inventory
 
-from seqtrain_operator.k8s import handlers, webhook
+from seqtrain_operator.k8s.process import handlers
+from seqtrain_operator.k8s.webhook import review
 
 GROUP, VERSION, PLURAL = "seqtrain.dev", "v1alpha1", "seqtrainjobs"
 
@@ -40,4 +41,4 @@ def review_of(obj: Any, operation: str = "CREATE", old: Any = None, uid: str = "
 async def answer(raw: bytes | dict[str, Any], fn: Any = None) -> dict[str, Any]:
     """The AdmissionReview the webhook answers to `raw` (a body, or a review to encode)."""
     body = raw if isinstance(raw, bytes) else json.dumps(raw).encode()
-    return await webhook.review(body, fn or engine(), webhook=handlers.WEBHOOK_ID, sslpeer={}, headers={})
+    return await review.review(body, fn or engine(), webhook=handlers.WEBHOOK_ID, sslpeer={}, headers={})

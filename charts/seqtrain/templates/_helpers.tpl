@@ -43,7 +43,7 @@ app.kubernetes.io/component: operator
 {{- end -}}
 
 {{/*
-RBAC: exactly what the operator calls (seqtrain_operator/k8s/client.py) and what kopf does for its handlers;
+RBAC: exactly what the operator calls (seqtrain_operator/k8s/api/client.py) and what kopf does for its handlers;
 tests/unit/test_chart.py compares the rendered grants with that list, and the real-control-plane test checks them
 with `kubectl auth can-i --list` as the ServiceAccount.
 - seqtrainjobs: kopf lists/watches them and patches finalizers and its progress annotations; reconcile GETs one.

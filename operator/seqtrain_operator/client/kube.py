@@ -30,9 +30,9 @@ from seqtrain_operator.client.model import (
     NotFound,
     job_from_object,
 )
-from seqtrain_operator.k8s.client import api_message
-from seqtrain_operator.k8s.manifests import CONTAINER, LABEL_ATTEMPT, LABEL_JOB, LABEL_REPLICA
+from seqtrain_operator.k8s.api.client import api_message
 from seqtrain_operator.k8s.owner import LABEL_UID
+from seqtrain_operator.k8s.pods.manifests import CONTAINER, LABEL_ATTEMPT, LABEL_JOB, LABEL_REPLICA
 
 _VERSION = API_VERSION.split("/")[1]
 TIMEOUT = (5.0, 30.0)  # (connect, read) seconds of every call but a followed log

@@ -32,7 +32,7 @@ EXIT_DEVICE_UNAVAILABLE = 5  # seqtrain.runtime.exitcodes: no CUDA device on a G
 EXIT_CHECKPOINT_UNAVAILABLE = 6  # seqtrain.runtime.exitcodes: a checkpoint could not be loaded now (kept)
 
 INFRA_REASONS = frozenset({"NodeLost", "NodeUnreachable", "Deleted", "Unschedulable", "DeadlineExceeded", "GPUUnavailable"})
-# What k8s/observe.py makes of a pod's DisruptionTarget condition (PreemptionByScheduler, EvictionByEvictionAPI,
+# What k8s/pods/observe.py makes of a pod's DisruptionTarget condition (PreemptionByScheduler, EvictionByEvictionAPI,
 # TerminationByKubelet) and of the kubelet's own reasons (node-pressure eviction, graceful node shutdown).
 DISRUPTION_REASONS = frozenset({"Preempted", "Evicted", "NodeShutdown", "Shutdown", "Terminated"})
 # Kubelet admission rejections (pod phase Failed, status.reason): "OutOf" + resource name, plus these.

@@ -1,7 +1,9 @@
-"""Kubernetes backend: `main(argv)` behind `seqtrain operator` builds one frozen `Settings` (settings.py) and one
-`Runtime` (runtime.py) that kopf's handlers (handlers.py) find in their memo; a pass of one job is `Pass.run()`
-(reconcile.py) with the job's `JobMemory` (memory.py); pods are built by pure builders (manifests.py) and observed by
-pure readers (observe.py). docs/architecture.md opens with a map of every module.
+"""Kubernetes backend: `main(argv)` (main.py) behind `seqtrain operator` builds one frozen `Settings` (settings.py)
+and one `Runtime` (process/runtime.py) that kopf's handlers (process/handlers.py) find in their memo; a pass of one job
+is `Pass.run()` (passes/reconcile.py) with the job's `JobMemory` (cache/memory.py); pods are built by pure builders
+(pods/manifests.py) and observed by pure readers (pods/observe.py). owner.py, below every part, says whose an object
+is. docs/architecture.md opens with a map of every module, part by part.
 
-Only `handlers`/`main` import kopf; the builders and observers are pure and import nothing heavy.
+Only `process/handlers` and `main` import kopf (and the webhook's servers, which extend kopf's); the builders and
+observers are pure and import nothing heavy.
 """

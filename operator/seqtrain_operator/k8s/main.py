@@ -16,8 +16,8 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from seqtrain_operator.k8s.manifests import EXTERNAL
-from seqtrain_operator.k8s.pushauth import KEY_ENV
+from seqtrain_operator.k8s.pods.manifests import EXTERNAL
+from seqtrain_operator.k8s.pods.pushauth import KEY_ENV
 
 if TYPE_CHECKING:
     from seqtrain_operator.k8s.settings import Settings
@@ -117,13 +117,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if value < 1:
             build_parser().error(f"{flag} {value}: must be at least 1")
     if args.release_finalizers:
-        from seqtrain_operator.k8s.release import release_finalizers
+        from seqtrain_operator.k8s.api.finalizers import release_finalizers
 
         return release_finalizers(args.namespace, args.service_account_dir)
     # The trainer's data paths exist inside the pods, not here: do not check them against this filesystem.
     os.environ.setdefault("SEQTRAIN_CHECK_PATHS", "0")
     schedulers = _schedulers(args.scheduler_name)
-    from seqtrain_operator.k8s.client import cluster_config_problem
+    from seqtrain_operator.k8s.api.client import cluster_config_problem
 
     # After the arguments (a usage error is reported as such), before kopf (which would retry forever).
     if (problem := cluster_config_problem()) is not None:
@@ -146,7 +146,7 @@ def _schedulers(items: list[str]) -> dict[str, str]:
 def settings_from(args: argparse.Namespace, schedulers: dict[str, str]) -> Settings:
     """The frozen Settings of this operator process (usage errors exit 2 naming the flag)."""
     from seqtrain.spec.policy import PodPolicy
-    from seqtrain_operator.k8s import manifests as m
+    from seqtrain_operator.k8s.pods import manifests as m
     from seqtrain_operator.k8s.settings import Settings, WebhookConfig
 
     if args.rank_mtbf_hours is not None and args.rank_mtbf_hours <= 0:
@@ -187,8 +187,8 @@ def _run(args: argparse.Namespace, settings: Settings) -> int:
     """kopf with one Runtime as its memo, until it stops."""
     import kopf
 
-    from seqtrain_operator.k8s import handlers, memprofile
-    from seqtrain_operator.k8s.runtime import Runtime
+    from seqtrain_operator.k8s.process import handlers, memprofile
+    from seqtrain_operator.k8s.process.runtime import Runtime
 
     if settings.webhook is not None:
         handlers.enable_webhook()

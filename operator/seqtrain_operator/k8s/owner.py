@@ -1,4 +1,4 @@
-"""Whose object is it (pure): the SeqTrainJob uid an object of the operator belongs to.
+"""Whose object is it (pure): the SeqTrainJob (`Owner`) an object of the operator belongs to, by uid and labels.
 
 Why: a job deleted and re-applied under the same name at once is another job with the same object names (pods
 `<job>-1-<r>`, ConfigMap `<job>-config-1`). Its predecessor's pods may still be terminating and its immutable
@@ -10,16 +10,30 @@ ownerReference), and every reader checks it.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
-from seqtrain.spec import API_GROUP, KIND
+from seqtrain.spec import API_GROUP, API_VERSION, KIND
 
 LABEL_UID = f"{API_GROUP}/job-uid"
-# The labels every pod of a job carries (here, not in manifests, so the gang adapters can name them without importing
-# the pod builder that imports them).
+# The labels every pod of a job carries, and `Owner` below: here, not in the pod builder (pods/manifests.py), so the
+# gang adapters, which the builder imports, can name them without importing it.
 LABEL_JOB = f"{API_GROUP}/job"
 LABEL_ATTEMPT = f"{API_GROUP}/attempt"
 LABEL_REPLICA = f"{API_GROUP}/replica"
+
+
+@dataclass(frozen=True)
+class Owner:
+    """The SeqTrainJob the objects belong to (name, namespace, uid as read from the cluster)."""
+
+    name: str
+    namespace: str
+    uid: str
+
+    def reference(self) -> dict[str, Any]:
+        return {"apiVersion": API_VERSION, "kind": KIND, "name": self.name, "uid": self.uid,
+                "controller": True, "blockOwnerDeletion": True}
 
 
 def owner_uid(obj: Mapping[str, Any]) -> str | None:

@@ -1,13 +1,13 @@
 """The operator's settings (frozen): built once by `main()` from the command line, or by a test, and read by every
-pass. What the operator learns while it runs lives elsewhere: per job in k8s/memory.py, process-wide in the
-`Runtime` (k8s/runtime.py)."""
+pass. What the operator learns while it runs lives elsewhere: per job in k8s/cache/memory.py, process-wide in the
+`Runtime` (k8s/process/runtime.py)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from seqtrain_operator.k8s import manifests as m
-from seqtrain_operator.k8s.observe import TERMINATION_OVERDUE_SECONDS
+from seqtrain_operator.k8s.pods import manifests as m
+from seqtrain_operator.k8s.pods.observe import TERMINATION_OVERDUE_SECONDS
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,7 @@ class Settings:
     # checkpoint at once (with the progress of the moment): N running jobs polled every `running_poll` would
     # otherwise cost N / running_poll status writes a second.
     progress_interval: float = 30.0
-    # Progress pushed by rank 0 (k8s/push.py): served on this port (None: not served), used while it is at most
+    # Progress pushed by rank 0 (k8s/progress/push.py): served on this port (None: not served), used while it is at most
     # `push_fresh` seconds old (rank 0 repeats it every few seconds), else the pass polls.
     push_port: int | None = None
     push_fresh: float = 30.0
@@ -40,5 +40,5 @@ class Settings:
     webhook: WebhookConfig | None = None  # the validating webhook's server (None: not served)
     api_qps: float = 200.0  # the API client's budget (client.Budget)
     api_burst: int = 400
-    workers: int = 64  # passes in flight at most (k8s/workqueue.py)
-    creators: int = 16  # gang creations in flight at most (k8s/creations.py)
+    workers: int = 64  # passes in flight at most (k8s/passes/workqueue.py)
+    creators: int = 16  # gang creations in flight at most (k8s/passes/creations.py)

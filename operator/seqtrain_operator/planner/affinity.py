@@ -2,7 +2,7 @@
 plugin decides it (core/v1 NodeSelector: the terms are ORed, the requirements of one term ANDed).
 
 Why the planner needs it: `spec.podTemplate.spec.affinity.nodeAffinity` is ANDed with the operator's pin
-(k8s/template.py), so a pod pinned to a node that fails the user's terms stays Pending for ever; the planner
+(k8s/pods/template.py), so a pod pinned to a node that fails the user's terms stays Pending for ever; the planner
 leaves such nodes out instead.
 """
 

@@ -81,7 +81,7 @@ def replica_requests(job: SeqTrainJob) -> Requests:
         requests["ephemeral-storage"] = res.ephemeral_storage
     if res.gpus:
         requests[GPU_RESOURCE] = str(res.gpus)
-    requests = {**s.pod_template.extended_resources(), **requests}  # as k8s/template.py merges them
+    requests = {**s.pod_template.extended_resources(), **requests}  # as k8s/pods/template.py merges them
     t = s.pod_template.spec
     pod = {"spec": {"containers": [{"name": "trainer", "resources": {"requests": requests}}],
                     "initContainers": [*t.init_containers,

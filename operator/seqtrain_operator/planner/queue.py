@@ -3,7 +3,8 @@ one's plan takes from the next ones', and head-of-line reservation.
 
 Why: admission was one lock per gang, taken in the order the daemons happened to reach it; each holder re-read the
 free capacity of every node, and the 300-job benchmark's reconcile passes waited up to 51 s for it (p99). Now the
-shell (k8s/admission.py) collects the gangs that wait, reads the capacity once, and plans them in one pass here.
+shell (k8s/capacity/admission.py) collects the gangs that wait, reads the capacity once, and plans them in one pass
+here.
 
 Order: higher priority first (the PriorityClass value of `scheduling.priorityClassName`), then earlier arrival
 (the job's creation), then name: what Kueue's BestEffortFIFO and kube-scheduler's queue do. A gang that does not

@@ -2,8 +2,8 @@
 means adding a module here, not another `elif` in the builders and the reconciler).
 
 Builders (`pod_metadata`, `podgroup`, `queued`, `released`) are pure: they take the job and the objects read from the
-cluster and return dicts or booleans. The hooks (`on_*`) are the only I/O an adapter does, through `k8s.calls`; what
-an adapter remembers of a job between passes it keeps in the job's `JobMemory` (k8s/memory.py), never in itself.
+cluster and return dicts or booleans. The hooks (`on_*`) are the only I/O an adapter does, through `k8s.api.calls`; what
+an adapter remembers of a job between passes it keeps in the job's `JobMemory` (k8s/cache/memory.py), never in itself.
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from seqtrain.spec import SeqTrainJob
+from seqtrain_operator.k8s.owner import Owner
 
 if TYPE_CHECKING:
-    from seqtrain_operator.k8s.client import Kube
-    from seqtrain_operator.k8s.manifests import Owner
-    from seqtrain_operator.k8s.memory import JobMemory
+    from seqtrain_operator.k8s.api.client import Kube
+    from seqtrain_operator.k8s.cache.memory import JobMemory
 
 Pod = dict[str, Any]
 

@@ -12,7 +12,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from seqtrain.spec import SeqTrainJob
-from seqtrain_operator.k8s import calls
+from seqtrain_operator.k8s.api import calls
 from seqtrain_operator.k8s.gangs.base import GangScheduler, podgroup_object, times
 
 LABEL = "scheduling.x-k8s.io/pod-group"

@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 
 from seqtrain.spec import SeqTrainJob
-from seqtrain_operator.k8s import calls
+from seqtrain_operator.k8s.api import calls
 from seqtrain_operator.k8s.gangs.base import GangScheduler, Pod
 from seqtrain_operator.k8s.owner import LABEL_REPLICA
 

@@ -1,22 +1,22 @@
 """kopf wiring: the passes of every SeqTrainJob in one keyed work queue with a bounded number of workers
-(k8s/workqueue.py), queued by its own, its pods' and the nodes' changes and by the delay its last pass asked for.
+(k8s/passes/workqueue.py), queued by its own, its pods' and the nodes' changes and by the delay its last pass asked for.
 A kopf daemon per job says only whether this operator may act on it (peering, deletion). A pass that admits a
-gang hands its creation to a task beside the passes (k8s/creations.py), so no pass waits for a gang's POSTs.
+gang hands its creation to a task beside the passes (k8s/passes/creations.py), so no pass waits for a gang's POSTs.
 
 Load: pods are watched with a server-side label selector (only the operator's pods reach it), and every pass reads
-its job's pods and the nodes from in-memory mirrors fed by those watches (k8s/mirror.py: every relist after a cut
+its job's pods and the nodes from in-memory mirrors fed by those watches (k8s/cache/mirror.py: every relist after a cut
 watch REPLACES what they held, so an object deleted in the gap leaves no ghost; no pass runs before their first
 LIST, so a fresh operator never mistakes an unfilled cache for a vanished gang) instead of LISTing them, and reads
 the job itself from kopf's live body while its resourceVersion is the last one this operator knows (a GET
-otherwise). The mirrors hold trimmed projections (k8s/project.py); gang admission reads free capacity from a ledger
-that pod events keep (k8s/ledger.py; other tenants' pods through k8s/foreign.py's mirror), never a LIST; a job
-waiting for capacity does so less often the longer it waits (node changes queue it at once).
+otherwise). The mirrors hold trimmed projections (k8s/cache/project.py); gang admission reads free capacity from a
+ledger that pod events keep (k8s/capacity/ledger.py; other tenants' pods through k8s/capacity/foreign.py's mirror),
+never a LIST; a job waiting for capacity does so less often the longer it waits (node changes queue it at once).
 
 Level-based: every pass reads the cluster and the job's status and calls the shared controller core; an event
 only makes the next pass come sooner. The daemons run only in the active operator (kopf peering stops them in the
 others), and kopf stops a job's daemon, which waits for the job's pass in flight, before its deletion handler runs.
 
-State: none here. Everything the operator holds lives in one `Runtime` (k8s/runtime.py) that `main()` makes and
+State: none here. Everything the operator holds lives in one `Runtime` (k8s/process/runtime.py) that `main()` makes and
 hands to kopf as its memo; every handler reads it as `memo.runtime`.
 """
 
@@ -33,13 +33,13 @@ import kopf
 from seqtrain.spec import API_GROUP, PLURAL, SpecError, parse_job
 from seqtrain.spec.crd import drift_message, missing_fields
 from seqtrain.spec.policy import PodPolicy, job_policy_problems
-from seqtrain_operator.k8s.claims import claim_problem
-from seqtrain_operator.k8s.client import Kube, load_config
-from seqtrain_operator.k8s.progress import authority
-from seqtrain_operator.k8s.reconcile import cleanup
-from seqtrain_operator.k8s.release import FINALIZER
-from seqtrain_operator.k8s.runtime import Runtime
-from seqtrain_operator.k8s.webhookserve import GuardedWebhookServer
+from seqtrain_operator.k8s.api.client import Kube, load_config
+from seqtrain_operator.k8s.api.finalizers import FINALIZER
+from seqtrain_operator.k8s.passes.reconcile import cleanup
+from seqtrain_operator.k8s.process.runtime import Runtime
+from seqtrain_operator.k8s.progress.poll import authority
+from seqtrain_operator.k8s.webhook.claims import claim_problem
+from seqtrain_operator.k8s.webhook.server import GuardedWebhookServer
 
 VERSION = "v1alpha1"
 WEBHOOK_ID = "validate-seqtrainjob"
@@ -47,7 +47,7 @@ WEBHOOK_ID = "validate-seqtrainjob"
 # job watch, its finalizer and annotation patches, kopf.event and peering through its own client, not `Kube`: only
 # from 1.43.0 does that client wait what a 429's Retry-After asks (settings.networking.enforce_retry_after), and
 # without it kopf retries an overloaded apiserver on its own fixed backoffs. The newest API called here is older:
-# kopf.on.validate(operations=[...]) (enable_webhook), 1.37.0. The pod and node watches are ours (k8s/mirror.py),
+# kopf.on.validate(operations=[...]) (enable_webhook), 1.37.0. The pod and node watches are ours (k8s/cache/mirror.py),
 # so kopf's label-selector setting (1.45.0) is not needed.
 KOPF_FLOOR = "1.43"
 log = logging.getLogger("seqtrain.operator")
@@ -148,8 +148,8 @@ async def reconcile_daemon(name: str, namespace: str, stopped: kopf.DaemonStoppe
                            **_: Any) -> None:
     """Held while kopf lets this operator act on the job: not paused by peering (kopf stops every daemon of a
     paused operator) and not being deleted (kopf stops it before the deletion handler runs). The job's passes run
-    in the work queue's workers (k8s/workqueue.py), not here: a daemon is all the per-job state kopf's peering and
-    deletion need, while a pass in flight holds far more, and the workers bound how many are."""
+    in the work queue's workers (k8s/passes/workqueue.py), not here: a daemon is all the per-job state kopf's peering
+    and deletion need, while a pass in flight holds far more, and the workers bound how many are."""
     rt, key = _runtime(memo), (namespace, name)
     assert rt.queue is not None and rt.reconciler is not None
     mem = rt.memory(namespace, name, (body.get("metadata") or {}).get("uid") or "")

@@ -28,21 +28,21 @@ class OperatorMetrics:
         self.reconcile_seconds = Histogram("seqtrain_reconcile_seconds", "Time of one reconcile pass.",
                                            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
                                            registry=self.registry)
-        # A pass whose gang waits for capacity awaits the next admission cycle (k8s/admission.py): queueing, kept
-        # out of the pass's own time above.
+        # A pass whose gang waits for capacity awaits the next admission cycle (k8s/capacity/admission.py): queueing,
+        # kept out of the pass's own time above.
         self.admission_wait_seconds = Histogram(
             "seqtrain_admission_wait_seconds", "Time a pass waited for its gang's admission cycle.",
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60), registry=self.registry)
         self.admission_cycle_seconds = Histogram(
             "seqtrain_admission_cycle_seconds", "Time of one admission cycle (every waiting gang planned).",
             buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5), registry=self.registry)
-        # A gang's creation runs beside the passes (k8s/creations.py): from the pass that handed it off to its last
-        # object created, waits for the API client's bulk lane included.
+        # A gang's creation runs beside the passes (k8s/passes/creations.py): from the pass that handed it off to its
+        # last object created, waits for the API client's bulk lane included.
         self.gang_create_seconds = Histogram(
             "seqtrain_gang_create_seconds", "Time to create a gang's objects, from its admission's pass.",
             buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120), registry=self.registry)
         self.workqueue_depth = Gauge("seqtrain_workqueue_depth", "Jobs queued for a pass, not yet taken by a "
-                                     "worker (k8s/workqueue.py).", registry=self.registry)
+                                     "worker (k8s/passes/workqueue.py).", registry=self.registry)
         self.reconcile_errors = PromCounter("seqtrain_reconcile_errors", "Reconcile passes that raised.",
                                             ["error"], registry=self.registry)
         self._phase: dict[tuple[str, str], str] = {}

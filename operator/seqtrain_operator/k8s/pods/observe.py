@@ -40,7 +40,7 @@ from seqtrain.spec.replica_env import first_rank_exit
 from seqtrain_operator.controller.clock import parse, seconds_between
 from seqtrain_operator.controller.failure_policy import IMAGE_PULL_REASONS, kubelet_rejected
 from seqtrain_operator.controller.types import ReplicaObservation
-from seqtrain_operator.k8s.manifests import CONTAINER, LABEL_ATTEMPT, LABEL_REPLICA
+from seqtrain_operator.k8s.pods.manifests import CONTAINER, LABEL_ATTEMPT, LABEL_REPLICA
 
 # Reasons a container cannot start that retrying will not fix. Image pulls are not among them: a registry hiccup
 # on a large CUDA image must not fail a job (the core gives them faultTolerance.imagePullTimeoutSeconds).

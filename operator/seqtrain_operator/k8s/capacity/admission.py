@@ -2,9 +2,10 @@
 
 A reconcile pass whose gang waits for capacity hands its plan to `Admissions.admit` and awaits the decision. One
 task runs the cycles: it takes every gang handed in since the last cycle, reads the free capacity once (the ledger
-and the reservations: k8s/ledger.py, k8s/busy.py), plans them in priority and arrival order (planner/queue.py), and
-reserves each placed gang's pods before the next one is planned, all without awaiting anything, so no other pass
-can see capacity in between. The status writes and the pod creations then run in each job's own pass, as before.
+and the reservations: k8s/capacity/ledger.py, k8s/capacity/busy.py), plans them in priority and arrival order
+(planner/queue.py), and reserves each placed gang's pods before the next one is planned, all without awaiting anything,
+so no other pass can see capacity in between. The status writes and the pod creations then run in each job's own pass,
+as before.
 
 The time a pass spends waiting for its cycle is admission queueing, not reconcile work: it is measured as
 `seqtrain_admission_wait_seconds` and left out of `seqtrain_reconcile_seconds`.

@@ -1,4 +1,4 @@
-"""The admission webhook's server (k8s/webhook.py's `BoundedWebhookServer`: its bodies and answers) with the
+"""The admission webhook's server (k8s/webhook/review.py's `BoundedWebhookServer`: its bodies and answers) with the
 connection limits every other server of the operator has, which kopf's aiohttp site lacks: aiohttp waits for a
 request's head without a deadline, and takes any number of connections. The webhook port is the one port of the
 operator's pods any client may reach (the API server's address cannot be selected by a NetworkPolicy), and it shares
@@ -31,7 +31,7 @@ from typing import Any
 
 import aiohttp.web
 
-from seqtrain_operator.k8s.webhook import BoundedWebhookServer
+from seqtrain_operator.k8s.webhook.review import BoundedWebhookServer
 
 log = logging.getLogger("seqtrain.operator")
 
@@ -160,7 +160,7 @@ class ConnectionGuard:
 
 
 class GuardedWebhookServer(BoundedWebhookServer):
-    """k8s/webhook.py's server on a guarded listening socket."""
+    """k8s/webhook/review.py's server on a guarded listening socket."""
 
     guard: ConnectionGuard | None = None  # the running one (tests read its counts)
 

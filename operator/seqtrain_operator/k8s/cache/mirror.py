@@ -1,5 +1,5 @@
 """An in-memory mirror of one selection of pods or nodes: a paged LIST, then a WATCH from its resourceVersion, each
-object trimmed to its projection (k8s/project.py) on arrival; every LIST REPLACES what the mirror held, and what
+object trimmed to its projection (k8s/cache/project.py) on arrival; every LIST REPLACES what the mirror held, and what
 vanished is reported as deleted.
 
 Why: kopf's indexes drop an entry only on a DELETED event. A watch that is cut and cannot resume (410 Gone: the
@@ -24,7 +24,7 @@ from typing import Any
 
 from kubernetes.watch.watch import iter_resp_lines
 
-from seqtrain_operator.k8s.client import Kube
+from seqtrain_operator.k8s.api.client import Kube
 
 log = logging.getLogger("seqtrain.operator")
 WATCH_SECONDS = 60  # one watch request's server-side timeout (then it is renewed from the last resourceVersion)

@@ -1,5 +1,6 @@
 """The capacity ledger: what every non-terminated pod bound or pinned to a node takes of it, kept per node and
-updated one pod event at a time (ours from their mirror, other tenants' from k8s/foreign.py's; k8s/mirror.py).
+updated one pod event at a time (ours from their mirror, other tenants' from k8s/capacity/foreign.py's;
+k8s/cache/mirror.py).
 
 Why: admission used to re-read every pod of the cluster per gang (a LIST of other tenants' pods, then an inventory
 of all 8000 pods: about 8M pod visits in the 1000-job run). Now a pod event costs one subtraction and one addition,
@@ -13,7 +14,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from seqtrain_operator.k8s import manifests as m
+from seqtrain_operator.k8s.pods import manifests as m
 from seqtrain_operator.planner.inventory import Requests, node_from_k8s, node_of, pod_requests
 from seqtrain_operator.planner.types import Node
 

@@ -2,9 +2,10 @@
 Settings and handed to kopf as its memo (handlers.py reads it from there, never from a module global).
 
 It holds the Reconciler (what the passes share, each job's memory among it), the work queue of passes
-(k8s/workqueue.py), the mirrors of the operator's pods, of the nodes and of other tenants' pods (k8s/mirror.py) with
-the capacity ledger they feed (k8s/ledger.py), the metrics and the progress push server. The mirrors' events queue
-passes; a pass reads its job's pods and the nodes from the mirrors (`views`), never a LIST.
+(k8s/passes/workqueue.py), the mirrors of the operator's pods, of the nodes and of other tenants' pods
+(k8s/cache/mirror.py) with the capacity ledger they feed (k8s/capacity/ledger.py), the metrics and the progress push
+server. The mirrors' events queue passes; a pass reads its job's pods and the nodes from the mirrors (`views`), never a
+LIST.
 """
 
 from __future__ import annotations
@@ -14,22 +15,22 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from seqtrain_operator.k8s import manifests as m
-from seqtrain_operator.k8s import project
-from seqtrain_operator.k8s.admission import Admissions
-from seqtrain_operator.k8s.busy import BusyPods
-from seqtrain_operator.k8s.client import Kube
-from seqtrain_operator.k8s.creations import Creations
-from seqtrain_operator.k8s.foreign import ForeignPods
-from seqtrain_operator.k8s.ledger import Ledger
-from seqtrain_operator.k8s.memory import JobMemory
-from seqtrain_operator.k8s.metrics import OperatorMetrics
-from seqtrain_operator.k8s.mirror import Mirror
+from seqtrain_operator.k8s.api.client import Kube
+from seqtrain_operator.k8s.cache import project
+from seqtrain_operator.k8s.cache.memory import JobMemory
+from seqtrain_operator.k8s.cache.mirror import Mirror
+from seqtrain_operator.k8s.capacity.admission import Admissions
+from seqtrain_operator.k8s.capacity.busy import BusyPods
+from seqtrain_operator.k8s.capacity.foreign import ForeignPods
+from seqtrain_operator.k8s.capacity.ledger import Ledger
 from seqtrain_operator.k8s.owner import owner_uid
-from seqtrain_operator.k8s.push import serve as serve_pushes
-from seqtrain_operator.k8s.reconcile import EventSink, Reconciler
+from seqtrain_operator.k8s.passes.creations import Creations
+from seqtrain_operator.k8s.passes.reconcile import EventSink, Reconciler
+from seqtrain_operator.k8s.passes.workqueue import WorkQueue
+from seqtrain_operator.k8s.pods import manifests as m
+from seqtrain_operator.k8s.process.metrics import OperatorMetrics
+from seqtrain_operator.k8s.progress.push import serve as serve_pushes
 from seqtrain_operator.k8s.settings import Settings
-from seqtrain_operator.k8s.workqueue import WorkQueue
 
 log = logging.getLogger("seqtrain.operator")
 Key = tuple[str, str]  # (namespace, name)
@@ -53,7 +54,7 @@ class Runtime:
     foreign: Mirror | None = None  # other tenants' pods, into the ledger
     by_job: dict[Key, dict[Key, dict]] = field(default_factory=dict)  # (ns, job) -> its pods in the mirror
     nodes_seen: dict[str, Any] = field(default_factory=dict)  # node -> what of it a pass reads (`node_changed`)
-    push_server: Any = None  # the progress push endpoint (k8s/push.py)
+    push_server: Any = None  # the progress push endpoint (k8s/progress/push.py)
 
     @property
     def kube(self) -> Kube | None:
@@ -162,7 +163,7 @@ class Runtime:
                     retry_in)
 
     def _created(self, key: Key, requeue: float | None) -> None:
-        """A gang's creation ended (k8s/creations.py): the job's next pass when the creation asked."""
+        """A gang's creation ended (k8s/passes/creations.py): the job's next pass when the creation asked."""
         if self.queue is None:
             return
         mem = self.reconciler.jobs.get(*key) if self.reconciler is not None else None
@@ -224,7 +225,7 @@ class Runtime:
 
     def pod_deleted(self, pod: dict) -> None:
         """Deleted: its DELETED event, or absent from a relist (deleted while the watch was cut). Its admission
-        reservation (if one is left) ends, and so does the record of its creation (k8s/expect.py)."""
+        reservation (if one is left) ends, and so does the record of its creation (k8s/cache/expect.py)."""
         meta = pod["metadata"]
         key, job = (meta.get("namespace") or "", meta["name"]), (meta.get("labels") or {}).get(m.LABEL_JOB)
         self.ledger.remove(key)

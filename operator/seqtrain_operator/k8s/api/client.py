@@ -145,8 +145,8 @@ class Budget:
         self._at = now
 
     async def bulk(self) -> None:
-        """Take a token for work that can wait (a gang's creations: k8s/creations.py), once one is free beyond the
-        `reserve` kept for the reconcile passes' own requests. Bulk callers go one after another and never push the
+        """Take a token for work that can wait (a gang's creations: k8s/passes/creations.py), once one is free beyond
+        the `reserve` kept for the reconcile passes' own requests. Bulk callers go one after another and never push the
         bucket below that reserve, so a pass's status write is never queued behind thousands of pod creations (in
         the 1000-job run those waits were the reconcile p99: 11.8 s); passes take tokens first, as `delay` says,
         and bulk work waits until the bucket refills. The average stays at `qps` for both together."""
@@ -190,9 +190,9 @@ class Kube:
 
     def __init__(self, api: client.ApiClient, *, retries: int = 6, timeout: float = 15.0, backoff: float = 0.2,
                  workers: int = 40, qps: float = 100.0, burst: int = 200):
-        # one connection per worker, and those of the three watches (k8s/mirror.py: the operator's pods, the nodes,
-        # other tenants' pods) and a spare: a pool one short discards a connection per call (1339 "Connection pool
-        # is full" in a 300-job run; with two watches more than it counted, still thousands at 1000 jobs)
+        # one connection per worker, and those of the three watches (k8s/cache/mirror.py: the operator's pods, the
+        # nodes, other tenants' pods) and a spare: a pool one short discards a connection per call (1339 "Connection
+        # pool is full" in a 300-job run; with two watches more than it counted, still thousands at 1000 jobs)
         if (api.configuration.connection_pool_maxsize or 0) < workers + 4:
             api.configuration.connection_pool_maxsize = workers + 4
             api.rest_client.pool_manager.clear()

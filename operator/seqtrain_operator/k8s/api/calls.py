@@ -8,8 +8,8 @@ from typing import Any
 from kubernetes.client.rest import ApiException
 
 from seqtrain.spec import API_GROUP, API_VERSION, PLURAL
-from seqtrain_operator.k8s.client import Kube
-from seqtrain_operator.k8s.patches import remove_finalizer_ops
+from seqtrain_operator.k8s.api.client import Kube
+from seqtrain_operator.k8s.api.patches import remove_finalizer_ops
 
 _VERSION = API_VERSION.split("/")[1]
 

@@ -2,7 +2,7 @@
 clusters where the operator cannot reach the pods (a default-deny NetworkPolicy, an mTLS mesh, an operator outside
 the cluster): the trainer opens the connection, so only egress from the pod to the operator's Service is needed.
 
-Authentication (k8s/pushauth.py): the token is HMAC-SHA256(operator key, "<namespace>/<job>/<uid>/<attempt>"),
+Authentication (k8s/pods/pushauth.py): the token is HMAC-SHA256(operator key, "<namespace>/<job>/<uid>/<attempt>"),
 mounted into the pods as a file from a per-attempt Secret the job owns; the operator recomputes it from the URL and
 compares in constant time. So a pod can push only for its own job incarnation and attempt. Beyond the signature the
 store refuses what it knows to be over: the token of a deleted job, of an earlier incarnation of the same name
@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from seqtrain.spec.progress_doc import ProgressError, parse_progress
-from seqtrain_operator.k8s.observe import Reported
-from seqtrain_operator.k8s.progress import MAX_BODY_BYTES
-from seqtrain_operator.k8s.pushauth import PUSH_PATH, SEQUENCE_HEADER, valid_token
+from seqtrain_operator.k8s.pods.observe import Reported
+from seqtrain_operator.k8s.pods.pushauth import PUSH_PATH, SEQUENCE_HEADER, valid_token
+from seqtrain_operator.k8s.progress.poll import MAX_BODY_BYTES
 
 log = logging.getLogger("seqtrain.operator")
 

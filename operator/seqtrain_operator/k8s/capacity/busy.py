@@ -2,9 +2,9 @@
 cluster-wide, as kube-scheduler counts them, plus the gangs this operator has decided to create but the API has not
 shown yet (kube-scheduler's "assumed" pods).
 
-The running operator counts pods with the capacity ledger (k8s/ledger.py) and keeps only its reservations here
+The running operator counts pods with the capacity ledger (k8s/capacity/ledger.py) and keeps only its reservations here
 (`outstanding`); the LIST below serves a pass without the indexes. Where the pods come from, cheapest first:
-- the operator's own pods: its label-selected pod mirror (k8s/mirror.py), always current and free to read;
+- the operator's own pods: its label-selected pod mirror (k8s/cache/mirror.py), always current and free to read;
 - everyone else's: one LIST of the pods without the job label, shared by every admission within `ttl` seconds
   (a cluster's other tenants); it does not grow with the number of SeqTrainJobs, so 1000 queued jobs neither LIST
   8000 pods 1000 times nor once every few seconds;
@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from seqtrain_operator.k8s import manifests as m
+from seqtrain_operator.k8s.pods import manifests as m
 from seqtrain_operator.planner.inventory import Requests, node_of, pod_requests
 
 BACKSTOP_SECONDS = 900.0
@@ -115,8 +115,8 @@ class BusyPods:
         return out
 
     def outstanding(self, seen: Callable[[Key], bool], exclude_job: Key | None) -> list[dict]:
-        """The reserved pods a capacity ledger (k8s/ledger.py) has not shown yet, less those of `exclude_job`. A
-        reservation the ledger shows ends (its pod counts there now), so does one older than BACKSTOP_SECONDS."""
+        """The reserved pods a capacity ledger (k8s/capacity/ledger.py) has not shown yet, less those of `exclude_job`.
+        A reservation the ledger shows ends (its pod counts there now), so does one older than BACKSTOP_SECONDS."""
         now = time.monotonic()
         self.reserved = {k: v for k, v in self.reserved.items() if not seen(k) and now - v[0] < BACKSTOP_SECONDS}
         if exclude_job is None:

@@ -1,6 +1,6 @@
 """One reconcile pass of one SeqTrainJob, in stages (`Pass.run`: read, observe, decide, write status, act, events).
 
-1. Read the job (k8s/readjob.py: kopf's live body where it is the newest this operator knows, else a GET).
+1. Read the job (k8s/passes/readjob.py: kopf's live body where it is the newest this operator knows, else a GET).
 2. Observe: pods (from the operator's mirrors, `Views`) -> ReplicaObservation, rank 0's progress; when no gang
    exists, gang admission: the native placement over free node capacity, or the presence of the external gang
    scheduler.
@@ -10,10 +10,10 @@
    created: the status already names the attempt, and the core re-creates whatever of it is absent.
 5. Act: delete gangs (pods, ConfigMap, PodGroup of that attempt), create the gang (create-if-absent, so a repeat
    never duplicates anything: names are deterministic per attempt). In the operator, a decision that creates a
-   gang is acted on in a creation task beside the passes (k8s/creations.py), not in the pass.
+   gang is acted on in a creation task beside the passes (k8s/passes/creations.py), not in the pass.
 6. Emit the decision's Kubernetes Events, only after the status write succeeded (and the gang was created).
 
-What the pass remembers of the job between passes is its JobMemory (k8s/memory.py); what it shares with every
+What the pass remembers of the job between passes is its JobMemory (k8s/cache/memory.py); what it shares with every
 other pass (the API client, the reservations, the admission cycles) is its `Reconciler`.
 """
 
@@ -49,27 +49,28 @@ from seqtrain_operator.controller import (
 from seqtrain_operator.controller import conditions as cond
 from seqtrain_operator.controller.checkpoint_policy import failure_history, priority_boost
 from seqtrain_operator.controller.types import Decision
-from seqtrain_operator.k8s import calls, project
-from seqtrain_operator.k8s import manifests as m
-from seqtrain_operator.k8s.admission import PRIORITY_TTL_SECONDS, Admissions
-from seqtrain_operator.k8s.busy import BusyPods
-from seqtrain_operator.k8s.client import Conflict, Kube, NameTaken, api_message
-from seqtrain_operator.k8s.creations import Creations
+from seqtrain_operator.k8s.api import calls
+from seqtrain_operator.k8s.api.client import Conflict, Kube, NameTaken, api_message
+from seqtrain_operator.k8s.cache import project
+from seqtrain_operator.k8s.cache.memory import STALE, JobMemory, Jobs
+from seqtrain_operator.k8s.capacity.admission import PRIORITY_TTL_SECONDS, Admissions
+from seqtrain_operator.k8s.capacity.busy import BusyPods
 from seqtrain_operator.k8s.gangs import ADAPTERS, GangScheduler, adapter_for
-from seqtrain_operator.k8s.memory import STALE, JobMemory, Jobs
-from seqtrain_operator.k8s.observe import (
+from seqtrain_operator.k8s.owner import Owner, owned_by
+from seqtrain_operator.k8s.passes.creations import Creations
+from seqtrain_operator.k8s.passes.readjob import kopf_settling, read_job
+from seqtrain_operator.k8s.passes.statuspatch import changed, status_patch, storage_condition
+from seqtrain_operator.k8s.pods import manifests as m
+from seqtrain_operator.k8s.pods.observe import (
     Reported,
     awaiting_scheduler,
     final_progress,
     observe_replicas,
     rank0_ip,
 )
-from seqtrain_operator.k8s.owner import owned_by
-from seqtrain_operator.k8s.progress import poll_progress, progress_url
-from seqtrain_operator.k8s.push import PushedProgress
-from seqtrain_operator.k8s.readjob import kopf_settling, read_job
+from seqtrain_operator.k8s.progress.poll import poll_progress, progress_url
+from seqtrain_operator.k8s.progress.push import PushedProgress
 from seqtrain_operator.k8s.settings import Settings
-from seqtrain_operator.k8s.statuspatch import changed, status_patch, storage_condition
 from seqtrain_operator.planner.inventory import inventory
 from seqtrain_operator.planner.types import Node
 
@@ -87,8 +88,9 @@ class Outcome:
 
 
 class Views(Protocol):
-    """Where a pass reads its job's pods and the nodes: the operator's in-memory mirrors (k8s/mirror.py; no LIST per
-    pass), or what a test feeds it. A view may also answer `free(job, busy)` (the capacity ledger, k8s/ledger.py)."""
+    """Where a pass reads its job's pods and the nodes: the operator's in-memory mirrors (k8s/cache/mirror.py; no LIST
+    per pass), or what a test feeds it. A view may also answer `free(job, busy)` (the capacity ledger,
+    k8s/capacity/ledger.py)."""
 
     def pods(self, namespace: str, job: str) -> list[dict]: ...
 
@@ -101,15 +103,15 @@ class Views(Protocol):
 class Reconciler:
     """What every pass shares: the API client, the settings, each job's memory, the capacity reservations, the
     pushed progress, the admission cycles and the gang creations (None: admitted one gang at a time under `lock`,
-    created inside the pass), PriorityClass values. Made once per operator (k8s/runtime.py) or per test."""
+    created inside the pass), PriorityClass values. Made once per operator (k8s/process/runtime.py) or per test."""
 
     kube: Kube
     settings: Settings = field(default_factory=Settings)
     jobs: Jobs = field(default_factory=Jobs)
     busy: BusyPods = field(default_factory=BusyPods)  # admission's view of the cluster's pods, and reservations
     pushed: PushedProgress = field(default_factory=PushedProgress)
-    admissions: Admissions | None = None  # native admission in cycles for every waiting gang (k8s/admission.py)
-    creations: Creations | None = None  # gang creations beside the passes (k8s/creations.py)
+    admissions: Admissions | None = None  # native admission in cycles for waiting gangs (k8s/capacity/admission.py)
+    creations: Creations | None = None  # gang creations beside the passes (k8s/passes/creations.py)
     # PriorityClass name -> (value, time.monotonic() read): the admission order
     priorities: dict[str, tuple[int, float]] = field(default_factory=dict)
     # One admission decision at a time outside the cycles: two jobs planned concurrently would both see the same
@@ -134,7 +136,7 @@ class Reconciler:
             self.busy.release_job(mem.key)
         return mem
 
-    async def progress(self, owner: m.Owner, pods: list[dict], attempt: int
+    async def progress(self, owner: Owner, pods: list[dict], attempt: int
                        ) -> tuple[Reported, str | None, str | None]:
         """(what rank 0 reports, why it could not be read, where it came from: "pushed" or "polled"). Pushed
         progress while it is fresh (no request at all), else a poll of rank 0, else its termination message once it
@@ -192,7 +194,7 @@ class Pass:
     body: dict[str, Any] = field(init=False)
     status: JobStatus = field(init=False)
     job: SeqTrainJob = field(init=False)
-    owner: m.Owner = field(init=False)
+    owner: Owner = field(init=False)
     # observe
     pods: list[dict] = field(init=False)
     predecessors: list[dict] = field(init=False)  # pods of a deleted namesake, still there
@@ -218,7 +220,8 @@ class Pass:
                 return done
             if self.r.creations is not None and self.decision.of(CreateGang):
                 # Creating is most of the gang's requests and of their wait for the API budget: beside the passes
-                # (k8s/creations.py). The status naming the attempt is written: nothing is lost if the operator stops.
+                # (k8s/passes/creations.py). The status naming the attempt is written: nothing is lost if the operator
+                # stops.
                 self.r.creations.start(self.key, self._handed_off)
                 return Outcome(requeue=None, status=self.decision.status, events=self.events)
             return await self.act_and_emit()
@@ -259,7 +262,7 @@ class Pass:
                 mem.known, mem.written = scratch.known, scratch.written
         self.mem, self.body = mem, body
         self.status = JobStatus.model_validate(dict(body.get("status") or {}))
-        self.owner = m.Owner(name=self.name, namespace=self.namespace, uid=uid)
+        self.owner = Owner(name=self.name, namespace=self.namespace, uid=uid)
         try:
             doc = {k: body[k] for k in ("apiVersion", "kind", "spec") if k in body}
             self.job = parse_job(doc | {"metadata": {"name": self.name, "namespace": self.namespace}})
@@ -368,15 +371,15 @@ class Pass:
         return None
 
     def _plan(self, capacity: tuple[Node, ...] | None, blocked: str | None) -> tuple[Decision, list[dict]]:
-        """The admission cycle's question (k8s/admission.py): the decision with this capacity, or refused."""
+        """The admission cycle's question (k8s/capacity/admission.py): the decision with this capacity, or refused."""
         seen = replace(self.observed, capacity=capacity) if blocked is None else \
             replace(self.observed, unschedulable=blocked)
         d = decide(self.job, self.status, seen, self.now)
         return d, self._placed_pods(d)
 
     def _placed_pods(self, decision: Decision) -> list[dict]:
-        """The pods of the gangs `decision` creates, as the capacity reservations keep them (k8s/busy.py):
-        projected (k8s/project.py: names, labels, node, requests) as the mirror keeps a created pod, not whole
+        """The pods of the gangs `decision` creates, as the capacity reservations keep them (k8s/capacity/busy.py):
+        projected (k8s/cache/project.py: names, labels, node, requests) as the mirror keeps a created pod, not whole
         manifests held by every reservation until its pod shows in the mirror."""
         out = []
         for a in decision.of(CreateGang):

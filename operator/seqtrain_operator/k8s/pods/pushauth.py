@@ -1,5 +1,5 @@
-"""The progress push's names and credentials (k8s/push.py), apart from its server so the manifest builders can use
-them without importing it.
+"""The progress push's names and credentials (k8s/progress/push.py), apart from its server so the manifest builders can
+use them without importing it.
 
 A push is bound to one job incarnation and one attempt: its URL names `<namespace>/<job>/<uid>/<attempt>` and its
 token is HMAC-SHA256(operator key, that same string). Rank 0 reads the token from a file mounted from a Secret the

@@ -1,6 +1,6 @@
 """The pods this operator knows it created for one job's attempt, until its cache shows them (a controller's
 "expectations", as in kube-controller-manager's ReplicaSet controller). One `Expected` per job, in its JobMemory
-(k8s/memory.py).
+(k8s/cache/memory.py).
 
 Why: the core re-creates whatever of the live attempt it does not observe (a creation cut short must be finished),
 and it observes through the pod mirror, which lags the API (by over a minute under a burst of creations, by a

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from seqtrain_operator.k8s.expect import Expected
+from seqtrain_operator.k8s.cache.expect import Expected
 
 Key = tuple[str, str]  # (namespace, name)
 STALE = ""  # JobMemory.known: our last status write conflicted; the next pass GETs the job
@@ -32,7 +32,7 @@ class JobMemory:
     # (the version our last status write replaced, what the write returned), until the watch shows that write
     written: tuple[str, dict[str, Any]] | None = None
     written_at: float = float("-inf")  # time.monotonic() of our last status write (progress is coalesced)
-    expected: Expected = field(default_factory=Expected)  # pods created and not in the mirror yet (k8s/expect.py)
+    expected: Expected = field(default_factory=Expected)  # pods created and not in the mirror yet (k8s/cache/expect.py)
     restarts: tuple[int, int] | None = None  # (restarts, infraRestarts) last counted into the metrics
     poked: bool = False  # an event arrived while its gang was being created: a pass when the creation ends
     boost: int | None = None  # Kueue: the priority boost last written to its Workload (gangs/kueue.py)

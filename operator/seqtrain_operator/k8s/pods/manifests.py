@@ -24,9 +24,9 @@ from seqtrain.spec.policy import PodPolicy
 from seqtrain.spec.replica_env import INPLACE_DELAYS_ENV, replica_env
 from seqtrain.spec.runtime import FailureHistory
 from seqtrain_operator.k8s.gangs import ADAPTERS, adapter_for
-from seqtrain_operator.k8s.hfinit import add_hf_init
-from seqtrain_operator.k8s.owner import LABEL_ATTEMPT, LABEL_JOB, LABEL_REPLICA, LABEL_UID
-from seqtrain_operator.k8s.pushauth import (
+from seqtrain_operator.k8s.owner import LABEL_ATTEMPT, LABEL_JOB, LABEL_REPLICA, LABEL_UID, Owner
+from seqtrain_operator.k8s.pods.hfinit import add_hf_init
+from seqtrain_operator.k8s.pods.pushauth import (
     TOKEN_DIR,
     TOKEN_FILE,
     TOKEN_FILE_ENV,
@@ -36,7 +36,7 @@ from seqtrain_operator.k8s.pushauth import (
     push_url,
     secret_name,
 )
-from seqtrain_operator.k8s.template import apply_pod_template
+from seqtrain_operator.k8s.pods.template import apply_pod_template
 from seqtrain_operator.planner.inventory import GPU_PRODUCT_LABEL, GPU_RESOURCE
 from seqtrain_operator.planner.placement import pod_tolerations
 from seqtrain_operator.planner.types import Plan
@@ -79,25 +79,12 @@ class Settings:
     kueue_boost_seconds: float = 0.0
     kueue_boost_max: int = 50  # the command line's default too
     # The operator's progress push endpoint as pods reach it (e.g. http://<its Service>.<namespace>.svc:8472) and
-    # the key of the jobs' push tokens (k8s/push.py); either unset: pods do not push.
+    # the key of the jobs' push tokens (k8s/progress/push.py); either unset: pods do not push.
     progress_push_url: str | None = None
     push_key: bytes = field(default=b"", repr=False)
 
     def scheduler_for(self, gang: str) -> str | None:
         return self.scheduler_names.get(gang) or EXTERNAL.get(gang, {}).get("scheduler")
-
-
-@dataclass(frozen=True)
-class Owner:
-    """The SeqTrainJob the objects belong to (name, namespace, uid as read from the cluster)."""
-
-    name: str
-    namespace: str
-    uid: str
-
-    def reference(self) -> dict[str, Any]:
-        return {"apiVersion": API_VERSION, "kind": KIND, "name": self.name, "uid": self.uid,
-                "controller": True, "blockOwnerDeletion": True}
 
 
 # ---- names (seqtrain.spec.names: spec validation checks every name a job will generate) ----------------------
@@ -250,7 +237,7 @@ _DOWNWARD = (("POD_NAME", "metadata.name"), ("POD_IP", "status.podIP"), ("NODE_N
 
 
 def _push_env(owner: Owner, attempt: int, settings: Settings) -> list[dict[str, Any]]:
-    """Rank 0 pushes its progress (k8s/push.py); the token is a file, never in the env."""
+    """Rank 0 pushes its progress (k8s/progress/push.py); the token is a file, never in the env."""
     return [{"name": URL_ENV,
              "value": push_url(settings.progress_push_url or "", owner.namespace, owner.name, owner.uid, attempt)},
             {"name": TOKEN_FILE_ENV, "value": TOKEN_FILE}]
@@ -264,8 +251,8 @@ PUSH_VOLUME = "seqtrain-push-token"
 
 
 def build_push_secret(owner: Owner, attempt: int, settings: Settings) -> dict[str, Any] | None:
-    """The attempt's push token (k8s/pushauth.py) as a Secret owned by the job (None: pods do not push). Mounted as
-    a file, so `get pods` (the built-in view role) does not show it."""
+    """The attempt's push token (k8s/pods/pushauth.py) as a Secret owned by the job (None: pods do not push).
+    Mounted as a file, so `get pods` (the built-in view role) does not show it."""
     if not _pushes(settings):
         return None
     token = job_token(settings.push_key, owner.namespace, owner.name, owner.uid, attempt)

@@ -11,7 +11,7 @@ import asyncio
 import aiohttp
 
 from seqtrain.spec.progress_doc import MAX_DOC_BYTES
-from seqtrain_operator.k8s.observe import Reported, progress_from_json
+from seqtrain_operator.k8s.pods.observe import Reported, progress_from_json
 
 MAX_BODY_BYTES = MAX_DOC_BYTES
 

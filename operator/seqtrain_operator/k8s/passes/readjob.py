@@ -1,5 +1,5 @@
 """Where a pass reads its job from: kopf's live body, what our last status write returned, or a GET, whichever is
-newest as far as the job's memory (k8s/memory.py) can tell. A stale read is caught by the optimistic lock of the
+newest as far as the job's memory (k8s/cache/memory.py) can tell. A stale read is caught by the optimistic lock of the
 status write, as with a GET; what is saved is a GET after nearly every status write."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ from datetime import datetime
 from typing import Any
 
 from seqtrain_operator.controller import parse
-from seqtrain_operator.k8s import project
-from seqtrain_operator.k8s.client import Kube
-from seqtrain_operator.k8s.memory import JobMemory
-from seqtrain_operator.k8s.release import FINALIZER
+from seqtrain_operator.k8s.api.client import Kube
+from seqtrain_operator.k8s.api.finalizers import FINALIZER
+from seqtrain_operator.k8s.cache import project
+from seqtrain_operator.k8s.cache.memory import JobMemory
 
 # kopf writes no change-detection annotation (handlers.NoDiffBase): its only first write to a new job is the
 # finalizer. A kopf that did not write it would only make a new job wait this long for its first pass.

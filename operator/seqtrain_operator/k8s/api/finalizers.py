@@ -15,9 +15,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from seqtrain.spec import API_GROUP, API_VERSION, PLURAL
-from seqtrain_operator.k8s.patches import remove_finalizer_ops
+from seqtrain_operator.k8s.api.patches import remove_finalizer_ops
 
-FINALIZER = f"{API_GROUP}/cleanup"  # the operator's (kopf's settings.persistence.finalizer, k8s/handlers.py)
+FINALIZER = f"{API_GROUP}/cleanup"  # the operator's (kopf's settings.persistence.finalizer, k8s/process/handlers.py)
 _VERSION = API_VERSION.split("/")[1]
 
 
@@ -25,7 +25,7 @@ def _api(service_account_dir: str | None) -> Any:
     from kubernetes import client
     from kubernetes.config.incluster_config import InClusterConfigLoader
 
-    from seqtrain_operator.k8s.client import load_config
+    from seqtrain_operator.k8s.api.client import load_config
 
     token = os.path.join(service_account_dir, "token") if service_account_dir else ""
     if token and os.path.exists(token):
