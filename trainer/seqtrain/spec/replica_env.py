@@ -1,6 +1,6 @@
 """The environment a replica starts with, whichever backend starts it: one function for both.
 
-A replica is one pod (Kubernetes: `seqtrain_operator.k8s.manifests`) or one local process group (`seqtrain run`:
+A replica is one pod (Kubernetes: `seqtrain_operator.k8s.pods.manifests`) or one local process group (`seqtrain run`:
 `seqtrain_operator.local.gang`); it runs `seqtrain.runtime.launch.replica_command` and learns who it is only from
 this environment. Torch-free, so the operator image can import it.
 

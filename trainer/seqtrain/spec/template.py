@@ -268,7 +268,7 @@ _REQ, _PREF = "requiredDuringSchedulingIgnoredDuringExecution", "preferredDuring
 
 
 def _affinity(a: dict[str, Any], out: list[tuple[str, str]]) -> None:
-    """The shapes the operator merges (k8s/template.py ANDs node terms with its own placement): each level an
+    """The shapes the operator merges (k8s/pods/template.py ANDs node terms with its own placement): each level an
     object or a list of objects as core/v1 has it, so a merge never meets a string where a term belongs."""
     for key, value in a.items():
         where = f"spec.affinity.{key}"

@@ -60,7 +60,7 @@ def pod(body: Mapping[str, Any]) -> dict[str, Any]:
     meta, spec, status = body.get("metadata") or {}, body.get("spec") or {}, body.get("status") or {}
     m = _pick(meta, _META)
     if refs := [_pick(r, ("kind", "uid", "controller")) for r in meta.get("ownerReferences") or []]:
-        m["ownerReferences"] = refs  # whose pod it is (k8s/manifests.owner_uid), beside the job-uid label
+        m["ownerReferences"] = refs  # whose pod it is (k8s/owner.owner_uid), beside the job-uid label
     if annotations := {k: v for k, v in (meta.get("annotations") or {}).items() if k != _LAST_APPLIED}:
         m["annotations"] = annotations
     s = _pick(spec, ("nodeName", "schedulingGates", "overhead", "schedulerName"))
