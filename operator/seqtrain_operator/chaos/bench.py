@@ -238,7 +238,7 @@ class World:
             if job is None or labels.get("seqtrain.dev/replica") != "0" or pod["metadata"]["namespace"] != self.ns:
                 continue
             start_lines.setdefault(job, []).extend(self._new_lines(pod["metadata"]["uid"]))
-        checkpoints = {name: self.checkpoints(name) for name, t in self.checker.jobs.items() if t.kind != "load"}
+        checkpoints = {name: self.checkpoints(name) for name, t in self.checker.tracks() if t.kind != "load"}
         self.checker.observe(self.now(), objects, pods, checkpoints, start_lines, set(self.injector.down))
         self.sample_rss()
         self._operator_log()
@@ -437,7 +437,7 @@ def _soak(world: World, args: argparse.Namespace, seed: int, events: list[schedu
         while world.now() - start < args.minutes * 60:
             now = world.now()
             # Keep the job counts up; load jobs live a while, then are deleted (their pods must go).
-            live = [n for n, t in chk.jobs.items() if t.kind == "trainer" and t.phase not in TERMINAL]
+            live = [n for n, t in chk.tracks() if t.kind == "trainer" and t.phase not in TERMINAL]
             for _ in range(args.jobs - len(live)):
                 counter += 1
                 world.submit(f"t{counter:04d}", "trainer", spec)

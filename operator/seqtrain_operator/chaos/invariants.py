@@ -9,6 +9,7 @@ job's own spec (pending grace, hang timeout, backoff) and the operator's setting
 from __future__ import annotations
 
 import re
+import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -94,9 +95,18 @@ class Checker:
     duplicate_pods: int = 0
     stuck: int = 0
     orphans: int = 0
+    # The soak adds jobs from its main thread while the checker thread walks them: every walk of `jobs` that may
+    # meet an insertion holds this (one 35-minute soak lost an observation round to "dictionary changed size").
+    lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
 
     def add_job(self, name: str, kind: str, spec: dict[str, Any], now: float) -> None:
-        self.jobs[name] = JobTrack(name, kind, spec, now, now)
+        with self.lock:
+            self.jobs[name] = JobTrack(name, kind, spec, now, now)
+
+    def tracks(self) -> list[tuple[str, JobTrack]]:
+        """A copy of the jobs tracked, safe to walk while the other thread adds one."""
+        with self.lock:
+            return list(self.jobs.items())
 
     def fault(self, job: str | None, kind: str, now: float) -> None:
         """A fault hit this job (or, with job None, everything: the operator, the API): quiet time starts over."""
@@ -117,6 +127,12 @@ class Checker:
         """One round: `objects` the SeqTrainJobs that exist, `pods` every pod of the soak's namespaces,
         `checkpoints` job -> published checkpoint steps on its volume, `start_lines` job -> its ranks' new start
         lines (rank 0's), `down_nodes` agent nodes taken down now (their pods' deletions cannot be confirmed)."""
+        with self.lock:
+            self._observe(now, objects, pods, checkpoints, start_lines, down_nodes)
+
+    def _observe(self, now: float, objects: Iterable[Mapping[str, Any]], pods: Iterable[Mapping[str, Any]],
+                 checkpoints: Mapping[str, set[int]], start_lines: Mapping[str, list[str]],
+                 down_nodes: set[str]) -> None:
         present = {}
         for obj in objects:
             name = obj["metadata"]["name"]
