@@ -223,6 +223,7 @@ def _meta_inputs() -> st.SearchStrategy[bytes]:
 @example(data=json.dumps({"step": 6, "time": 5, "files": []}).encode())  # a numeric time reached strptime
 @example(data=json.dumps({"step": 6, "files": ["a\u0000b"]}).encode())  # a NUL in a file name
 @example(data=json.dumps({"step": 6, "files": [], "sizes": {"x\u0000": 1}}).encode())  # ValueError from getsize
+@example(data=json.dumps({"step": 6, "files": [], "sizes": {"\r": None}}).encode())  # a CR printed into the line
 @example(data=json.dumps({"step": 6, "files": [], "sha256": {"trainer.pt": 5}}).encode())
 @example(data=json.dumps({"step": 6, "files": [], "sha256": {"state": "00"}}).encode())  # a folder hashed
 @example(data=json.dumps({"step": 6, "files": [], "layout": [1]}).encode())  # layout not an object

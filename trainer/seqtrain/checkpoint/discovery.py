@@ -210,7 +210,7 @@ def problem(path: str, require_step_name: bool = True) -> str | None:
         if not _contained(path, name):
             return f"{meta_path}: file entry {name[:200]!r} points outside the checkpoint folder"
         if not os.path.exists(os.path.join(path, name)):
-            return f"{os.path.join(path, name[:200])}: missing"
+            return f"{_shown(os.path.join(path, name[:200]))}: missing"
     sizes = meta.get("sizes")
     if isinstance(sizes, dict):
         for name, size in sorted(sizes.items()):
@@ -220,11 +220,17 @@ def problem(path: str, require_step_name: bool = True) -> str | None:
             try:
                 actual = os.path.getsize(full)
             except (OSError, ValueError):  # ValueError: a NUL in the name
-                return f"{full[:300]}: missing"
+                return f"{_shown(full[:300])}: missing"
             if actual != size:
                 said = size if isinstance(size, int) else f"a {type(size).__name__}"
-                return f"{full[:300]}: {actual} bytes, but {said} when it was saved (truncated or replaced)"
+                return f"{_shown(full[:300])}: {actual} bytes, but {said} when it was saved (truncated or replaced)"
     return None
+
+
+def _shown(path: str) -> str:
+    """A path built from a meta.json name, fit for a one-line message: the names are the checkpoint's (anyone who
+    can write the volume), so a control character in one (a newline, a carriage return) is escaped, not printed."""
+    return path if path.isprintable() else repr(path)
 
 
 def verify_hashes(path: str) -> str | None:
@@ -246,9 +252,9 @@ def verify_hashes(path: str) -> str | None:
         try:
             got = sha256_of(full)
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError, ValueError):  # ValueError: a NUL
-            return f"{full[:300]}: missing"
+            return f"{_shown(full[:300])}: missing"
         if got != want:
-            return f"{full}: sha256 {got[:12]}... but {str(want)[:12]}... when it was saved (corrupt or replaced)"
+            return f"{_shown(full[:300])}: sha256 {got[:12]}... but {str(want)[:12]}... when it was saved (corrupt or replaced)"
     return None
 
 
