@@ -47,7 +47,7 @@ def step_dir(directory: str, step: int) -> str:
     return os.path.join(directory, f"{STEP_PREFIX}{step}")
 
 
-MAX_DEPTH = 32  # folders inside a checkpoint: engines write one level (state/, zero/, fsdp/)
+MAX_DEPTH = 32  # folders inside a checkpoint: engines write one level (state/)
 
 
 class TooDeep(Exception):
@@ -201,7 +201,7 @@ def problem(path: str, require_step_name: bool = True) -> str | None:
     if m is not None and meta.get("step") != int(m.group(1)):
         return f"{meta_path}: does not describe step {m.group(1) if m else '?'}"
     files = meta.get("files", [])
-    # entries may be folders: sharded engines (DeepSpeed zero/, FSDP2 DCP fsdp/) write one per checkpoint
+    # entries may be folders: every engine writes its DCP shards into state/
     if not isinstance(files, list):
         return f"{meta_path}: `files` is not a list"
     for name in files:

@@ -3,9 +3,8 @@
 An attempt of an elastic job runs `with_replicas(n)` of the job for one n of `sizes(job)`: the same global batch over
 fewer data-parallel ranks (more accumulation), resumed from a checkpoint written at another size. Every engine's
 checkpoint reshards over a data-parallel change: native DDP, tensor and pipeline parallel, FSDP2 (with or without
-tensor parallel) and DeepSpeed ZeRO write the layout-independent DCP format (seqtrain.checkpoint.dcp_format). (A
-DeepSpeed checkpoint from before the DCP format, a `zero/` folder, loads only at the size that wrote it: the trainer
-says so when an elastic attempt meets one.)
+tensor parallel) and DeepSpeed ZeRO write the layout-independent DCP format (seqtrain.checkpoint.dcp_format), the
+only one read.
 """
 
 from __future__ import annotations
