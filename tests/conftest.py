@@ -2,8 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import multiprocessing.process
 import os
 import pathlib
+import platform
+import subprocess
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -18,11 +28,16 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 # imported (torch imports it lazily, e.g. when an optimizer is built): once imported without it, the interpreter
 # fails with "Cannot call @triton.jit'd outside of the scope of a kernel". Models keep the PyTorch reference on the
 # CPU unless a test asks for kernels, so this only changes the tests that do.
-if not os.environ.get("CUDA_VISIBLE_DEVICES") and not os.path.exists("/dev/nvidiactl"):
+_CPU_ONLY = not os.environ.get("CUDA_VISIBLE_DEVICES") and not os.path.exists("/dev/nvidiactl")
+if _CPU_ONLY:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 # Rank processes import the packages from the source roots, installed or not.
 _pp = [str(ROOT / "trainer"), str(ROOT / "operator")]
 os.environ["PYTHONPATH"] = os.pathsep.join(_pp + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+
+# platform.processor() runs `uname -p` the first time it is asked (then caches it): here, before any test, so a fast
+# test that reports the machine does not start that process (see the cost tiers below).
+platform.processor()
 
 # Fuzz tests (marker `fuzz`) draw their example counts from one hypothesis profile: "ci" keeps `make test` within a
 # few minutes; SEQTRAIN_FUZZ=long runs the longer mode documented for before a release (docs/development.md).
@@ -39,3 +54,73 @@ try:
     _hsettings.load_profile("long" if os.environ.get("SEQTRAIN_FUZZ") == "long" else "ci")
 except ImportError:  # hypothesis is a dev dependency; a bare install still collects the other tests
     pass
+
+
+# Cost tiers. A test is `slow` when it starts a process: subprocess, os.fork/spawn, multiprocessing (torch's
+# included), and so every testbed, control plane, helm or kubectl call. The fast tier (`-m "not slow"`,
+# `make test-fast`) must start none, so during a fast test's setup and call each way to start one raises, and a
+# test that swallowed the error still fails: mark it (or its module, `pytestmark = pytest.mark.slow`) `slow`.
+# Threads that were running before the test (a session fixture's, e.g. an operator thread) may still start theirs.
+# Enforced on CPU-only machines (CI's): with a GPU, Triton compiles each kernel with ptxas and a C compiler, processes
+# that the GPU tests (`-m gpu`) and any test running a kernel there start.
+_PROCESS_STARTERS = (
+    ("subprocess.Popen._execute_child", subprocess.Popen, "_execute_child"),
+    ("os.fork", os, "fork"),
+    ("os.forkpty", os, "forkpty"),
+    ("os.posix_spawn", os, "posix_spawn"),
+    ("os.posix_spawnp", os, "posix_spawnp"),
+    ("multiprocessing Process.start", multiprocessing.process.BaseProcess, "start"),
+)
+
+
+class StartsAProcess(RuntimeError):
+    """A test outside the slow tier started a process."""
+
+
+@contextlib.contextmanager
+def _no_processes(nodeid: str) -> Iterator[list[str]]:
+    started: list[str] = []
+    others = {t.ident for t in threading.enumerate()} - {threading.main_thread().ident}
+
+    def refuse(what: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def starter(*args: Any, **kwargs: Any) -> Any:
+            if threading.get_ident() in others:
+                return original(*args, **kwargs)
+            started.append(what)
+            raise StartsAProcess(
+                f"{nodeid} starts a process ({what}): mark it `slow` (tests that start processes, control planes "
+                "or helm are the slow tier; tests/conftest.py)"
+            )
+
+        return starter
+
+    saved = [(what, owner, attr, getattr(owner, attr)) for what, owner, attr in _PROCESS_STARTERS
+             if hasattr(owner, attr)]
+    for what, owner, attr, original in saved:
+        setattr(owner, attr, refuse(what, original))
+    try:
+        yield started
+    finally:
+        for _, owner, attr, original in saved:
+            setattr(owner, attr, original)
+
+
+def _fast_tier_phase(item: pytest.Item) -> Iterator[None]:
+    if not _CPU_ONLY or item.get_closest_marker("slow") is not None:
+        return (yield)
+    with _no_processes(item.nodeid) as started:
+        result = yield
+    if started:
+        raise StartsAProcess(f"{item.nodeid} starts a process ({started[0]}): mark it `slow` (tests/conftest.py)")
+    return result
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
+    return (yield from _fast_tier_phase(item))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    return (yield from _fast_tier_phase(item))

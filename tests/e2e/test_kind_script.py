@@ -13,6 +13,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "e2e" / "kind-e2e.sh"
 
 
+@pytest.mark.slow
 def test_script_parses_and_is_wired_into_make():
     out = subprocess.run(["bash", "-n", str(SCRIPT)], capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stderr
@@ -20,6 +21,7 @@ def test_script_parses_and_is_wired_into_make():
     assert SCRIPT.stat().st_mode & 0o111, "the script is executable"
 
 
+@pytest.mark.slow
 def test_shellcheck_clean():
     if not shutil.which("shellcheck"):
         pytest.skip("shellcheck not installed")

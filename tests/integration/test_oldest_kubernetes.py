@@ -71,6 +71,7 @@ def oldest_binaries() -> str:
     return out.stdout.strip()
 
 
+@pytest.mark.slow
 def test_the_chart_claims_exactly_the_oldest_release_the_suite_runs() -> None:
     version = oldest_version()
     assert claimed_minimum() == minor(version), (

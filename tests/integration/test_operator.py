@@ -35,7 +35,7 @@ from operator_harness import (
     wait_running,
 )
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 @pytest.fixture(scope="module")

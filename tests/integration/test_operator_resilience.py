@@ -41,7 +41,7 @@ from operator_harness import (
 from testbed.fixtures import TB, rendezvous_port
 from testbed.node_agent import AGENT_LABEL, IGNORE_DELETION
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from aiohttp import web
 
 from testbed.faultproxy import FaultProxy
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
 
 
 class Upstream:

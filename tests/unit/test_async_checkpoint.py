@@ -187,6 +187,7 @@ def read_state(folder: Path, shape: tuple[int, ...] = (4, 3)) -> dict:
     return target
 
 
+@pytest.mark.slow
 def test_the_writer_process_publishes_each_step_with_its_own_values_and_is_gone_after_close(tmp_path: Path) -> None:
     mgr = CheckpointManager(str(tmp_path), keep=3, ctx=DistContext(), writer="process")
     live = tree(1.0)
@@ -209,6 +210,7 @@ def test_the_writer_process_publishes_each_step_with_its_own_values_and_is_gone_
     assert mgr._process is None and gone(pid) and not multiprocessing.active_children()
 
 
+@pytest.mark.slow
 def test_a_failed_write_in_the_writer_process_surfaces_at_the_next_save_and_the_writer_goes_on(
         tmp_path: Path) -> None:
     mgr = CheckpointManager(str(tmp_path), keep=3, ctx=DistContext(), writer="process")
@@ -230,6 +232,7 @@ def test_a_failed_write_in_the_writer_process_surfaces_at_the_next_save_and_the_
                                                             torch.full((4, 3), 3.0))
 
 
+@pytest.mark.slow
 def test_a_writer_process_that_dies_fails_the_next_wait_and_the_next_save_starts_another(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # the writer's environment is the rank's at its start: step 2's write then waits in faults.in_save
@@ -252,6 +255,7 @@ def test_a_writer_process_that_dies_fails_the_next_wait_and_the_next_save_starts
     assert latest_step(str(tmp_path)) == 3
 
 
+@pytest.mark.slow
 def test_an_idle_writer_process_that_does_not_answer_is_killed_and_replaced(tmp_path: Path) -> None:
     mgr = CheckpointManager(str(tmp_path), keep=3, ctx=DistContext(), writer="process")
     mgr.save(1, trainer_files, state=lambda: tree(1.0), background=True)
@@ -281,6 +285,7 @@ def _crash_in_the_writer(directory: str, pid_file: str) -> None:
     os._exit(3)
 
 
+@pytest.mark.slow
 def test_a_rank_killed_during_its_background_write_leaves_the_previous_checkpoint_the_latest_and_no_writer(
         tmp_path: Path) -> None:
     rank = multiprocessing.get_context("spawn").Process(target=_crash_in_the_writer,
@@ -343,6 +348,7 @@ def _two_ranks(rank: int, port: int, directory: str, out: str) -> None:
     os._exit(0)  # as the trainer's entry leaves (gloo's threads can abort the interpreter's shutdown)
 
 
+@pytest.mark.slow
 def test_two_ranks_write_through_their_writer_processes_and_rank_0_publishes_sharded_tensors_too(
         tmp_path: Path) -> None:
     import torch.multiprocessing as mp
@@ -389,6 +395,7 @@ def _idle_writer_killed(rank: int, port: int, directory: str, out: str) -> None:
     os._exit(0)
 
 
+@pytest.mark.slow
 def test_a_writer_process_killed_while_idle_fails_the_next_save_on_every_rank_and_the_previous_checkpoint_stays(
         tmp_path: Path) -> None:
     import torch.multiprocessing as mp

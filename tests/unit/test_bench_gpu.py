@@ -21,6 +21,7 @@ from seqtrain.benchmarks import gpu
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU dry run; on a GPU run the real bench")
 
 
+@pytest.mark.slow
 def test_dry_run_writes_every_part(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("SEQTRAIN_KERNELS", raising=False)
     assert gpu.main(["--out", str(tmp_path), "--parts", "mfu,training,tests"]) == 0
@@ -67,6 +68,7 @@ def test_mfu_divides_model_flops_of_every_computed_position_by_the_datasheet_pea
     assert got["mfu"] == round(6e12 / 989.5e12, 4) and got["mfu_vs_measured_matmul_peak"] == round(6 / 790, 4)
 
 
+@pytest.mark.slow
 def test_a_part_past_its_deadline_is_killed_and_the_next_still_runs(tmp_path: Path) -> None:
     code = gpu.main(["--out", str(tmp_path), "--parts", "training,tests", "--deadline", "training=0.1"])
     assert code == 1
@@ -82,6 +84,7 @@ def test_gpu_test_files_are_exactly_the_files_with_gpu_tests() -> None:
     assert marked == set(gpu.GPU_TEST_FILES)
 
 
+@pytest.mark.slow
 def test_kernels_part_runs_the_kernel_bench_on_the_interpreter(tmp_path: Path) -> None:
     pytest.importorskip("triton")
     assert gpu.main(["--out", str(tmp_path), "--parts", "kernels"]) == 0
@@ -92,6 +95,7 @@ def test_kernels_part_runs_the_kernel_bench_on_the_interpreter(tmp_path: Path) -
     assert {r["baseline"] for r in kernels["summary"] if r["op"] == "attention"} >= {"SDPA is_causal (trainer)"}
 
 
+@pytest.mark.slow
 def test_parts_past_the_budget_are_recorded_as_skipped(tmp_path: Path) -> None:
     assert gpu.main(["--out", str(tmp_path), "--parts", "tests,training", "--budget-s", "-1"]) == 0
     parts = json.loads((tmp_path / "summary.json").read_text())["parts"]
@@ -114,6 +118,7 @@ def test_mfu_model_is_about_1_3b_parameters() -> None:
     assert token_flops(job.spec.model, gpu.MFU_SEQ).training > 6 * params  # 6N plus attention
 
 
+@pytest.mark.slow
 def test_runs_with_only_torch_numpy_pydantic_and_yaml(tmp_path: Path) -> None:
     """A fresh GPU machine has torch, triton and pytest but no kopf, kubernetes or deepspeed: neither the bench
     (each part a process of its own) nor the collection of the GPU tests may need them."""
@@ -145,6 +150,7 @@ def test_missing_packages_are_named_with_the_fix(monkeypatch: pytest.MonkeyPatch
     assert "no-such-wheel" in err and "pip install" in err and "--no-index" in err
 
 
+@pytest.mark.slow
 def test_the_gpu_tests_progress_names_the_test_that_was_running_when_the_part_was_killed(tmp_path: Path) -> None:
     """The tests part is killed at its deadline; its JSON must still say which test ran and what had passed
     (the first H100 lease's tests part was killed and told nothing)."""
@@ -229,6 +235,7 @@ def test_the_trace_is_kept_only_under_its_cap(tmp_path: Path) -> None:
     assert not (tmp_path / gpu.PROFILE_TRACE).exists()
 
 
+@pytest.mark.slow
 def test_dry_run_profiles_one_step_by_kernel_class(tmp_path: Path) -> None:
     assert gpu.main(["--out", str(tmp_path), "--parts", "profile"]) == 0
     prof = json.loads((tmp_path / "profile.json").read_text())

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from seqtrain.benchmarks import step
 
 
+@pytest.mark.slow
 def test_one_short_run_writes_both_figures_and_the_ratio(tmp_path, capsys):
     out = tmp_path / "step.json"
     assert step.main(["--rounds", "2", "--steps", "1", "--warmup", "1", "--startup-runs", "0",

@@ -50,6 +50,7 @@ def test_chart_crd_equals_generated_and_committed():
     assert (CHART / "crds" / "seqtrainjob.yaml").read_text() == crd_yaml(), "run `make crd`"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sets", [(), ("watchNamespaces={team-a,team-b}", "metrics.serviceMonitor.enabled=true",
                                        "replicaCount=2", "operator.schedulerNames.volcano=volcano",
                                        "metrics.grafanaDashboard.enabled=true")])
@@ -61,6 +62,7 @@ def test_helm_lint(sets):
     assert out.returncode == 0, out.stdout + out.stderr
 
 
+@pytest.mark.slow
 def test_values_schema_rejects_bad_values():
     out = subprocess.run([helm(), "template", "rel", str(CHART), "--set", "webhook.failurePolicy=Sometimes"],
                          capture_output=True, text=True, timeout=60)
@@ -70,6 +72,7 @@ def test_values_schema_rejects_bad_values():
     assert out.returncode != 0 and "replicaCount" in out.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sets", [(), ("watchNamespaces={team-a}", "metrics.serviceMonitor.enabled=true",
                                        "leaderElection.enabled=false", "webhook.enabled=false",
                                        "metrics.grafanaDashboard.enabled=true")])
@@ -118,6 +121,7 @@ OPERATOR_CLUSTER = {
 }
 
 
+@pytest.mark.slow
 def test_rbac_grants_exactly_what_the_operator_calls():
     docs = render()
     rules = [r for d in by_kind(docs, "ClusterRole") for r in d["rules"]]
@@ -129,6 +133,7 @@ def test_rbac_grants_exactly_what_the_operator_calls():
     assert (OPERATOR_CLUSTER | OPERATOR_NAMESPACED) - got == set(), "missing"
 
 
+@pytest.mark.slow
 def test_namespace_scoped_install_writes_only_in_its_namespaces():
     docs = render("watchNamespaces={team-a,team-b}")
     cluster_rules = [r for d in by_kind(docs, "ClusterRole") for r in d["rules"]]
@@ -144,6 +149,7 @@ def test_namespace_scoped_install_writes_only_in_its_namespaces():
     assert {d["metadata"]["namespace"] for d in by_kind(docs, "KopfPeering")} == {"team-a", "team-b"}
 
 
+@pytest.mark.slow
 def test_operator_pod_is_hardened_and_wired():
     docs = render("replicaCount=2")
     dep = by_kind(docs, "Deployment")[0]
@@ -168,6 +174,7 @@ def test_operator_pod_is_hardened_and_wired():
     assert svc and svc[0]["spec"]["ports"][0]["port"] == 9090
 
 
+@pytest.mark.slow
 def test_webhook_certificate_is_looked_up_and_kept_across_upgrades():
     """Rendered without a cluster (no lookup) the chart generates one CA and uses it in both places; the template
     reuses the existing Secret when there is one (exercised on the real control plane by a helm upgrade)."""
@@ -179,6 +186,7 @@ def test_webhook_certificate_is_looked_up_and_kept_across_upgrades():
     assert 'lookup "v1" "Secret" .Release.Namespace (printf "%s-tls" $svc)' in text
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scope", ["", "watchNamespaces={team-a,team-b}"])
 def test_uninstall_hook_releases_finalizers_after_the_operator_is_gone_with_only_that_right(scope):
     docs = render(*([scope] if scope else []))
@@ -204,6 +212,7 @@ def test_uninstall_hook_releases_finalizers_after_the_operator_is_gone_with_only
     assert not by_kind(render("uninstallHook.enabled=false"), "Job", hooks=True)
 
 
+@pytest.mark.slow
 def test_pod_policy_and_network_policy_values_reach_the_operator():
     """podPolicy becomes the operator's --pod-policy/--allow-* flags (the webhook and reconcile enforce it);
     networkPolicy.enabled lets the operator create one NetworkPolicy per job (and only then grants it that)."""
@@ -230,6 +239,7 @@ def test_pod_policy_and_network_policy_values_reach_the_operator():
     assert bad.returncode != 0 and "level" in bad.stderr
 
 
+@pytest.mark.slow
 def test_progress_push_is_served_behind_a_service_with_a_kept_key():
     """progressPush: the operator serves the push port (a Service in front), tells pods the Service's URL, and
     signs the jobs' tokens with a key from a Secret the chart generates once and looks up on upgrade."""
@@ -266,6 +276,7 @@ SIZED_RUNS = ["operator-1000jobs-1pod-cpu-2026-11-27.json", "operator-300jobs-cp
               "operator-1000jobs-cpu-2026-11-27-api-threads.json"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("result", SIZED_RUNS)
 def test_operator_resources_cover_the_measured_peak_rss_with_headroom(result):
     """The operator's memory comes from `seqtrain bench operator` (docs/benchmarks.md, "Sizing the operator"): for
@@ -288,6 +299,7 @@ def test_the_sized_runs_span_small_and_large_jobs_and_clusters():
     assert max(r["pods"] for r in runs) >= 24000 and all(r["complete"] for r in runs)
 
 
+@pytest.mark.slow
 def test_operator_resources_grow_with_the_cluster_and_an_explicit_setting_wins():
     def resources(*sets: str) -> dict:
         return by_kind(render(*sets), "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]["resources"]
@@ -350,6 +362,7 @@ def test_promql_metric_names_finds_the_selected_series_only():
     assert promql_metric_names("sum without (rank) (seqtrain_step) > 1e3") == {"seqtrain_step"}
 
 
+@pytest.mark.slow
 def test_grafana_dashboard_configmap_queries_only_exported_metrics():
     assert not by_kind(render(), "ConfigMap")  # off unless asked for
     docs = render("metrics.grafanaDashboard.enabled=true", "metrics.grafanaDashboard.annotations.grafana_folder=ML")
@@ -380,6 +393,7 @@ def test_grafana_dashboard_configmap_queries_only_exported_metrics():
             "seqtrain_job_checkpoint_age_seconds"} <= used
 
 
+@pytest.mark.slow
 def test_the_kueue_priority_boost_is_off_unless_the_chart_sets_it():
     from seqtrain_operator.k8s.main import build_parser
 
@@ -395,6 +409,7 @@ def test_the_kueue_priority_boost_is_off_unless_the_chart_sets_it():
     assert bad.returncode != 0 and "max" in bad.stderr
 
 
+@pytest.mark.slow
 def test_the_operators_pods_take_ingress_only_on_their_ports_from_who_needs_them():
     """operatorNetworkPolicy (on by default): the push port from trainer pods of any namespace (selected by the
     labels the operator's pod builder gives them), metrics from the monitoring namespaces, the webhook from anywhere

@@ -126,6 +126,7 @@ def test_prune_keeps_the_latest_and_a_redone_step_replaces_its_folder(tmp_path: 
     assert sorted(os.listdir(tmp_path)) == ["step-3", "step-4"]
 
 
+@pytest.mark.slow
 def test_checkpoint_discovery_imports_no_torch() -> None:
     import subprocess
     import sys

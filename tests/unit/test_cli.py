@@ -106,6 +106,7 @@ def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedP
                           capture_output=True, timeout=120)
 
 
+@pytest.mark.slow
 def test_operator_without_a_cluster_exits_2_with_one_line(tmp_path: Path) -> None:
     home = tmp_path / "home"
     home.mkdir()
@@ -125,6 +126,7 @@ def test_operator_without_a_cluster_exits_2_with_one_line(tmp_path: Path) -> Non
     assert f"{bad} is not a usable kubeconfig" in r.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extra", [[], ["--json"]], ids=["table", "json"])
 def test_plan_output_ends_with_a_newline(extra: list[str]) -> None:
     r = _cli("plan", str(QUICKSTART), *extra)

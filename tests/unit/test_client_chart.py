@@ -66,6 +66,7 @@ def _helm() -> str:
     return str(path)
 
 
+@pytest.mark.slow
 def test_install_notes_give_a_first_job_and_its_claim_without_the_repository() -> None:
     from seqtrain.spec import parse_job
 
@@ -82,6 +83,7 @@ def test_install_notes_give_a_first_job_and_its_claim_without_the_repository() -
         assert command in notes
 
 
+@pytest.mark.slow
 def test_trainer_metrics_are_on_by_default() -> None:
     out = subprocess.run([_helm(), "template", "rel", str(CHART), "-n", "seqtrain-system"], capture_output=True,
                          text=True, timeout=120, check=True).stdout

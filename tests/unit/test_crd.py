@@ -6,6 +6,7 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
 import yaml
 
 from seqtrain.spec.crd import crd, crd_yaml
@@ -21,6 +22,7 @@ def test_chart_crd_is_generated_output():
     assert (ROOT / "charts/seqtrain/crds/seqtrainjob.yaml").read_text() == crd_yaml(), "run `make crd`"
 
 
+@pytest.mark.slow
 def test_cli_prints_same_crd():
     out = subprocess.run([sys.executable, "-m", "seqtrain_operator.cli", "crd"], capture_output=True, text=True,
                          check=True, cwd=ROOT)

@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SPEC = ModelSpec(arch="gpt", vocab_size=64, dim=32, layers=2, heads=4, kv_heads=2, ffn_dim=96, max_seq_len=64)
 
 
+@pytest.mark.slow
 def test_flex_attention_is_found_in_a_fresh_process() -> None:
     """`hasattr(torch.nn.attention, "flex_attention")` depends on whether someone imported the submodule; the
     check must import it, or packed documents on CUDA silently get a dense [B, 1, T, T] mask."""

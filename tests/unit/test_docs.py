@@ -151,6 +151,7 @@ def _kubernetes_block() -> list[str]:
     return [ln.split("#")[0].strip() for ln in block.group(0).splitlines()[1:-1] if ln.split("#")[0].strip()]
 
 
+@pytest.mark.slow
 def test_default_images_are_what_make_images_builds() -> None:
     import yaml
 
@@ -170,6 +171,7 @@ def test_default_images_are_what_make_images_builds() -> None:
     assert trainer.endswith(f":{version}") and operator.endswith(f":{version}")
 
 
+@pytest.mark.slow
 def test_readme_kubernetes_section_is_a_working_sequence() -> None:
     import yaml
 
@@ -204,6 +206,7 @@ def test_readme_kubernetes_section_is_a_working_sequence() -> None:
     assert "image" not in job["spec"]  # the default trainer image, loaded above
 
 
+@pytest.mark.slow
 def test_release_workflow_publishes_the_images_and_the_chart_on_a_version_tag() -> None:
     import yaml
 

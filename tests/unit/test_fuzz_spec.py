@@ -323,6 +323,7 @@ def test_the_webhook_answers_every_body_with_an_admission_review(path: tuple[Any
 
 
 # ---- `seqtrain validate` as a user runs it: exit 2, one line per problem, no traceback --------------------------
+@pytest.mark.slow
 def test_validate_exits_2_with_one_line_per_problem_for_the_worst_files(tmp_path: pathlib.Path) -> None:
     files = []
     deep_json = json.dumps(_put(BASE, ("spec", "podTemplate", "spec", "affinity", "podAffinity"), "MARK")).replace(

@@ -67,6 +67,7 @@ def test_the_pod_policy_decides_on_the_named_secret() -> None:
     assert pod_spec_problems(no_secret, PodPolicy.of("restricted")) == []  # a public model needs none
 
 
+@pytest.mark.slow
 def test_the_init_containers_command_then_every_rank_reads_the_volume(tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """The container's argv, run here (the volume is tmp_path), against the fake hub; then the trainer's view."""

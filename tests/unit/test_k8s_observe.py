@@ -179,6 +179,7 @@ def test_operator_cli_rejects_bad_scheduler_name(capsys, monkeypatch):
     assert "expected GANG=NAME" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_operator_modules_do_not_import_torch():
     import subprocess
     import sys

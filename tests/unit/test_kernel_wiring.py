@@ -278,6 +278,7 @@ def test_the_spec_accepts_kernels_true() -> None:
     assert unavailable(load_job(job_yaml(MODELS["gpt"], "true"))) == []
 
 
+@pytest.mark.slow
 def test_a_cpu_run_that_does_not_ask_never_imports_triton(tmp_path: Path) -> None:
     """Real training steps on the CPU, kernels unset and then true without TRITON_INTERPRET: importing seqtrain
     loads no triton, no `seqtrain.kernels.ops` module is ever imported, and nothing in seqtrain imports triton.

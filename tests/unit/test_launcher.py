@@ -311,6 +311,7 @@ def test_gpu_job_without_cuda_is_a_device_fault_not_an_invalid_config(monkeypatc
         dist.init_distributed(use_gpu=True)
 
 
+@pytest.mark.slow
 def test_a_failing_pods_termination_message_is_its_first_ranks_error_line(tmp_path, monkeypatch):
     """Both ranks of the pod fail; the container's termination-message file holds one error line, the first
     rank's, whatever the ranks printed after it (the operator reports it as the replica's reason)."""

@@ -6,9 +6,12 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_import_torch_from_repo_root_still_works():
     # `operator/` must never shadow the standard library's `operator` module (torch imports it).
     out = subprocess.run([sys.executable, "-c", "import torch, operator; print(operator.__file__)"], cwd=ROOT,
@@ -22,6 +25,7 @@ def test_source_roots_are_not_packages():
     assert not (ROOT / "trainer" / "__init__.py").exists()
 
 
+@pytest.mark.slow
 def test_spec_and_cli_import_without_torch():
     # The operator image has no torch: the spec, planner, controller and CLI must not import it.
     code = (

@@ -30,6 +30,7 @@ def wait_until(cond, timeout: float = 20.0) -> None:  # noqa: ANN001
     pytest.fail(f"condition not met within {timeout}s")
 
 
+@pytest.mark.slow
 def test_ranks_get_the_pod_bootstrap_environment(tmp_path: Path) -> None:
     dump = ("import json, os, sys; keys = ['RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'LOCAL_WORLD_SIZE', 'MASTER_ADDR',"
             " 'MASTER_PORT', 'SEQTRAIN_ATTEMPT', 'SEQTRAIN_REPLICA', 'CUDA_VISIBLE_DEVICES'];"
@@ -48,6 +49,7 @@ def test_ranks_get_the_pod_bootstrap_environment(tmp_path: Path) -> None:
     gang.stop(grace=0)
 
 
+@pytest.mark.slow
 def test_observe_reports_failures_with_exit_codes(tmp_path: Path) -> None:
     code = ("import os, signal, time, sys\nr = int(os.environ['RANK'])\n"
             "if r == 1: os.kill(os.getpid(), signal.SIGKILL)\n"
@@ -63,6 +65,7 @@ def test_observe_reports_failures_with_exit_codes(tmp_path: Path) -> None:
     assert not gang.alive()
 
 
+@pytest.mark.slow
 def test_stop_escalates_to_sigkill_after_the_deadline_and_kills_children(tmp_path: Path) -> None:
     # The rank ignores SIGTERM and has a child of its own: both must be gone after stop().
     code = ("import signal, subprocess, sys, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
@@ -78,6 +81,7 @@ def test_stop_escalates_to_sigkill_after_the_deadline_and_kills_children(tmp_pat
     wait_until(lambda: not _alive(child))
 
 
+@pytest.mark.slow
 def test_graceful_stop_lets_a_rank_exit_143(tmp_path: Path) -> None:
     code = ("import signal, sys, time\nsignal.signal(signal.SIGTERM, lambda *a: sys.exit(143))\n"
             f"open(r'{tmp_path}/ready', 'w').close()\ntime.sleep(60)")
@@ -139,6 +143,7 @@ def test_metrics_tail_follows_appends_partial_lines_and_rewrites(tmp_path: Path)
     assert tail.progress().step == 1  # type: ignore[union-attr]
 
 
+@pytest.mark.slow
 def test_observe_carries_the_error_line_a_failing_rank_printed(tmp_path: Path) -> None:
     code = ("import sys\nprint('Traceback (most recent call last): ...', file=sys.stderr)\n"
             "print('seqtrain train: error: AssertionError: backend is not initialized', file=sys.stderr)\n"
@@ -151,6 +156,7 @@ def test_observe_carries_the_error_line_a_failing_rank_printed(tmp_path: Path) -
     assert obs.message.startswith("AssertionError: backend is not initialized; log ") and obs.rank == 0
 
 
+@pytest.mark.slow
 def test_a_multi_rank_replica_runs_through_the_one_launcher(tmp_path: Path) -> None:
     # Rank 1 exits 3 (invalid config) while rank 0 sleeps: the launcher stops rank 0 and the replica's code is the
     # launcher's rule, as in a pod; every rank is known by pid and gone afterwards.
@@ -170,6 +176,7 @@ def test_a_multi_rank_replica_runs_through_the_one_launcher(tmp_path: Path) -> N
     assert json.loads(gang.to_json())["ranks"] == [{"rank": r, "pid": pids[r]} for r in (0, 1)]
 
 
+@pytest.mark.slow
 def test_stopping_a_multi_rank_replica_reaches_every_rank(tmp_path: Path) -> None:
     code = f"import os, time\nopen(r'{tmp_path}/up-' + os.environ['RANK'], 'w').close()\ntime.sleep(60)"
     gang = LocalGang.start(1, replicas=1, procs_per_replica=2, gpus_per_replica=0, config_path="unused",
@@ -181,6 +188,7 @@ def test_stopping_a_multi_rank_replica_reaches_every_rank(tmp_path: Path) -> Non
     assert not any(_alive(p) for p in pids.values())
 
 
+@pytest.mark.slow
 def test_an_echo_seen_first_is_not_reported_as_the_cause_of_the_gangs_death(tmp_path: Path) -> None:
     # Replica 0 exits 4 (its peer died, the collective broke) before the runner sees replica 1's SIGKILL. The core
     # must wait for replica 1 and name it.

@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from seqtrain.runtime.launch import MALLOC_DEFAULTS, malloc_env, rank_envs
 
 
@@ -20,6 +22,7 @@ def test_every_rank_gets_the_defaults_the_user_did_not_set() -> None:
     assert malloc_env({k: "1" for k in MALLOC_DEFAULTS}) == {}
 
 
+@pytest.mark.slow
 def test_a_rank_without_the_launcher_applies_them_with_mallopt() -> None:
     code = "import json; from seqtrain.runtime.launch import apply_malloc_defaults; " \
            "print(json.dumps(apply_malloc_defaults()))"

@@ -76,6 +76,7 @@ def _hog(mib: int) -> subprocess.Popen:
     return p
 
 
+@pytest.mark.slow
 def test_a_replica_over_resources_memory_is_killed_and_observed_as_oomkilled() -> None:
     small, big = _hog(20), _hog(200)
     try:

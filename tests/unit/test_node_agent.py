@@ -161,6 +161,7 @@ def run_until(a: Any, done: Any, seconds: float = 600) -> None:
         time.sleep(0.1)
 
 
+@pytest.mark.slow
 def test_a_pod_runs_with_its_config_and_reports_completed_with_the_message(agent: Any) -> None:
     a, core = agent
     # The command writes where its (rewritten) config says, and its message through the mapped path in argv.
@@ -179,6 +180,7 @@ def test_a_pod_runs_with_its_config_and_reports_completed_with_the_message(agent
     assert out.read_text() == "ok"  # $(POD_NAME) expanded; /scratch mapped to the pod's emptyDir
 
 
+@pytest.mark.slow
 def test_a_failure_falls_back_to_the_log_when_the_message_file_is_empty(agent: Any) -> None:
     a, core = agent
     core.pods["bad"] = make_pod("bad", "import sys; print('boom: cannot train'); sys.exit(3)",
@@ -189,6 +191,7 @@ def test_a_failure_falls_back_to_the_log_when_the_message_file_is_empty(agent: A
     assert "boom: cannot train" in term["message"]
 
 
+@pytest.mark.slow
 def test_deletion_sends_sigterm_and_confirms_only_after_the_process_exits(agent: Any) -> None:
     a, core = agent
     script = ("import signal,sys,time\n"
@@ -206,6 +209,7 @@ def test_deletion_sends_sigterm_and_confirms_only_after_the_process_exits(agent:
     assert not (a.state / "pods" / "uid-t").exists()  # the pod's folders go with it
 
 
+@pytest.mark.slow
 def test_a_process_ignoring_sigterm_is_killed_after_the_grace_period(agent: Any) -> None:
     a, core = agent
     script = ("import signal,time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); "
@@ -222,6 +226,7 @@ def test_a_process_ignoring_sigterm_is_killed_after_the_grace_period(agent: Any)
     assert proc.popen.returncode == -9 and core.confirmed == [("stubborn", 0)]
 
 
+@pytest.mark.slow
 def test_a_process_over_its_memory_limit_is_oom_killed(agent: Any) -> None:
     a, core = agent
     script = "import time; x = bytearray(200 * 2**20); x[::4096] = b'1' * len(x[::4096]); time.sleep(600)"
@@ -231,6 +236,7 @@ def test_a_process_over_its_memory_limit_is_oom_killed(agent: Any) -> None:
     assert (term["exitCode"], term["reason"]) == (137, "OOMKilled")
 
 
+@pytest.mark.slow
 def test_pages_shared_by_a_pods_processes_count_once_against_its_memory_limit(agent: Any) -> None:
     """A launcher forks its rank after touching 40 MiB: the two RSS sum to about 100 MiB, over the 64 MiB limit,
     but the pages are shared (copy-on-write), and a memory cgroup would charge them once: the pod keeps running."""
@@ -245,6 +251,7 @@ def test_pages_shared_by_a_pods_processes_count_once_against_its_memory_limit(ag
     assert not a.procs["uid-forked"].oom and core.pods["forked"]["status"]["phase"] == "Running"
 
 
+@pytest.mark.slow
 def test_a_dead_node_kills_its_processes_and_reports_nothing_more(agent: Any) -> None:
     a, core = agent
     core.pods["n"] = make_pod("n", "import time; print('ready', flush=True); time.sleep(600)")
@@ -266,6 +273,7 @@ def test_a_dead_node_kills_its_processes_and_reports_nothing_more(agent: Any) ->
     assert (term["exitCode"], term["reason"]) == (137, "Error")
 
 
+@pytest.mark.slow
 def test_a_pod_annotated_ignore_deletion_stays_terminating_until_force_deleted(agent: Any) -> None:
     """A wedged kubelet: the deletion is neither acted on (no SIGTERM) nor confirmed; once the pod object is gone
     (a force delete, grace 0), its processes are killed and its folders go."""
@@ -287,6 +295,7 @@ def test_a_pod_annotated_ignore_deletion_stays_terminating_until_force_deleted(a
 SLEEPER = {"name": "log-shipper", "image": "unused", "command": ["sleep", "3600"]}
 
 
+@pytest.mark.slow
 def test_a_native_sidecar_is_stopped_once_the_main_container_exits_and_the_pod_succeeds(agent: Any) -> None:
     a, core = agent
     pod = make_pod("side", "print('trained')")
@@ -301,6 +310,7 @@ def test_a_native_sidecar_is_stopped_once_the_main_container_exits_and_the_pod_s
     assert sidecar["name"] == "log-shipper" and sidecar["state"]["terminated"]["exitCode"] == 128 + 15  # SIGTERM
 
 
+@pytest.mark.slow
 def test_a_regular_second_container_keeps_the_pod_running_after_the_first_exits(agent: Any) -> None:
     a, core = agent
     pod = make_pod("two", "import sys; sys.exit(1)")
@@ -334,6 +344,7 @@ def test_the_kubernetes_service_env_names_the_apiserver() -> None:
         "KUBERNETES_SERVICE_PORT_HTTPS": "6443", "KUBERNETES_PORT": "tcp://127.0.0.1:6443"}
 
 
+@pytest.mark.slow
 def test_progress_output_after_the_error_line_never_becomes_the_reported_reason(agent: Any) -> None:
     """Issue 27's message, `failed (RankFailed, exit code 1): 914 mem 752MB`, was the head of the 2048-byte log
     tail. A real process prints progress, its error line, more progress; the agent keeps the tail as the kubelet

@@ -128,6 +128,7 @@ def _tp_trust_ratio_rank(rank: int, store: str, name: str, out: str) -> None:
     os._exit(0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["lamb", "lars"])
 def test_trust_ratios_under_tensor_parallel_use_the_full_tensor(name: str, tmp_path) -> None:
     """Two gloo ranks each update half of a matrix; the result equals one process updating the whole matrix

@@ -61,6 +61,7 @@ def test_a_path_of_the_wrong_kind_is_one_line_and_exit_2(case: str, paths: dict[
     assert os.listdir(paths["DIR"]) == []  # nothing written where the command ran, nor into the folder given
 
 
+@pytest.mark.slow
 def test_as_a_user_runs_it_workdir_naming_a_file(paths: dict[str, str]) -> None:
     r = subprocess.run([sys.executable, "-m", "seqtrain_operator.cli", "run", QUICKSTART, "--workdir", paths["FILE"]],
                        capture_output=True, text=True, timeout=120, cwd=paths["DIR"])

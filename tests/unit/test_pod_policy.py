@@ -210,6 +210,7 @@ def validate_cli(path: pathlib.Path, *flags: str) -> subprocess.CompletedProcess
                           env={"PYTHONPATH": f"{ROOT / 'trainer'}:{ROOT / 'operator'}", "PATH": "/usr/bin:/bin"})
 
 
+@pytest.mark.slow
 def test_validate_exits_2_with_one_line_per_offending_field(tmp_path):
     f = tmp_path / "evil.yaml"
     f.write_text(HOSTILE_YAML)

@@ -50,6 +50,7 @@ def corpus(tmp_path: Path) -> tuple[list[str], list[bytes]]:
     return inputs, want
 
 
+@pytest.mark.slow
 def test_every_input_kind_becomes_documents_with_eod_and_an_index(corpus, tmp_path: Path) -> None:
     inputs, want = corpus
     out = tmp_path / "out"

@@ -97,6 +97,7 @@ def test_in_place_restarts_need_the_coordinator_port() -> None:
     assert contract.term_grace_seconds(3) == 1
 
 
+@pytest.mark.slow
 def test_a_running_local_replica_sees_what_its_pod_would(tmp_path) -> None:  # noqa: ANN001
     """The local backend started for real (a fake rank that dumps its environment) against the pod builder."""
     import json

@@ -57,6 +57,7 @@ def holder(tmp_path: Path) -> Iterator[subprocess.Popen[str]]:
     proc.wait(timeout=30)
 
 
+@pytest.mark.slow
 def test_a_second_run_on_a_locked_folder_exits_2_naming_the_holder(
         holder: subprocess.Popen[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     wd = tmp_path / "run"
@@ -69,6 +70,7 @@ def test_a_second_run_on_a_locked_folder_exits_2_naming_the_holder(
     assert not (wd / "job.yaml").exists()
 
 
+@pytest.mark.slow
 def test_a_lock_left_by_a_dead_runner_is_taken_over_saying_so(tmp_path: Path,
                                                               capsys: pytest.CaptureFixture[str]) -> None:
     wd = tmp_path / "run"

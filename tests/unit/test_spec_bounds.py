@@ -89,6 +89,7 @@ def plan(path: Path, *sets: str) -> subprocess.CompletedProcess:
                           env={"PYTHONPATH": f"{ROOT / 'trainer'}:{ROOT / 'operator'}", "PATH": "/usr/bin:/bin"})
 
 
+@pytest.mark.slow
 def test_plan_exits_2_when_the_estimate_exceeds_the_replicas_memory():
     quick = ROOT / "examples" / "quickstart.yaml"
     assert plan(quick).returncode == 0

@@ -493,6 +493,7 @@ def test_a_checkpoint_nested_thousands_of_folders_deep_is_set_aside_not_a_recurs
     assert not (tmp_path / "c").exists()
 
 
+@pytest.mark.slow
 def test_the_command_line_exits_2_with_one_line(trained: Path, tmp_path: Path, marker: Path) -> None:
     """`seqtrain export` and `seqtrain generate` as a user runs them: exit 2, one line naming the file."""
     step = _planted(trained, tmp_path, "state/.metadata", _payloads(marker, tmp_path)["GLOBAL-dotted-os.system"])

@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from seqtrain.parallel import watchdog
 
 HANG = """
@@ -16,6 +18,7 @@ with watchdog.waiting("step 7: gradient all-reduce over dp ranks [2, 3]"):
 """
 
 
+@pytest.mark.slow
 def test_hung_wait_exits_4_naming_what_it_waited_for() -> None:
     p = subprocess.run([sys.executable, "-c", HANG], capture_output=True, text=True, timeout=30)
     assert p.returncode == 4

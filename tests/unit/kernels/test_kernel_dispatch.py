@@ -16,6 +16,7 @@ from seqtrain.kernels import _alloc, reference
 TRAINER = Path(__file__).resolve().parents[3] / "trainer"
 
 
+@pytest.mark.slow
 def test_import_and_cpu_calls_never_load_triton():
     code = (
         "import sys, torch, seqtrain.kernels as K\n"
