@@ -9,6 +9,7 @@ import os
 import pathlib
 import platform
 import subprocess
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -60,7 +61,9 @@ except ImportError:  # hypothesis is a dev dependency; a bare install still coll
 # included), and so every testbed, control plane, helm or kubectl call. The fast tier (`-m "not slow"`,
 # `make test-fast`) must start none, so during a fast test's setup and call each way to start one raises, and a
 # test that swallowed the error still fails: mark it (or its module, `pytestmark = pytest.mark.slow`) `slow`.
-# Threads that were running before the test (a session fixture's, e.g. an operator thread) may still start theirs.
+# Threads that were running before the test (a session fixture's, e.g. an operator thread) may still start theirs,
+# and so may a module being imported: the first `import torch` probes libraries with ldconfig (ctypes.util), wherever
+# a test happens to import it first.
 # Enforced on CPU-only machines (CI's): with a GPU, Triton compiles each kernel with ptxas and a C compiler, processes
 # that the GPU tests (`-m gpu`) and any test running a kernel there start.
 _PROCESS_STARTERS = (
@@ -77,6 +80,15 @@ class StartsAProcess(RuntimeError):
     """A test outside the slow tier started a process."""
 
 
+def _importing() -> bool:
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_filename == "<frozen importlib._bootstrap>":
+            return True
+        frame = frame.f_back
+    return False
+
+
 @contextlib.contextmanager
 def _no_processes(nodeid: str) -> Iterator[list[str]]:
     started: list[str] = []
@@ -85,7 +97,7 @@ def _no_processes(nodeid: str) -> Iterator[list[str]]:
     def refuse(what: str, original: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(original)
         def starter(*args: Any, **kwargs: Any) -> Any:
-            if threading.get_ident() in others:
+            if threading.get_ident() in others or _importing():
                 return original(*args, **kwargs)
             started.append(what)
             raise StartsAProcess(
