@@ -32,6 +32,7 @@ import kopf
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 
+from jobs import make_job
 from seqtrain_operator.k8s.pods.manifests import Settings
 from seqtrain_operator.k8s.process import handlers
 from seqtrain_operator.k8s.process.runtime import Runtime
@@ -306,8 +307,7 @@ def job_doc(name: str, namespace: str, **spec: Any) -> dict[str, Any]:
             base[k] = {**base[k], **v}
         else:
             base[k] = v
-    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "SeqTrainJob",
-            "metadata": {"name": name, "namespace": namespace}, "spec": base}
+    return make_job(name, namespace, **base)
 
 
 def submit(cp: ControlPlane, doc: dict[str, Any]) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import yaml
 
+from jobs import make_job
 from seqtrain.spec import parse_job
 from seqtrain_operator.k8s.owner import Owner
 from seqtrain_operator.k8s.pods import manifests as m
@@ -38,13 +39,11 @@ def crds(gang: str) -> list[dict[str, Any]]:
 
 
 def job(gang: str, queue: str | None) -> Any:
-    return parse_job({"apiVersion": "seqtrain.dev/v1alpha1", "kind": "SeqTrainJob",
-                      "metadata": {"name": "gang", "namespace": "gangs"},
-                      "spec": {"replicas": 3, "resources": {"cpu": "500m", "memory": "1Gi"},
-                               "training": {"globalBatchSize": 24},
-                               "scheduling": {"gang": gang, "queue": queue, "priorityClassName": "high",
-                                              "timeoutSeconds": 600, "topology": {
-                                                  "policy": "require", "keys": ["example.com/rack"]}}}})
+    return parse_job(make_job("gang", "gangs", replicas=3, resources={"cpu": "500m", "memory": "1Gi"},
+                              training={"globalBatchSize": 24},
+                              scheduling={"gang": gang, "queue": queue, "priorityClassName": "high",
+                                          "timeoutSeconds": 600,
+                                          "topology": {"policy": "require", "keys": ["example.com/rack"]}}))
 
 
 QUEUES = {"coscheduling": None, "volcano": "research", "kueue": "team-a", "kai": "research"}

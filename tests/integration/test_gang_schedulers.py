@@ -23,6 +23,7 @@ import yaml
 from test_gang_crds import FILES
 from test_testbed_e2e import RUN_TIMEOUT, cpu_job, job_status, wait_phase
 
+from jobs import make_job
 from testbed import gangs
 from testbed.fixtures import TB, Operator, Testbed, free_port, unavailable, wait
 from testbed.gangs import gang_binaries, install_crds, start, stop
@@ -78,12 +79,10 @@ def coscheduler(testbed: Testbed) -> Iterator[None]:
 
 
 def gpu_gang(name: str, replicas: int) -> dict[str, Any]:
-    return {"apiVersion": "seqtrain.dev/v1alpha1", "kind": "SeqTrainJob", "metadata": {"name": name},
-            "spec": {"image": "seqtrain/trainer:dev", "replicas": replicas,
-                     "resources": {"gpus": 8, "cpu": "1", "memory": "4Gi", "gpuProduct": "NVIDIA-H100-80GB-HBM3"},
-                     "training": {"steps": 10, "globalBatchSize": 8 * replicas, "microBatchSize": 1},
-                     "scheduling": {"gang": "coscheduling", "topology": {"policy": "none"},
-                                    "pendingGraceSeconds": 600}}}
+    return make_job(name, image="seqtrain/trainer:dev", replicas=replicas,
+                    resources={"gpus": 8, "cpu": "1", "memory": "4Gi", "gpuProduct": "NVIDIA-H100-80GB-HBM3"},
+                    training={"steps": 10, "globalBatchSize": 8 * replicas, "microBatchSize": 1},
+                    scheduling={"gang": "coscheduling", "topology": {"policy": "none"}, "pendingGraceSeconds": 600})
 
 
 def test_coscheduling_binds_all_or_nothing(testbed: Testbed, operator: Operator, coscheduler: None,

@@ -17,6 +17,7 @@ import pytest
 import yaml
 from test_testbed_e2e import cpu_job, job_status, losses, wait_phase
 
+from jobs import make_job
 from testbed.fixtures import RELEASE, RELEASE_NS, ROOT, TB, Operator, Testbed, wait
 
 pytestmark = pytest.mark.slow
@@ -33,11 +34,10 @@ def ns(testbed: Testbed, seqtrain_operator: Operator) -> str:
 
 def gpu_job(name: str, replicas: int = 1, gpus: int = 8, **scheduling: Any) -> dict[str, Any]:
     """A GPU job for kwok's nodes (placement only: kwok "runs" the pods)."""
-    return {"apiVersion": "seqtrain.dev/v1alpha1", "kind": "SeqTrainJob", "metadata": {"name": name},
-            "spec": {"image": "seqtrain/trainer:dev", "replicas": replicas,
-                     "resources": {"gpus": gpus, "cpu": "1", "memory": "4Gi"},
-                     "training": {"steps": 10, "globalBatchSize": 8 * replicas * gpus, "microBatchSize": 1},
-                     "scheduling": {"topology": {"policy": "none"}, **scheduling}}}
+    return make_job(name, image="seqtrain/trainer:dev", replicas=replicas,
+                    resources={"gpus": gpus, "cpu": "1", "memory": "4Gi"},
+                    training={"steps": 10, "globalBatchSize": 8 * replicas * gpus, "microBatchSize": 1},
+                    scheduling={"topology": {"policy": "none"}, **scheduling})
 
 
 def pods_of(tb: Testbed, ns: str, job: str) -> list[dict]:

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import yaml
 
+from jobs import make_job
 from testbed.fixtures import RELEASE, RELEASE_NS, ROOT, TB, Operator, Testbed, wait
 
 pytestmark = pytest.mark.slow
@@ -127,11 +128,10 @@ def test_an_invalid_job_is_refused_by_the_webhook_naming_the_field(testbed: Test
 
 
 def gpu_job(name: str, policy: str) -> dict[str, Any]:
-    return {"apiVersion": "seqtrain.dev/v1alpha1", "kind": "SeqTrainJob", "metadata": {"name": name},
-            "spec": {"image": "seqtrain/trainer:dev", "replicas": 2,
-                     "resources": {"gpus": 8, "cpu": "1", "memory": "4Gi", "gpuProduct": "NVIDIA-H100-80GB-HBM3"},
-                     "training": {"steps": 10, "globalBatchSize": 16, "microBatchSize": 1},
-                     "scheduling": {"topology": {"policy": policy, "keys": ["example.com/rack"]}}}}
+    return make_job(name, image="seqtrain/trainer:dev", replicas=2,
+                    resources={"gpus": 8, "cpu": "1", "memory": "4Gi", "gpuProduct": "NVIDIA-H100-80GB-HBM3"},
+                    training={"steps": 10, "globalBatchSize": 16, "microBatchSize": 1},
+                    scheduling={"topology": {"policy": policy, "keys": ["example.com/rack"]}})
 
 
 @pytest.mark.parametrize("policy", ["require", "spread"])

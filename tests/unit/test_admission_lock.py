@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from test_placement import k8s_node
 
+from jobs import make_job
 from seqtrain_operator.k8s.passes import reconcile
 from seqtrain_operator.k8s.settings import Settings
 
@@ -19,12 +20,10 @@ NODE = k8s_node("n1", gpus=0, cpu="2", memory="8Gi", pods=110)
 
 
 def _job(name: str) -> dict[str, Any]:
-    return {"apiVersion": "seqtrain.dev/v1alpha1", "kind": "SeqTrainJob",
-            "metadata": {"name": name, "namespace": "ml", "uid": f"uid-{name}", "resourceVersion": "1",
-                         "generation": 1},
-            "spec": {"replicas": 1, "resources": {"gpus": 0, "cpu": "2", "memory": "1Gi"},
-                     "model": {"arch": "gpt", "preset": "tiny"}, "data": {"source": "builtin", "seqLen": 64},
-                     "training": {"steps": 10, "globalBatchSize": 4, "microBatchSize": 4}}}
+    return make_job(name, "ml", metadata={"uid": f"uid-{name}", "resourceVersion": "1", "generation": 1},
+                    replicas=1, resources={"gpus": 0, "cpu": "2", "memory": "1Gi"},
+                    model={"arch": "gpt", "preset": "tiny"}, data={"source": "builtin", "seqLen": 64},
+                    training={"steps": 10, "globalBatchSize": 4, "microBatchSize": 4})
 
 
 def _running_pod(job: str) -> dict[str, Any]:

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as hs
 
+import jobs
 from seqtrain.spec import SeqTrainJob
 from seqtrain.spec.status import CheckpointRef, JobStatus, Progress
 from seqtrain_operator.controller import (
@@ -38,17 +39,11 @@ def make_job(replicas: int = 2, *, max_restarts: int = 2, max_infra: int = 3, ba
              max_backoff: float = 300.0, hang: int | None = None, suspend: bool = False,
              sched_timeout: int | None = None, pending_grace: int = 300, in_place: int = 0) -> SeqTrainJob:
     """in_place: faultTolerance.inPlaceRestarts, 0 here so a gang's launchers give up at once (a replica Failed)."""
-    return SeqTrainJob.model_validate({
-        "apiVersion": "seqtrain.dev/v1alpha1", "kind": "SeqTrainJob", "metadata": {"name": "t"},
-        "spec": {
-            "replicas": replicas, "suspend": suspend,
-            "training": {"steps": 100, "globalBatchSize": 8 * replicas},
-            "faultTolerance": {"maxRestarts": max_restarts, "maxInfraRestarts": max_infra, "backoffSeconds": backoff,
-                               "maxBackoffSeconds": max_backoff, "hangTimeoutSeconds": hang,
-                               "inPlaceRestarts": in_place},
-            "scheduling": {"timeoutSeconds": sched_timeout, "pendingGraceSeconds": pending_grace},
-        },
-    })
+    return SeqTrainJob.model_validate(jobs.make_job(
+        "t", replicas=replicas, suspend=suspend, training={"steps": 100, "globalBatchSize": 8 * replicas},
+        faultTolerance={"maxRestarts": max_restarts, "maxInfraRestarts": max_infra, "backoffSeconds": backoff,
+                        "maxBackoffSeconds": max_backoff, "hangTimeoutSeconds": hang, "inPlaceRestarts": in_place},
+        scheduling={"timeoutSeconds": sched_timeout, "pendingGraceSeconds": pending_grace}))
 
 
 def gang(attempt: int, *phases: str, **failed: object) -> tuple[ReplicaObservation, ...]:

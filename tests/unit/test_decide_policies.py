@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from jobs import make_job
 from seqtrain.spec import SeqTrainJob
 from seqtrain.spec.status import CheckpointRef, Condition, JobStatus, Progress
 from seqtrain_operator.controller import (
@@ -32,10 +33,9 @@ BEFORE = iso(T0 - timedelta(seconds=600))
 def job(replicas: int = 2, **spec: Any) -> SeqTrainJob:
     ft = {"maxRestarts": 2, "maxInfraRestarts": 2, "backoffSeconds": 5, "inPlaceRestarts": 0,
           **spec.pop("faultTolerance", {})}
-    return SeqTrainJob.model_validate({
-        "apiVersion": "seqtrain.dev/v1alpha1", "kind": "SeqTrainJob", "metadata": {"name": "t"},
-        "spec": {"replicas": replicas, "training": {"steps": 100, "globalBatchSize": 8 * replicas},
-                 "faultTolerance": ft, **spec}})
+    return SeqTrainJob.model_validate(make_job("t", **{
+        "replicas": replicas, "training": {"steps": 100, "globalBatchSize": 8 * replicas}, "faultTolerance": ft,
+        **spec}))
 
 
 def rep(replica: int, phase: str, attempt: int = 1, **kw: Any) -> ReplicaObservation:

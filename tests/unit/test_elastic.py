@@ -7,6 +7,7 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
+from jobs import make_job
 from seqtrain.spec import SeqTrainJob
 from seqtrain.spec.elastic import sizes
 from seqtrain.spec.load import SpecError, parse_job
@@ -21,8 +22,7 @@ CPU = 4000  # millicores a replica of the job below asks for (4 processes)
 def doc(**spec: object) -> dict:
     base = {"replicas": 4, "minReplicas": 2, "resources": {"processesPerReplica": 4, "cpu": "4", "memory": "1Gi"},
             "training": {"steps": 100, "globalBatchSize": 64, "microBatchSize": 2}}
-    return {"apiVersion": "seqtrain.dev/v1alpha1", "kind": "SeqTrainJob", "metadata": {"name": "el"},
-            "spec": {**base, **spec}}
+    return make_job("el", **{**base, **spec})
 
 
 def job(**spec: object) -> SeqTrainJob:

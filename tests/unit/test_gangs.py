@@ -7,6 +7,7 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
+from jobs import make_job
 from seqtrain.spec import SeqTrainJob
 from seqtrain.spec.status import JobStatus
 from seqtrain_operator.controller import DeleteGang, Observed, ReplicaObservation, decide
@@ -24,10 +25,9 @@ T0 = datetime(2026, 11, 23, 12, 0, 0, tzinfo=timezone.utc)
 
 
 def job(gang: str = "kueue", queue: str | None = "team-a", replicas: int = 2, grace: int = 60) -> SeqTrainJob:
-    return SeqTrainJob.model_validate({
-        "apiVersion": "seqtrain.dev/v1alpha1", "kind": "SeqTrainJob", "metadata": {"name": "gpt", "namespace": "ml"},
-        "spec": {"replicas": replicas, "training": {"steps": 10, "globalBatchSize": 8 * replicas},
-                 "scheduling": {"gang": gang, "queue": queue, "pendingGraceSeconds": grace}}})
+    return SeqTrainJob.model_validate(make_job(
+        "gpt", "ml", replicas=replicas, training={"steps": 10, "globalBatchSize": 8 * replicas},
+        scheduling={"gang": gang, "queue": queue, "pendingGraceSeconds": grace}))
 
 
 def pod(attempt: int = 1, replica: int = 0, *, phase: str = "Pending", node: str | None = None, gates=(),

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from test_hub_download import COMMIT, TOKEN, Hub_, serve
 
+from jobs import make_job
 from seqtrain.spec import SeqTrainJob
 from seqtrain.spec.init_source import HF_DIR_ENV, describe_init, local_folder
 from seqtrain.spec.policy import PodPolicy, pod_spec_problems
@@ -23,10 +24,9 @@ OWNER = Owner(name="ft", namespace="ml", uid="1234-abcd")
 
 
 def job(init: str) -> SeqTrainJob:
-    return SeqTrainJob.model_validate({"apiVersion": "seqtrain.dev/v1alpha1", "kind": "SeqTrainJob",
-                                       "metadata": {"name": "ft", "namespace": "ml"},
-                                       "spec": {"replicas": 2, "resources": {"gpus": 0, "cpu": "2", "memory": "3Gi"},
-                                                "model": {"init": init}}})
+    return SeqTrainJob.model_validate(make_job("ft", "ml", replicas=2,
+                                               resources={"gpus": 0, "cpu": "2", "memory": "3Gi"},
+                                               model={"init": init}))
 
 
 def pod_with_init(j: SeqTrainJob, secret: str | None = "hub-token") -> dict:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from jobs import make_job
 from seqtrain.runtime import launch as L
 from seqtrain.spec import SeqTrainJob
 from seqtrain_operator import cli
@@ -32,9 +33,8 @@ IDENTITY = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK",
 
 
 def job(replicas: int, gpus: int) -> SeqTrainJob:
-    return SeqTrainJob.model_validate({
-        "apiVersion": "seqtrain.dev/v1alpha1", "kind": "SeqTrainJob", "metadata": {"name": "gpt", "namespace": "ml"},
-        "spec": {"replicas": replicas, "resources": {"gpus": gpus, "cpu": "8", "memory": "64Gi"}}})
+    return SeqTrainJob.model_validate(make_job("gpt", "ml", replicas=replicas,
+                                               resources={"gpus": gpus, "cpu": "8", "memory": "64Gi"}))
 
 
 def pod_of(replicas: int, gpus: int, replica: int) -> dict:

@@ -7,6 +7,7 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
+import jobs
 from seqtrain.spec import SeqTrainJob
 from seqtrain.spec.status import CheckpointRef, JobStatus, Progress
 from seqtrain_operator.controller import CreateGang, Observed, ReplicaObservation, decide, iso
@@ -21,11 +22,9 @@ def at(seconds: float) -> datetime:
 
 def make_job(*, gang: str = "native", suspend: bool = False) -> SeqTrainJob:
     sched = {"gang": gang, **({"queue": "team-a"} if gang == "kueue" else {})}
-    return SeqTrainJob.model_validate({
-        "apiVersion": "seqtrain.dev/v1alpha1", "kind": "SeqTrainJob", "metadata": {"name": "t"},
-        "spec": {"replicas": 2, "suspend": suspend, "training": {"steps": 100, "globalBatchSize": 16},
-                 "faultTolerance": {"maxRestarts": 3, "backoffSeconds": 5}, "scheduling": sched},
-    })
+    return SeqTrainJob.model_validate(jobs.make_job(
+        "t", replicas=2, suspend=suspend, training={"steps": 100, "globalBatchSize": 16},
+        faultTolerance={"maxRestarts": 3, "backoffSeconds": 5}, scheduling=sched))
 
 
 def gang(attempt: int, *phases: str, **kw: object) -> tuple[ReplicaObservation, ...]:

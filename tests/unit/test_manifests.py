@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from jobs import make_job
 from seqtrain.spec import SeqTrainJob, TrainerConfig, resolve
 from seqtrain_operator.k8s.owner import Owner
 from seqtrain_operator.k8s.pods import manifests as m
@@ -17,9 +18,7 @@ SETTINGS = m.Settings()
 
 def job(**spec):
     base = {"replicas": 2, "resources": {"gpus": 0, "cpu": "2", "memory": "3Gi"}}
-    base.update(spec)
-    return SeqTrainJob.model_validate({"apiVersion": "seqtrain.dev/v1alpha1", "kind": "SeqTrainJob",
-                                       "metadata": {"name": "gpt", "namespace": "ml"}, "spec": base})
+    return SeqTrainJob.model_validate(make_job("gpt", "ml", **{**base, **spec}))
 
 
 def env_of(pod):

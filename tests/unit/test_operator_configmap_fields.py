@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from jobs import make_job
 from seqtrain.spec import TrainerConfig, parse_job, resolve
 from seqtrain_operator.k8s.owner import Owner
 from seqtrain_operator.k8s.pods import manifests as m
@@ -17,8 +18,7 @@ OWNER = Owner(name="j", namespace="ml", uid="u")
 
 
 def _doc(**spec: object) -> dict:
-    return {"apiVersion": "seqtrain.dev/v1alpha1", "kind": "SeqTrainJob", "metadata": {"name": "j"},
-            "spec": {"training": {"steps": 4, "globalBatchSize": 2, "microBatchSize": 2}, **spec}}
+    return make_job("j", **{"training": {"steps": 4, "globalBatchSize": 2, "microBatchSize": 2}, **spec})
 
 
 def _configmap_job(doc: dict, monkeypatch: pytest.MonkeyPatch) -> dict:

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from jobs import make_job
 from seqtrain.spec import SeqTrainJob
 from seqtrain.spec.cluster import Toleration
 from seqtrain_operator.planner.inventory import (
@@ -30,12 +31,9 @@ def job(replicas=2, gpus=1, procs=None, policy="pack", keys=(ZONE,), tp=1, pp=1,
     res = {"gpus": gpus, "cpu": cpu, "memory": memory}
     if procs:
         res["processesPerReplica"] = procs
-    return SeqTrainJob.model_validate({
-        "apiVersion": "seqtrain.dev/v1alpha1", "kind": "SeqTrainJob", "metadata": {"name": "j"},
-        "spec": {"replicas": replicas, "resources": res,
-                 "optimization": {"tensorParallel": tp, "pipelineParallel": pp},
-                 "scheduling": {"topology": {"policy": policy, "keys": list(keys)}, **sched}},
-    })
+    return SeqTrainJob.model_validate(make_job(
+        "j", replicas=replicas, resources=res, optimization={"tensorParallel": tp, "pipelineParallel": pp},
+        scheduling={"topology": {"policy": policy, "keys": list(keys)}, **sched}))
 
 
 def node(name, gpus=8, cpu=64_000, mem=512 * GI, **labels):

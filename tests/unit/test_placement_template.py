@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from jobs import make_job
 from seqtrain.spec import SeqTrainJob
 from seqtrain_operator.k8s.owner import Owner
 from seqtrain_operator.k8s.pods import manifests as m
@@ -22,8 +23,7 @@ def job(template: dict | None = None, replicas: int = 2, cpu: str = "1") -> SeqT
             "training": {"globalBatchSize": replicas}, "scheduling": {"topology": {"policy": "none"}}}
     if template:
         spec["podTemplate"] = template
-    return SeqTrainJob.model_validate({"apiVersion": "seqtrain.dev/v1alpha1", "kind": "SeqTrainJob",
-                                       "metadata": {"name": "j", "namespace": "ml"}, "spec": spec})
+    return SeqTrainJob.model_validate(make_job("j", "ml", **spec))
 
 
 TEMPLATE = {"spec": {

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from jobs import make_job
 from seqtrain.spec import SpecError, parse_job
 from seqtrain.spec.policy import PodPolicy, job_policy_problems
 
@@ -28,13 +29,9 @@ LEVELS = ("privileged", "baseline", "restricted")
 
 def job(template: dict[str, Any] | None = None, *, meta: dict[str, Any] | None = None,
         **spec: Any) -> dict[str, Any]:
-    doc: dict[str, Any] = {
-        "apiVersion": "seqtrain.dev/v1alpha1", "kind": "SeqTrainJob", "metadata": {"name": "j", "namespace": "ml"},
-        "spec": {"replicas": 1, "resources": {"cpu": "1", "memory": "1Gi"},
-                 "training": {"steps": 10, "globalBatchSize": 4, "microBatchSize": 4},
-                 "podTemplate": {"spec": template or {}, "metadata": meta or {}}}}
-    doc["spec"].update(spec)
-    return doc
+    return make_job("j", "ml", **{"replicas": 1, "resources": {"cpu": "1", "memory": "1Gi"},
+                                  "training": {"steps": 10, "globalBatchSize": 4, "microBatchSize": 4},
+                                  "podTemplate": {"spec": template or {}, "metadata": meta or {}}, **spec})
 
 
 HARD = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}

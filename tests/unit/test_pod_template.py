@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from jobs import make_job
 from seqtrain.spec import SpecError, parse_job
 from seqtrain_operator.k8s.owner import Owner
 from seqtrain_operator.k8s.pods import manifests as m
@@ -39,9 +40,8 @@ RDMA_TEMPLATE = {
 
 
 def doc(template, **spec):
-    base = {"replicas": 2, "resources": {"cpu": "1", "memory": "1Gi"}, "training": {"globalBatchSize": 16},
-            "podTemplate": template, **spec}
-    return {"apiVersion": "seqtrain.dev/v1alpha1", "kind": "SeqTrainJob", "metadata": {"name": "gpt"}, "spec": base}
+    return make_job("gpt", **{"replicas": 2, "resources": {"cpu": "1", "memory": "1Gi"},
+                              "training": {"globalBatchSize": 16}, "podTemplate": template, **spec})
 
 
 def pod(template, node="node-a", **spec):

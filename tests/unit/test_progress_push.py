@@ -15,6 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from test_controller import T0, gang, make_job, run_to_running
 
+import jobs
 from seqtrain.obs.push import ProgressPusher
 from seqtrain.spec import SeqTrainJob
 from seqtrain.spec.status import Progress
@@ -230,9 +231,8 @@ def test_a_trainers_push_reaches_the_operators_endpoint_and_a_forged_one_does_no
 # ---- the pod manifest and the reconcile pass --------------------------------------------------------------------
 
 def _job() -> SeqTrainJob:
-    return SeqTrainJob.model_validate({"apiVersion": "seqtrain.dev/v1alpha1", "kind": "SeqTrainJob",
-                                       "metadata": {"name": "gpt", "namespace": "ml"},
-                                       "spec": {"replicas": 1, "resources": {"gpus": 0, "cpu": "1", "memory": "1Gi"}}})
+    return SeqTrainJob.model_validate(jobs.make_job("gpt", "ml", replicas=1,
+                                                    resources={"gpus": 0, "cpu": "1", "memory": "1Gi"}))
 
 
 def test_pods_get_their_attempts_push_url_and_token_file_only_when_push_is_configured():

@@ -10,6 +10,7 @@ import json
 
 import pytest
 
+from jobs import make_job
 from seqtrain.spec import SeqTrainJob
 from seqtrain_operator.k8s.owner import Owner
 from seqtrain_operator.k8s.pods import manifests as m
@@ -132,9 +133,8 @@ def test_a_document_of_another_attempt_than_its_token_is_refused():
 # ---- the Secret and the pod ------------------------------------------------------------------------------------
 
 def _job() -> SeqTrainJob:
-    return SeqTrainJob.model_validate({"apiVersion": "seqtrain.dev/v1alpha1", "kind": "SeqTrainJob",
-                                       "metadata": {"name": "gpt", "namespace": "ml"},
-                                       "spec": {"replicas": 2, "resources": {"gpus": 0, "cpu": "1", "memory": "1Gi"}}})
+    return SeqTrainJob.model_validate(make_job("gpt", "ml", replicas=2,
+                                               resources={"gpus": 0, "cpu": "1", "memory": "1Gi"}))
 
 
 def test_each_attempts_token_is_a_secret_owned_by_the_job_and_mounted_never_in_the_pod_spec():

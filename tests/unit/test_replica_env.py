@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from jobs import make_job
 from seqtrain.runtime import launch
 from seqtrain.spec import SeqTrainJob
 from seqtrain.spec import replica_env as contract
@@ -27,9 +28,8 @@ DIFFERENCES = {
 
 
 def job(replicas: int, gpus: int) -> SeqTrainJob:
-    return SeqTrainJob.model_validate({
-        "apiVersion": "seqtrain.dev/v1alpha1", "kind": "SeqTrainJob", "metadata": {"name": "gpt", "namespace": "ml"},
-        "spec": {"replicas": replicas, "resources": {"gpus": gpus, "cpu": "2", "memory": "3Gi"}}})
+    return SeqTrainJob.model_validate(make_job("gpt", "ml", replicas=replicas,
+                                               resources={"gpus": gpus, "cpu": "2", "memory": "3Gi"}))
 
 
 def pod_env(j: SeqTrainJob, attempt: int, replica: int, delays: tuple[float, ...]) -> dict[str, str]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
+from jobs import make_job
 from seqtrain.spec import SeqTrainJob
 from seqtrain.spec.status import CheckpointRef, JobStatus, Progress
 from seqtrain_operator.controller import CreateGang, Event, Observed, ReplicaObservation, decide, iso
@@ -21,11 +22,10 @@ ERROR = "RuntimeError: CUDA error: an illegal memory access was encountered"
 
 
 def job(gpus: int = 0) -> SeqTrainJob:
-    return SeqTrainJob.model_validate({
-        "apiVersion": "seqtrain.dev/v1alpha1", "kind": "SeqTrainJob", "metadata": {"name": "t", "namespace": "ml"},
-        "spec": {"replicas": 2, "training": {"steps": 40, "globalBatchSize": 16},
-                 "resources": {"gpus": gpus, "cpu": "1", "memory": "1Gi"},
-                 "faultTolerance": {"maxRestarts": 3, "backoffSeconds": 2, "inPlaceRestarts": 0}}})
+    return SeqTrainJob.model_validate(make_job(
+        "t", "ml", replicas=2, training={"steps": 40, "globalBatchSize": 16},
+        resources={"gpus": gpus, "cpu": "1", "memory": "1Gi"},
+        faultTolerance={"maxRestarts": 3, "backoffSeconds": 2, "inPlaceRestarts": 0}))
 
 
 def failed_pod(j: SeqTrainJob, replica: int, code: int, message: str) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from jobs import make_job
 from seqtrain.spec import SpecError, load_job, parse_job
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -17,7 +18,7 @@ HEAD = "apiVersion: seqtrain.dev/v1alpha1\nkind: SeqTrainJob\nmetadata: {name: j
 
 
 def doc(**spec: object) -> dict:
-    return {"apiVersion": "seqtrain.dev/v1alpha1", "kind": "SeqTrainJob", "metadata": {"name": "j"}, "spec": spec}
+    return make_job("j", **spec)
 
 
 def refused(spec: dict) -> dict[str, str]:

@@ -6,6 +6,7 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
+import jobs
 from seqtrain.spec import SeqTrainJob
 from seqtrain.spec.status import Condition, JobStatus
 from seqtrain_operator.controller import (
@@ -23,9 +24,8 @@ T0 = datetime(2026, 11, 23, 12, 0, 0, tzinfo=timezone.utc)
 
 
 def make_job(ttl: int | None) -> SeqTrainJob:
-    return SeqTrainJob.model_validate({
-        "apiVersion": "seqtrain.dev/v1alpha1", "kind": "SeqTrainJob", "metadata": {"name": "t"},
-        "spec": {"replicas": 2, "training": {"steps": 10, "globalBatchSize": 16}, "ttlSecondsAfterFinished": ttl}})
+    return SeqTrainJob.model_validate(jobs.make_job("t", replicas=2, training={"steps": 10, "globalBatchSize": 16},
+                                                    ttlSecondsAfterFinished=ttl))
 
 
 @pytest.mark.parametrize(("phase", "ttl", "after", "deleted", "requeue"), [

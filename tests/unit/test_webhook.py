@@ -7,14 +7,14 @@ import copy
 import kopf
 import pytest
 
+from jobs import make_job
 from seqtrain.spec import parse_job
 from seqtrain_operator.k8s.process.handlers import validate
 from seqtrain_operator.k8s.webhook.claims import claim_problem
 
 
 def job(**spec: object) -> dict:
-    return {"apiVersion": "seqtrain.dev/v1alpha1", "kind": "SeqTrainJob",
-            "metadata": {"name": "j", "namespace": "ns"}, "spec": dict(spec)}
+    return make_job("j", "ns", **spec)
 
 
 BAD = job(replicas=0)  # stored before today's rules, or by an apiserver without the webhook

@@ -13,16 +13,16 @@ import pytest
 from test_admission_lock import Index, Kube
 from webhook_engine import answer, review_of
 
+from jobs import make_job
 from seqtrain.spec.bounds import MAX_DEPTH, MAX_SPEC_BYTES, bracket_depth
 from seqtrain_operator.k8s.passes import reconcile
 from seqtrain_operator.k8s.pods import manifests as m
 from seqtrain_operator.k8s.settings import Settings
 from seqtrain_operator.k8s.webhook.review import MAX_REVIEW_BYTES
 
-GOOD = {"apiVersion": "seqtrain.dev/v1alpha1", "kind": "SeqTrainJob",
-        "metadata": {"name": "j", "namespace": "ml", "uid": "uid-j", "resourceVersion": "1", "generation": 1},
-        "spec": {"replicas": 1, "resources": {"cpu": "1", "memory": "1Gi"},
-                 "training": {"steps": 10, "globalBatchSize": 4, "microBatchSize": 4}}}
+GOOD = make_job("j", "ml", metadata={"uid": "uid-j", "resourceVersion": "1", "generation": 1},
+                replicas=1, resources={"cpu": "1", "memory": "1Gi"},
+                training={"steps": 10, "globalBatchSize": 4, "microBatchSize": 4})
 
 
 def job(**template: Any) -> dict[str, Any]:
