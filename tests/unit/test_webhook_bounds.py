@@ -170,6 +170,23 @@ def test_the_server_reads_at_most_the_bound_and_answers_with_a_review() -> None:
     assert big_status == 200 and big["response"]["uid"] == "req-1" and big["response"]["status"]["code"] == 413
 
 
+def test_a_client_that_hangs_up_mid_body_gets_no_traceback(caplog) -> None:
+    """The chaos soak's seed 20261128 (an API server timing out on a slowed webhook): aiohttp's readany raised
+    ConnectionResetError out of the handler and into the operator's log as a traceback."""
+    from types import SimpleNamespace
+
+    from seqtrain_operator.k8s.webhook.review import BoundedWebhookServer
+
+    async def readany() -> bytes:
+        raise ConnectionResetError("Connection lost")
+
+    request = SimpleNamespace(headers={}, transport=None, match_info={}, content=SimpleNamespace(readany=readany))
+    with caplog.at_level("INFO", logger="seqtrain.operator"):
+        answer = asyncio.run(BoundedWebhookServer._serve(lambda *a, **k: None, request))  # type: ignore[arg-type]
+    assert answer.status == 400
+    assert any("abandoned by the client" in r.getMessage() for r in caplog.records)
+
+
 @pytest.mark.parametrize("depth", [33, 250, 300])  # the fake API client's deepcopy itself recurses past ~450
 def test_a_stored_job_nested_too_deep_fails_once_naming_the_field(depth: int) -> None:
     """Stored by an operator without these bounds (or with the webhook off): a pass went on with it."""

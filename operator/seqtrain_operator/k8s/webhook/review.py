@@ -101,7 +101,11 @@ class BoundedWebhookServer(kopf.WebhookServer):
     async def _serve(fn: ReviewFn, request: aiohttp.web.Request) -> aiohttp.web.Response:
         headers = dict(request.headers)
         sslpeer = request.transport.get_extra_info("peercert") if request.transport else None
-        raw = await read_body(request)
+        try:
+            raw = await read_body(request)
+        except ConnectionResetError as exc:  # the API server gave up mid-body (its timeout): no one to answer
+            log.info("admission review abandoned by the client while its body was read: %s", str(exc)[:200])
+            return aiohttp.web.Response(status=400, text="connection lost while reading the review\n")
         answer = await review(raw, fn, webhook=request.match_info.get("id"), sslpeer=sslpeer, headers=headers)
         response = answer.get("response") or {}
         if not response.get("allowed", True):
