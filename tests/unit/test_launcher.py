@@ -56,6 +56,7 @@ CODES = [  # (name, codes in the order the ranks ended, pod exit code)
     ("invalid config wins over a collective timeout", [4, 3], 3),
     ("OOM-killed rank first", [137, 1], 137),
     ("no CUDA device (node fault) wins over the collective timeouts it causes", [4, 5, 143], 5),
+    ("a full volume wins over the collective timeouts it causes", [4, 7, 143], 7),
     ("first failing rank, not the largest code", [2, 1], 2),
     ("finished ranks do not hide a later failure", [0, 0, 1], 1),
     ("pod stopped: ranks checkpointed and exited 143", [0, 143, 143], 143),

@@ -75,6 +75,35 @@ def test_could_not_load_now_is_an_infrastructure_failure_for_the_controller() ->
     assert f.cls is FailureClass.INFRASTRUCTURE and f.reason == "CheckpointUnavailable" and f.node is None
 
 
+def test_a_full_volume_is_an_infrastructure_failure_that_avoids_no_node() -> None:
+    """The hour-long chaos soak (seed 20261128): a checkpoint volume full for 28 s failed a rank with ENOSPC twice
+    (once in a save, once at the restart that met it still full), both charged to maxRestarts, and the job Failed
+    within the budget of the faults it was given. A full volume is the storage's fault: exit 7, infraRestarts."""
+    import errno
+
+    from seqtrain.runtime import exitcodes
+    from seqtrain_operator.controller.failure_policy import FailureClass, classify
+    from seqtrain_operator.controller.types import ReplicaObservation
+
+    full = OSError(errno.ENOSPC, "No space left on device")
+    assert exitcodes.storage_full(full)
+    try:  # wrapped, as a save thread's error re-raised by the loop is
+        try:
+            raise full
+        except OSError as inner:
+            raise RuntimeError("async checkpoint save of step 20 failed") from inner
+    except RuntimeError as outer:
+        assert exitcodes.storage_full(outer)
+    assert not exitcodes.storage_full(OSError(errno.EIO, "I/O error"))
+    assert not exitcodes.storage_full(ValueError("No space left on device"))  # only the errno says so
+    assert exitcodes.STORAGE_FULL in exitcodes.RETRYABLE
+    obs = ReplicaObservation(replica=0, attempt=1, phase="Failed", exit_code=7, node="n1",
+                             error="OSError: [Errno 28] No space left on device")
+    f = classify(obs)
+    assert f.cls is FailureClass.INFRASTRUCTURE and f.reason == "StorageFull" and f.node is None
+    assert "checkpoint.keep" in f.message
+
+
 def test_a_same_size_bit_flip_is_caught_by_its_hash_and_the_previous_checkpoint_used(run: Path) -> None:
     engine = run / "ckpt" / "step-6" / "state" / "__0_0.distcp"  # the DCP format's data file
     data = bytearray(engine.read_bytes())

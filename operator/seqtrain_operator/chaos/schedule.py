@@ -42,8 +42,9 @@ NOT_INJECTABLE: dict[str, str] = {}
 
 # Faults the trainer sees as its own failure (counted against faultTolerance.maxRestarts); the others are the
 # infrastructure's (maxInfraRestarts) or touch only the operator's side.
-TRAINING_FAULTS = frozenset({"sigkill-rank", "sigstop-rank", "checkpoint-full", "checkpoint-corrupt"})
-INFRA_FAULTS = frozenset({"node-down", "delete-pod", "evict-pod", "sigterm-node-loss"})
+TRAINING_FAULTS = frozenset({"sigkill-rank", "sigstop-rank", "checkpoint-corrupt"})
+# A full volume fails a rank with exit 7 (storage full): the infrastructure budget pays, as for a lost node.
+INFRA_FAULTS = frozenset({"node-down", "delete-pod", "evict-pod", "sigterm-node-loss", "checkpoint-full"})
 
 
 @dataclass(frozen=True)

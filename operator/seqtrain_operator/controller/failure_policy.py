@@ -7,7 +7,8 @@
   the scheduler's), or a GPU replica found no CUDA device (exit code 5: a driver/device-plugin fault) -> restart,
   counted in status.infraRestarts against faultTolerance.maxInfraRestarts; the node is avoided for a while. Exit
   code 6 (a checkpoint could not be loaded now: out of memory, a CUDA error, a storage I/O error; the checkpoint
-  is kept) is infrastructure too, without avoiding the node (the storage is shared).
+  is kept) and exit code 7 (a write found the volume full) are infrastructure too, without avoiding the node (the
+  storage is shared).
 - disruption: the cluster took the replica away on purpose, from a healthy node (preemption by a higher priority,
   an eviction through the Eviction API: a drain, an autoscaler's scale-down or consolidation; the kubelet ending it
   for a graceful node shutdown: spot reclaim) -> restart, counted against no budget, and no node is avoided.
@@ -30,6 +31,7 @@ EXIT_INVALID_CONFIG = 3  # seqtrain.runtime.exitcodes: invalid config, permanent
 EXIT_COLLECTIVE_TIMEOUT = 4  # a peer died or hung; usually a consequence, not the cause
 EXIT_DEVICE_UNAVAILABLE = 5  # seqtrain.runtime.exitcodes: no CUDA device on a GPU pod: the node is broken
 EXIT_CHECKPOINT_UNAVAILABLE = 6  # seqtrain.runtime.exitcodes: a checkpoint could not be loaded now (kept)
+EXIT_STORAGE_FULL = 7  # seqtrain.runtime.exitcodes: a write found the volume full (ENOSPC, EDQUOT)
 
 INFRA_REASONS = frozenset({"NodeLost", "NodeUnreachable", "Deleted", "Unschedulable", "DeadlineExceeded", "GPUUnavailable"})
 # What k8s/pods/observe.py makes of a pod's DisruptionTarget condition (PreemptionByScheduler, EvictionByEvictionAPI,
@@ -124,6 +126,11 @@ def classify(r: ReplicaObservation, procs: int | None = None) -> Failure:
         return Failure(FailureClass.INFRASTRUCTURE, "CheckpointUnavailable",
                        f"{where} could not load its checkpoint now ({describe_exit(r.exit_code)}: memory, device or "
                        f"storage I/O; the checkpoint is kept){detail}", r.replica, None, error=r.error)
+    if r.exit_code == EXIT_STORAGE_FULL:
+        return Failure(FailureClass.INFRASTRUCTURE, "StorageFull",
+                       f"{where} found its volume full ({describe_exit(r.exit_code)}: no space left on device); free "
+                       f"space on the checkpoint volume (a lower checkpoint.keep, a larger claim){detail}",
+                       r.replica, None, error=r.error)
     if r.reason == "OOMKilled":
         return Failure(FailureClass.USER, "OOMKilled",
                        f"{where} was OOMKilled ({describe_exit(r.exit_code)}): it exceeded its memory limit; raise "

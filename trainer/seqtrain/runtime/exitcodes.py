@@ -8,10 +8,27 @@ INVALID_CONFIG = 3  # the config cannot work; restarting will not help (permanen
 COMM_TIMEOUT = 4  # a collective failed because a peer hung (timeout) or died (connection closed): retryable
 DEVICE_UNAVAILABLE = 5  # a GPU job sees no CUDA device: the node is broken (infrastructure; avoid the node)
 CHECKPOINT_UNAVAILABLE = 6  # a checkpoint could not be loaded now (OOM, CUDA, storage I/O): infrastructure, kept
+STORAGE_FULL = 7  # a write found the volume full (ENOSPC, EDQUOT): infrastructure, the node is not avoided
 TERMINATED = 143  # SIGTERM received; the current step finished and a checkpoint was saved (128 + 15)
 
-RETRYABLE = frozenset({ERROR, COMM_TIMEOUT, DEVICE_UNAVAILABLE, CHECKPOINT_UNAVAILABLE, TERMINATED})
+RETRYABLE = frozenset({ERROR, COMM_TIMEOUT, DEVICE_UNAVAILABLE, CHECKPOINT_UNAVAILABLE, STORAGE_FULL, TERMINATED})
 PERMANENT = frozenset({INVALID_CONFIG})
+
+
+def storage_full(exc: BaseException) -> bool:
+    """Whether `exc`, or an exception it was raised from, is a write refused for want of space: a full volume is
+    the storage's fault, not the training's, so it must not spend faultTolerance.maxRestarts (a checkpoint volume
+    full for half a minute failed a job twice in the chaos soak, once per restart that met it)."""
+    import errno
+
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if isinstance(cur, OSError) and cur.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        cur = cur.__cause__ or cur.__context__
+    return False
 
 
 class InvalidConfig(Exception):

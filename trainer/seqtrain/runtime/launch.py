@@ -84,6 +84,8 @@ def replica_exit_code(codes: Sequence[int]) -> int:
         return exitcodes.DEVICE_UNAVAILABLE
     if exitcodes.CHECKPOINT_UNAVAILABLE in codes:  # the others' failures are its echo (a broken collective)
         return exitcodes.CHECKPOINT_UNAVAILABLE
+    if exitcodes.STORAGE_FULL in codes:  # the same: the full volume is the cause, the others echo it
+        return exitcodes.STORAGE_FULL
     return next((c for c in codes if c != 0), exitcodes.OK)
 
 

@@ -205,6 +205,8 @@ def main(config_path: str) -> int:
         traceback.print_exc()
         print(f"{exitcodes.ERROR_MARKER}{exitcodes.error_line(exc)}", file=sys.stderr, flush=True)
         leave_error_line(exc)
+        if exitcodes.storage_full(exc):
+            return exitcodes.STORAGE_FULL
         timed_out = is_comm_timeout(exc)
         if timed_out or is_peer_gone(exc):
             # Exit 4 either way: the cause is another rank (hung or dead), whose own exit the controller reports.
