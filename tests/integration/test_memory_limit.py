@@ -80,6 +80,9 @@ def test_auto_micro_batch_fits_the_limit_and_keeps_the_global_batch(tmp_path: Pa
     assert f"global batch 64 = {size} x {accum} accum x 1 dp" in log
     progress = json.loads((tmp_path / "status.json").read_text())["progress"]
     assert progress["microBatchSize"] == size and progress["microBatchReason"].startswith(f"microBatchSize auto -> {size}")
+    # ... and the trainer's own progress document says the same: what a pod's operator reads (no rank log there)
+    doc = json.loads((tmp_path / "progress.json").read_text())
+    assert (doc["microBatchSize"], doc["microBatchReason"]) == (size, progress["microBatchReason"])
     metrics = [json.loads(ln) for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2, 3]
     assert all(m["slots"] == 64 * 128 for m in metrics)  # 64 sequences of seqLen 128 per step

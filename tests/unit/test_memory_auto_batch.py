@@ -112,3 +112,22 @@ def test_sharded_engines_keep_the_estimates_choice_unprobed() -> None:
     chosen, reason = choose(j, "cpu", _agree, _fake_probe(0, 0, seen))
     assert seen == [] and "not probed: engine fsdp2" in reason
     assert chosen.spec.training.micro_batch_size == auto_micro_batch(j).size
+
+
+def test_the_auto_choice_travels_in_the_progress_document_to_either_backend():
+    """A pod's operator reads no rank log: the choice and its reason go into the progress document rank 0 publishes,
+    which both backends read into status.progress."""
+    from types import SimpleNamespace
+
+    from seqtrain.obs.callbacks import ProgressPublisher
+    from seqtrain.spec.progress_doc import read_progress
+    from seqtrain.spec.status import Progress
+
+    why = "microBatchSize auto -> 16, gradient accumulation 4 (probe 839 MiB of 900 MiB)"
+    trainer = SimpleNamespace(auto_batch_reason=why, spec=SimpleNamespace(training=SimpleNamespace(micro_batch_size=16)))
+    fields = ProgressPublisher._auto_batch(trainer)  # type: ignore[arg-type]
+    doc = Progress(step=0, total_steps=10, **fields).model_dump(by_alias=True, mode="json", exclude_none=True)
+    got = read_progress(doc).progress
+    assert (got.micro_batch_size, got.micro_batch_reason) == (16, why)
+    fixed = SimpleNamespace(auto_batch_reason=None, spec=SimpleNamespace(training=SimpleNamespace(micro_batch_size=8)))
+    assert ProgressPublisher._auto_batch(fixed) == {}  # type: ignore[arg-type]  # a size the spec set: nothing said

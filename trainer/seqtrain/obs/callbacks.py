@@ -80,6 +80,15 @@ class ProgressPublisher(BaseCallback):
         self._saving: int | None = None  # a step the loop checkpoints after the callbacks
         self._step_times: list[float] = []  # this attempt's step times, for progress.stepSeconds
 
+    @staticmethod
+    def _auto_batch(trainer: Trainer) -> dict[str, Any]:
+        """microBatchSize auto's choice and why, for status.progress on either backend (a pod's operator reads no
+        rank log)."""
+        reason = getattr(trainer, "auto_batch_reason", None)
+        if reason is None:
+            return {}
+        return {"micro_batch_size": trainer.spec.training.micro_batch_size, "micro_batch_reason": reason}
+
     def on_train_start(self, trainer: Trainer) -> None:
         record_endpoint(trainer, "progress", self.reporter.port)
         last = trainer.last_metrics
@@ -97,7 +106,8 @@ class ProgressPublisher(BaseCallback):
                              step_reached_before=trainer.metrics_writer.last_step,
                              resumed_from=trainer.resumed_from.step if trainer.resumed_from else None,
                              **self._checkpoint(trainer, trainer.step) if trainer.resumed_from else {},
-                             **{"skippedCheckpoints": skipped} if skipped else {}, **trainer.checkpoint_report())
+                             **{"skippedCheckpoints": skipped} if skipped else {}, **trainer.checkpoint_report(),
+                             **self._auto_batch(trainer))
 
     def on_step_end(self, trainer: Trainer, step: int, metrics: dict[str, Any]) -> None:
         saved = self._checkpoint(trainer, self._saving) if self._saving is not None else {}

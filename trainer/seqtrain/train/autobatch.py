@@ -201,10 +201,11 @@ def distributed_agree(fits: bool, peak: float) -> tuple[bool, float]:
     return t[0].item() == 0.0, float(t[1].item())
 
 
-def resolve_auto(job: SeqTrainJob, device: object, is_main: bool) -> SeqTrainJob:
-    """`microBatchSize: auto` -> a number, chosen and probed here; rank 0 says which and why. Any other job as is."""
+def resolve_auto(job: SeqTrainJob, device: object, is_main: bool) -> tuple[SeqTrainJob, str | None]:
+    """`microBatchSize: auto` -> a number, chosen and probed here, and why (rank 0 says it in its log, and the
+    progress document carries it to either backend's status). Any other job as is, with no reason."""
     if job.spec.training.micro_batch_size != "auto":
-        return job
+        return job, None
     from seqtrain.data import build_train_data
 
     rank, world = int(os.environ.get("RANK", "0")), job.spec.world_size
@@ -221,7 +222,7 @@ def resolve_auto(job: SeqTrainJob, device: object, is_main: bool) -> SeqTrainJob
 
         print(f"{MARKER}{reason}", flush=True)
         announce_phase(reason)
-    return chosen
+    return chosen, reason
 
 
 __all__ = ["MARKER", "Probe", "choose", "probe_step", "resident_bytes", "resolve_auto"]

@@ -171,8 +171,9 @@ def main(config_path: str) -> int:
         if (held := resident_bytes()) is not None:  # the process baseline (seqtrain.spec.memory.BASELINE_BYTES)
             print(f"{BASELINE_MARKER}{held} bytes resident before the model", flush=True)
 
-        job = resolve_auto(job, ctx.device, ctx.rank == 0)  # microBatchSize auto: chosen and probed before the model
+        job, auto_reason = resolve_auto(job, ctx.device, ctx.rank == 0)  # microBatchSize auto: before the model
         trainer = Trainer(job, cfg.runtime, ctx)
+        trainer.auto_batch_reason = auto_reason
         flag.attach(trainer)
         from seqtrain.runtime.faults import maybe_fail_setup
 

@@ -96,6 +96,8 @@ class Trainer:
         self, job: SeqTrainJob, runtime: RuntimeConfig, ctx: DistContext, callbacks: list[Any] | None = None
     ) -> None:
         self.job = job = resolve_auto(job, ctx.device)  # precision/compile `auto` -> what this device runs
+        # microBatchSize auto: why the entry point chose the size this job runs (None when the spec set it)
+        self.auto_batch_reason: str | None = None
         self.spec = job.spec
         self.runtime = runtime
         self.ctx = ctx
