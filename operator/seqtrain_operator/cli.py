@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -133,11 +134,19 @@ def _cmd_train(args: argparse.Namespace) -> int:
     leave(train_main(args.config))  # the rank process ends here (why: `leave`)
 
 
-def _positive_int(text: str) -> int:
+def _number(text: str, kind: type[int] | type[float], what: str) -> float:
+    """argparse's `type=` for a number: a one-line usage error naming the text, never a traceback."""
     try:
-        value = int(text)
+        value = kind(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+    if not math.isfinite(value):  # float() takes 'nan' and 'inf'; no option of ours means either
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = int(_number(text, int, "an integer"))
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} must be at least 1")
     return value
@@ -181,10 +190,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 def _nonnegative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    value = _number(text, float, "a number")
     if value < 0:
         raise argparse.ArgumentTypeError(f"{value} must not be negative")
     return value

@@ -43,7 +43,9 @@ def job(gang: str, queue: str | None) -> Any:
                               training={"globalBatchSize": 24},
                               scheduling={"gang": gang, "queue": queue, "priorityClassName": "high",
                                           "timeoutSeconds": 600,
-                                          "topology": {"policy": "require", "keys": ["example.com/rack"]}}))
+                                          "topology": {"policy": "require", "keys": ["example.com/rack"],
+                                                       # KAI places by a named Topology object (the others by keys)
+                                                       **({"name": "racks"} if gang == "kai" else {})}}))
 
 
 QUEUES = {"coscheduling": None, "volcano": "research", "kueue": "team-a", "kai": "research"}
@@ -119,6 +121,19 @@ def test_the_topology_request_is_in_the_volcano_podgroup_the_crd_checks():
     podgroup, _ = gang_objects("volcano")
     assert podgroup is not None and podgroup["spec"]["networkTopology"] == {"mode": "hard", "highestTierAllowed": 1}
     assert validate_offline(podgroup, crds("volcano")) == []
+
+
+def test_every_gang_builds_its_objects_from_a_valid_job():
+    """The jobs above pass the spec's own checks (KAI needs its Topology's name): a KAI CRD given through
+    SEQTRAIN_KAI_CRD would otherwise meet a SpecError, not the schema check."""
+    from seqtrain.spec.checks import check
+
+    for gang in QUEUES:
+        assert check(job(gang, QUEUES[gang])) == [], gang
+        podgroup, pods = gang_objects(gang)
+        assert pods, gang
+    kai, _ = gang_objects("kai")
+    assert kai is not None and kai["spec"]["topologyConstraint"]["topology"] == "racks"
 
 
 def test_the_strict_check_can_fail():

@@ -90,7 +90,14 @@ def test_run_already_finished_needs_no_gang(tmp_path: Path, capsys: pytest.Captu
 
 
 @pytest.mark.parametrize("argv", [["run"], ["run", "a.yaml", "--bogus"], ["validate"], ["frobnicate"],
-                                  ["run", "a.yaml", "--workdir"]])
+                                  ["run", "a.yaml", "--workdir"],
+                                  # numbers: not a number, not finite (float() takes 'nan' and 'inf'), out of range
+                                  ["generate", "runs/x", "--temperature", "nan"],
+                                  ["generate", "runs/x", "--temperature", "-inf"],
+                                  ["generate", "runs/x", "--top-p", "inf"],
+                                  ["generate", "runs/x", "--top-p", "1.5"],
+                                  ["generate", "runs/x", "--max-new-tokens", "1e3"],
+                                  ["generate", "runs/x", "--top-k", "0"]])
 def test_bad_arguments_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         cli.main(argv)
