@@ -75,7 +75,7 @@ def _cached_attention(attn: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: 
                       layer: int) -> torch.Tensor:
     """`CausalSelfAttention` on new positions x [B, t, D] that follow `cache.length` cached ones."""
     b, t, _ = x.shape
-    q, k, v = attn.split_heads(attn.q(x), attn.k(x), attn.v(x))  # per head, q/k normalised (qkNorm)
+    q, k, v = attn.split_heads(*attn.project(x))  # per head, q/k normalised (qkNorm); fused as in training
     if attn.rope:
         q, k = rope(q, cos, sin), rope(k, cos, sin)
     start, end = cache.length, cache.length + t

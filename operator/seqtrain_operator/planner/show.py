@@ -11,7 +11,7 @@ import yaml
 from seqtrain.spec import SeqTrainJob, SpecError, load_job_file
 from seqtrain.spec.datafiles import data_notes
 from seqtrain.spec.memory import memory_notes, with_micro_batch
-from seqtrain.spec.optimization import describe_compile, describe_precision
+from seqtrain.spec.optimization import describe_compile, describe_precision, resolve_fused_projections
 from seqtrain.spec.resolve import paths_readable, resolve_model
 from seqtrain_operator.planner.fit import memory_problems
 from seqtrain_operator.planner.inventory import cpu_millis, inventory, memory_bytes
@@ -64,6 +64,7 @@ def plan_dict(job: SeqTrainJob, plan: Plan) -> dict:
         "zeroStage": est.zero_stage,
         "precision": describe_precision(job.spec.optimization.precision, job.spec.resources.gpus),
         "compile": describe_compile(job.spec.optimization.compile, job.spec.resources.gpus),
+        "fusedProjections": resolve_fused_projections(job.spec.optimization)[1],
         "model": {"arch": m.arch, "params": est.total_params, "layers": m.layers, "dim": m.dim,
                   "trainableParams": est.trainable_params if est.trainable_params is not None else est.total_params,
                   "derived": resolved.derivations()},
@@ -104,7 +105,8 @@ def render(d: dict) -> str:
                 if d["model"]["trainableParams"] != d["model"]["params"] else ""),
              d["model"]["derived"],
              f"engine {d['engine']} (ZeRO-{d['zeroStage']} accounting), precision {d['precision']}, "
-             f"compile {d['compile']}, micro-batch {d['microBatch']} sequences"
+             f"compile {d['compile']}, fused projections {d['fusedProjections']}, "
+             f"micro-batch {d['microBatch']} sequences"
              + (" (auto)" if d.get("microBatchAuto") else "")]
     p = d["pipeline"]
     if p["stages"] > 1:

@@ -22,6 +22,11 @@ it survives tensor parallel's class swap, pipeline stages (which reuse the modul
   vocabulary on one rank); the blocks use the kernels on their local heads and hidden units.
 - torch.compile: compiled transformer blocks keep the reference ops, which inductor fuses itself (the kernels'
   autograd Functions are not traced through); the final norm and the loss, outside the blocks, use the kernels.
+
+`optimization.fusedProjections` (`resolve_fused_projections` in seqtrain.spec.optimization; `setup_fused_projections`
+here) sets `fuse_projections` the same way, per instance, on `CausalSelfAttention` and `SwiGLU`: q/k/v and gate/up
+run as one GEMM each (`seqtrain.models.layers.fused_linear`), with tensor and sequence parallel's subclasses and
+the KV-cache decoder included.
 """
 
 from __future__ import annotations
@@ -37,8 +42,9 @@ from seqtrain.kernels._runtime import (
     triton_import_error,
 )
 from seqtrain.models.compile import compile_backend_problem
+from seqtrain.models.layers import fusable
 from seqtrain.spec.job import SeqTrainJob
-from seqtrain.spec.optimization import resolve_compile
+from seqtrain.spec.optimization import resolve_compile, resolve_fused_projections
 
 
 def resolve_kernels(setting: bool | None, device: torch.device) -> tuple[bool, str]:
@@ -92,4 +98,26 @@ def setup_kernels(model: nn.Module, job: SeqTrainJob, device: torch.device) -> s
         line += "; loss: vocabulary-parallel reference (tensor parallel)"
     if compiled:
         line += "; compiled blocks: torch.compile's own fusion"
+    return line
+
+
+def apply_fused_projections(model: nn.Module, enabled: bool) -> tuple[int, int]:
+    """Set `fuse_projections` on every module with a fused path (attention q/k/v, SwiGLU gate/up); returns (modules
+    that fuse, modules switched): a module whose linears are not all plain `nn.Linear` (LoRA) keeps them split."""
+    fused = switched = 0
+    for module in model.modules():
+        if hasattr(type(module), "fuse_projections"):
+            module.fuse_projections = enabled
+            switched += 1
+            fused += enabled and fusable(module.projections())
+    return fused, switched
+
+
+def setup_fused_projections(model: nn.Module, job: SeqTrainJob) -> str:
+    """Resolve `optimization.fusedProjections` for this run and switch the model; returns the log line."""
+    enabled, why = resolve_fused_projections(job.spec.optimization)
+    fused, switched = apply_fused_projections(model, enabled)
+    line = f"fused projections: {why}"
+    if enabled and fused < switched:
+        line += f"; {switched - fused} of {switched} layers keep split projections (LoRA or non-plain linears)"
     return line

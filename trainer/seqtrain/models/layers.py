@@ -5,6 +5,10 @@ The functions (`rms_norm`, `layer_norm`, `swiglu`, `rope`, `attention`) are the 
 `seqtrain.models.dispatch.apply_kernels` when `optimization.kernels` resolves to on): with it the module calls
 the `seqtrain.kernels` function instead (Triton on CUDA or under TRITON_INTERPRET=1, chosen per call).
 Importing `seqtrain.kernels` never imports triton.
+
+`CausalSelfAttention` and `SwiGLU` also have a `fuse_projections` flag (set by
+`seqtrain.models.dispatch.apply_fused_projections` when `optimization.fusedProjections` resolves to on): q/k/v, and
+gate/up, then run as one GEMM on their concatenated weights (`fused_linear`) while the parameters stay split.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from __future__ import annotations
 import functools
 import importlib
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -236,6 +240,67 @@ def attention(
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
+class _FusedLinear(torch.autograd.Function):
+    """x @ cat(weights).T (+ cat(biases)) as one GEMM, returned split by each weight's rows.
+
+    Saves x and the parameters themselves, not their concatenation: autograd saving the concatenated copy would
+    hold a second copy of the projection weights of every block until backward (under FSDP2 an unsharded one,
+    which FSDP frees after the forward). Backward concatenates again and runs one GEMM for the input gradient and
+    one for the weight gradients. Under autocast x and the weights are cast to the autocast dtype, as autocast's
+    linear casts them (the same rule as `seqtrain.parallel.sequence._GatherLinears`)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, n: int, *params: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        weights, biases = params[:n], params[n:]
+        dev = x.device.type
+        dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+        xc = x.to(dtype)
+        w = torch.cat([p.to(dtype) for p in weights])
+        b = torch.cat([p.to(dtype) for p in biases]) if biases else None
+        ctx.n, ctx.x_dtype, ctx.has_bias = n, x.dtype, bool(biases)
+        ctx.save_for_backward(xc, *weights)
+        y = F.linear(xc, w, b)
+        return tuple(y.split([p.shape[0] for p in weights], dim=-1))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        xc, *weights = ctx.saved_tensors
+        g = torch.cat(grads, dim=-1)
+        rows = [w.shape[0] for w in weights]
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = (g @ torch.cat([w.to(g.dtype) for w in weights])).to(ctx.x_dtype)
+        g2 = g.reshape(-1, g.shape[-1])
+        grad_ws: list[torch.Tensor | None] = [None] * ctx.n
+        if any(ctx.needs_input_grad[2:2 + ctx.n]):
+            gw = g2.t() @ xc.reshape(-1, xc.shape[-1]).to(g.dtype)
+            grad_ws = [part.to(w.dtype) for part, w in zip(gw.split(rows), weights, strict=True)]
+        grad_bs: list[torch.Tensor | None] = [None] * (ctx.n if ctx.has_bias else 0)
+        if ctx.has_bias and any(ctx.needs_input_grad[2 + ctx.n:]):
+            grad_bs = [part.to(w.dtype) for part, w in zip(g2.sum(0).split(rows), weights, strict=True)]
+        return (grad_x, None, *grad_ws, *grad_bs)
+
+
+def fusable(linears: tuple[nn.Module, ...]) -> bool:
+    """Whether `fused_linear` may replace these modules' own forwards: every one exactly `nn.Linear` (a LoRA
+    adapter, a float8 or any other subclass has a forward of its own, so it keeps it) and all with a bias or none."""
+    return (all(type(lin) is nn.Linear for lin in linears)
+            and len({lin.bias is None for lin in linears}) == 1)
+
+
+def fused_linear(x: torch.Tensor, linears: tuple[nn.Module, ...]) -> tuple[torch.Tensor, ...]:
+    """(lin(x) for lin in linears) as ONE GEMM on the linears' concatenated weights (and biases), split by each
+    weight's row count (under tensor parallel the local shard's). Why: one large GEMM keeps the GPU busier than
+    three narrow ones (k and v are narrow with grouped-query attention) and reads x once; llm.c and Megatron fuse
+    q/k/v and gate/up the same way. The concatenation copies the weights in every forward (about 3 x dim x dim x
+    2 bytes in bf16 for q/k/v), which is small against the GEMM itself. The parameters stay split, so checkpoint
+    and optimizer-state names, the HF import/export maps, tensor-parallel and FSDP2 sharding, LoRA and pipeline
+    stages are untouched. The caller checks `fusable` first."""
+    weights = [lin.weight for lin in linears]
+    biases = [lin.bias for lin in linears if lin.bias is not None]
+    return _FusedLinear.apply(x, len(weights), *weights, *biases)
+
+
 class RMSNorm(nn.Module):
     use_kernels = False  # per instance: seqtrain.models.dispatch.apply_kernels
 
@@ -276,6 +341,7 @@ class SwiGLU(nn.Module):
     """LLaMA-style MLP: down(silu(gate(x)) * up(x))."""
 
     use_kernels = False
+    fuse_projections = False  # per instance: seqtrain.models.dispatch.apply_fused_projections
 
     def __init__(self, dim: int, hidden: int, bias: bool = False) -> None:
         super().__init__()
@@ -285,7 +351,15 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         act = K.swiglu if self.use_kernels else swiglu
-        return self.down(act(self.gate(x), self.up(x)))
+        if self.fuse_projections and fusable(self.projections()):
+            gate, up = fused_linear(x, self.projections())
+        else:
+            gate, up = self.gate(x), self.up(x)
+        return self.down(act(gate, up))
+
+    def projections(self) -> tuple[nn.Module, ...]:
+        """The linears `fuse_projections` runs as one GEMM."""
+        return self.gate, self.up
 
 
 class GeluMLP(nn.Module):
@@ -305,6 +379,7 @@ class CausalSelfAttention(nn.Module):
     has learned positions), causal attention within an optional sliding window, output projection."""
 
     use_kernels = False  # kernels: fused RoPE and flash attention (doc_ids: no [T, T] mask is built)
+    fuse_projections = False  # q/k/v as one GEMM (`fused_linear`): seqtrain.models.dispatch.apply_fused_projections
 
     def __init__(self, dim: int, heads: int, kv_heads: int, head_dim: int | None = None, *, qkv_bias: bool = False,
                  out_bias: bool = False, qk_norm: bool = False, norm_eps: float = 1e-5, rope: bool = True,
@@ -325,7 +400,20 @@ class CausalSelfAttention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, doc_ids: torch.Tensor | None = None,
         block_mask: object | None = None,
     ) -> torch.Tensor:
-        return self.attend(self.q(x), self.k(x), self.v(x), cos, sin, doc_ids, block_mask)
+        q, k, v = self.project(x)
+        return self.attend(q, k, v, cos, sin, doc_ids, block_mask)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [B, T, heads*Dh], k/v [B, T, kv_heads*Dh]: one fused GEMM with `fuse_projections` (when the three
+        are plain linears), else three. Shared by training and the KV-cache decoder (`seqtrain.generate`)."""
+        if self.fuse_projections and fusable(self.projections()):
+            q, k, v = fused_linear(x, self.projections())
+            return q, k, v
+        return self.q(x), self.k(x), self.v(x)
+
+    def projections(self) -> tuple[nn.Module, ...]:
+        """The linears `fuse_projections` runs as one GEMM."""
+        return self.q, self.k, self.v
 
     def split_heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -107,16 +107,22 @@ class _GatherLinears(torch.autograd.Function):
 
     Backward re-gathers x (only the shard was saved), returns each weight's gradient and reduce-scatters the
     summed input gradient. Under autocast the shard is cast to the autocast dtype first, as autocast's linear
-    would cast its input, so the saved shard and both all-gathers are in that dtype."""
+    would cast its input, so the saved shard and both all-gathers are in that dtype. `fused`
+    (`optimization.fusedProjections`, as `seqtrain.models.layers.fused_linear`): one GEMM on the concatenated
+    weights in forward, and one each for the input and the weight gradients in backward."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any, size: int, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(ctx: Any, x: torch.Tensor, group: Any, size: int, fused: bool,
+                *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
         dev = x.device.type
         dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
         xc = x.to(dtype)
         full = all_gather_seq(xc, group, size)
-        ctx.group, ctx.size, ctx.x_dtype = group, size, x.dtype
+        ctx.group, ctx.size, ctx.x_dtype, ctx.fused = group, size, x.dtype, fused
         ctx.save_for_backward(xc, *weights)
+        if fused:
+            y = F.linear(full, torch.cat([w.to(dtype) for w in weights]))
+            return tuple(y.split([w.shape[0] for w in weights], dim=-1))
         return tuple(F.linear(full, w.to(dtype)) for w in weights)
 
     @staticmethod
@@ -124,20 +130,29 @@ class _GatherLinears(torch.autograd.Function):
         xc, *weights = ctx.saved_tensors
         full = all_gather_seq(xc, ctx.group, ctx.size)  # again: forward kept only this rank's shard
         rows = full.reshape(-1, full.shape[-1])
-        grad_full: torch.Tensor | None = None
-        grad_ws = []
-        for g, w in zip(grads, weights, strict=True):
-            part = g @ w.to(g.dtype)
-            grad_full = part if grad_full is None else grad_full + part
-            g2 = g.reshape(-1, g.shape[-1])
-            grad_ws.append((g2.t() @ rows.to(g.dtype)).to(w.dtype))
-        assert grad_full is not None
+        if ctx.fused:
+            g = torch.cat(grads, dim=-1)
+            grad_full = g @ torch.cat([w.to(g.dtype) for w in weights])
+            gw = g.reshape(-1, g.shape[-1]).t() @ rows.to(g.dtype)
+            grad_ws = [part.to(w.dtype) for part, w in zip(gw.split([w.shape[0] for w in weights]), weights,
+                                                            strict=True)]
+        else:
+            grad_sum: torch.Tensor | None = None
+            grad_ws = []
+            for g, w in zip(grads, weights, strict=True):
+                part = g @ w.to(g.dtype)
+                grad_sum = part if grad_sum is None else grad_sum + part
+                g2 = g.reshape(-1, g.shape[-1])
+                grad_ws.append((g2.t() @ rows.to(g.dtype)).to(w.dtype))
+            assert grad_sum is not None
+            grad_full = grad_sum
         grad_x = reduce_scatter_seq(grad_full, ctx.group, ctx.size).to(ctx.x_dtype)
-        return (grad_x, None, None, *grad_ws)
+        return (grad_x, None, None, None, *grad_ws)
 
 
-def gather_linears(x: torch.Tensor, group: Any, size: int, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    return _GatherLinears.apply(x, group, size, *weights)
+def gather_linears(x: torch.Tensor, group: Any, size: int, *weights: torch.Tensor,
+                   fused: bool = False) -> tuple[torch.Tensor, ...]:
+    return _GatherLinears.apply(x, group, size, fused, *weights)
 
 
 class SPRMSNorm(RMSNorm):
@@ -159,7 +174,8 @@ class SPAttention(TPAttention):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 doc_ids: torch.Tensor | None = None, block_mask: object | None = None) -> torch.Tensor:
-        q, k, v = gather_linears(x, self.group, self.sp_size, self.q.weight, self.k.weight, self.v.weight)
+        q, k, v = gather_linears(x, self.group, self.sp_size, self.q.weight, self.k.weight, self.v.weight,
+                                 fused=self.fuse_projections)
         return reduce_scatter_to_sp(self.attend(q, k, v, cos, sin, doc_ids, block_mask), self.group,
                                     self.sp_size)
 
@@ -170,7 +186,8 @@ class SPSwiGLU(TPSwiGLU):
     sp_size: int
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = gather_linears(x, self.group, self.sp_size, self.gate.weight, self.up.weight)
+        gate, up = gather_linears(x, self.group, self.sp_size, self.gate.weight, self.up.weight,
+                                  fused=self.fuse_projections)
         act = K.swiglu if self.use_kernels else swiglu
         return reduce_scatter_to_sp(self.down(act(gate, up)), self.group, self.sp_size)
 

@@ -6,7 +6,9 @@ DeepSpeed and DDP engines flatten plain tensors, and parity debugging wants ever
 layers below are the four operators of Shoeybi et al. (2019): the block input enters each sublayer through `f`
 (identity forward, all-reduce backward), the column-parallel matrices (q/k/v, gate/up) keep their output
 local, the row-parallel matrix (attention out, MLP down) produces a partial sum that `g` all-reduces
-(all-reduce forward, identity backward): one all-reduce per sublayer in each direction.
+(all-reduce forward, identity backward): one all-reduce per sublayer in each direction. With
+`optimization.fusedProjections` the column-parallel shards of q/k/v (gate/up) run as one GEMM through the base
+classes' forward (`seqtrain.models.layers.fused_linear` splits the output by each local shard's rows).
 
 The embedding is split by vocabulary rows; the output projection reuses the (tied) shard and the
 cross-entropy runs on vocabulary-sharded logits (max, sum-exp and target logit are all-reduced), so no rank

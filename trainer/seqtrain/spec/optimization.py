@@ -54,6 +54,11 @@ class OptimizationSpec(SpecModel):
     compile: bool | Literal["auto"] = Field(
         "auto", description="Compile the transformer blocks with torch.compile where the backend is available. "
         "auto: on with CUDA, off on the CPU.")
+    fused_projections: bool | Literal["auto"] = Field(
+        "auto", description="Run the attention's q/k/v projections, and the SwiGLU MLP's gate/up, as one matrix "
+        "multiply each on their concatenated weights. The parameters stay separate, so checkpoint, optimizer-state "
+        "and HF export names do not change. auto: on, except under DeepSpeed ZeRO-3 (which gathers each layer's "
+        "weights only inside that layer's own forward); LoRA-wrapped layers keep separate projections either way.")
     grad_compression: Literal["none", "bf16", "fp16"] = Field(
         "none", description="Compress data-parallel gradient all-reduce (communication hook)."
     )
@@ -67,6 +72,14 @@ class OptimizationSpec(SpecModel):
         why = param_dtype_problem(self)
         if why is not None:
             raise ValueError(why)
+        return self
+
+    @model_validator(mode="after")
+    def _fused_projections_fit(self) -> OptimizationSpec:
+        if self.fused_projections is True and deepspeed_zero3(self):
+            raise ValueError("fusedProjections: true reads the q/k/v and gate/up weights in the parent layer's "
+                             "forward, where DeepSpeed ZeRO-3 has not gathered them: set fusedProjections: auto "
+                             "(off there) or false, or engine: native (FSDP2 gathers whole blocks)")
         return self
 
 
@@ -107,6 +120,24 @@ def resolve_compile(compile_: bool | str, device_type: str) -> bool:
     if compile_ == "auto":
         return device_type == "cuda"
     return bool(compile_)
+
+
+def deepspeed_zero3(opt: OptimizationSpec) -> bool:
+    """Whether `opt` runs DeepSpeed at ZeRO stage 3 (`seqtrain.layout.rules.engine_of`: engine deepspeed, or auto
+    with a stage above 0)."""
+    return opt.zero.stage == 3 and opt.engine != "native"
+
+
+def resolve_fused_projections(opt: OptimizationSpec) -> tuple[bool, str]:
+    """(fuse q/k/v and gate/up, why) for `optimization.fusedProjections`. `auto` is on except under DeepSpeed
+    ZeRO-3: its hooks gather a module's parameters when that module's own forward runs, so the attention reading
+    `q.weight` would see an empty partition. FSDP2 gathers a whole block before the block's forward, so it fuses.
+    Per layer, `seqtrain.models.layers.fusable` keeps LoRA-wrapped (or other non-plain) linears split."""
+    if opt.fused_projections == "auto":
+        if deepspeed_zero3(opt):
+            return False, "off (auto: DeepSpeed ZeRO-3 gathers each linear's weights only in its own forward)"
+        return True, "on (auto)"
+    return bool(opt.fused_projections), "on" if opt.fused_projections else "off"
 
 
 def planned_precision(precision: str, gpus: int) -> str:

@@ -24,7 +24,7 @@ from seqtrain.data.prefetch import Prefetcher
 from seqtrain.engine import Engine, StepStats, build_engine, engine_name
 from seqtrain.models import build_model, count_parameters
 from seqtrain.models.compile import prepare_model
-from seqtrain.models.dispatch import setup_kernels
+from seqtrain.models.dispatch import setup_fused_projections, setup_kernels
 from seqtrain.models.materialize import materialize, new_model, shards_first
 from seqtrain.optim.build import lr_factor
 from seqtrain.optim.schedules import steps_change
@@ -174,6 +174,7 @@ class Trainer:
         if order is None:  # "fsdp2": FSDPEngine shards the meta model, then materialises only the shards
             materialize(self.model, self.ctx.device, local_modules(self.job, self.ctx.pp_size, self.ctx.pp_rank))
         self.log(setup_kernels(self.model, self.job, self.ctx.device))  # optimization.kernels -> model and loss
+        self.log(setup_fused_projections(self.model, self.job))  # optimization.fusedProjections -> q/k/v, gate/up
         for line in prepare_model(self.model, self.job, self.ctx.device):  # activation checkpointing, compile
             self.log(line)
         engine = engine_name(self.job)
