@@ -245,3 +245,19 @@ def test_plan_shows_the_resolved_value() -> None:
         d = plan_dict(j, local_plan(j))
         assert d["fusedProjections"].startswith(want)
         assert f"fused projections {want}" in render(d)
+
+
+def test_validate_notes_an_auto_that_fuses_on_a_gpu_or_turns_fusion_off() -> None:
+    from seqtrain.spec.resolve import job_notes
+
+    def opt_notes(**opt: object) -> list[str]:
+        return [n for n in job_notes(parse_job(job(**opt))) if n.startswith("optimization:")]
+
+    gpu = job()
+    gpu["spec"]["resources"] = {"gpus": 1}
+    assert any("fusedProjections on (auto)" in n for n in job_notes(parse_job(gpu)))
+    assert opt_notes() == []  # the CPU with nothing surprising: no note
+    assert opt_notes(zero={"stage": 3}) == [
+        "optimization: fusedProjections off (auto: DeepSpeed ZeRO-3 gathers each linear's weights only in its own "
+        "forward)"]
+    assert opt_notes(fusedProjections=False, zero={"stage": 3}) == []  # what the user set is not a derivation

@@ -159,11 +159,17 @@ def describe_compile(compile_: bool | str, gpus: int) -> str:
     return "off (auto: no GPU)" if gpus == 0 else "auto: on with CUDA"
 
 
-def auto_note(precision: str, compile_: bool | str, gpus: int) -> str | None:
-    """The `validate`/`plan` note for a GPU job that leaves precision or compile at `auto` (None otherwise: on the
-    CPU `auto` is what the CPU always ran, fp32 and eager)."""
+def auto_note(precision: str, compile_: bool | str, gpus: int, fused: str = "") -> str | None:
+    """The `validate`/`plan` note for a GPU job that leaves precision, compile or fusedProjections at `auto` (None
+    otherwise: on the CPU `auto` is what the CPU always ran, fp32 and eager). `fused`: what fusedProjections auto
+    resolved to (`resolve_fused_projections`), empty when the job sets it. An auto that turns fusion off (ZeRO-3) is
+    noted on the CPU too: it is the case a reader would not guess."""
     autos = [f"precision {AUTO_PRECISION}" if precision == "auto" else "",
              "compile auto: on with CUDA" if compile_ == "auto" else ""]
+    if gpus > 0 and fused:
+        autos.append(f"fusedProjections {fused}")
+    elif fused.startswith("off"):
+        return f"optimization: fusedProjections {fused}"
     if gpus == 0 or not any(autos):
         return None
     return "optimization: " + "; ".join(a for a in autos if a) + " (resolved on each rank's device)"

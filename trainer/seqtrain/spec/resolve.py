@@ -11,7 +11,7 @@ from seqtrain.spec.datafiles import data_notes
 from seqtrain.spec.init_source import describe_init, folder_tokenizer
 from seqtrain.spec.job import SeqTrainJob
 from seqtrain.spec.model import ModelSpec
-from seqtrain.spec.optimization import auto_note
+from seqtrain.spec.optimization import auto_note, resolve_fused_projections
 from seqtrain.spec.presets import presets_for
 from seqtrain.spec.problems import Problem, SpecError
 
@@ -211,7 +211,8 @@ def job_notes(job: SeqTrainJob) -> list[str]:
     """What `validate` and `plan` print beside a valid job: the model's derived fields with their origins, and
     warnings that are not errors (training data named like held-out data)."""
     opt = job.spec.optimization
-    auto = auto_note(opt.precision, opt.compile, job.spec.resources.gpus)
+    fused = resolve_fused_projections(opt)[1] if opt.fused_projections == "auto" else ""
+    auto = auto_note(opt.precision, opt.compile, job.spec.resources.gpus, fused)
     return [resolve_model(job).derivations(), *([auto] if auto else []), *data_notes(job, paths_readable())]
 
 
