@@ -47,7 +47,7 @@ def param_breakdown(m: ModelSpec) -> ParamBreakdown:
         attn += (q + 2 * kv) * m.qkv_bias + d * m.out_bias
         matrices = 3 if m.mlp == "swiglu" else 2  # SwiGLU: gate, up, down; GELU: up, down
         mlp = matrices * d * m.ffn_dim + ((matrices - 1) * m.ffn_dim + d) * m.mlp_bias
-        per_norm = 2 * d if m.norm == "layernorm" else d  # LayerNorm has a bias
+        per_norm = 2 * d if m.has_norm_bias else d  # weight, and a bias (LayerNorm unless normBias false)
         norms = 2 * per_norm + 2 * hd * m.qk_norm  # before attention and MLP; q/k norms
         emb += (m.max_seq_len or 0) * d if m.positions == "learned" else 0
         return ParamBreakdown(emb, attn + mlp + norms, m.layers, per_norm, out, block_tp_split=attn + mlp)

@@ -1,8 +1,8 @@
 """GPT-style decoder: token embedding -> blocks (norm, attention, norm, MLP) -> final norm.
 
-The block's switches (`model.norm`, `mlp`, `positions`, `ropeScaling`, biases, `qkNorm`, `headDim`,
-`slidingWindow`) cover the Llama, Mistral, Qwen2/3 and GPT-2 families; their defaults are the Llama-shaped block
-(RMSNorm, RoPE attention without biases, SwiGLU MLP).
+The block's switches (`model.norm`, `normBias`, `mlp`, `positions`, `ropeScaling`, biases, `qkNorm`, `headDim`,
+`slidingWindow`) cover the Llama, Mistral, Qwen2/3 and GPT-2 families and nanoGPT's model; their defaults are the
+Llama-shaped block (RMSNorm, RoPE attention without biases, SwiGLU MLP).
 
 `forward` returns hidden states; the output projection (`output_weight`) is applied by the loss, so a fused
 linear + cross-entropy kernel never materialises the logits. Blocks live in `self.blocks` (an nn.ModuleList)
@@ -34,13 +34,17 @@ class Block(nn.Module):
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         assert spec.dim and spec.heads and spec.kv_heads and spec.ffn_dim
-        self.attn_norm = make_norm(spec.norm, spec.dim, spec.norm_eps)
+        self.attn_norm = make_norm(spec.norm, spec.dim, spec.norm_eps, spec.norm_bias)
         self.attn = CausalSelfAttention(
             spec.dim, spec.heads, spec.kv_heads, spec.head_size, qkv_bias=spec.qkv_bias, out_bias=spec.out_bias,
             qk_norm=spec.qk_norm, norm_eps=spec.norm_eps, rope=spec.positions == "rope", window=spec.sliding_window)
-        self.mlp_norm = make_norm(spec.norm, spec.dim, spec.norm_eps)
-        mlp = GeluMLP if spec.mlp == "gelu" else SwiGLU
-        self.mlp = mlp(spec.dim, spec.ffn_dim, bias=spec.mlp_bias)
+        self.mlp_norm = make_norm(spec.norm, spec.dim, spec.norm_eps, spec.norm_bias)
+        self.mlp: GeluMLP | SwiGLU
+        if spec.mlp == "swiglu":
+            self.mlp = SwiGLU(spec.dim, spec.ffn_dim, bias=spec.mlp_bias)
+        else:  # gelu: the tanh approximation (GPT-2's gelu_new); gelu-exact: erf (nanoGPT's nn.GELU())
+            self.mlp = GeluMLP(spec.dim, spec.ffn_dim, bias=spec.mlp_bias,
+                               approximate="tanh" if spec.mlp == "gelu" else "none")
         self.dropout = nn.Dropout(spec.dropout)
 
     def forward(
@@ -70,7 +74,7 @@ class GPT(nn.Module):
         self.pos_embed = nn.Embedding(spec.max_seq_len, spec.dim) if spec.positions == "learned" else None
         self.drop = nn.Dropout(spec.dropout)
         self.blocks = nn.ModuleList(Block(spec) for _ in range(spec.layers))
-        self.norm = make_norm(spec.norm, spec.dim, spec.norm_eps)
+        self.norm = make_norm(spec.norm, spec.dim, spec.norm_eps, spec.norm_bias)
         self.lm_head = None if spec.tie_embeddings else nn.Linear(spec.dim, rows, bias=False)
         cos, sin = self._rope_tables()
         # Not persistent: derived from the spec, so checkpoints hold only learned weights.

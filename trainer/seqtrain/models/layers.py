@@ -50,6 +50,12 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
 
+def gelu_exact(x: torch.Tensor) -> torch.Tensor:
+    """The exact GELU, x Phi(x) = 0.5 x (1 + erf(x / sqrt(2))): torch's `nn.GELU()` (nanoGPT's), transformers'
+    activation_function "gelu"."""
+    return F.gelu(x)
+
+
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding of x [B, H, T, Dh] with cos/sin [T, Dh/2] (pairs are the two halves of the head dim)."""
     half = x.shape[-1] // 2
@@ -316,15 +322,16 @@ class RMSNorm(nn.Module):
 
 
 class LayerNorm(nn.Module):
-    """LayerNorm with weight and bias (GPT-2's)."""
+    """LayerNorm with a weight and, unless `bias` is False, a bias (GPT-2's; nanoGPT's `LayerNorm(ndim, bias)`)."""
 
     use_kernels = False  # per instance: seqtrain.models.dispatch.apply_kernels
 
-    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+    def __init__(self, dim: int, eps: float = 1e-5, bias: bool = True) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
-        self.bias = nn.Parameter(torch.zeros(dim))
+        # None without a bias: no parameter, so no state-dict key; F.layer_norm and the kernel both accept None
+        self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.use_kernels:
@@ -332,9 +339,14 @@ class LayerNorm(nn.Module):
         return layer_norm(x, self.weight, self.bias, self.eps)
 
 
-def make_norm(kind: str, dim: int, eps: float) -> RMSNorm | LayerNorm:
-    """`model.norm`: rmsnorm or layernorm."""
-    return LayerNorm(dim, eps) if kind == "layernorm" else RMSNorm(dim, eps)
+def make_norm(kind: str, dim: int, eps: float, bias: bool | None = None) -> RMSNorm | LayerNorm:
+    """`model.norm`: rmsnorm or layernorm; `bias` (`model.normBias`): None is the norm's own default (layernorm
+    has a bias, rmsnorm none)."""
+    if kind == "layernorm":
+        return LayerNorm(dim, eps, bias=bias is not False)
+    if bias:
+        raise ValueError("RMSNorm has no bias: normBias true needs norm layernorm")
+    return RMSNorm(dim, eps)
 
 
 class SwiGLU(nn.Module):
@@ -363,15 +375,21 @@ class SwiGLU(nn.Module):
 
 
 class GeluMLP(nn.Module):
-    """GPT-2-style MLP: down(gelu_tanh(up(x))). No kernel of its own (torch.compile fuses it)."""
+    """GPT-2-style MLP: down(gelu(up(x))), GELU's tanh approximation (`approximate="tanh"`, `gelu_tanh`: GPT-2's
+    gelu_new, `model.mlp: gelu`) or the exact erf form (`approximate="none"`, `gelu_exact`: nanoGPT's `nn.GELU()`,
+    `model.mlp: gelu-exact`). No kernel of its own (torch.compile fuses it)."""
 
-    def __init__(self, dim: int, hidden: int, bias: bool = False) -> None:
+    def __init__(self, dim: int, hidden: int, bias: bool = False, approximate: str = "tanh") -> None:
         super().__init__()
+        if approximate not in ("tanh", "none"):
+            raise ValueError(f"approximate must be tanh or none, not {approximate!r}")
         self.up = nn.Linear(dim, hidden, bias=bias)
         self.down = nn.Linear(hidden, dim, bias=bias)
+        self.approximate = approximate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(gelu_tanh(self.up(x)))
+        act = gelu_tanh if self.approximate == "tanh" else gelu_exact
+        return self.down(act(self.up(x)))
 
 
 class CausalSelfAttention(nn.Module):

@@ -10,6 +10,10 @@ One seqtrain GPT block covers five transformers families; each maps onto the blo
 | qwen3      | rmsnorm   | swiglu | rope (+ scaling) | attention_bias: q/k/v/o         | q/k RMSNorm, head_dim      |
 | gpt2       | layernorm | gelu   | learned          | all (Conv1D layers, fused qkv)  | tied output                |
 
+GPT-2's `activation_function` is `gelu_new` (or another tanh form: `mlp: gelu`) or `gelu`, the exact erf GELU
+(`mlp: gelu-exact`, nanoGPT's `nn.GELU()`). GPT-2's LayerNorms always have a bias: `normBias: false` (nanoGPT's
+`bias=False`) has no transformers family and exports with `--format seqtrain` only.
+
 The Llama-style families need no tensor surgery: seqtrain's RoPE rotates the two halves of each head (exactly
 transformers' `rotate_half`), grouped kv head j serves query heads j*rep .. (j+1)*rep-1 (`repeat_kv`), so the
 mapping is a renaming. GPT-2's Conv1D weights are stored [in, out] and q/k/v are one matrix: `seqtrain.export.
@@ -27,6 +31,7 @@ from seqtrain.spec.model import ModelSpec, RopeScaling
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
 ROPE_TYPES = ("llama3", "linear", "yarn")
 GELU_TANH = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")  # the tanh approximation, each in its own formula
+GELU_EXACT = ("gelu",)  # transformers' "gelu": torch's exact (erf) GELU, nanoGPT's nn.GELU()
 
 _BLOCK = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -82,7 +87,7 @@ def from_hf_name(name: str) -> str | None:
 
 def family_of(spec: ModelSpec) -> str:
     """The transformers family a GPT spec exports as: the narrowest one that computes exactly this block."""
-    if spec.norm == "layernorm" or spec.mlp == "gelu" or spec.positions == "learned":
+    if spec.norm == "layernorm" or spec.mlp != "swiglu" or spec.positions == "learned":
         return "gpt2"
     if spec.qk_norm:
         return "qwen3"
@@ -95,9 +100,12 @@ def family_of(spec: ModelSpec) -> str:
 
 def gpt2_problems(spec: ModelSpec) -> list[str]:
     """What keeps a GPT spec that needs GPT-2's block (layernorm, gelu or learned positions) from being a GPT-2."""
-    want = {"norm": "layernorm", "mlp": "gelu", "positions": "learned", "qkv_bias": True, "out_bias": True,
-            "mlp_bias": True, "qk_norm": False, "sliding_window": None, "rope_scaling": None}
-    out = [f"{k} {getattr(spec, k)!r} (GPT-2 has {v!r})" for k, v in want.items() if getattr(spec, k) != v]
+    want = {"norm": "layernorm", "has_norm_bias": True, "positions": "learned", "qkv_bias": True,
+            "out_bias": True, "mlp_bias": True, "qk_norm": False, "sliding_window": None, "rope_scaling": None}
+    out = [f"{k.removeprefix('has_')} {getattr(spec, k)!r} (GPT-2 has {v!r})" for k, v in want.items()
+           if getattr(spec, k) != v]
+    if spec.mlp not in ("gelu", "gelu-exact"):
+        out.append(f"mlp {spec.mlp!r} (GPT-2 has 'gelu' or 'gelu-exact')")
     if spec.kv_heads != spec.heads:
         out.append(f"kv_heads {spec.kv_heads} (GPT-2 has one per head, {spec.heads})")
     if spec.head_dim not in (None, (spec.dim or 0) // (spec.heads or 1)):
@@ -143,7 +151,8 @@ def hf_config(spec: ModelSpec, tokenizer: dict[str, Any] | None = None) -> dict[
                                 "--format seqtrain")
         return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": spec.dim,
                 "n_layer": spec.layers, "n_head": spec.heads, "n_inner": spec.ffn_dim, "n_positions": spec.max_seq_len,
-                "n_ctx": spec.max_seq_len, "activation_function": "gelu_new", "layer_norm_epsilon": spec.norm_eps,
+                "n_ctx": spec.max_seq_len, "activation_function": "gelu" if spec.mlp == "gelu-exact" else "gelu_new",
+                "layer_norm_epsilon": spec.norm_eps,
                 "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "scale_attn_weights": True,
                 "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False, **common}
     if family == "mistral" and (spec.qkv_bias or spec.out_bias or spec.mlp_bias):
@@ -256,7 +265,7 @@ def _refuse_unless(cfg: dict[str, Any], where: str, key: str, allowed: tuple[Any
 
 def _gpt2_spec(cfg: dict[str, Any], where: str) -> ModelSpec:
     _need(cfg, where, "vocab_size", "n_embd", "n_layer", "n_head")
-    _refuse_unless(cfg, where, "activation_function", GELU_TANH, "gelu_new")
+    _refuse_unless(cfg, where, "activation_function", GELU_TANH + GELU_EXACT, "gelu_new")
     _refuse_unless(cfg, where, "scale_attn_weights", (True,), True)
     _refuse_unless(cfg, where, "scale_attn_by_inverse_layer_idx", (False,), False)
     _refuse_unless(cfg, where, "add_cross_attention", (False,), False)
@@ -265,7 +274,8 @@ def _gpt2_spec(cfg: dict[str, Any], where: str) -> ModelSpec:
     return ModelSpec(
         arch="gpt", vocab_size=int(cfg["vocab_size"]), dim=dim, layers=int(cfg["n_layer"]), heads=heads,
         kv_heads=heads, ffn_dim=int(cfg.get("n_inner") or 4 * dim), max_seq_len=int(cfg.get("n_positions", 1024)),
-        norm="layernorm", mlp="gelu", positions="learned", qkv_bias=True, out_bias=True, mlp_bias=True,
+        norm="layernorm", mlp="gelu-exact" if cfg.get("activation_function") in GELU_EXACT else "gelu",
+        positions="learned", qkv_bias=True, out_bias=True, mlp_bias=True,
         norm_eps=float(cfg.get("layer_norm_epsilon", 1e-5)), tie_embeddings=True,
         init_std=float(cfg.get("initializer_range", 0.02)),
     )

@@ -11,7 +11,7 @@ from typing import Any
 # fields a weight source fixes; the job may not contradict them (the rest: dropout, init, maxSeqLen are free;
 # maxSeqLen is the size of a learned position table, so described, and fixed, only for positions learned)
 SHAPE_FIELDS = ("arch", "vocab_size", "dim", "layers", "heads", "kv_heads", "ffn_dim", "tie_embeddings", "head_dim",
-                "norm", "mlp", "positions", "qkv_bias", "out_bias", "mlp_bias", "qk_norm", "max_seq_len")
+                "norm", "norm_bias", "mlp", "positions", "qkv_bias", "out_bias", "mlp_bias", "qk_norm", "max_seq_len")
 # change the function, not the shapes: taken over unless set
 FUNCTION_FIELDS = ("rope_theta", "norm_eps", "rope_scaling", "sliding_window")
 
@@ -141,6 +141,10 @@ def describe_init(path: str) -> dict[str, Any] | None:
         return None
     if fields.get("positions") != "learned":
         fields = {**fields, "max_seq_len": None}
+    if fields.get("arch") == "gpt" and fields.get("norm") == "layernorm" and fields.get("norm_bias") is None:
+        # normBias unset is the norm's own default: a LayerNorm with a bias (GPT-2; every seqtrain model written
+        # before normBias existed). Said explicitly, so a job's normBias false is refused against these weights.
+        fields = {**fields, "norm_bias": True}
     # head_dim None is dim / heads, sliding_window and rope_scaling None are "none": values the job must not override
     keep_none = ("head_dim", "sliding_window", "rope_scaling") if fields.get("arch") == "gpt" else ()
     return {k: fields.get(k) for k in (*SHAPE_FIELDS, *FUNCTION_FIELDS)
@@ -220,6 +224,8 @@ def tensor_hint(field: str, desc: dict[str, Any]) -> str:
         return "lm_head.weight is " + ("absent (tied)" if desc.get("tie_embeddings") else "present (untied)")
     if field == "max_seq_len":
         return f"pos_embed.weight is [{desc.get('max_seq_len')}, {d}]"
+    if field == "norm_bias":
+        return "blocks.0.attn_norm.bias is " + ("present" if desc.get("norm_bias") else "absent")
     if field in desc and field != "arch":
         return f"its {field} is {desc[field]!r}"
     return f"arch {desc.get('arch')}"

@@ -10,7 +10,7 @@ from seqtrain.spec.base import MAX_SEQ_LEN, SpecModel
 
 Arch = Literal["gpt", "lstm", "gru", "qrnn"]
 Norm = Literal["rmsnorm", "layernorm"]
-Mlp = Literal["swiglu", "gelu"]
+Mlp = Literal["swiglu", "gelu", "gelu-exact"]
 Positions = Literal["rope", "learned"]
 RopeType = Literal["llama3", "linear", "yarn"]
 
@@ -91,9 +91,15 @@ class ModelSpec(SpecModel):
         "some Mistral models set it explicitly, so heads x headDim may differ from dim.",
     )
     norm: Norm = Field("rmsnorm", description="Normalisation of the block inputs and the output (gpt only): "
-                       "rmsnorm (Llama, Qwen, Mistral) or layernorm with a bias (GPT-2).")
-    mlp: Mlp = Field("swiglu", description="The block's MLP (gpt only): swiglu, down(silu(gate(x)) * up(x)), or "
-                     "gelu, down(gelu(up(x))) with GELU's tanh approximation (GPT-2's gelu_new).")
+                       "rmsnorm (Llama, Qwen, Mistral) or layernorm, with a bias unless normBias is false (GPT-2).")
+    norm_bias: bool | None = Field(
+        None, description="Bias of the norms (gpt only); default: the norm's own, layernorm has one, rmsnorm none. "
+        "false with layernorm: nanoGPT's LayerNorm(bias=False), its train.py default.",
+    )
+    mlp: Mlp = Field("swiglu", description="The block's MLP (gpt only): swiglu, down(silu(gate(x)) * up(x)); "
+                     "gelu, down(gelu(up(x))) with GELU's tanh approximation (GPT-2's gelu_new); or gelu-exact, "
+                     "the same with the exact (erf) GELU (nanoGPT's nn.GELU(), transformers' activation_function "
+                     "gelu).")
     positions: Positions = Field("rope", description="Position information (gpt only): rope (rotary, in every "
                                  "attention) or learned (an embedding of maxSeqLen positions added to the tokens', "
                                  "GPT-2).")
@@ -142,6 +148,11 @@ class ModelSpec(SpecModel):
         return self
 
     @property
+    def has_norm_bias(self) -> bool:
+        """Whether the norms have a bias: normBias, else the norm's own default (layernorm yes, rmsnorm no)."""
+        return self.norm_bias if self.norm_bias is not None else self.norm == "layernorm"
+
+    @property
     def padded_vocab_size(self) -> int:
         """Rows of the embedding and the output projection: vocabSize rounded up to a multiple of padVocabTo."""
         assert self.vocab_size, "resolve() the spec"
@@ -155,23 +166,29 @@ class ModelSpec(SpecModel):
 
 
 # The block switches a GPT has beyond its dims (snake_case), each with the value that keeps the plain block.
-GPT_SWITCHES = {"norm": "rmsnorm", "mlp": "swiglu", "positions": "rope", "qkv_bias": False, "out_bias": False,
-                "mlp_bias": False, "qk_norm": False, "head_dim": None, "rope_scaling": None, "sliding_window": None}
+GPT_SWITCHES = {"norm": "rmsnorm", "norm_bias": None, "mlp": "swiglu", "positions": "rope", "qkv_bias": False,
+                "out_bias": False, "mlp_bias": False, "qk_norm": False, "head_dim": None, "rope_scaling": None,
+                "sliding_window": None}
 
 
 def layout_problems(m: ModelSpec, tensor_parallel: int, pipeline_parallel: int,
                     sequence_parallel: bool) -> list[tuple[str, str]]:
-    """(field, message) for each GPT block switch that a parallel layout cannot honour yet."""
+    """(field, message) for each GPT block switch that a parallel layout cannot honour yet, or that the block
+    cannot honour at all (normBias true with rmsnorm, ropeScaling with learned positions)."""
     if m.arch != "gpt":
         return [(f"spec.model.{alias}", f"only applies to arch gpt, not {m.arch}; remove it")
-                for name, alias in (("norm", "norm"), ("mlp", "mlp"), ("positions", "positions"),
-                                    ("qkv_bias", "qkvBias"), ("out_bias", "outBias"), ("mlp_bias", "mlpBias"),
+                for name, alias in (("norm", "norm"), ("norm_bias", "normBias"), ("mlp", "mlp"),
+                                    ("positions", "positions"), ("qkv_bias", "qkvBias"), ("out_bias", "outBias"),
+                                    ("mlp_bias", "mlpBias"),
                                     ("qk_norm", "qkNorm"), ("head_dim", "headDim"), ("rope_scaling", "ropeScaling"),
                                     ("sliding_window", "slidingWindow"))
                 if getattr(m, name) != GPT_SWITCHES[name]] + (
                     [("spec.model.padVocabTo", f"only applies to arch gpt, not {m.arch}; remove it")]
                     if m.pad_vocab_to != 1 else [])
     out = []
+    if m.norm == "rmsnorm" and m.norm_bias:
+        out.append(("spec.model.normBias", "true needs norm layernorm (RMSNorm has no bias); remove normBias, or "
+                    "set model.norm: layernorm"))
     if m.pad_vocab_to > 1 and (tensor_parallel > 1 or pipeline_parallel > 1):
         which = "tensorParallel" if tensor_parallel > 1 else "pipelineParallel"
         out.append(("spec.model.padVocabTo", f"vocabulary padding is not supported with {which} > 1 yet (its "
@@ -181,7 +198,7 @@ def layout_problems(m: ModelSpec, tensor_parallel: int, pipeline_parallel: int,
     if sequence_parallel and tensor_parallel > 1:
         why = "sequence parallel shards the sequence between tensor-parallel ranks"
         for name, alias, bad, fix in (
-                ("norm", "norm", m.norm == "layernorm", "rmsnorm"), ("mlp", "mlp", m.mlp == "gelu", "swiglu"),
+                ("norm", "norm", m.norm == "layernorm", "rmsnorm"), ("mlp", "mlp", m.mlp != "swiglu", "swiglu"),
                 ("positions", "positions", m.positions == "learned", "rope"),
                 ("qkv_bias", "qkvBias", m.qkv_bias, "false"), ("out_bias", "outBias", m.out_bias, "false"),
                 ("mlp_bias", "mlpBias", m.mlp_bias, "false")):

@@ -114,7 +114,7 @@ def resolve_model(job: SeqTrainJob) -> ResolvedModel:
     elif preset_name is None and not source:
         preset_name, label = DEFAULT_PRESET, f"default preset {DEFAULT_PRESET}"
     for key, val in (presets.get(preset_name, {}) if preset_name else {}).items():
-        if key in DIM_BOUND and ("dim" in explicit or values.get("mlp") == "gelu"):
+        if key in DIM_BOUND and ("dim" in explicit or values.get("mlp") in ("gelu", "gelu-exact")):
             continue  # the preset's (SwiGLU) MLP width belongs to its dim; derived from the model's own below
         if key not in explicit:
             values[key], origin[key] = val, label
@@ -135,8 +135,8 @@ def resolve_model(job: SeqTrainJob) -> ResolvedModel:
             values["heads"], origin["heads"] = max(1, dim // 64), f"from dim {dim}: heads of 64"
         if values.get("kv_heads") is None:
             values["kv_heads"], origin["kv_heads"] = values["heads"], "= heads"
-        if values.get("ffn_dim") is None and values.get("mlp") == "gelu":  # GPT-2's MLP
-            values["ffn_dim"], origin["ffn_dim"] = 4 * dim, f"from dim {dim}: 4 x dim (mlp gelu)"
+        if values.get("ffn_dim") is None and values.get("mlp") in ("gelu", "gelu-exact"):  # GPT-2's MLP
+            values["ffn_dim"], origin["ffn_dim"] = 4 * dim, f"from dim {dim}: 4 x dim (mlp {values['mlp']})"
         elif values.get("ffn_dim") is None:
             values["ffn_dim"] = swiglu_hidden(dim)
             origin["ffn_dim"] = f"from dim {dim}: 8/3 x dim rounded up to a multiple of {ffn_multiple(dim)}"
