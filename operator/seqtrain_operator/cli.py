@@ -208,7 +208,16 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     s = Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                  top_p=args.top_p, seed=args.seed)
-    return generate_command(args.source, args.prompt, s, use_cache=not args.no_cache, device=args.device)
+    return generate_command(args.source, args.prompt, s, use_cache=not args.no_cache, device=args.device,
+                            prompt_ids=args.prompt_ids)
+
+
+def _prompt_ids(text: str) -> list[int]:
+    """--prompt-ids 1,2,3: comma-separated non-negative integers (a one-line usage error otherwise)."""
+    parts = [p.strip() for p in text.split(",")]
+    if not all(p.isascii() and p.isdigit() for p in parts):  # no sign, no empty entry, no 1e3
+        raise argparse.ArgumentTypeError(f"{text!r} is not comma-separated non-negative integers such as 1,2,3")
+    return [int(p) for p in parts]
 
 
 def _cmd_prepare_data(args: argparse.Namespace) -> int:
@@ -509,7 +518,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="sample text from a trained model, streaming to the terminal")
     g.add_argument("source", metavar="RUN_OR_DIR", help="run folder, checkpoint folder or exported model folder")
-    g.add_argument("--prompt", required=True, help="text the sample continues")
+    which = g.add_mutually_exclusive_group(required=True)
+    which.add_argument("--prompt", help="text the sample continues")
+    which.add_argument("--prompt-ids", type=_prompt_ids, metavar="1,2,3",
+                       help="token ids the sample continues (the sample is printed as ids): for a model trained on "
+                            "ids without a tokenizer (data.source tokens)")
     g.add_argument("--max-new-tokens", type=_positive_int, default=200, metavar="N")
     g.add_argument("--temperature", type=_nonnegative_float, default=0.8, metavar="T", help="0: greedy")
     g.add_argument("--top-k", type=_positive_int, default=None, metavar="K")

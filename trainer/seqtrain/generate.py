@@ -217,7 +217,9 @@ def pick_device(device: str | None) -> torch.device:
 
 
 def load_generator(path: str, device: str | None = None) -> tuple[nn.Module, Any]:
-    """(model in eval mode on `device`, tokenizer) from any source `seqtrain export` accepts."""
+    """(model in eval mode on `device`, tokenizer) from any source `seqtrain export` accepts. The tokenizer
+    carries `eod` (prepare-data's end-of-document id, or None) and `ids_only` (why the model's ids are not
+    text this tokenizer encodes, or None)."""
     from seqtrain.data.sources import FileTokenizer
     from seqtrain.data.tokenizer import ByteTokenizer
     from seqtrain.export.weights import WeightsError, check_shapes, load_source
@@ -239,20 +241,80 @@ def load_generator(path: str, device: str | None = None) -> tuple[nn.Module, Any
     model.load_state_dict(w.state, strict=True)
     tok = FileTokenizer(w.tokenizer["path"]) if w.tokenizer.get("type") == "file" else ByteTokenizer()
     tok.eod = w.tokenizer.get("eod")  # prepare-data's end-of-document id: the sample ends there
+    tok.ids_only = _ids_not_text(w, vocab_of(model))
     return model.eval(), tok
 
 
-def generate_command(path: str, prompt: str, s: Sampling, use_cache: bool = True, device: str | None = None,
-                     out: Any = None) -> int:
+def vocab_of(model: nn.Module) -> int:
+    """The model's vocabulary: the rows of its output projection (generation builds it without padding)."""
+    return int(model.output_weight.shape[0])
+
+
+def _ids_not_text(w: Any, vocab: int) -> str | None:
+    """Why the byte tokenizer's ids are not this model's (None: they are, or a tokenizer file encodes its text).
+    nanoGPT's char-level recipe trains on ids from `data.source: tokens` with no tokenizer: its ids 0..64 are
+    characters only its own prepare script knows, not the bytes 0..64."""
+    if w.tokenizer.get("type") != "byte" or "eod" in w.tokenizer:  # prepare-data's byte folders record an eod
+        return None
+    data = w.job.spec.data if w.job is not None else None
+    if data is not None and data.source == "tokens":
+        import os
+
+        # raw token files (not prepare-data folders, whose index.json names the tokenizer), found from here
+        found = [p for p in data.paths if os.path.exists(os.path.expanduser(p))]
+        if found and all(os.path.isfile(os.path.expanduser(p)) for p in found):
+            return "the run trained on ids from data.source: tokens without a tokenizer"
+    if vocab < 256:
+        return "the model has no tokenizer and fewer ids than the byte tokenizer's 256: its ids are not bytes"
+    return None
+
+
+def check_prompt(tok: Any, prompt: str | None, prompt_ids: list[int] | None, vocab: int) -> list[int]:
+    """The prompt as model ids: --prompt-ids as given, --prompt through the tokenizer; ValueError (one line,
+    naming the problem and the flag that works) for an id outside the vocabulary or text for a model whose ids
+    are not text."""
+    fix = "give the prompt as ids with --prompt-ids 1,2,3 or train with a tokenizer"
+    if prompt_ids is not None:
+        bad = [i for i in prompt_ids if i >= vocab]
+        if bad:
+            raise ValueError(f"--prompt-ids: id {bad[0]} is outside this model's vocabulary of {vocab} ids "
+                             f"(0 to {vocab - 1})")
+        return prompt_ids
+    ids = [int(i) for i in tok.encode(prompt or "")]
+    if not ids:
+        raise ValueError("--prompt: the prompt must have at least one token")
+    reason = getattr(tok, "ids_only", None)
+    bad = next((i for i in ids if i >= vocab), None)
+    if bad is not None:
+        if hasattr(tok, "_tok"):  # a tokenizer.json larger than the model's vocabulary
+            what, why = f"token {tok._tok.id_to_token(bad)!r}", "the tokenizer has more ids than the model"
+            fix = "give the prompt as ids with --prompt-ids 1,2,3 or generate with the tokenizer the model trained with"
+        else:
+            what = f"byte {chr(bad)!r}" if bad < 128 else f"byte 0x{bad:02x}"
+            why = reason or "the model has fewer ids than the byte tokenizer's 256"
+        raise ValueError(f"--prompt: the prompt's {what} is id {bad}, outside this model's vocabulary of {vocab} "
+                         f"ids: {why}; {fix}")
+    if reason:
+        raise ValueError(f"--prompt: {reason}, so text has no ids for it (the byte tokenizer would read {prompt!r} "
+                         f"as ids that mean something else to this model); {fix}")
+    return ids
+
+
+def generate_command(path: str, prompt: str | None, s: Sampling, use_cache: bool = True, device: str | None = None,
+                     out: Any = None, prompt_ids: list[int] | None = None) -> int:
+    """Stream a sample to `out`: text, or ids (comma-separated, as --prompt-ids takes them) when the prompt was
+    given as ids or the model's ids are not text (a run on token ids without a tokenizer: decoding them as bytes
+    would print control characters)."""
     from seqtrain.checkpoint.safe_load import CheckpointUnavailable
     from seqtrain.export.weights import WeightsError
 
     out = out or sys.stdout
     try:
         model, tok = load_generator(path, device)
-        prompt_ids = [int(i) for i in tok.encode(prompt)]
+        as_ids = prompt_ids is not None
+        prompt_ids = check_prompt(tok, prompt, prompt_ids, vocab_of(model))
         stream = StreamDecoder(tok)
-        out.write(prompt)
+        out.write(",".join(map(str, prompt_ids)) if as_ids else str(prompt))
         out.flush()
         t0, n = time.perf_counter(), 0
         eod, ended = getattr(tok, "eod", None), False
@@ -260,10 +322,10 @@ def generate_command(path: str, prompt: str, s: Sampling, use_cache: bool = True
             if token == eod:
                 ended = True
                 break
-            out.write(stream.push(token))
+            out.write(f",{token}" if as_ids else stream.push(token))
             out.flush()
             n += 1
-        out.write(stream.flush() + "\n")
+        out.write(("" if as_ids else stream.flush()) + "\n")
         out.flush()
         seconds = time.perf_counter() - t0
     except (WeightsError, ValueError, FileNotFoundError) as exc:
