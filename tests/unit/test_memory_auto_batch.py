@@ -44,7 +44,7 @@ def test_the_estimate_picks_the_largest_candidate_that_fits(memory: str) -> None
 
 def test_validate_and_plan_accept_auto_and_plan_shows_the_choice(capsys: pytest.CaptureFixture[str]) -> None:
     assert plan_command(QUICK, overrides=["training.microBatchSize=auto", "training.globalBatchSize=64", "replicas=1",
-                                          "resources.memory=900Mi"]) == 0
+                                          "resources.memory=965Mi"]) == 0
     out = capsys.readouterr().out
     assert "(auto)" in out and "note: microBatchSize auto -> 32, gradient accumulation 2 (64 would need" in out
 
@@ -74,19 +74,19 @@ def _agree(fits: bool, peak: float) -> tuple[bool, float]:
 
 
 def test_probe_steps_down_from_the_estimates_choice_until_a_step_fits() -> None:
-    j = job("900Mi")
+    j = job("965Mi")
     first = auto_micro_batch(j)
-    assert first.size == 32  # the estimate: 64 needs more than 900 MiB
+    assert first.size == 32  # the estimate: 64 needs more than 965 MiB
     seen: list[int] = []
-    # the real process: 700 MiB + 6 MiB per sequence (more than the estimate says): 32 -> 892 + beside > 900 MiB
-    chosen, reason = choose(j, "cpu", _agree, _fake_probe(700 * MiB, 6 * MiB, seen))
+    # the real process: 765 MiB + 6 MiB per sequence (more than the estimate says): 32 -> 957 + beside > 965 MiB
+    chosen, reason = choose(j, "cpu", _agree, _fake_probe(765 * MiB, 6 * MiB, seen))
     size = chosen.spec.training.micro_batch_size
     assert seen == [32, 16] and size == 16
     assert chosen.spec.grad_accum * size * chosen.spec.dp == j.spec.training.global_batch_size == 64
     assert reason.startswith("microBatchSize auto -> 16, gradient accumulation 4 (32 does not fit")
-    assert "probe step: " in reason and "900Mi" in reason
-    need = (700 * MiB + 6 * MiB * 16 + beside_the_step(j, 16))
-    assert need <= 900 * MiB
+    assert "probe step: " in reason and "965Mi" in reason
+    need = (765 * MiB + 6 * MiB * 16 + beside_the_step(j, 16))
+    assert need <= 965 * MiB
 
 
 def test_probe_confirms_the_estimates_choice_when_it_fits() -> None:
@@ -98,9 +98,9 @@ def test_probe_confirms_the_estimates_choice_when_it_fits() -> None:
 
 
 def test_nothing_fits_trains_with_the_smallest_and_says_so() -> None:
-    j = job("900Mi")
+    j = job("965Mi")
     seen: list[int] = []
-    chosen, reason = choose(j, "cpu", _agree, _fake_probe(950 * MiB, 1 * MiB, seen))
+    chosen, reason = choose(j, "cpu", _agree, _fake_probe(1015 * MiB, 1 * MiB, seen))
     assert chosen.spec.training.micro_batch_size == 1 and seen == [32, 16, 8, 4, 2, 1]
     assert "the smallest" in reason
 

@@ -113,3 +113,18 @@ def test_validate_gives_the_plans_memory_verdict(tmp_path, capsys) -> None:
     assert "spec.resources.memory: the estimate needs" in err and "raise resources.memory to at least" in err, err
     assert cli_main(["validate", str(job)]) == 0
     assert "note: memory: a replica needs" in capsys.readouterr().out
+
+
+def test_the_walkthroughs_770mi_quickstart_is_refused_with_a_size_that_leaves_room() -> None:
+    """A newcomer's 770Mi quickstart passed the verdict (baseline measured over two synthetic steps) and was then
+    OOM-killed at every restart: its ranks peaked at 774-853 MiB. The baseline now includes what a run does besides
+    its steps, and the message gives a size with room beside the bare minimum."""
+    job = load_job_file(QUICKSTART, ["resources.memory=770Mi"])
+    [problem] = memory_problems(job)
+    need = replica_need(job, estimate(job))
+    assert need > 800 * 2**20
+    assert f"at least {int(-(-need // 2**20))}Mi" in problem.message and "leaves room" in problem.message
+    assert "(or set it to auto)" in problem.message  # a fixed micro-batch: auto is advice worth giving
+    auto = load_job_file(QUICKSTART, ["resources.memory=600Mi", "training.microBatchSize=auto"])
+    [problem] = memory_problems(auto)
+    assert "set it to auto" not in problem.message and "training.globalBatchSize" in problem.message
