@@ -62,7 +62,8 @@ K8S_PARTS: dict[str, int] = {
 # The operator image has no torch: from the trainer it may import only these torch-free packages/modules.
 OPERATOR_MAY_IMPORT = ("seqtrain.spec", "seqtrain.layout", "seqtrain.runtime.exitcodes", "seqtrain.runtime.launch",
                        "seqtrain.runtime.restart", "seqtrain.train.metrics",
-                       "seqtrain.checkpoint.discovery", "seqtrain.obs.push", "seqtrain.obs.httpserve")
+                       "seqtrain.checkpoint.discovery", "seqtrain.obs.push", "seqtrain.obs.httpserve",
+                       "seqtrain.optim.schedules")  # the local runner makes the trainer's resume check of training.steps
 # The one console script: its trainer commands (train, report, bench, ...) import the trainer inside the command
 # function, so `seqtrain validate` and `seqtrain operator` stay torch-free; only its module-level imports count.
 LAZY_ENTRY_POINTS = {"seqtrain_operator.cli"}

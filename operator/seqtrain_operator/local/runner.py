@@ -6,6 +6,9 @@ checkpoints, metrics.jsonl) -> decide() -> persist status.json -> execute action
 Re-running on the same workdir: a job that Succeeded (and is not asked for more steps) is reported as already
 finished (exit 0); anything else resumes from the latest complete checkpoint. A Failed job that is run again gets a
 fresh restart budget (the user has presumably fixed the cause); restart counts of an unfinished job carry over.
+A re-run with a training.steps that the trainer would refuse at resume (the newest checkpoint was made for other
+steps and the schedule's next learning rate moves; see `resume_problem`) exits 2 with the trainer's line before any
+rank starts, and the run folder keeps its phase.
 
 One runner owns a run folder at a time: it holds an exclusive `flock` on `<workdir>/run.lock` for its whole life
 (the pid inside names it). A second `seqtrain run` on the folder exits 2 naming that pid instead of stopping the
@@ -32,7 +35,9 @@ from contextlib import contextmanager, suppress
 
 import yaml
 
+from seqtrain.checkpoint import discovery
 from seqtrain.checkpoint.discovery import quarantined
+from seqtrain.optim.schedules import resume_steps_change
 from seqtrain.spec import SeqTrainJob, SpecError, load_job_file, resolve
 from seqtrain.spec.cluster import quantity_value
 from seqtrain.spec.init_source import TOKENIZER_COMPANIONS
@@ -225,6 +230,17 @@ def keep_tokenizer(job: SeqTrainJob, workdir: str) -> str | None:
     return None
 
 
+def resume_problem(job: SeqTrainJob, checkpoint_dir: str) -> str | None:
+    """The refusal a rank would end with when it resumes from the newest complete checkpoint (the trainer's own
+    check of training.steps against the steps the checkpoint was made for), made before any rank starts: a refused
+    change exits 2 with the rank's line and leaves the run folder, a Succeeded one included, as it was."""
+    info = discovery.latest_checkpoint(checkpoint_dir)
+    if info is None:
+        return None
+    change = resume_steps_change(resolve(job).spec.training, info.step, info.meta.get("total_steps"))
+    return f"spec.training.steps: {change[0]}" if change is not None and change[1] else None
+
+
 def _local_problem(job: SeqTrainJob) -> str | None:
     ck = job.spec.checkpoint.path
     if ck and "://" in ck:
@@ -299,6 +315,9 @@ class LocalRun:
                   f"GPU(s), this machine has {have}; use resources.gpus: 0 to train on the CPU", file=sys.stderr)
             return EXIT_FAILED
         if (problem := folder_problem("spec.checkpoint.path", self.ckpt_dir)) is not None:
+            print(f"{job.name}: {problem}", file=sys.stderr)
+            return EXIT_INVALID
+        if (problem := resume_problem(job, self.ckpt_dir)) is not None:  # before anything in the folder changes
             print(f"{job.name}: {problem}", file=sys.stderr)
             return EXIT_INVALID
         recorded = job.model_copy(deep=True)  # as submitted, with the tokenizer it trains with (model.init's)

@@ -6,12 +6,12 @@ freedom to scale activations), "embed" (embedding tables: decayed, learning rate
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 from torch import nn
 
+from seqtrain.optim.schedules import lr_factor  # torch-free: the local runner checks a resume with it too
 from seqtrain.runtime.shards import full_shape
 from seqtrain.spec.training import OptimizerSpec, ScheduleSpec
 
@@ -47,26 +47,6 @@ def build_optimizer(model: nn.Module, spec: OptimizerSpec) -> torch.optim.Optimi
     # fused: one CUDA kernel for the whole update instead of a loop of small ones (needs every tensor on CUDA)
     fused = all(p.is_cuda for g in groups for p in g["params"]) and any(g["params"] for g in groups)
     return torch.optim.AdamW(groups, lr=spec.lr, betas=tuple(spec.betas), eps=spec.eps, fused=fused or None)
-
-
-def lr_factor(step: int, spec: ScheduleSpec, total_steps: int) -> float:
-    """Multiplier of the peak learning rate for the optimizer step with 0-based index `step`.
-
-    Warmup rises linearly to 1 over `warmupSteps` (the first step already moves: (step+1)/warmup);
-    cosine then falls to `minLrRatio` at the last step; constant stays at 1.
-    """
-    warm = spec.warmup_steps
-    if step < warm:
-        return (step + 1) / warm
-    if spec.name == "constant":
-        return 1.0
-    if spec.name == "cosine":
-        span = max(1, total_steps - 1 - warm)
-        progress = min(1.0, (step - warm) / span)
-        return spec.min_lr_ratio + (1 - spec.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-    from seqtrain.optim.schedules import after_warmup_factor  # linear, wsd, cyclic
-
-    return after_warmup_factor(step, spec, total_steps)
 
 
 def build_scheduler(

@@ -1,4 +1,7 @@
-"""Learning-rate schedules after warmup, beyond constant and cosine (`seqtrain.optim.build.lr_factor`).
+"""Learning-rate schedules (torch-free: the local runner checks a resume with them before starting any rank).
+
+`lr_factor` is the multiplier of the peak learning rate; after warmup, constant and cosine are computed there and
+the others by `after_warmup_factor`:
 
 `step` is the 0-based index of the optimizer update about to be applied; warmup is handled by the caller.
 - linear: straight line from 1 at the end of warmup down to minLrRatio at the last step
@@ -9,9 +12,29 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
+from typing import Any
 
-from seqtrain.spec.training import ScheduleSpec
+from seqtrain.spec.training import ScheduleSpec, TrainingSpec
+
+
+def lr_factor(step: int, spec: ScheduleSpec, total_steps: int) -> float:
+    """Multiplier of the peak learning rate for the optimizer step with 0-based index `step`.
+
+    Warmup rises linearly to 1 over `warmupSteps` (the first step already moves: (step+1)/warmup);
+    cosine then falls to `minLrRatio` at the last step; constant stays at 1.
+    """
+    warm = spec.warmup_steps
+    if step < warm:
+        return (step + 1) / warm
+    if spec.name == "constant":
+        return 1.0
+    if spec.name == "cosine":
+        span = max(1, total_steps - 1 - warm)
+        progress = min(1.0, (step - warm) / span)
+        return spec.min_lr_ratio + (1 - spec.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    return after_warmup_factor(step, spec, total_steps)  # linear, wsd, cyclic
 
 
 def after_warmup_factor(step: int, spec: ScheduleSpec, total_steps: int) -> float:
@@ -55,3 +78,17 @@ def steps_change(factor: Callable[[int, int], float], spec: ScheduleSpec, peak_l
         return f"{what} (training.allowScheduleChange); {change}", False
     return (f"{what}, so {change}; set training.allowScheduleChange: true to continue with the recomputed schedule, "
             f"or keep training.steps {planned}"), True
+
+
+def resume_steps_change(training: TrainingSpec, step: int, planned: Any) -> tuple[str, bool] | None:
+    """The check a resume makes at checkpoint `step` whose meta.json says it was made for `planned` steps (its
+    `total_steps`): None when there is nothing to say (same steps, no record, or the run is already past the new
+    total), else `steps_change`'s (message, refuse) for training.steps. The trainer runs it after loading the
+    checkpoint; the local runner runs it on the same checkpoint's meta.json before starting any rank, so a refused
+    change never starts a gang (nor marks a finished run Failed)."""
+    total = training.steps
+    if not isinstance(planned, int) or isinstance(planned, bool) or planned == total or step >= total:
+        return None
+    sched = training.schedule
+    return steps_change(lambda s, t: lr_factor(s, sched, t), sched, training.optimizer.lr, step, planned, total,
+                        training.allow_schedule_change)

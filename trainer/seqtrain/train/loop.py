@@ -26,8 +26,7 @@ from seqtrain.models import build_model, count_parameters
 from seqtrain.models.compile import prepare_model
 from seqtrain.models.dispatch import setup_fused_projections, setup_kernels
 from seqtrain.models.materialize import materialize, new_model, shards_first
-from seqtrain.optim.build import lr_factor
-from seqtrain.optim.schedules import steps_change
+from seqtrain.optim.schedules import resume_steps_change
 from seqtrain.parallel.apply import init_mesh, parallelize
 from seqtrain.parallel.pipeline import local_modules
 from seqtrain.parallel.watchdog import waiting
@@ -220,11 +219,10 @@ class Trainer:
     def _check_steps_change(self, planned: Any) -> None:
         """A checkpoint made for other training.steps: say what happens to the schedule, or refuse (every rank
         decides alike from the same checkpoint and spec, so all raise together)."""
-        if not isinstance(planned, int) or planned == self.total_steps or self.step >= self.total_steps:
+        change = resume_steps_change(self.spec.training, self.step, planned)
+        if change is None:
             return
-        tr = self.spec.training
-        msg, refuse = steps_change(lambda s, t: lr_factor(s, tr.schedule, t), tr.schedule, tr.optimizer.lr,
-                                   self.step, planned, self.total_steps, tr.allow_schedule_change)
+        msg, refuse = change
         if refuse:
             raise InvalidConfig(f"spec.training.steps: {msg}")
         self.log(f"seqtrain: {msg}")
