@@ -242,7 +242,7 @@ def test_lora_fine_tune_of_a_qwen_folder_trains_and_exports_with_its_tokenizer(t
     assert yaml.safe_load((run_dir / "job.yaml").read_text())["spec"]["data"]["tokenizer"]["type"] == "file"
 
 
-@pytest.mark.parametrize("family", ["llama3", "qwen3", "mistral", "gpt2"])
+@pytest.mark.parametrize("family", ["llama3", "qwen2.5", "qwen3", "mistral", "gpt2"])
 def test_greedy_generation_equals_transformers_token_for_token(tmp_path: Path, family: str) -> None:
     """The KV-cache decoder honours the switches too (q/k norm, learned positions, the sliding window over cached
     positions: 6 + 14 tokens through a window of 5)."""
