@@ -1,8 +1,9 @@
 """What the user sees: a progress bar fed by metrics.jsonl, event lines, and the loss plot at the end.
 
 Before the first step the bar names rank 0's start-up phase (rendezvous, model, engine, data, checkpoint, first step:
-`seqtrain.runtime.exitcodes.PHASE_MARKER` lines in its log) with its elapsed time. When the output is not a terminal
-(a file, a pipe, CI) there is no live bar: the phases and a progress line every tenth of the run are plain lines.
+`seqtrain.runtime.exitcodes.PHASE_MARKER` lines in its log) with its elapsed time; `microBatchSize: auto`'s choice
+(its `AUTO_MARKER` line) is printed once, as a line. When the output is not a terminal (a file, a pipe, CI) there is
+no live bar: the phases and a progress line every tenth of the run are plain lines.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from seqtrain.runtime.exitcodes import phase_of
+from seqtrain.spec.memory import AUTO_MARKER
 from seqtrain_operator.local.files import read_metrics
 
 
@@ -102,6 +104,8 @@ class StartupWatch:
         for line in self._new_lines():
             if (what := phase_of(line)) is not None:
                 self._enter(what, now)
+            elif line.startswith(AUTO_MARKER):  # microBatchSize auto's choice and why: once, above the bar
+                self.view.line(f"{self.view.name}: {line[len(AUTO_MARKER):].strip()}")
         stepped = last_step_time is not None and last_step_time > self._began - self.SLACK_SECONDS
         if self._phase is not None and stepped:
             self.view.note(f"{self.view.name}: training ({self._phase} took {now - self._since:.1f}s; start-up "

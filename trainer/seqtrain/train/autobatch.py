@@ -29,6 +29,7 @@ from seqtrain.spec.job import SeqTrainJob
 from seqtrain.spec.memory import AUTO_MARKER, auto_micro_batch, estimate, gib, with_micro_batch
 
 MARKER = AUTO_MARKER  # the line rank 0 logs: the choice and its reason
+PHASE = "choosing microBatchSize (auto: probe steps)"  # the start-up phase the probing is
 
 
 def resident_bytes(field: str = "VmRSS") -> int | None:
@@ -209,6 +210,10 @@ def resolve_auto(job: SeqTrainJob, device: object, is_main: bool) -> tuple[SeqTr
     from seqtrain.data import build_train_data
 
     rank, world = int(os.environ.get("RANK", "0")), job.spec.world_size
+    if is_main:
+        from seqtrain.runtime.exitcodes import announce_phase
+
+        announce_phase(PHASE)
     # The training data stays loaded while the candidates are probed: the peak then holds what the trainer will
     # hold beside the model (the corpus, its index), not only the step. Freed before the trainer loads its own.
     data = build_train_data(with_micro_batch(job, auto_micro_batch(job).size), rank, world)
@@ -217,12 +222,9 @@ def resolve_auto(job: SeqTrainJob, device: object, is_main: bool) -> tuple[SeqTr
     finally:
         del data
         gc.collect()
-    if is_main:
-        from seqtrain.runtime.exitcodes import announce_phase
-
+    if is_main:  # said once: the local view prints this line (a phase would repeat it in the next one's "took")
         print(f"{MARKER}{reason}", flush=True)
-        announce_phase(reason)
     return chosen, reason
 
 
-__all__ = ["MARKER", "Probe", "choose", "probe_step", "resident_bytes", "resolve_auto"]
+__all__ = ["MARKER", "PHASE", "Probe", "choose", "probe_step", "resident_bytes", "resolve_auto"]
