@@ -131,6 +131,23 @@ def test_readme_commands_are_real_subcommands() -> None:
     assert names == set(choices), f"README's benchmarks {sorted(names)} != seqtrain bench's {sorted(choices)}"
 
 
+def test_readme_says_in_which_order_make_install_gets_torch() -> None:
+    """The README's install sentence follows the Makefile's `$(STAMP)` recipe: without a driver, PyPI's default torch
+    (on Linux the CUDA build) first, PyTorch's CPU index only when that fails (it said "the CPU build first")."""
+    make = (ROOT / "Makefile").read_text(encoding="utf-8")
+    found = re.search(r"^TORCH_VERSION \?= (\S+)", make, re.M)
+    assert found is not None
+    recipe = make[make.index("$(STAMP): "):]
+    tries = [ln.strip() for ln in recipe.splitlines() if '"torch==$(TORCH_VERSION)"' in ln]
+    assert len(tries) == 2, tries
+    assert "--index-url" not in tries[0], "the Makefile's first torch install changed: update the README's sentence"
+    assert tries[1].startswith("||") and "download.pytorch.org/whl/cpu" in tries[1]
+    readme = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
+    assert "installs the CPU build of torch" not in readme
+    assert f"the Makefile first installs torch {found.group(1)} from PyPI's default index" in readme
+    assert "only when that install fails does it fall back to the CPU build from PyTorch's CPU index" in readme
+
+
 # ---- the README's Kubernetes section and the images it uses (issue 17) -------------------------------------------
 
 
