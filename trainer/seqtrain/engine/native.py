@@ -5,6 +5,7 @@ with `optimization.paramDtype: bf16` bf16 parameters and gradients over fp32 mas
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -31,16 +32,22 @@ class NativeEngine(Engine):
             self.master = MasterWeights(model, self.optimizer)
         self.wrapped: nn.Module = self.loss_module
         if ctx.distributed and ctx.dp_size > 1:
-            self.wrapped = DDP(
-                self.loss_module,
-                device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
-                process_group=ctx.dp_group,
-                bucket_cap_mb=job.spec.optimization.bucket_mb,
-                # RoPE tables are buffers derived from the spec: identical on every rank, no per-step broadcast.
-                # (broadcast_buffers, not 2.13's forward_sync_buffers: the lent GPU machine runs torch 2.11.)
-                broadcast_buffers=False,
-                gradient_as_bucket_view=True,
-            )
+            with warnings.catch_warnings():
+                # torch 2.13 deprecates broadcast_buffers for forward_sync_buffers, but forward_sync_buffers=False
+                # still broadcasts the buffers once at construction (broadcast_buffers=False does not), and 2.11 (the
+                # lent GPU machine's) has no forward_sync_buffers: the one argument that means the same on both is
+                # kept and only its deprecation warning is dropped, as the warning itself advises until torch has
+                # init_sync_buffers.
+                warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated", category=FutureWarning)
+                self.wrapped = DDP(
+                    self.loss_module,
+                    device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
+                    process_group=ctx.dp_group,
+                    bucket_cap_mb=job.spec.optimization.bucket_mb,
+                    # RoPE tables are buffers derived from the spec: identical on every rank, never broadcast.
+                    broadcast_buffers=False,
+                    gradient_as_bucket_view=True,
+                )
         self.grad_clip = job.spec.training.grad_clip
 
     def _sync_context(self, last: bool) -> contextlib.AbstractContextManager:
