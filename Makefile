@@ -31,8 +31,9 @@ $(STAMP): pyproject.toml
 		"(old clones, /tmp/pytest-of-$$(id -un)) or set VENV to a larger disk" >&2; fi
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
-	@# On machines without an NVIDIA driver install the CPU build of torch first: the package's torch range is
-	@# then already satisfied and pip never pulls the multi-GB CUDA wheels.
+	@# On machines without an NVIDIA driver pin torch first, from PyPI (on Linux x86_64 that is the CUDA build, which
+	@# runs on the CPU; this project's machines reach PyPI only), else from PyTorch's CPU index: the package's torch
+	@# range is then already satisfied and `pip install -e` changes nothing of it.
 	@if ! command -v nvidia-smi >/dev/null 2>&1; then \
 		$(PY) -m pip install -q "torch==$(TORCH_VERSION)" \
 		|| $(PY) -m pip install -q "torch==$(TORCH_VERSION)" --index-url https://download.pytorch.org/whl/cpu; \
