@@ -157,5 +157,6 @@ def test_validate_notes_what_auto_becomes_for_a_gpu_job_only() -> None:
     gpu_notes = job_notes(job(**{"resources.gpus": 1}))
     assert any(AUTO_PRECISION in n and "compile auto: on with CUDA" in n for n in gpu_notes)
     assert not any("optimization:" in n for n in job_notes(job()))  # the CPU runs what it always ran
-    explicit = job(**{"resources.gpus": 1, "optimization.precision": "bf16", "optimization.compile": "false"})
+    explicit = job(**{"resources.gpus": 1, "optimization.precision": "bf16", "optimization.compile": "false",
+                      "optimization.fusedProjections": "true"})
     assert not any("optimization:" in n for n in job_notes(explicit))
