@@ -58,6 +58,12 @@ def test_dry_run_writes_every_part(tmp_path: Path, monkeypatch: pytest.MonkeyPat
         assert run["micro_batch"] == m and run["micro_batches_per_step"] == 2 and run["model_tflops_per_s"] > 0
         assert run["slots_per_step"] == 2 * m * one["slots_per_step"] // one["micro_batch"]
         assert f"mfu_accumulated_micro{m}" in summary["headline"]
+    # the headline's twin with q/k/v and gate/up split: what optimization.fusedProjections gains, measured
+    fused, split = mfu["accumulated_micro4"], mfu["accumulated_micro4_unfused"]
+    assert fused["fused_projections"] is True and split["fused_projections"] is False
+    assert split["slots_per_step"] == fused["slots_per_step"] and split["model_tflops_per_s"] > 0
+    assert fused["losses"][0] == pytest.approx(split["losses"][0], rel=1e-2)  # same weights and data, bf16
+    assert "mfu_accumulated_micro4_unfused" in summary["headline"]
     assert one["micro_batches_per_step"] == 1
 
 
@@ -179,6 +185,7 @@ def test_the_gpu_tests_progress_names_the_test_that_was_running_when_the_part_wa
 def test_mfu_accumulates_to_half_a_million_tokens_per_step_on_a_gpu() -> None:
     runs = {r["key"]: r for r in gpu.mfu_runs(True, 4)}
     assert list(runs)[0] == "accumulated_micro4"  # the headline first: a deadline cuts from the end
+    assert list(runs)[-1] == "accumulated_micro4_unfused" and runs["accumulated_micro4_unfused"]["fused"] is False
     for m in (4, 8):
         r = runs[f"accumulated_micro{m}"]
         assert r["micro"] == m and r["global"] * gpu.MFU_SEQ == gpu.ACCUM_TOKENS == 524_288

@@ -293,8 +293,9 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 # ---- training steps through the real Trainer --------------------------------------------------------------------
 
 def _job(model: dict[str, Any], seq: int, micro: int, steps: int, precision: str, ac: str, compile_: bool,
-         global_batch: int | None = None) -> Any:
-    """A one-process job; `global_batch` sequences per optimizer step (default `micro`: no accumulation)."""
+         global_batch: int | None = None, fused: bool = True) -> Any:
+    """A one-process job; `global_batch` sequences per optimizer step (default `micro`: no accumulation); `fused`:
+    optimization.fusedProjections (q/k/v and gate/up as one GEMM each)."""
     from seqtrain.spec import parse_job, resolve
 
     doc = {
@@ -305,7 +306,7 @@ def _job(model: dict[str, Any], seq: int, micro: int, steps: int, precision: str
             "data": {"source": "synthetic", "seqLen": seq, "synthetic": {"length": (seq - 3) // 2}},
             "training": {"steps": steps, "globalBatchSize": global_batch or micro, "microBatchSize": micro, "seed": 0,
                          "logEvery": 10**6, "optimizer": {"lr": 3e-4}, "schedule": {"name": "constant"}},
-            "optimization": {"precision": precision, "compile": compile_,
+            "optimization": {"precision": precision, "compile": compile_, "fusedProjections": fused,
                              "activationCheckpointing": {"policy": ac}},
             "checkpoint": {"intervalSteps": 10**6, "saveOnSigterm": False},
         },
@@ -472,6 +473,9 @@ def mfu_runs(gpu: bool, micro: int) -> list[dict[str, Any]]:
              "may_not_fit": True},
             {"key": "activation_checkpointing_full", "micro": micro, "global": micro, "ac": "full", "steps": 10,
              "warmup": 3},
+            # the headline with q/k/v and gate/up as separate GEMMs: what optimization.fusedProjections gains
+            {"key": "accumulated_micro4_unfused", "micro": 4, "global": per_step, "ac": "none", "steps": 3,
+             "warmup": 1, "fused": False},
         ]
     return [
         {"key": "accumulated_micro4", "micro": 4, "global": 8, "ac": "none", "steps": 2, "warmup": 1},
@@ -479,6 +483,8 @@ def mfu_runs(gpu: bool, micro: int) -> list[dict[str, Any]]:
         {"key": "accumulated_micro8", "micro": 8, "global": 16, "ac": "none", "steps": 2, "warmup": 1,
          "may_not_fit": True},
         {"key": "activation_checkpointing_full", "micro": 2, "global": 2, "ac": "full", "steps": 3, "warmup": 1},
+        {"key": "accumulated_micro4_unfused", "micro": 4, "global": 8, "ac": "none", "steps": 2, "warmup": 1,
+         "fused": False},
     ]
 
 
@@ -508,10 +514,12 @@ def part_mfu(args: argparse.Namespace, out: Path) -> dict[str, Any]:
             # compiled blocks on the GPU (the default fast path); the dry run stays eager: inductor's CPU build
             # takes minutes on a small machine and is tested elsewhere
             steps = max(2, r["steps"] // 2) if args.quick and gpu else r["steps"]
-            job = _job(model, seq, r["micro"], steps, "bf16", r["ac"], gpu, global_batch=r["global"])
+            job = _job(model, seq, r["micro"], steps, "bf16", r["ac"], gpu, global_batch=r["global"],
+                       fused=r.get("fused", True))
             # the attention kernel is the same at any accumulation: profiled on the one-micro-batch runs only
             run = _run_steps(job, steps, r["warmup"], attention=r["global"] == r["micro"])
-            run.update({"micro_batch": r["micro"], "activation_checkpointing": r["ac"]})
+            run.update({"micro_batch": r["micro"], "activation_checkpointing": r["ac"],
+                        "fused_projections": r.get("fused", True)})
             run.update(mfu_of(run, token_flops(job.spec.model, seq).training, peak["tflops"],
                               measured.get("tflops")))
             res[r["key"]] = run
@@ -817,7 +825,8 @@ def _headline(out: Path) -> dict[str, Any] | None:
         **{f"peak_memory_mb_ac_{ac}": r.get("peak_memory_mb") for ac, r in runs.items()},
         **{f"mfu_accumulated_micro{m}": r.get("mfu") for m, r in acc.items()},
         **{f"tokens_per_step_accumulated_micro{m}": r.get("tokens_per_step") for m, r in acc.items()},
-        **{f"peak_memory_mb_accumulated_micro{m}": r.get("peak_memory_mb") for m, r in acc.items()}}
+        **{f"peak_memory_mb_accumulated_micro{m}": r.get("peak_memory_mb") for m, r in acc.items()},
+        "mfu_accumulated_micro4_unfused": mfu.get("accumulated_micro4_unfused", {}).get("mfu")}
     prof = out / "profile.json"
     if prof.exists():
         p = json.loads(prof.read_text())
