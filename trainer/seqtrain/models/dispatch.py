@@ -3,10 +3,12 @@
 Resolution (`resolve_kernels`), in order:
 1. `SEQTRAIN_KERNELS=torch` forces the reference, whatever the spec says.
 2. `optimization.kernels: false` -> reference.
-3. Unset -> the reference everywhere (PyTorch SDPA / flex_attention, and torch.compile's fusion when
-   `optimization.compile` is on). No GPU has measured the Triton kernels against it yet; the default moves to
-   the kernels only for the ops and shapes where `seqtrain bench gpu` shows them at least as fast
-   (docs/benchmarks.md). A run with the field unset never imports triton.
+3. Unset -> per op, from the first GPU lease's measurements (docs/benchmarks.md, one H100, 2026-11-26): on CUDA
+   where Triton runs, `linear_scan` (QRNN's fo-pooling; 2.6-4.5x the reference there) is on (`CUDA_DEFAULT_ON`);
+   every other op takes the reference (PyTorch SDPA / flex_attention, and torch.compile's fusion when
+   `optimization.compile` is on), since the kernels lost to it or won only where compiled blocks cannot call them
+   (packed-document attention beat flex_attention 1.67x, but inside a compiled block the kernel's autograd
+   Function would break the graph). On the CPU a run with the field unset never imports triton.
 4. On (true) -> the Triton path where it can run on this device (CUDA, or the CPU with
    `TRITON_INTERPRET=1`, and triton imports); otherwise the reference, with the reason in the log line.
    `SEQTRAIN_KERNELS=triton` where Triton cannot run is an error, not a fallback.
@@ -71,6 +73,25 @@ def resolve_kernels(setting: bool | None, device: torch.device) -> tuple[bool, s
     return False, f"off ({source}, but {why}; using the PyTorch reference)"
 
 
+# Module classes whose kernel is on by default on CUDA (optimization.kernels unset): where a lease measured it faster.
+CUDA_DEFAULT_ON = ("QRNNLayer",)
+
+
+def _triton_runs_on(device: torch.device) -> bool:
+    return backend_for(torch.empty(0, device=device)) == "triton"
+
+
+def default_kernel_modules(model: nn.Module, device: torch.device) -> list[str]:
+    """With optimization.kernels unset: the modules whose kernel the measurements switch on for this device (none on
+    the CPU, none where SEQTRAIN_KERNELS=torch, none where Triton cannot run); switches them and returns their names."""
+    picked = [(n, m) for n, m in model.named_modules() if type(m).__name__ in CUDA_DEFAULT_ON]
+    if device.type != "cuda" or not picked or forced_backend() == "torch" or not _triton_runs_on(device):
+        return []
+    for _, module in picked:
+        module.use_kernels = True
+    return [n for n, _ in picked]
+
+
 def apply_kernels(model: nn.Module, enabled: bool, *, skip_blocks: bool = False) -> list[str]:
     """Set `use_kernels` on every module with a kernel path (and on the model, for the loss); returns the names
     of the switched modules. `skip_blocks`: leave `model.blocks` on the reference (torch.compile fuses them)."""
@@ -94,6 +115,9 @@ def setup_kernels(model: nn.Module, job: SeqTrainJob, device: torch.device) -> s
                 and compile_backend_problem(device) is None)
     apply_kernels(model, enabled, skip_blocks=compiled)
     line = f"kernels: {why}"
+    if opt.kernels is None and (defaults := default_kernel_modules(model, device)):
+        line = (f"kernels: linear_scan on by default on CUDA for {len(defaults)} layer(s) (measured faster); "
+                f"the rest {why}")
     if enabled and getattr(model, "lm_loss", None) is not None:
         line += "; loss: vocabulary-parallel reference (tensor parallel)"
     if compiled:

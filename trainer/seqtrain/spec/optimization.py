@@ -49,8 +49,9 @@ class OptimizationSpec(SpecModel):
     activation_checkpointing: ActivationCheckpointingSpec = Field(
         default_factory=ActivationCheckpointingSpec, description="Recompute activations in backward to save memory."
     )
-    kernels: bool | None = Field(None, description="Use seqtrain's Triton kernels (default: off, the PyTorch "
-                                  "reference, until a GPU benchmark shows them faster).")
+    kernels: bool | None = Field(None, description="Use seqtrain's Triton kernels. Unset: per op, where a GPU "
+                                  "benchmark measured them faster (linear_scan on with CUDA), else the PyTorch "
+                                  "reference; true: every op with a kernel; false: none.")
     compile: bool | Literal["auto"] = Field(
         "auto", description="Compile the transformer blocks with torch.compile where the backend is available. "
         "auto: on with CUDA, off on the CPU.")
