@@ -118,6 +118,23 @@ def test_pending_longer_than_grace_tears_the_gang_down() -> None:
     assert d.status.restarts == 0
 
 
+def test_a_replica_deleted_before_the_gang_ran_is_replanned_after_the_grace() -> None:
+    """The chaos soak (seed 41): an evicted pod of a Scheduling gang whose other replica runs was never re-created
+    and never counted as a failure, so the gang waited in Scheduling for good. Absent replicas count as stuck: past
+    scheduling.pendingGraceSeconds the gang is torn down and re-planned; before it, the gang waits (a creation may
+    still be on its way to the mirror)."""
+    job = make_job(pending_grace=60)
+    st = decide(job, JobStatus(), Observed(), T0).status
+    one_left = gang(1, "Running")  # replica 1 of 2 is gone
+    early = decide(job, st, Observed(replicas=one_left), T0 + timedelta(seconds=30))
+    assert early.status.phase == "Scheduling" and not early.of(DeleteGang) and not early.of(CreateGang)
+    assert early.of(RequeueAfter)[0].seconds <= 30  # it looks again at the grace's end, not a poll later
+    late = decide(job, early.status, Observed(replicas=one_left), T0 + timedelta(seconds=61))
+    assert late.of(DeleteGang) == [DeleteGang(1, "PendingTimeout")]
+    assert "absent (replica 1's pod is gone)" in cond.get(late.status, "Scheduled").message
+    assert late.status.restarts == 0 and late.status.infra_restarts == 0
+
+
 @pytest.mark.parametrize(("exit_code", "reason", "klass"), [
     (137, None, FailureClass.USER),
     (1, None, FailureClass.USER),

@@ -484,13 +484,15 @@ def _soak(world: World, args: argparse.Namespace, seed: int, events: list[schedu
         for ev in waiting:
             record({"kind": ev.kind, "at": ev.at, "pick": ev.pick, "injected": False,
                     "skipped": "no candidate before the faults were over"})
-        _log("faults over: healing, then waiting for every trainer job to end")
+        _log("faults over: healing, deleting the load jobs, then waiting for every trainer job to end")
         for what in world.injector.heal():
             record({"undo": what, "at_end": True})
-        trainers = [n for n, t in chk.jobs.items() if t.kind == "trainer"]
-        _wait_ended(world, trainers)
+        # The load jobs load the operator while the faults run; kept while the trainers finish, they would sit
+        # Running without progress past their own deadlines and be counted stuck (seed 41's soak in CI).
         for name in list(load_until):
             world.delete_job(name, "load")
+        trainers = [n for n, t in chk.jobs.items() if t.kind == "trainer"]
+        _wait_ended(world, trainers)
         for name in trainers + (["ref"] if "ref" in chk.jobs else []):
             world.delete_job(name, "trainer")
         _wait_pods_gone(world)

@@ -42,22 +42,29 @@ def gang_pending(ctx: Pass, current: tuple[ReplicaObservation, ...]) -> None:
     # Replicas still in kube-scheduler's queue (native gangs: not yet tried, not refused) are not stuck; a burst of
     # thousands of pods takes it a while. Stuck: refused by the scheduler (not placed on a node).
     stuck = [r for r in current if r.phase == "Pending" and not r.node and not (native and r.queued)]
+    # A replica not observed at all while the gang is pending: its creation is still to show in the mirror, or its
+    # pod was deleted before the gang ran (an eviction, a `kubectl delete`). Nothing re-creates one pod of a live
+    # gang, so past the same grace it counts as stuck: the gang is torn down and re-planned (found by the chaos
+    # soak, seed 41: an evicted pod left its gang Scheduling, the other replica running, for good).
+    absent = gang_policy.missing(ctx.gang_job, current)
     # Placed and starting (ContainerCreating: pulling a large image, attaching a volume) is progress, with a deadline
     # of its own: tearing it down would only start the pull or the attach again elsewhere.
     starting = [r for r in current if r.phase == "Pending" and r.node]
     start_limit = job.spec.scheduling.start_timeout_seconds
-    if (waited > grace and stuck) or (waited > start_limit and starting):
+    if (waited > grace and (stuck or absent)) or (waited > start_limit and starting):
         # A partly started gang holds resources others need: tear it down and re-plan from scratch.
-        why, limit = ("PendingTimeout", grace) if waited > grace and stuck else ("StartTimeout", start_limit)
+        why, limit = ("PendingTimeout", grace) if waited > grace and (stuck or absent) else ("StartTimeout",
+                                                                                            start_limit)
         what = ("still unschedulable" + (" (the autoscaler added no room for them)" if scaling else "")
-                if why == "PendingTimeout" else "placed but not started")
+                if why == "PendingTimeout" and stuck else
+                f"absent (replica {absent[0]}'s pod is gone)" if why == "PendingTimeout" else "placed but not started")
         ctx.delete(st.attempt, why)
         cond.set_condition(st, "Scheduled", "False", why, f"replicas {what} after {limit}s; re-planning", ctx.now)
         ctx.event("Warning", why, f"attempt {st.attempt}: replicas {what} for {waited:.0f}s")
         st.phase = "Scheduling"
         return
     placed = _slow_start(ctx, starting, waited, start_limit)
-    deadlines = (([grace - waited] if stuck else []) + ([start_limit - waited] if starting else [])
+    deadlines = (([grace - waited] if stuck or absent else []) + ([start_limit - waited] if starting else [])
                  + ([SLOW_START_SECONDS - max(placed)] if starting and max(placed) < SLOW_START_SECONDS else []))
     ctx.actions.append(RequeueAfter(max(1.0, min(deadlines + [POLL_SECONDS * 6]))))
 
