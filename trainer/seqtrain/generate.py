@@ -286,8 +286,8 @@ def check_prompt(tok: Any, prompt: str | None, prompt_ids: list[int] | None, voc
     reason = getattr(tok, "ids_only", None)
     bad = next((i for i in ids if i >= vocab), None)
     if bad is not None:
-        if hasattr(tok, "_tok"):  # a tokenizer.json larger than the model's vocabulary
-            what, why = f"token {tok._tok.id_to_token(bad)!r}", "the tokenizer has more ids than the model"
+        if hasattr(tok, "id_to_token"):  # a tokenizer.json larger than the model's vocabulary
+            what, why = f"token {tok.id_to_token(bad)!r}", "the tokenizer has more ids than the model"
             fix = "give the prompt as ids with --prompt-ids 1,2,3 or generate with the tokenizer the model trained with"
         else:
             what = f"byte {chr(bad)!r}" if bad < 128 else f"byte 0x{bad:02x}"

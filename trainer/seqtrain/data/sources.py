@@ -51,6 +51,10 @@ class FileTokenizer:
             text = text.decode("utf-8", errors="replace")
         return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=self.dtype)
 
+    def id_to_token(self, i: int) -> str | None:
+        """The token string of id `i` (None outside the file's vocabulary): for messages naming a token."""
+        return self._tok.id_to_token(i)
+
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
         return [np.asarray(e.ids, dtype=self.dtype)
                 for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
