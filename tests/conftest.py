@@ -136,3 +136,55 @@ def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
     return (yield from _fast_tier_phase(item))
+
+
+# Where the wall time goes (docs/development.md, "Where the suite's time goes"): with SEQTRAIN_TEST_PROFILE=FILE, a
+# thread samples the main thread's stack four times a second and charges each sample to the running test, the
+# innermost line of the test code on the stack, and the call it is in (time.sleep in a poll, a subprocess, helm...).
+# scripts/test-profile.py sums FILE. Off by default: it costs a thread and a little CPU.
+_PROFILE = os.environ.get("SEQTRAIN_TEST_PROFILE")
+_TESTS = str(ROOT / "tests") + os.sep
+
+
+_SAMPLES: dict[tuple[str, str, str], int] = {}
+_PERIOD = 0.25
+
+
+def _write_profile() -> None:
+    out = pathlib.Path(_PROFILE or "")
+    rows = (f"{n * _PERIOD:.2f}\t{t}\t{s}\t{leaf}" for (t, s, leaf), n in list(_SAMPLES.items()))
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text("\n".join(rows) + "\n")
+    tmp.replace(out)
+
+
+def _sample_forever(main_ident: int) -> None:
+    import time
+
+    last_write = time.monotonic()
+    while True:
+        time.sleep(_PERIOD)
+        frame = sys._current_frames().get(main_ident)
+        test = os.environ.get("PYTEST_CURRENT_TEST") or "-"  # "path::name (setup|call|teardown)"
+        site, leaf = "-", "-"
+        if frame is not None:
+            leaf = f"{frame.f_code.co_name} ({pathlib.Path(frame.f_code.co_filename).name})"
+            while frame is not None and not frame.f_code.co_filename.startswith(_TESTS):
+                frame = frame.f_back
+            if frame is not None:
+                site = f"{frame.f_code.co_filename[len(_TESTS):]}:{frame.f_lineno} {frame.f_code.co_name}"
+        _SAMPLES[(test, site, leaf)] = _SAMPLES.get((test, site, leaf), 0) + 1
+        if time.monotonic() - last_write > 60:  # a run killed midway still leaves its profile
+            last_write = time.monotonic()
+            _write_profile()
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if _PROFILE:
+        threading.Thread(target=_sample_forever, args=(threading.main_thread().ident,),
+                         name="seqtrain-test-profile", daemon=True).start()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if _PROFILE:
+        _write_profile()
