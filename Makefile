@@ -76,7 +76,7 @@ test: install tools
 		[ $$rc = 0 ] || { echo "make test: make images failed (CI=true: the container tests need them)" >&2; exit 1; }; \
 	else echo "make test: the container-node tests use the images of a previous \`make images\` (else they skip)" >&2; fi; \
 	$(PY) -m compileall -q -j 0 trainer operator tests >/dev/null; \
-	SEQTRAIN_K8S_BIN="$$bin" SEQTRAIN_K8S_OLDEST_BIN="$$old" PATH="$(CURDIR)/$(BIN):$(CURDIR)/.tools/bin:$$PATH" $(PY) -m pytest -q --durations=$(DURATIONS) tests
+	SEQTRAIN_K8S_BIN="$$bin" SEQTRAIN_K8S_OLDEST_BIN="$$old" PATH="$(CURDIR)/$(BIN):$(CURDIR)/.tools/bin:$$PATH" scripts/test-halves.sh $(PY) -q --durations=$(DURATIONS) tests
 
 # The project's own bytecode, written once: where PYTHONDONTWRITEBYTECODE=1 is set (CI shells, this VM's) every
 # process (each rank of each test) would otherwise compile the ~300 modules it imports again, 1-2 s a process.

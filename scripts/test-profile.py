@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Sum a SEQTRAIN_TEST_PROFILE file (tests/conftest.py): seconds by test file, by call site, and by test.
 
-    SEQTRAIN_TEST_PROFILE=/tmp/profile.tsv make test; scripts/test-profile.py /tmp/profile.tsv [--top 40]
+    SEQTRAIN_TEST_PROFILE=/tmp/profile.tsv make test; scripts/test-profile.py /tmp/profile.tsv.* [--top 40]   (make test runs two halves: one file each)
 """
 
 from __future__ import annotations
@@ -13,23 +13,24 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("profile")
+    ap.add_argument("profile", nargs="+", help="FILE, or the halves' FILE.control-plane FILE.rest")
     ap.add_argument("--top", type=int, default=40)
     args = ap.parse_args(argv)
     by_file: collections.Counter[str] = collections.Counter()
     by_site: collections.Counter[str] = collections.Counter()
     by_test: collections.Counter[str] = collections.Counter()
     total = 0.0
-    with open(args.profile) as f:
-        for line in f:
-            parts = line.rstrip("\n").split("\t")
-            if len(parts) != 4:
-                continue
-            seconds, test, site, leaf = float(parts[0]), parts[1], parts[2], parts[3]
-            total += seconds
-            by_file[test.split("::")[0]] += seconds
-            by_site[f"{site}  <- in {leaf}"] += seconds
-            by_test[test] += seconds
+    for path in args.profile:
+        with open(path) as f:
+            for line in f:
+                parts = line.rstrip("\n").split("\t")
+                if len(parts) != 4:
+                    continue
+                seconds, test, site, leaf = float(parts[0]), parts[1], parts[2], parts[3]
+                total += seconds
+                by_file[test.split("::")[0]] += seconds
+                by_site[f"{site}  <- in {leaf}"] += seconds
+                by_test[test] += seconds
     print(f"{total / 60:.1f} min sampled")
     for title, counter in (("by test file", by_file), ("by call site (innermost test line, then the call it was in)",
                                                        by_site), ("by test", by_test)):

@@ -138,6 +138,15 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
     return (yield from _fast_tier_phase(item))
 
 
+# The two halves of `make test` (docs/development.md, "How long `make test` takes"): the tests on a control plane
+# (marked `control_plane`: every test using the `testbed` fixture, and the modules that start their own) run in one
+# pytest process, in order, as they share the testbed and its operator; the rest run in a second process beside it.
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if "testbed" in getattr(item, "fixturenames", ()) and item.get_closest_marker("control_plane") is None:
+            item.add_marker(pytest.mark.control_plane)
+
+
 # Where the wall time goes (docs/development.md, "Where the suite's time goes"): with SEQTRAIN_TEST_PROFILE=FILE, a
 # thread samples the main thread's stack four times a second and charges each sample to the running test, the
 # innermost line of the test code on the stack, and the call it is in (time.sleep in a poll, a subprocess, helm...).

@@ -13,7 +13,7 @@ import uuid
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.control_plane]
 NS = os.environ.get("SEQTRAIN_E2E_NAMESPACE", "seqtrain-e2e")
 
 

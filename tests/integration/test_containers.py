@@ -26,7 +26,7 @@ import yaml
 
 from testbed.fixtures import ROOT, SCRIPT, TB, UP_TIMEOUT, Testbed, binaries, tool, unavailable, wait
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.control_plane]
 
 CTB = TB.parent / f"{TB.name}-containers"  # a control plane of its own: its nodes run containers, not processes
 CKPT = Path("/mnt/seqtrain-ckpt")  # the hostPath of examples/kind/checkpoint-volume.yaml's PV, on this "node"

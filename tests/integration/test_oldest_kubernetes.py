@@ -24,6 +24,7 @@ import yaml
 
 from testbed.fixtures import ROOT, SCRIPT, UP_TIMEOUT, tool
 
+pytestmark = pytest.mark.control_plane
 BINARIES = ROOT / "scripts" / "k8s-binaries.sh"
 CHART = ROOT / "charts" / "seqtrain"
 # The suite's scenarios that meet what an older API server may lack or do differently. Not the helm uninstall test:
