@@ -63,3 +63,29 @@ def test_answer_times_are_per_kind_of_request_and_leave_out_watches_and_rare_kin
                        least=100)
     assert list(got) == ["PATCH seqtrainjobs/status"]  # one POST is too few to say anything; watches never answer
     assert got["PATCH seqtrainjobs/status"] == {"n": 100, "p50": 0.51, "p99": 1.0, "max": 1.0}
+
+
+def test_a_busy_apiserver_is_asked_again_and_a_refusal_is_not() -> None:
+    """The 1000-job run's progress probe once met a 504 from a busy apiserver and the whole run ended in a traceback:
+    a 5xx, a 429 or a dropped connection is asked again; a 403 (say) still ends the run."""
+    from kubernetes.client.exceptions import ApiException
+
+    from seqtrain_operator import benchmark
+
+    answers: list[Exception | bool] = [ApiException(status=504, reason="Timeout"), ApiException(status=429),
+                                       ConnectionResetError(), True]
+
+    def probe() -> bool:
+        out = answers.pop(0)
+        if isinstance(out, Exception):
+            raise out
+        return out
+
+    assert benchmark._wait(probe, 10, "every job Running", interval=0) is True
+    assert answers == []
+
+    def refused() -> bool:
+        raise ApiException(status=403, reason="Forbidden")
+
+    with pytest.raises(ApiException):
+        benchmark._wait(refused, 10, "every job Running", interval=0)
