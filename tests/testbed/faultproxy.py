@@ -242,7 +242,9 @@ class FaultProxy:
                                               timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
         app = web.Application(client_max_size=64 * 2**20)
         app.router.add_route("*", "/{tail:.*}", self._handle)
-        runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+        # Stopping does not wait for open streams to end (aiohttp's default waits up to 60 s, and a watch the
+        # operator left open holds it that long): their handlers are cancelled after a second.
+        runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=1.0)
         await runner.setup()
         site = web.TCPSite(runner, self.host, self.port, ssl_context=listen_ssl)
         await site.start()

@@ -224,3 +224,28 @@ def test_rules_are_checked_and_a_kubeconfig_points_at_the_proxy(env, tmp_path: P
         proxy.add_rule("GET", "/x", drop_after=0, watch=False)
     cfg = yaml.safe_load(Path(proxy.kubeconfig(str(tmp_path / "kc"), token="t0k")).read_text())
     assert cfg["clusters"][0]["cluster"]["server"] == proxy.url and cfg["users"][0]["user"]["token"] == "t0k"
+
+
+def test_stop_with_a_watch_still_open_ends_the_proxy(tls):
+    """A module's teardown stops its proxy while a watch the operator opened is still streaming: the proxy ends (its
+    thread is gone when stop() returns) and the stream is cut, rather than waiting out aiohttp's 60-second graceful
+    shutdown (stop() itself gives up after 30 s, so a lingering thread means that wait)."""
+    up = Upstream(*tls)
+    proxy = FaultProxy(upstream=f"https://127.0.0.1:{up.port}", ca_file=tls[0]).start()
+    try:
+        out: dict[str, tuple[list[dict], str]] = {}
+        seen: list[dict] = []
+        t = threading.Thread(target=lambda: out.setdefault("w", _watch_lines(
+            proxy, "/api/v1/namespaces/a/pods?watch=1", read_timeout=60, events=seen)))
+        t.start()
+        deadline = time.monotonic() + 30
+        while len(seen) < 3:  # the stream is open and has said what it has
+            assert time.monotonic() < deadline and t.is_alive()
+            time.sleep(0.05)
+        proxy.stop()
+        assert proxy._thread is not None and not proxy._thread.is_alive()
+        t.join(30)
+        assert out["w"][1] in ("cut", "end"), out
+    finally:
+        proxy.stop()
+        up.stop()
