@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
                 by_site[f"{site}  <- in {leaf}"] += seconds
                 by_test[test] += seconds
     print(f"{total / 60:.1f} min sampled")
-    for title, counter in (("by test file", by_file), ("by call site (innermost test line, then the call it was in)",
+    for title, counter in (("by test file", by_file), ("by call site (the innermost lines of test code, then the function it was in)",
                                                        by_site), ("by test", by_test)):
         print(f"\n## {title}")
         for key, seconds in counter.most_common(args.top):

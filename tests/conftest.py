@@ -149,8 +149,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 # Where the wall time goes (docs/development.md, "Where the suite's time goes"): with SEQTRAIN_TEST_PROFILE=FILE, a
 # thread samples the main thread's stack four times a second and charges each sample to the running test, the
-# innermost line of the test code on the stack, and the call it is in (time.sleep in a poll, a subprocess, helm...).
-# scripts/test-profile.py sums FILE. Off by default: it costs a thread and a little CPU.
+# innermost lines of test code on the stack (a helper's, then its callers'), and the Python function it is in
+# (time.sleep in a poll, a subprocess, helm...). scripts/test-profile.py sums FILE. Off by default: it costs a
+# thread and a little CPU.
 _PROFILE = os.environ.get("SEQTRAIN_TEST_PROFILE")
 _TESTS = str(ROOT / "tests") + os.sep
 
@@ -178,10 +179,12 @@ def _sample_forever(main_ident: int) -> None:
         site, leaf = "-", "-"
         if frame is not None:
             leaf = f"{frame.f_code.co_name} ({pathlib.Path(frame.f_code.co_filename).name})"
-            while frame is not None and not frame.f_code.co_filename.startswith(_TESTS):
+            lines: list[str] = []  # the three innermost lines of test code: a helper's, its caller's, ...
+            while frame is not None and len(lines) < 3:
+                if frame.f_code.co_filename.startswith(_TESTS):
+                    lines.append(f"{frame.f_code.co_filename[len(_TESTS):]}:{frame.f_lineno} {frame.f_code.co_name}")
                 frame = frame.f_back
-            if frame is not None:
-                site = f"{frame.f_code.co_filename[len(_TESTS):]}:{frame.f_lineno} {frame.f_code.co_name}"
+            site = " < ".join(lines) or "-"
         _SAMPLES[(test, site, leaf)] = _SAMPLES.get((test, site, leaf), 0) + 1
         if time.monotonic() - last_write > 60:  # a run killed midway still leaves its profile
             last_write = time.monotonic()
