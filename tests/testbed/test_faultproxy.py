@@ -196,17 +196,25 @@ def test_watch_streams_pass_through_dropped_watches_and_410_gone(env):
     assert proxy.count("GET", r"/pods$", watch=True) == 3 and proxy.count("GET", r"/pods$", watch=False) == 1
 
 
-def test_drop_watches_cuts_the_open_streams_only(env):
-    _, proxy = env
+def _open_watch(proxy: FaultProxy, read_timeout: float) -> tuple[threading.Thread, dict[str, tuple[list[dict], str]]]:
+    """A watch of pods in a thread, returned once its three events are through (the stream then stays open);
+    out["w"] is what `_watch_lines` says once the stream ends."""
     out: dict[str, tuple[list[dict], str]] = {}
     seen: list[dict] = []
     t = threading.Thread(target=lambda: out.setdefault("w", _watch_lines(
-        proxy, "/api/v1/namespaces/a/pods?watch=1", read_timeout=20, events=seen)))
+        proxy, "/api/v1/namespaces/a/pods?watch=1", read_timeout=read_timeout, events=seen)))
     t.start()
-    wait = time.monotonic() + 30
-    while len(seen) < 3 or proxy.drop_watches("/nodes") != 0:  # the three events are through
-        assert time.monotonic() < wait and t.is_alive()
+    deadline = time.monotonic() + 30
+    while len(seen) < 3:
+        assert time.monotonic() < deadline and t.is_alive()
         time.sleep(0.05)
+    return t, out
+
+
+def test_drop_watches_cuts_the_open_streams_only(env):
+    _, proxy = env
+    t, out = _open_watch(proxy, read_timeout=20)
+    assert proxy.drop_watches("/nodes") == 0  # not the open one
     assert proxy.drop_watches(r"/pods$") == 1
     t.join(10)
     events, how = out["w"]
@@ -233,15 +241,7 @@ def test_stop_with_a_watch_still_open_ends_the_proxy(tls):
     up = Upstream(*tls)
     proxy = FaultProxy(upstream=f"https://127.0.0.1:{up.port}", ca_file=tls[0]).start()
     try:
-        out: dict[str, tuple[list[dict], str]] = {}
-        seen: list[dict] = []
-        t = threading.Thread(target=lambda: out.setdefault("w", _watch_lines(
-            proxy, "/api/v1/namespaces/a/pods?watch=1", read_timeout=60, events=seen)))
-        t.start()
-        deadline = time.monotonic() + 30
-        while len(seen) < 3:  # the stream is open and has said what it has
-            assert time.monotonic() < deadline and t.is_alive()
-            time.sleep(0.05)
+        t, out = _open_watch(proxy, read_timeout=60)
         proxy.stop()
         assert proxy._thread is not None and not proxy._thread.is_alive()
         t.join(30)
