@@ -89,5 +89,12 @@ def times(quantity: str, n: int) -> str:
     return text + suffix
 
 
+def gang_minimum(job: SeqTrainJob, requests: dict[str, str]) -> dict[str, Any]:
+    """What a PodGroup (Coscheduling's, Volcano's) asks for the gang as a whole: every replica, and all their
+    requests, which lets the scheduler refuse a gang the cluster cannot hold before binding any of it."""
+    n = job.spec.replicas
+    return {"minMember": n, "minResources": {k: times(v, n) for k, v in requests.items()}}
+
+
 def podgroup_object(api: str, meta: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
     return {"apiVersion": api, "kind": "PodGroup", "metadata": meta, "spec": spec}

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import time
 from datetime import UTC, datetime
-from typing import Any
 
 from seqtrain.spec import SeqTrainJob
 from seqtrain_operator.k8s.api import calls
-from seqtrain_operator.k8s.gangs.base import GangScheduler, podgroup_object, times
+from seqtrain_operator.k8s.gangs.base import GangScheduler, gang_minimum, podgroup_object
 
 LABEL = "scheduling.x-k8s.io/pod-group"
 RETRY_ANNOTATION = "seqtrain.dev/retry-scheduling"
@@ -35,12 +34,9 @@ class Coscheduling(GangScheduler):
         return {LABEL: self.group_name(job, owner, attempt)}, {}
 
     def podgroup(self, job, owner, attempt, meta, requests):  # type: ignore[no-untyped-def]
-        s = job.spec
-        spec: dict[str, Any] = {"minMember": s.replicas,
-                                # the plugin's PreFilter refuses the gang early when the cluster cannot hold it
-                                "minResources": {k: times(v, s.replicas) for k, v in requests.items()}}
-        if s.scheduling.timeout_seconds:
-            spec["scheduleTimeoutSeconds"] = s.scheduling.timeout_seconds
+        spec = gang_minimum(job, requests)  # the plugin's PreFilter refuses a gang the cluster cannot hold
+        if job.spec.scheduling.timeout_seconds:
+            spec["scheduleTimeoutSeconds"] = job.spec.scheduling.timeout_seconds
         return podgroup_object(self.podgroup_api or "", meta, spec)
 
     async def on_queued(self, kube, job, owner, attempt, memory):  # type: ignore[no-untyped-def]

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from seqtrain.spec import SeqTrainJob
-from seqtrain_operator.k8s.gangs.base import GangScheduler, podgroup_object, times
+from seqtrain_operator.k8s.gangs.base import GangScheduler, gang_minimum, podgroup_object
 
 GROUP_ANNOTATION = "scheduling.k8s.io/group-name"
 QUEUE_ANNOTATION = "scheduling.volcano.sh/queue-name"
@@ -27,8 +27,7 @@ class Volcano(GangScheduler):
 
     def podgroup(self, job, owner, attempt, meta, requests):  # type: ignore[no-untyped-def]
         s = job.spec
-        spec: dict[str, Any] = {"minMember": s.replicas,
-                                "minResources": {k: times(v, s.replicas) for k, v in requests.items()}}
+        spec = gang_minimum(job, requests)
         if s.scheduling.queue:
             spec["queue"] = s.scheduling.queue
         if s.scheduling.priority_class_name:
