@@ -389,7 +389,7 @@ def _version() -> str:
         return seqtrain.__version__
 
 
-def _add_cluster_commands(sub: argparse._SubParsersAction, set_help: str) -> None:
+def _add_cluster_commands(sub: argparse._SubParsersAction, job_file: argparse.ArgumentParser) -> None:
     where = argparse.ArgumentParser(add_help=False)
     where.add_argument("--context", help="kubeconfig context (default: the current one)")
     where.add_argument("-n", "--namespace", help="namespace (default: the context's, else default)")
@@ -398,14 +398,12 @@ def _add_cluster_commands(sub: argparse._SubParsersAction, set_help: str) -> Non
                             "--runs-dir)")
     where.add_argument("--runs-dir", default="runs", help="with --local: where run folders live (default runs)")
 
-    def cmd(name: str, func: Any, help_text: str) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help_text, parents=[where])
+    def cmd(name: str, func: Any, help_text: str, *parents: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_text, parents=[*parents, where])
         p.set_defaults(func=_cluster, cluster_func=func)
         return p
 
-    s = cmd("submit", _cmd_submit, "validate a job file locally, then create it on the cluster")
-    s.add_argument("file", metavar="FILE")
-    s.add_argument("--set", action="append", metavar="PATH=VALUE", help=set_help)
+    s = cmd("submit", _cmd_submit, "validate a job file locally, then create it on the cluster", job_file)
     s.add_argument("--name", help="submit under this metadata.name")
     s.add_argument("--wait", action="store_true", help="then wait until it ends: exit 0 Succeeded, 1 Failed")
     s.add_argument("--timeout", type=_duration, metavar="DURATION", help="with --wait: give up after this (exit 124)")
@@ -449,6 +447,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action=_Version)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     set_help = "override a spec field by dotted path, e.g. training.steps=20 (repeatable)"
+    job_file = argparse.ArgumentParser(add_help=False)  # what run, plan and submit read: one job file and --set
+    job_file.add_argument("file", metavar="FILE")
+    job_file.add_argument("--set", action="append", metavar="PATH=VALUE", help=set_help)
 
     v = sub.add_parser("validate", help="check SeqTrainJob files; exit 2 with one line per problem")
     v.add_argument("files", nargs="+", metavar="FILE")
@@ -472,10 +473,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "and exit 1 naming the fields it lacks (an older CRD prunes them from every job)")
     c.set_defaults(func=_cmd_crd)
 
-    r = sub.add_parser("run", help="run a job on this machine (local backend)")
-    r.add_argument("file", metavar="FILE")
+    r = sub.add_parser("run", help="run a job on this machine (local backend)", parents=[job_file])
     r.add_argument("--workdir", help="run folder (default ./runs/<metadata.name>); reused to resume")
-    r.add_argument("--set", action="append", metavar="PATH=VALUE", help=set_help)
     r.add_argument("-q", "--quiet", action="store_true", help="no progress bar, only the final line")
     r.set_defaults(func=_cmd_run)
 
@@ -486,10 +485,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "specific exit code (default 1: this process is the rank)")
     t.set_defaults(func=_cmd_train)
 
-    pl = sub.add_parser("plan", help="print the resolved plan: layout, placement, memory per rank")
-    pl.add_argument("file", metavar="FILE")
+    pl = sub.add_parser("plan", help="print the resolved plan: layout, placement, memory per rank", parents=[job_file])
     pl.add_argument("--nodes", help="node inventory YAML (default: this machine as one node)")
-    pl.add_argument("--set", action="append", metavar="PATH=VALUE", help=set_help)
     pl.add_argument("--json", action="store_true", help="print JSON instead of a table")
     pl.set_defaults(func=_cmd_plan)
 
@@ -552,7 +549,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="replace what an earlier prepare-data wrote into --out (other inputs or settings)")
     pd.set_defaults(func=_cmd_prepare_data)
 
-    _add_cluster_commands(sub, set_help)
+    _add_cluster_commands(sub, job_file)
     return p
 
 

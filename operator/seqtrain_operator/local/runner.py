@@ -38,7 +38,7 @@ import yaml
 from seqtrain.checkpoint import discovery
 from seqtrain.checkpoint.discovery import quarantined
 from seqtrain.optim.schedules import resume_steps_change
-from seqtrain.spec import SeqTrainJob, SpecError, load_job_file, resolve
+from seqtrain.spec import SeqTrainJob, resolve
 from seqtrain.spec.cluster import quantity_value
 from seqtrain.spec.init_source import TOKENIZER_COMPANIONS
 from seqtrain.spec.memory import AUTO_CHOICE, AUTO_MARKER
@@ -63,6 +63,7 @@ from seqtrain_operator.local.gang import TERM_GRACE_SECONDS, LocalGang, kill_lef
 from seqtrain_operator.local.memory_limit import MemoryLimit
 from seqtrain_operator.planner import local_plan
 from seqtrain_operator.planner.fit import memory_problems
+from seqtrain_operator.planner.show import load_or_say, say_problems
 
 EXIT_OK, EXIT_FAILED, EXIT_INVALID, EXIT_INTERRUPTED = 0, 1, 2, 130
 POLL_SECONDS = 0.2
@@ -74,20 +75,14 @@ def run_file(path: str, workdir: str | None = None, overrides: Sequence[str] = (
     """Load and validate FILE (+ --set overrides), then run it locally. Exit code: 0 Succeeded (or already
     finished), 1 Failed, 2 invalid spec (one `FILE: path: message` line per problem on stderr, nothing written),
     130 interrupted (job left Suspended, resumable)."""
-    try:
-        job = load_job_file(path, overrides)
-    except SpecError as err:
-        for p in err.problems:
-            print(f"{path}: {p}", file=sys.stderr)
+    job = load_or_say(path, overrides)
+    if job is None:
         return EXIT_INVALID
     problem = _local_problem(job)
     if problem is not None:
-        print(f"{path}: {problem}", file=sys.stderr)
-        return EXIT_INVALID
+        return say_problems(path, [problem])
     if problems := memory_problems(job):  # the verdict `validate` and `plan` give: the same estimate, the same line
-        for p in problems:
-            print(f"{path}: {p}", file=sys.stderr)
-        return EXIT_INVALID
+        return say_problems(path, problems)
     prior = os.environ.get(RANK_MTBF_ENV, "").strip()
     try:
         rank_mtbf_hours = float(prior) if prior else None
@@ -101,8 +96,7 @@ def run_file(path: str, workdir: str | None = None, overrides: Sequence[str] = (
     workdir = os.path.abspath(workdir or os.path.join("runs", job.name))
     problem = folder_problem(flag, workdir)
     if problem is not None:
-        print(f"{path}: {problem}", file=sys.stderr)
-        return EXIT_INVALID
+        return say_problems(path, [problem])
     return LocalRun(job, workdir, quiet, rank_mtbf_hours).run()
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import yaml
 
@@ -135,13 +135,26 @@ def render(d: dict) -> str:
     return "\n".join(lines)
 
 
+def say_problems(path: str, problems: Iterable[str]) -> int:
+    """Each problem as one `FILE: path: message` line on stderr; returns the invalid-spec exit code."""
+    for p in problems:
+        print(f"{path}: {p}", file=sys.stderr)
+    return EXIT_INVALID
+
+
+def load_or_say(path: str, overrides: Sequence[str] = ()) -> SeqTrainJob | None:
+    """The job in FILE with its --set overrides applied, or None once its problems are said (`say_problems`)."""
+    try:
+        return load_job_file(path, overrides)
+    except SpecError as err:
+        say_problems(path, err.problems)
+        return None
+
+
 def plan_command(file: str, nodes_file: str | None = None, overrides: Sequence[str] = (),
                  as_json: bool = False) -> int:
-    try:
-        job = load_job_file(file, overrides)
-    except SpecError as err:
-        for p in err.problems:
-            print(f"{file}: {p}", file=sys.stderr)
+    job = load_or_say(file, overrides)
+    if job is None:
         return EXIT_INVALID
     if nodes_file:
         try:
