@@ -61,24 +61,15 @@ def _log(msg: str) -> None:
     print(f"[bench operator {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def _transient(exc: Exception) -> bool:
-    """An apiserver that is busy or briefly unreachable (the 1000-job run's list timed out once with a 504 while the
-    operator wrote 8000 pods): the probe is asked again, the run goes on."""
-    import urllib3
-    from kubernetes.client.exceptions import ApiException
-
-    if isinstance(exc, ApiException):
-        return exc.status in (429, 500, 502, 503, 504)
-    return isinstance(exc, urllib3.exceptions.HTTPError | ConnectionError | TimeoutError)
-
-
 def _wait(fn: Callable[[], Any], timeout: float, what: str, interval: float = 2.0) -> Any:
     deadline = time.monotonic() + timeout
     while True:
         try:
             out = fn()
         except Exception as exc:
-            if not _transient(exc):
+            from seqtrain_operator.k8s.api.client import transient
+
+            if not transient(exc):  # the operator's own rule: a 5xx, a 429 or a dropped connection is asked again
                 raise
             _log(f"{what}: the apiserver answered {(str(exc) or type(exc).__name__).splitlines()[0][:160]}; asking again")
             out = None

@@ -163,7 +163,8 @@ class Budget:
                 await asyncio.sleep((1.0 + self.reserve - self._tokens) / self.qps)
 
 
-def _transient(exc: BaseException) -> bool:
+def transient(exc: BaseException) -> bool:
+    """A failure worth asking again: a busy or briefly unreachable apiserver (5xx, 429, no answer)."""
     if isinstance(exc, ApiException):
         return exc.status in (0, 429) or exc.status >= 500
     return isinstance(exc, Urllib3Error | ConnectionError | TimeoutError)
@@ -232,10 +233,10 @@ class Kube:
             except Exception as exc:  # noqa: BLE001 - classified below
                 if isinstance(exc, ApiException) and unsure:
                     exc.seqtrain_unsure = True  # type: ignore[attr-defined]
-                if _transient(exc) and not (isinstance(exc, ApiException) and exc.status == 429):
+                if transient(exc) and not (isinstance(exc, ApiException) and exc.status == 429):
                     unsure = True  # a 429 was refused before anything ran; a timeout or a 5xx may have run
-                if not _transient(exc) or attempt == self.retries:
-                    if _transient(exc):
+                if not transient(exc) or attempt == self.retries:
+                    if transient(exc):
                         raise Unavailable(f"{getattr(fn, '__name__', fn)}: {exc}") from exc
                     raise
                 log.debug("retrying %s after %s", getattr(fn, "__name__", fn), exc)
