@@ -110,6 +110,7 @@ def test_the_scenarios_that_matter_pass_on_the_oldest_claimed_kubernetes(tmp_pat
     env = {**os.environ, "TESTBED_DIR": str(tb), "SEQTRAIN_K8S_BIN": bin_dir, "KUBECTL": tool("kubectl")}
     tool("helm")
     env.pop("PYTEST_ADDOPTS", None)
+    env.pop("SEQTRAIN_TEST_PROFILE", None)  # the child would write over this run's profile
     up = run_testbed(env, "up", timeout=UP_TIMEOUT)
     try:
         assert up.returncode == 0, f"the testbed did not start on Kubernetes {version}:\n{up.stderr[-4000:]}"
