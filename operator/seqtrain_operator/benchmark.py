@@ -240,7 +240,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             proxy = FaultProxy(upstream=server, ca_file=ca).start()
             token = core.create_namespaced_service_account_token(SERVICE_ACCOUNT, RELEASE_NS, {
                 "spec": {"expirationSeconds": 86400}}).status.token
-            metrics_port = _free_port()
+            from seqtrain.runtime.launch import free_port
+
+            metrics_port = free_port()
             src = Path(args.operator_source).resolve() if args.operator_source else ROOT
             env = {**os.environ, "KUBECONFIG": proxy.kubeconfig(str(tmp / "operator.kubeconfig"), token=token),
                    "PYTHONPATH": os.pathsep.join([str(src / "trainer"), str(src / "operator")])}
@@ -530,14 +532,6 @@ def _resource(path: str) -> str:
     if parts[:1] == ["namespaces"] and len(parts) >= 3:
         parts = parts[2:]
     return "/".join([parts[0], *parts[2:]]) if parts else path
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _try_api(fn: Callable[[], Any]) -> Any:

@@ -18,7 +18,6 @@ import base64
 import contextlib
 import json
 import os
-import random
 import shutil
 import signal
 import socket
@@ -32,6 +31,8 @@ from typing import Any, TypeVar
 
 import pytest
 import yaml
+
+from seqtrain.runtime.launch import bindable, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "testbed.sh"
@@ -207,38 +208,12 @@ def testbed() -> Iterator[Testbed]:
             subprocess.run([str(SCRIPT), "down"], capture_output=True, timeout=120)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def bindable(port: int) -> bool:
-    """Nothing listens on (or holds, as a connection's local end) 127.0.0.1:port; TIME_WAIT does not count, as for
-    the TCPStore's listener (libuv sets SO_REUSEADDR)."""
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
-
-
 def rendezvous_port() -> int:
     """A free port P with P+1 free too (the in-place restart coordinator's), below the kernel's ephemeral range.
     Every pod here shares the host's network and the session's operator gives every job the same P: a port from
-    the ephemeral range (free_port) can be taken, minutes later, as the local end of any outgoing connection, and
-    the next job's rank 0 then fails with EADDRINUSE (seen in CI)."""
-    low = 32768
-    with contextlib.suppress(OSError, ValueError):
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    rng = random.Random()
-    for _ in range(200):
-        port = rng.randrange(max(1024, low - 12000), low - 2)
-        if bindable(port) and bindable(port + 1):
-            return port
-    raise RuntimeError(f"no free port pair below {low} for the testbed's rendezvous")
+    the ephemeral range can be taken, minutes later, as the local end of any outgoing connection, and the next
+    job's rank 0 then fails with EADDRINUSE (seen in CI)."""
+    return free_port(2)
 
 
 @dataclass

@@ -107,6 +107,22 @@ def test_a_pod_that_is_the_whole_job_rendezvous_on_loopback():
     assert {e["OMP_NUM_THREADS"] for e in envs} == {"3"}  # a value the user set is kept
 
 
+def test_a_free_port_is_below_the_ephemeral_range_and_stays_free_of_bind_zero():
+    """The rendezvous port comes from below the kernel's ephemeral range (only an explicit bind can take it before
+    rank 0 listens: CI stop 45 lost a rank 0 to EADDRINUSE on a bind(0) port) and is bindable, with its span."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    picks = {L.free_port(2) for _ in range(20)}
+    assert len(picks) > 1  # random, not one fixed port two processes would both take
+    for port in picks:
+        assert port + 1 < low and L.bindable(port) and L.bindable(port + 1)
+    import socket
+
+    with socket.socket() as s:  # a listener makes its port unbindable
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        assert not L.bindable(s.getsockname()[1])
+
+
 def test_node_rank_falls_back_to_the_replica_index():
     envs = L.rank_envs(2, {"WORLD_SIZE": "4", "SEQTRAIN_REPLICA": "1", "MASTER_ADDR": "a", "MASTER_PORT": "1"})
     assert [e["RANK"] for e in envs] == ["2", "3"]

@@ -34,6 +34,7 @@ import contextlib
 import json
 import os
 import queue
+import random
 import shutil
 import signal
 import socket
@@ -108,11 +109,43 @@ def _int_env(environ: Mapping[str, str], name: str, default: int | None, why: st
         raise LaunchError(f"environment variable {name}={raw!r} must be an integer") from None
 
 
-def free_port() -> int:
-    """A TCP port free right now on the loopback interface (the only copy: every rank-starting path uses it)."""
+def bindable(port: int, host: str = "127.0.0.1") -> bool:
+    """Nothing listens on (or holds, as a connection's local end) host:port; TIME_WAIT does not count, as for the
+    servers that take the port (the TCPStore's libuv listener, socket.create_server and Go's net.Listen all set
+    SO_REUSEADDR)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
+def free_port(span: int = 1) -> int:
+    """A TCP port P free right now on loopback (and P+1 .. P+span-1 with it), the only copy: every rank-starting
+    path uses it. It is picked at random below the kernel's ephemeral range, not by bind(("", 0)): a port from that
+    range is free only until the caller's server binds it, and meanwhile any process's bind(0) or outgoing
+    connection may take it. With two test processes side by side, a rank 0 failed with EADDRINUSE that way (CI,
+    stop 45). Below the range only an explicit bind can take it. Falls back to bind(0) on a machine whose range
+    leaves no room below it."""
+    low = 32768
+    with contextlib.suppress(OSError, ValueError), open("/proc/sys/net/ipv4/ip_local_port_range",
+                                                        encoding="ascii") as f:
+        low = int(f.read().split()[0])
+    rng = random.Random()  # its own generator: a test that seeds the global one must not make every pick equal
+    if low - span > 2048:
+        for _ in range(200):
+            port = rng.randrange(max(1024, low - 12000), low - span)
+            if all(bindable(p) for p in range(port, port + span)):
+                return port
+    for _ in range(200):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if all(bindable(p) for p in range(port, port + span)):
+            return port
+    raise LaunchError(f"no {span} free consecutive TCP port(s) on 127.0.0.1")
 
 
 CUDA_ALLOC_VAR = "PYTORCH_CUDA_ALLOC_CONF"
