@@ -213,7 +213,7 @@ def rendezvous_port() -> int:
     Every pod here shares the host's network and the session's operator gives every job the same P: a port from
     the ephemeral range can be taken, minutes later, as the local end of any outgoing connection, and the next
     job's rank 0 then fails with EADDRINUSE (seen in CI)."""
-    return free_port(2)
+    return free_port(2, band=(2000, 0))  # its own band: free_port's short-lived picks never land on it
 
 
 @dataclass

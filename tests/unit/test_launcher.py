@@ -114,7 +114,9 @@ def test_a_free_port_is_below_the_ephemeral_range_and_stays_free_of_bind_zero():
     picks = {L.free_port(2) for _ in range(20)}
     assert len(picks) > 1  # random, not one fixed port two processes would both take
     for port in picks:
-        assert port + 1 < low and L.bindable(port) and L.bindable(port + 1)
+        assert port + 1 < low - 2000 and L.bindable(port) and L.bindable(port + 1)
+    reserved = L.free_port(2, band=(2000, 0))  # the band kept for long-lived reservations
+    assert low - 2000 <= reserved and reserved + 1 < low
     import socket
 
     with socket.socket() as s:  # a listener makes its port unbindable
