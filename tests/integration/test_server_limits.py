@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from seqtrain.obs import httpserve
+from seqtrain.runtime.launch import free_port
 from seqtrain_operator.k8s.pods.pushauth import job_token
 from seqtrain_operator.k8s.process.metrics import OperatorMetrics
 from seqtrain_operator.k8s.progress import push
@@ -32,12 +33,6 @@ DEADLINE = 2.0  # seconds a connection may take for its whole request, for these
 KEY = b"k" * 32
 DOC = json.dumps({"step": 7, "totalSteps": 10, "attempt": 1, "updatedAt": "2026-01-01T00:00:00Z"}).encode()
 PUSH_PATH = "/v1/progress/ml/gpt/u1/1"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
 
 
 def _exchange(port: int, chunks: list[bytes], pause: float = 0.0, timeout: float = 10.0) -> bytes:
@@ -149,7 +144,7 @@ def push_server(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[int, PushedPr
     monkeypatch.setattr(push, "MAX_CONNECTIONS", CAP, raising=False)
     monkeypatch.setattr(push, "DEADLINE_S", DEADLINE, raising=False)
     monkeypatch.setattr(push, "EVICT_AFTER_S", 0.5, raising=False)
-    store, loop, ready, port = PushedProgress(), asyncio.new_event_loop(), threading.Event(), _free_port()
+    store, loop, ready, port = PushedProgress(), asyncio.new_event_loop(), threading.Event(), free_port()
     runner: list = []
 
     def run() -> None:
@@ -227,7 +222,7 @@ def _limit_httpserve(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_metrics_are_scraped_while_slow_connections_are_held_and_those_are_cut_at_the_deadline(monkeypatch):
     _limit_httpserve(monkeypatch)
-    metrics, port = OperatorMetrics(), _free_port()
+    metrics, port = OperatorMetrics(), free_port()
     server = metrics.serve(port, HOST)
     try:
         head = b"GET /metrics HTTP/1.1\r\nHost: operator\r\nUser-Agent: slow\r\n\r\n"
@@ -278,7 +273,7 @@ def webhook_server(monkeypatch: pytest.MonkeyPatch) -> Iterator[int]:
         return {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
                 "response": {"uid": data["request"]["uid"], "allowed": True}}
 
-    loop, port, ready, stop = asyncio.new_event_loop(), _free_port(), threading.Event(), threading.Event()
+    loop, port, ready, stop = asyncio.new_event_loop(), free_port(), threading.Event(), threading.Event()
     server = server_module.GuardedWebhookServer(addr=HOST, port=port, insecure=True)
 
     async def run() -> None:

@@ -104,11 +104,9 @@ def _dp_worker(rank: int, port: int, out: str) -> None:
 
 @pytest.mark.slow
 def test_data_parallel_with_accumulation_matches_one_big_batch(tmp_path: Path) -> None:
-    import socket
+    from seqtrain.runtime.launch import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # below the ephemeral range: nothing else takes it before rank 0 listens
     out = str(tmp_path / "params.pt")
     mp.spawn(_dp_worker, args=(port, out), nprocs=2, join=True)
     for a, b in zip(updated([merge(rows())]), torch.load(out), strict=True):

@@ -8,7 +8,6 @@ import os
 import pickle
 import re
 import signal
-import socket
 import threading
 import time
 import uuid
@@ -20,6 +19,7 @@ import torch
 from seqtrain.checkpoint import CheckpointManager, dcp_format, latest_step
 from seqtrain.checkpoint.safe_load import UnusableCheckpoint
 from seqtrain.runtime.dist import DistContext
+from seqtrain.runtime.launch import free_port
 
 
 def trainer_files(directory: str) -> list[str]:
@@ -353,9 +353,7 @@ def test_two_ranks_write_through_their_writer_processes_and_rank_0_publishes_sha
         tmp_path: Path) -> None:
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # below the ephemeral range: nothing else takes it before rank 0 listens
     mp.spawn(_two_ranks, args=(port, str(tmp_path / "ckpt"), str(tmp_path)), nprocs=2, join=True)
     for rank in (0, 1):  # both wrote in a process, and no writer is left
         assert (tmp_path / f"rank{rank}").read_text().split() == ["process", "True"], rank
@@ -400,9 +398,7 @@ def test_a_writer_process_killed_while_idle_fails_the_next_save_on_every_rank_an
         tmp_path: Path) -> None:
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # below the ephemeral range: nothing else takes it before rank 0 listens
     ranks = mp.spawn(_idle_writer_killed, args=(port, str(tmp_path / "ckpt"), str(tmp_path)), nprocs=2, join=False)
     deadline = time.monotonic() + 120
     while not ranks.join(1):  # a rank that hangs fails the test instead of stalling it

@@ -5,7 +5,6 @@ tested on real ranks (tests/integration/test_sharded_init.py)."""
 from __future__ import annotations
 
 import os
-import socket
 import warnings
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import torch
 import torch.multiprocessing as mp
 
 from seqtrain.engine.in_backward import blocker
+from seqtrain.runtime.launch import free_port
 from seqtrain.spec import load_job, resolve
 
 JOB = """
@@ -94,9 +94,7 @@ def _worker(rank: int, port: int, poisoned: str, out: str) -> None:
 
 
 def run(poisoned: str, tmp_path: Path) -> dict:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # below the ephemeral range: nothing else takes it before rank 0 listens
     out = str(tmp_path / f"{poisoned}.pt")
     mp.spawn(_worker, args=(port, poisoned, out), nprocs=2, join=True)
     return torch.load(out)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import threading
 import time
 from datetime import timedelta
@@ -17,6 +16,7 @@ from test_controller import T0, gang, make_job, run_to_running
 
 import jobs
 from seqtrain.obs.push import ProgressPusher
+from seqtrain.runtime.launch import free_port
 from seqtrain.spec import SeqTrainJob
 from seqtrain.spec.status import Progress
 from seqtrain_operator.controller import Observed, decide, iso
@@ -198,9 +198,7 @@ def test_every_push_carries_a_larger_sequence_number_than_the_last_even_after_a_
 def test_a_trainers_push_reaches_the_operators_endpoint_and_a_forged_one_does_not():
     store, loop, ready = PushedProgress(), asyncio.new_event_loop(), threading.Event()
     runner: list = []
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # below the ephemeral range: nothing else takes it before rank 0 listens
 
     def run() -> None:
         asyncio.set_event_loop(loop)
