@@ -88,8 +88,6 @@ def wait(what: str, probe: Callable[[], T], timeout: float, interval: float = 1.
 
 @dataclass
 class Testbed:
-    __test__ = False  # not a test class (pytest collects names starting with "Test")
-
     """The running control plane, with helpers that talk to it as the admin."""
 
     __test__ = False  # a fixture's type, not a test class (pytest collects classes named Test*)
