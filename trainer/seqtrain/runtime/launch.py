@@ -126,11 +126,11 @@ def free_port(span: int = 1, band: tuple[int, int] = (12000, 2000)) -> int:
     """A TCP port P free right now on loopback (and P+1 .. P+span-1 with it), the only copy: every rank-starting
     path uses it. It is picked at random below the kernel's ephemeral range, not by bind(("", 0)): a port from that
     range is free only until the caller's server binds it, and meanwhile any process's bind(0) or outgoing
-    connection may take it. With two test processes side by side, a rank 0 failed with EADDRINUSE that way (CI,
-    stop 45). Below the range only an explicit bind can take it. `band` = (a, b): from low-a up to low-b, where
-    low is the range's start; the top 2000 are left to ports a caller reserves for a long time without holding
-    them (the testbed's rendezvous port, used by job after job), which a short-lived pick must not hit. Falls back
-    to bind(0) on a machine whose range leaves no room below it."""
+    connection may take it (rank 0 then fails with EADDRINUSE). Below the range only an explicit bind can take
+    it. `band` = (a, b): from low-a up to low-b, where low is the range's start; the top 2000 are left to ports a
+    caller reserves for a long time without holding them (the testbed's rendezvous port, used by job after job),
+    which a short-lived pick must not hit. Falls back to bind(0) on a machine whose range leaves no room below
+    it."""
     low = 32768
     with contextlib.suppress(OSError, ValueError), open("/proc/sys/net/ipv4/ip_local_port_range",
                                                         encoding="ascii") as f:
