@@ -7,6 +7,7 @@ imported only by the subcommand that needs them, so `seqtrain validate` works in
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import math
@@ -556,15 +557,19 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
-    if getattr(args, "passthrough", False):
-        return int(args.func(args, rest))
-    if rest:
+    if rest and not getattr(args, "passthrough", False):
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
-        return int(args.func(args))
+        return int(args.func(args, rest) if getattr(args, "passthrough", False) else args.func(args))
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader went away (`seqtrain crd | head`): exit as a shell tool killed by SIGPIPE does, without a
+        # traceback. stdout goes to /dev/null first, or the interpreter's flush at exit fails on the pipe again.
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":

@@ -49,6 +49,20 @@ def test_validate_set_override_is_validated(capsys: pytest.CaptureFixture[str]) 
     assert "--set: 'training.steps' must look like path.to.field=VALUE" in capsys.readouterr().err
 
 
+@pytest.mark.slow
+def test_a_reader_that_goes_away_gets_no_traceback() -> None:
+    """`seqtrain crd | head` closes the pipe before the CLI writes: exit 141 (SIGPIPE's shell code), stderr empty.
+    The read end is closed before the CLI starts, so its first write always meets EPIPE."""
+    r, w = os.pipe()
+    os.close(r)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "seqtrain_operator.cli", "crd"], stdout=w,
+                              stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(w)
+    assert (proc.returncode, proc.stderr) == (141, "")
+
+
 def test_crd_prints_the_committed_crd(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["crd"]) == 0
     assert capsys.readouterr().out == (ROOT / "crds" / "seqtrainjob.yaml").read_text()
