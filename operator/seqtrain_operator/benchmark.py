@@ -62,13 +62,13 @@ def _log(msg: str) -> None:
 
 
 def _wait(fn: Callable[[], Any], timeout: float, what: str, interval: float = 2.0) -> Any:
+    from seqtrain_operator.k8s.api.client import transient
+
     deadline = time.monotonic() + timeout
     while True:
         try:
             out = fn()
         except Exception as exc:
-            from seqtrain_operator.k8s.api.client import transient
-
             if not transient(exc):  # the operator's own rule: a 5xx, a 429 or a dropped connection is asked again
                 raise
             _log(f"{what}: the apiserver answered {(str(exc) or type(exc).__name__).splitlines()[0][:160]}; asking again")

@@ -557,10 +557,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
-    if rest and not getattr(args, "passthrough", False):
+    passthrough = getattr(args, "passthrough", False)  # operator and bench pass on the arguments they do not define
+    if rest and not passthrough:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
-        return int(args.func(args, rest) if getattr(args, "passthrough", False) else args.func(args))
+        return int(args.func(args, rest) if passthrough else args.func(args))
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -207,11 +207,10 @@ def testbed() -> Iterator[Testbed]:
 
 
 def rendezvous_port() -> int:
-    """A free port P with P+1 free too (the in-place restart coordinator's), below the kernel's ephemeral range.
-    Every pod here shares the host's network and the session's operator gives every job the same P: a port from
-    the ephemeral range can be taken, minutes later, as the local end of any outgoing connection, and the next
-    job's rank 0 then fails with EADDRINUSE (seen in CI)."""
-    return free_port(2, band=(2000, 0))  # its own band: free_port's short-lived picks never land on it
+    """A free port P with P+1 free too (the in-place restart coordinator's). Every pod here shares the host's
+    network and the session's operator gives every job the same P, so it comes from `free_port`'s band for
+    long-lived reservations, where no short-lived pick lands."""
+    return free_port(2, band=(2000, 0))
 
 
 @dataclass

@@ -106,7 +106,7 @@ def _dp_worker(rank: int, port: int, out: str) -> None:
 def test_data_parallel_with_accumulation_matches_one_big_batch(tmp_path: Path) -> None:
     from seqtrain.runtime.launch import free_port
 
-    port = free_port()  # below the ephemeral range: nothing else takes it before rank 0 listens
+    port = free_port()
     out = str(tmp_path / "params.pt")
     mp.spawn(_dp_worker, args=(port, out), nprocs=2, join=True)
     for a, b in zip(updated([merge(rows())]), torch.load(out), strict=True):

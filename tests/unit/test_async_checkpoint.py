@@ -353,7 +353,7 @@ def test_two_ranks_write_through_their_writer_processes_and_rank_0_publishes_sha
         tmp_path: Path) -> None:
     import torch.multiprocessing as mp
 
-    port = free_port()  # below the ephemeral range: nothing else takes it before rank 0 listens
+    port = free_port()
     mp.spawn(_two_ranks, args=(port, str(tmp_path / "ckpt"), str(tmp_path)), nprocs=2, join=True)
     for rank in (0, 1):  # both wrote in a process, and no writer is left
         assert (tmp_path / f"rank{rank}").read_text().split() == ["process", "True"], rank
@@ -398,7 +398,7 @@ def test_a_writer_process_killed_while_idle_fails_the_next_save_on_every_rank_an
         tmp_path: Path) -> None:
     import torch.multiprocessing as mp
 
-    port = free_port()  # below the ephemeral range: nothing else takes it before rank 0 listens
+    port = free_port()
     ranks = mp.spawn(_idle_writer_killed, args=(port, str(tmp_path / "ckpt"), str(tmp_path)), nprocs=2, join=False)
     deadline = time.monotonic() + 120
     while not ranks.join(1):  # a rank that hangs fails the test instead of stalling it

@@ -47,22 +47,21 @@ def dry_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.slow
 def test_dry_run_writes_every_part(dry_run: Path) -> None:
-    tmp_path = dry_run
-    summary = json.loads((tmp_path / "summary.json").read_text())
+    summary = json.loads((dry_run / "summary.json").read_text())
     assert summary["dry_run"] is True and list(summary["parts"]) == ["mfu", "training", "tests"]
-    tests = json.loads((tmp_path / "tests.json").read_text())
+    tests = json.loads((dry_run / "tests.json").read_text())
     # the GPU tests are collected (not run) from exactly the GPU test files
     assert tests["status"].startswith("ok: collected") and tests["files"] == gpu.GPU_TEST_FILES
     assert tests["collected"] == len(tests["tests"]) >= 10
     assert {t.split("::")[0] for t in tests["tests"]} == set(gpu.GPU_TEST_FILES)
-    training = json.loads((tmp_path / "training.json").read_text())
+    training = json.loads((dry_run / "training.json").read_text())
     assert training["status"] == "ok"
     for precision in ("bf16", "fp16"):
         run = training[precision]
         assert run["finite"] and len(run["losses"]) == run["steps"] and run["tokens_per_s"] > 0
         assert run["attention_kernels"], "the profiler names the attention kernel that ran"
     assert training["fp16"]["loss_scale"] > 0 and training["bf16"]["loss_scale"] is None
-    mfu = json.loads((tmp_path / "mfu.json").read_text())
+    mfu = json.loads((dry_run / "mfu.json").read_text())
     assert mfu["status"] == "ok" and mfu["measured_matmul_peak"] == {"status": gpu.NO_CUDA}
     assert mfu["peak"]["tflops"] is None and "slots" in mfu["formula"]
     for ac in ("none", "full"):

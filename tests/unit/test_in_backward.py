@@ -94,7 +94,7 @@ def _worker(rank: int, port: int, poisoned: str, out: str) -> None:
 
 
 def run(poisoned: str, tmp_path: Path) -> dict:
-    port = free_port()  # below the ephemeral range: nothing else takes it before rank 0 listens
+    port = free_port()
     out = str(tmp_path / f"{poisoned}.pt")
     mp.spawn(_worker, args=(port, poisoned, out), nprocs=2, join=True)
     return torch.load(out)

@@ -198,7 +198,7 @@ def test_every_push_carries_a_larger_sequence_number_than_the_last_even_after_a_
 def test_a_trainers_push_reaches_the_operators_endpoint_and_a_forged_one_does_not():
     store, loop, ready = PushedProgress(), asyncio.new_event_loop(), threading.Event()
     runner: list = []
-    port = free_port()  # below the ephemeral range: nothing else takes it before rank 0 listens
+    port = free_port()
 
     def run() -> None:
         asyncio.set_event_loop(loop)
