@@ -32,6 +32,9 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 _CPU_ONLY = not os.environ.get("CUDA_VISIBLE_DEVICES") and not os.path.exists("/dev/nvidiactl")
 if _CPU_ONLY:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# The harness's ranks (seqtrain.parallel.launch.start_ranks: parity, trainer-rank tests) fork from a server that
+# imported torch once instead of each importing it (about 3 CPU-seconds a rank); SEQTRAIN_FORK_RANKS=0 executes them.
+os.environ.setdefault("SEQTRAIN_FORK_RANKS", "1")
 # Rank processes import the packages from the source roots, installed or not.
 _pp = [str(ROOT / "trainer"), str(ROOT / "operator")]
 os.environ["PYTHONPATH"] = os.pathsep.join(_pp + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])

@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+from seqtrain.parallel import forked
 from seqtrain.runtime.launch import free_port, rank_envs
 from seqtrain.spec import RuntimeConfig, SeqTrainJob, write_trainer_config
 
@@ -23,24 +24,30 @@ _IDENTITY = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK"
              "MASTER_PORT")
 
 
-def start_ranks(config: Path, workdir: Path, world: int, env: dict[str, str] | None = None) -> list[subprocess.Popen]:
+def start_ranks(config: Path, workdir: Path, world: int,
+                env: dict[str, str] | None = None) -> list[subprocess.Popen | forked.ForkedRank]:
     """Start `world` ranks of `seqtrain train --config config` (the whole job on this machine, rendezvous on a free
-    loopback port); rank r's output goes to workdir/rank<r>.log."""
+    loopback port); rank r's output goes to workdir/rank<r>.log. Forked from a server that imported torch once
+    where SEQTRAIN_FORK_RANKS=1 (seqtrain.parallel.forked), else executed."""
     base = {k: v for k, v in {**os.environ, **(env or {})}.items() if k not in _IDENTITY}
     base.setdefault("OMP_NUM_THREADS", "1")
     base.setdefault("DS_ACCELERATOR", "cpu")
     base["PYTHONPATH"] = os.pathsep.join([*_SRC, base.get("PYTHONPATH", "")])
     base.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
-    procs = []
+    procs: list = []
     for extra in rank_envs(world, base):
-        with open(workdir / f"rank{extra['RANK']}.log", "ab") as log:  # the child keeps its own descriptor
-            procs.append(subprocess.Popen([sys.executable, "-m", "seqtrain.train.entry", "--config", str(config)],
+        log_path = workdir / f"rank{extra['RANK']}.log"
+        if forked.forkable({**base, **extra}):
+            procs.append(forked.start(config, workdir, {**base, **extra}, log_path))
+            continue
+        with open(log_path, "ab") as log:  # the child keeps its own descriptor
+            procs.append(subprocess.Popen([sys.executable, "-m", forked.RANK_MODULE, "--config", str(config)],
                                           env={**base, **extra}, stdout=log, stderr=subprocess.STDOUT,
                                           stdin=subprocess.DEVNULL, cwd=str(workdir)))
     return procs
 
 
-def wait_ranks(procs: list[subprocess.Popen], timeout: float) -> list[int]:
+def wait_ranks(procs: list[subprocess.Popen | forked.ForkedRank], timeout: float) -> list[int]:
     """Each rank's return code (-9 for every rank still running at the deadline, which kills them all)."""
     deadline = time.monotonic() + timeout
     codes = []
