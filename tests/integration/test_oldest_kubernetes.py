@@ -111,6 +111,7 @@ def test_the_scenarios_that_matter_pass_on_the_oldest_claimed_kubernetes(tmp_pat
     tool("helm")
     env.pop("PYTEST_ADDOPTS", None)
     env.pop("SEQTRAIN_TEST_PROFILE", None)  # the child would write over this run's profile
+    env.pop("SEQTRAIN_CP_SHARD", None)  # the child runs every scenario named, whichever shard this process is
     up = run_testbed(env, "up", timeout=UP_TIMEOUT)
     try:
         assert up.returncode == 0, f"the testbed did not start on Kubernetes {version}:\n{up.stderr[-4000:]}"

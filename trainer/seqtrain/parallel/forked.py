@@ -27,6 +27,7 @@ import runpy
 import signal
 import subprocess
 import sys
+import warnings
 from collections.abc import Mapping
 from multiprocessing.context import BaseContext
 from pathlib import Path
@@ -45,6 +46,9 @@ PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "seqtrain.runtime.dist
 # included, are read when the rank first uses CUDA, which the server never does.)
 IMPORT_TIME = ("TRITON_", "TORCH_", "TORCHDYNAMO_", "TORCHINDUCTOR_", "KMP_", "GOMP_", "MKL_", "LD_", "GLIBC_",
                "PYTHONHASHSEED")
+# Read when used, not at import. Inductor writes its default cache folder into the environment of a process that
+# compiles (a test compiling in the suite's own process does), which would otherwise end forking for the session.
+LAZY = ("TORCHINDUCTOR_CACHE_DIR",)
 
 
 def enabled(environ: Mapping[str, str] | None = None) -> bool:
@@ -62,12 +66,21 @@ def _server() -> tuple[BaseContext, dict[str, str]]:
 
 
 def _import_time(environ: Mapping[str, str]) -> dict[str, str]:
-    return {k: v for k, v in environ.items() if k.startswith(IMPORT_TIME)}
+    return {k: v for k, v in environ.items() if k.startswith(IMPORT_TIME) and k not in LAZY}
 
 
 def forkable(env: Mapping[str, str]) -> bool:
-    """The rank with environment `env` would import what the server imported with the same settings."""
-    return enabled(env) and _import_time(env) == _server()[1]
+    """The rank with environment `env` would import what the server imported with the same settings. When not, says
+    which variables differ (once per set: a suite whose environment drifted executes its ranks again, slower)."""
+    if not enabled(env):
+        return False
+    mine, server = _import_time(env), _server()[1]
+    if mine != server:
+        differ = sorted(k for k in {*mine, *server} if mine.get(k) != server.get(k))
+        warnings.warn(f"seqtrain.parallel.forked: executing ranks whose {', '.join(differ)} differ from the fork "
+                      "server's", stacklevel=2)
+        return False
+    return True
 
 
 class ForkedRank:
