@@ -10,7 +10,7 @@ they reach an executed one), environment, working directory and log, ending with
 
 What a forked rank inherits instead of reading afresh: settings that libraries read while being imported. libgomp
 reads OMP_NUM_THREADS when torch loads it (the rank applies its own with torch.set_num_threads), glibc its malloc
-variables at exec (the trainer applies them with mallopt, as it does for any rank started without the launcher).
+variables at exec (the rank sets the launcher's MALLOC_* with mallopt, `seqtrain.runtime.launch.set_malloc`).
 Modules left out of `PRELOAD` (triton's kernels, DeepSpeed, transformers) are imported by the rank after its
 environment is set, so TRITON_INTERPRET and DS_ACCELERATOR take effect as they do in an executed rank.
 SEQTRAIN_FORK_RANKS=1 turns forking on (tests/conftest.py does); unset, the harness executes its ranks, and it
@@ -31,6 +31,8 @@ import warnings
 from collections.abc import Mapping
 from multiprocessing.context import BaseContext
 from pathlib import Path
+
+from seqtrain.runtime.launch import set_malloc
 
 ENV = "SEQTRAIN_FORK_RANKS"
 RANK_MODULE = "seqtrain.train.entry"  # what `python -m` runs in an executed rank
@@ -144,6 +146,7 @@ def _rank(config: str, workdir: str, env: dict[str, str], log: str) -> None:
     os.chdir(workdir)
     os.environ.clear()
     os.environ.update(env)
+    set_malloc(env)  # glibc read the server's at its exec (none): the rank's, as its exec would have
     import torch
 
     threads = env.get("OMP_NUM_THREADS", "")

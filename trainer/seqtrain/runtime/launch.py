@@ -188,10 +188,16 @@ def apply_malloc_defaults(environ: Mapping[str, str] | None = None) -> dict[str,
     """In a rank started without the launcher (glibc read its environment at exec, before we could set it): apply
     `malloc_env` with mallopt(3), before the rank allocates its model. Returns what was applied (nothing off glibc,
     or when every variable is set: glibc took the user's values at start)."""
+    return set_malloc(malloc_env(os.environ if environ is None else environ))
+
+
+def set_malloc(values: Mapping[str, str]) -> dict[str, str]:
+    """Set glibc malloc variables (`MALLOC_DEFAULTS`' names) in this process with mallopt(3), as glibc would have
+    read them at exec; returns what took (nothing off glibc)."""
     import ctypes
     import ctypes.util
 
-    todo = malloc_env(os.environ if environ is None else environ)
+    todo = {k: v for k, v in values.items() if k in _MALLOPT}
     name = ctypes.util.find_library("c")
     if not todo or name is None:
         return {}
