@@ -16,6 +16,8 @@ from typing import Any
 
 import pytest
 
+import suite_parts
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 # Small thread pools: the suite runs on 2 cores with several rank processes at a time.
@@ -145,29 +147,7 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
 # (marked `control_plane`: every test using the `testbed` fixture, and the modules that start their own) run in
 # pytest processes of their own, in order, as they share a testbed and its operator; the rest run in one more
 # process beside them. With SEQTRAIN_CP_SHARD=K/N (scripts/test-halves.sh; each process has a testbed of its own,
-# TESTBED_DIR) a process keeps the control-plane modules of shard K: whole modules, longest first, each to the shard
-# with the least time so far, by CP_SECONDS (each module's pytest time with nothing else running, 2026-11-29, this
-# project's 2-core VM; a module not listed counts 30 s).
-CP_SECONDS = {"test_chaos_soak.py": 377, "test_gang_schedulers.py": 237, "test_operator_real.py": 156,
-              "test_operator_resilience.py": 143, "test_operator.py": 112, "test_containers.py": 96,
-              "test_client_real.py": 94, "test_testbed_inplace_restart.py": 89, "test_testbed_e2e.py": 87,
-              "test_elastic_gang.py": 85, "test_progress_push_real.py": 83, "test_operator_ha.py": 55,
-              "test_checkpoint_policy_real.py": 44, "test_testbed_rank_crash.py": 42,
-              "test_testbed_sigterm_save.py": 36, "test_sidecars.py": 18, "test_operator_paths.py": 15,
-              "test_gang_crds.py": 13, "test_lost_time_testbed.py": 12}
-
-
-def cp_shards(modules: list[str], n: int) -> list[list[str]]:
-    """`modules` in `n` shards of about equal time (greedy, longest first; ties to the lower shard)."""
-    shards: list[list[str]] = [[] for _ in range(n)]
-    load = [0.0] * n
-    for name in sorted(modules, key=lambda m: (-CP_SECONDS.get(pathlib.Path(m).name, 30), m)):
-        k = load.index(min(load))
-        shards[k].append(name)
-        load[k] += CP_SECONDS.get(pathlib.Path(name).name, 30)
-    return shards
-
-
+# TESTBED_DIR) a process keeps the control-plane modules of shard K (tests/suite_parts.py).
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if "testbed" in getattr(item, "fixturenames", ()) and item.get_closest_marker("control_plane") is None:
@@ -177,7 +157,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return
     k, n = (int(x) for x in shard.split("/"))
     on_cp = [item for item in items if item.get_closest_marker("control_plane") is not None]
-    mine = set(cp_shards(sorted({item.nodeid.split("::")[0] for item in on_cp}), n)[k - 1])
+    mine = set(suite_parts.cp_shards(sorted({item.nodeid.split("::")[0] for item in on_cp}), n)[k - 1])
     others = [item for item in on_cp if item.nodeid.split("::")[0] not in mine]
     if others:
         config.hook.pytest_deselected(items=others)

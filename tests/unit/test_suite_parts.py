@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import CP_SECONDS, cp_shards
+from suite_parts import CP_SECONDS, cp_shards
 
 ROOT = Path(__file__).resolve().parents[2]
 
