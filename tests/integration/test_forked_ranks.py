@@ -69,11 +69,13 @@ def test_a_forked_rank_takes_signals_by_its_pid_and_reports_them_as_popen_does(t
         while not Path(f"/proc/{procs[1].pid}/stat").read_text().split(") ")[1].startswith("T"):  # stopped
             assert time.monotonic() < end, "SIGSTOP did not stop the forked rank"
             time.sleep(0.05)
-        procs[1].kill()
-        assert procs[1].wait(timeout=60) == -signal.SIGKILL and procs[1].returncode == -signal.SIGKILL
+        # Rank 0 first: with its peer gone it would end by itself (exit 4, a broken collective). Rank 1 is stopped
+        # and cannot end but by the signal.
         procs[0].kill()
-        assert procs[0].wait(timeout=60) == -signal.SIGKILL
-        procs[0].kill()  # already gone: nothing to signal, no error
+        assert procs[0].wait(timeout=60) == -signal.SIGKILL and procs[0].returncode == -signal.SIGKILL
+        procs[1].kill()
+        assert procs[1].wait(timeout=60) == -signal.SIGKILL
+        procs[1].kill()  # already gone: nothing to signal, no error
     finally:
         for p in procs:
             if p.poll() is None:
