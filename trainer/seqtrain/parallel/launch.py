@@ -34,15 +34,15 @@ def start_ranks(config: Path, workdir: Path, world: int,
     base.setdefault("DS_ACCELERATOR", "cpu")
     base["PYTHONPATH"] = os.pathsep.join([*_SRC, base.get("PYTHONPATH", "")])
     base.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
-    procs: list = []
+    procs: list[subprocess.Popen | forked.ForkedRank] = []
     for extra in rank_envs(world, base):
-        log_path = workdir / f"rank{extra['RANK']}.log"
-        if forked.forkable({**base, **extra}):
-            procs.append(forked.start(config, workdir, {**base, **extra}, log_path))
+        rank_env, log_path = {**base, **extra}, workdir / f"rank{extra['RANK']}.log"
+        if forked.forkable(rank_env):
+            procs.append(forked.start(config, workdir, rank_env, log_path))
             continue
         with open(log_path, "ab") as log:  # the child keeps its own descriptor
             procs.append(subprocess.Popen([sys.executable, "-m", forked.RANK_MODULE, "--config", str(config)],
-                                          env={**base, **extra}, stdout=log, stderr=subprocess.STDOUT,
+                                          env=rank_env, stdout=log, stderr=subprocess.STDOUT,
                                           stdin=subprocess.DEVNULL, cwd=str(workdir)))
     return procs
 
