@@ -1,5 +1,6 @@
 """Where the time went, on a real local run: 2 gloo ranks, one SIGKILLed by the fault variables after step 15
-(checkpoints every 10 steps), the gang restarted from step 10. status.json breaks the wall time down by reason and
+(checkpoints every 10 steps, saved synchronously: an async save of step 10 could still be writing at step 15 on a
+loaded machine, and the restart would rightly start from step 0), the gang restarted from step 10. status.json breaks the wall time down by reason and
 the figures add up; `seqtrain report` shows them."""
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ spec:
   model: {arch: gpt, preset: tiny}
   data: {source: builtin, seqLen: 32}
   training: {steps: 30, globalBatchSize: 8, microBatchSize: 4}
-  checkpoint: {intervalSteps: 10, keep: 2}
+  checkpoint: {intervalSteps: 10, keep: 2, asyncSave: false}
   faultTolerance: {maxRestarts: 2, backoffSeconds: 0.5}
 """
 RUN_TIMEOUT = 300
