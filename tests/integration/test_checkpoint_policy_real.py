@@ -28,6 +28,9 @@ def test_checkpoint_policy_and_work_at_risk_appear_on_the_custom_resource(
         testbed: Testbed, seqtrain_operator: Operator, ns: str) -> None:
     job = cpu_job("ckpt-auto", hold_at_step=8)  # the first gang holds after step 8 until it is terminated
     job["spec"]["checkpoint"]["intervalSteps"] = "auto"
+    # Synchronous: an async save of step 3 still being written when the gang holds at step 8 (a loaded machine) is
+    # published after the last progress push, and status.lastCheckpoint would stay empty while held (seen in a run).
+    job["spec"]["checkpoint"]["asyncSave"] = False
     testbed.apply(job, ns)
 
     def held() -> dict | None:
