@@ -123,8 +123,8 @@ class ForkedRank:
 
 
 def start(config: Path, workdir: Path, env: Mapping[str, str], log: Path) -> ForkedRank:
-    """Fork one rank of `python -m seqtrain.train.entry --config config` (`RANK_MODULE`) with `env` as its whole environment, in
-    `workdir`, its output appended to `log`."""
+    """Fork one rank of `python -m RANK_MODULE --config config` with `env` as its whole environment, in `workdir`,
+    its output appended to `log`."""
     proc = _server()[0].Process(target=_rank, args=(str(config), str(workdir), dict(env), str(log)),
                               name=f"seqtrain rank {env.get('RANK', '?')}")
     proc.start()
