@@ -26,6 +26,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -206,11 +207,22 @@ def testbed() -> Iterator[Testbed]:
             subprocess.run([str(SCRIPT), "down"], capture_output=True, timeout=120)
 
 
+def rendezvous_band(shard: str) -> tuple[int, int]:
+    """This process's part of `free_port`'s band for long-lived reservations: shard K of N (SEQTRAIN_CP_SHARD=K/N,
+    scripts/test-halves.sh) takes the K-th of N equal slices, so two shards' operators, each holding its port only
+    while a job runs, never pick the same one."""
+    ks, _, ns = shard.partition("/")
+    if not (ks.isdigit() and ns.isdigit() and 1 <= int(ks) <= int(ns)):
+        return 2000, 0
+    k, n = int(ks), int(ns)
+    return 2000 - (k - 1) * 2000 // n, 2000 - k * 2000 // n
+
+
 def rendezvous_port() -> int:
     """A free port P with P+1 free too (the in-place restart coordinator's). Every pod here shares the host's
     network and the session's operator gives every job the same P, so it comes from `free_port`'s band for
     long-lived reservations, where no short-lived pick lands."""
-    return free_port(2, band=(2000, 0))
+    return free_port(2, band=rendezvous_band(os.environ.get("SEQTRAIN_CP_SHARD", "")))
 
 
 @dataclass
@@ -319,13 +331,48 @@ def seqtrain_operator(testbed: Testbed) -> Iterator[Operator]:
         op.stop()
 
 
+FAILED = pytest.StashKey[bool]()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[pytest.TestReport]:
+    """Marks the item FAILED when its setup or call failed (for `rendezvous_released`); conftest imports it."""
+    report = yield
+    if report.failed:
+        item.stash[FAILED] = True
+    return report
+
+
+def delete_jobs_since(tb: Testbed, since: float) -> list[str]:
+    """Delete every SeqTrainJob created at or after `since` (epoch seconds), without waiting; returns their
+    namespace/name. A failed test's job may be left running, holding the rendezvous port that the next test's job
+    needs (one port per operator), so one failure would fail the tests after it too."""
+    out = tb.kubectl("get", "seqtrainjobs", "-A", "-o", "json", check=False)
+    if out.returncode != 0:
+        return []
+    gone = []
+    for item in json.loads(out.stdout).get("items", []):
+        meta = item.get("metadata", {})
+        created = datetime.fromisoformat(meta.get("creationTimestamp", "1970-01-01T00:00:00Z")).timestamp()
+        if created >= int(since):
+            tb.kubectl("delete", "seqtrainjob", meta["name"], "-n", meta["namespace"], "--wait=false", check=False)
+            gone.append(f"{meta['namespace']}/{meta['name']}")
+    return gone
+
+
 @pytest.fixture(autouse=True)
 def rendezvous_released(request: pytest.FixtureRequest) -> Iterator[None]:
     """After a test on the operator, its deleted jobs' ranks have let go of the rendezvous ports before the next
-    test's job starts (see Operator.wait_rendezvous_free); a test that left a job running is not waited for long."""
+    test's job starts (see Operator.wait_rendezvous_free). A test that failed has the jobs it created deleted
+    first (`delete_jobs_since`); one that passed but left a job running is not waited for long."""
+    started = time.time()
     yield
-    if "seqtrain_operator" in request.fixturenames:
-        request.getfixturevalue("seqtrain_operator").wait_rendezvous_free()
+    if "seqtrain_operator" not in request.fixturenames:
+        return
+    op = request.getfixturevalue("seqtrain_operator")
+    if request.node.stash.get(FAILED, False):
+        delete_jobs_since(op.tb, started)
+    op.wait_rendezvous_free()
 
 
 @pytest.fixture

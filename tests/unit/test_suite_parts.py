@@ -72,3 +72,45 @@ def test_one_shard_runs_every_control_plane_test_on_the_one_testbed(tmp_path: Pa
     assert parts == [f"part marker=control_plane shard=none testbed={tb}",
                      f"part marker=not control_plane shard=none testbed={tb}"], out.stdout
     assert out.returncode == 0
+
+
+def test_each_shard_picks_rendezvous_ports_from_a_slice_of_its_own() -> None:
+    from testbed.fixtures import rendezvous_band
+
+    assert rendezvous_band("") == (2000, 0) and rendezvous_band("x/y") == (2000, 0)
+    for n in (1, 2, 3):
+        slices = [rendezvous_band(f"{k}/{n}") for k in range(1, n + 1)]
+        assert slices[0][0] == 2000 and slices[-1][1] == 0
+        assert all(a > b for a, b in slices)  # free_port's band (a, b): from low-a up to low-b
+        assert all(slices[i][1] == slices[i + 1][0] for i in range(n - 1))  # adjacent, not overlapping
+
+
+class _Kubectl:
+    """A Testbed's `kubectl` that lists two jobs and records what it was asked to delete."""
+
+    def __init__(self) -> None:
+        self.deleted: list[tuple[str, ...]] = []
+
+    def kubectl(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        import json
+
+        if args[0] == "delete":
+            self.deleted.append(args)
+            return subprocess.CompletedProcess(args, 0, "", "")
+        items = [{"metadata": {"name": name, "namespace": "ns", "creationTimestamp": ts}}
+                 for name, ts in (("old", "2026-11-29T05:59:59Z"), ("same", "2026-11-29T06:00:00Z"),
+                                 ("new", "2026-11-29T06:00:01Z"))]
+        return subprocess.CompletedProcess(args, 0, json.dumps({"items": items}), "")
+
+
+def test_a_failed_tests_jobs_are_deleted_and_earlier_ones_kept() -> None:
+    from datetime import datetime
+
+    from testbed.fixtures import delete_jobs_since
+
+    tb = _Kubectl()
+    # The test started at 06:00:00.6; "same" was created later in that second (the apiserver's stamp drops the
+    # fraction), so it is the test's too.
+    since = datetime.fromisoformat("2026-11-29T06:00:00.600+00:00").timestamp()
+    assert delete_jobs_since(tb, since) == ["ns/same", "ns/new"]  # type: ignore[arg-type]
+    assert [d[2] for d in tb.deleted] == ["same", "new"]
