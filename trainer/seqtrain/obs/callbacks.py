@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import threading
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
 
 
 ENDPOINTS_DIR = "endpoints"
+WATCH_INTERVAL_S = 1.0  # how soon a save published between step ends reaches status.lastCheckpoint
 
 
 def _iso_ms() -> str:
@@ -77,7 +79,10 @@ class ProgressPublisher(BaseCallback):
 
     def __init__(self, trainer: Trainer, port: int | None) -> None:
         self.reporter = ProgressReporter(trainer.runtime.workdir, trainer.total_steps, port)
-        self._saving: int | None = None  # a step the loop checkpoints after the callbacks
+        self._saving: int | None = None  # a step the loop checkpoints after the callbacks, until it is reported
+        self._saving_lock = threading.Lock()  # `_saving` is taken by one reporter: a step end or the watcher
+        self._watcher: threading.Thread | None = None
+        self._ended = threading.Event()
         self._step_times: list[float] = []  # this attempt's step times, for progress.stepSeconds
 
     @staticmethod
@@ -105,15 +110,18 @@ class ProgressPublisher(BaseCallback):
                              training_started_at=_iso_ms(), checkpoint_seconds=0.0, step_seconds=None,
                              step_reached_before=trainer.metrics_writer.last_step,
                              resumed_from=trainer.resumed_from.step if trainer.resumed_from else None,
-                             **self._checkpoint(trainer, trainer.step) if trainer.resumed_from else {},
+                             **self._checkpoint(trainer.runtime.checkpoint_dir, trainer.step) if trainer.resumed_from else {},
                              **{"skippedCheckpoints": skipped} if skipped else {}, **trainer.checkpoint_report(),
                              **self._auto_batch(trainer))
 
     def on_step_end(self, trainer: Trainer, step: int, metrics: dict[str, Any]) -> None:
-        saved = self._checkpoint(trainer, self._saving) if self._saving is not None else {}
-        if trainer.checkpoint_due() or saved:
-            self._saving = step if trainer.checkpoint_due() else None
-        # else: an async save still being written stays pending, reported at the first step end after it is published
+        with self._saving_lock:
+            saved = self._checkpoint(trainer.runtime.checkpoint_dir, self._saving) if self._saving is not None else {}
+            if trainer.checkpoint_due() or saved:
+                self._saving = step if trainer.checkpoint_due() else None
+            # else: an async save still being written stays pending, reported when it is published
+            if self._saving is not None:
+                self._watch(trainer.runtime.checkpoint_dir)
         if isinstance(metrics.get("step_time_s"), (int, float)):
             self._step_times.append(float(metrics["step_time_s"]))
         # checkpointPolicy, workAtRisk (as of this step: its own save, if due, comes after the callbacks)
@@ -129,11 +137,33 @@ class ProgressPublisher(BaseCallback):
         return round(sum(times) / len(times), 4) if times else None
 
     @staticmethod
-    def _checkpoint(trainer: Trainer, step: int) -> dict[str, Any]:
-        info = read_complete(step_dir(trainer.runtime.checkpoint_dir, step))
+    def _checkpoint(directory: str, step: int) -> dict[str, Any]:
+        info = read_complete(step_dir(directory, step))
         if info is None:
             return {}
         return {"lastCheckpoint": {"step": info.step, "path": info.path, "time": info.time}}
+
+    def _watch(self, directory: str) -> None:
+        """Report the pending save once it is published, even if no step ends meanwhile (a gang held or hung right
+        after it, a long evaluation, the last steps of a slow run): status.lastCheckpoint would otherwise lag behind
+        status.workAtRisk.checkpointStep for as long. One thread at a time, polling the folder once a second (a
+        missing folder costs a stat); it ends when the save is reported, by it or by a step end."""
+        if self._watcher is not None and self._watcher.is_alive():
+            return
+        self._watcher = threading.Thread(target=self._report_when_published, args=(directory,), daemon=True,
+                                         name="seqtrain-checkpoint-watch")
+        self._watcher.start()
+
+    def _report_when_published(self, directory: str) -> None:
+        while not self._ended.wait(WATCH_INTERVAL_S):
+            with self._saving_lock:
+                if self._saving is None:
+                    return
+                saved = self._checkpoint(directory, self._saving)
+                if saved:
+                    self._saving = None
+                    self.reporter.update(flush=True, **saved)
+                    return
 
     def on_eval(self, trainer: Trainer, step: int, metrics: dict[str, Any]) -> None:
         fields = {"val_loss": metrics.get("val_loss"), "val_perplexity": metrics.get("val_perplexity"),
@@ -144,8 +174,12 @@ class ProgressPublisher(BaseCallback):
         self.reporter.update(flush=True, step=step, **fields)
 
     def on_train_end(self, trainer: Trainer, reason: str) -> None:
+        self._ended.set()
+        if self._watcher is not None:
+            self._watcher.join()  # at most one poll: its report must not land after the final one below
         # the loop's last save (end, stop, SIGTERM) happened after the last on_step_end
         self.reporter.update(flush=True, checkpoint_seconds=round(trainer.checkpoint_seconds, 3),
-                             **self._checkpoint(trainer, trainer.step), **trainer.checkpoint_report())
+                             **self._checkpoint(trainer.runtime.checkpoint_dir, trainer.step),
+                             **trainer.checkpoint_report())
         self.reporter.finish()
         self.reporter.close()

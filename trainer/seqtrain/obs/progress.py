@@ -56,6 +56,7 @@ class ProgressReporter:
     def __init__(self, workdir: str, total_steps: int, port: int | None = None, addr: str = "0.0.0.0") -> None:
         self.path = os.path.join(workdir, PROGRESS_FILE)
         self._lock = threading.Lock()
+        self._file_lock = threading.Lock()
         self._progress = Progress(step=0, total_steps=total_steps)
         self._written = -FILE_INTERVAL_S
         self._non_finite = 0  # steps whose loss was not finite (progress.nonFiniteSteps)
@@ -95,9 +96,11 @@ class ProgressReporter:
             due = flush or time.monotonic() - self._written >= FILE_INTERVAL_S
             if due:
                 self._written = time.monotonic()
-                wire = self._progress.model_dump(by_alias=True, mode="json", exclude_none=True)
         if due:
-            write_json_atomic(self.path, wire)
+            # Two threads update (the training loop and the checkpoint watcher, seqtrain.obs.callbacks): one writes
+            # at a time, each the latest progress, so the file never ends older than the last update.
+            with self._file_lock:
+                write_json_atomic(self.path, self.progress.model_dump(by_alias=True, mode="json", exclude_none=True))
         if self.pusher is not None:
             self.pusher.poke()  # sent by its thread, at most every few seconds
 
