@@ -13,7 +13,7 @@ CP_SECONDS = {"test_chaos_soak.py": 377, "test_gang_schedulers.py": 237, "test_o
               "test_operator_resilience.py": 143, "test_operator.py": 112, "test_containers.py": 96,
               "test_client_real.py": 94, "test_testbed_inplace_restart.py": 89, "test_testbed_e2e.py": 87,
               "test_elastic_gang.py": 85, "test_progress_push_real.py": 83, "test_operator_ha.py": 55,
-              "test_checkpoint_policy_real.py": 44, "test_testbed_rank_crash.py": 42,
+              "test_checkpoint_policy_real.py": 54, "test_testbed_rank_crash.py": 42,
               "test_testbed_sigterm_save.py": 36, "test_sidecars.py": 18, "test_operator_paths.py": 15,
               "test_gang_crds.py": 13, "test_lost_time_testbed.py": 12}
 

@@ -28,15 +28,18 @@ def test_checkpoint_policy_and_work_at_risk_appear_on_the_custom_resource(
         testbed: Testbed, seqtrain_operator: Operator, ns: str) -> None:
     job = cpu_job("ckpt-auto", hold_at_step=8)  # the first gang holds after step 8 until it is terminated
     job["spec"]["checkpoint"]["intervalSteps"] = "auto"
-    # Synchronous: an async save of step 3 still being written when the gang holds at step 8 (a loaded machine) is
-    # published after the last progress push, and status.lastCheckpoint would stay empty while held (seen in a run).
-    job["spec"]["checkpoint"]["asyncSave"] = False
+    # The async save of step 3 is published after the gang holds at step 8 (its write sleeps 10 s first, as on a
+    # loaded machine): the trainer reports it all the same (seqtrain.obs.callbacks, the watcher), so lastCheckpoint
+    # arrives while the gang holds. Before that watcher it stayed empty for good (seen in a full run).
+    env = job["spec"]["podTemplate"]["spec"]["containers"][0]["env"]
+    env += [{"name": "SEQTRAIN_FAULT_IN_SAVE", "value": "sleep:10"}, {"name": "SEQTRAIN_FAULT_SAVE_STEP", "value": "3"}]
     testbed.apply(job, ns)
 
     def held() -> dict | None:
         st = job_status(testbed, ns, "ckpt-auto")
         risk = st.get("workAtRisk") or {}
-        return st if risk.get("steps", 0) >= 5 and (st.get("checkpointPolicy") or {}).get("saveSeconds") else None
+        ready = risk.get("steps", 0) >= 5 and (st.get("checkpointPolicy") or {}).get("saveSeconds")
+        return st if ready and st.get("lastCheckpoint") else None
     st = wait("ckpt-auto held at step 8 with its policy in status", held, RUN_TIMEOUT, 1)
     policy, risk = st["checkpointPolicy"], st["workAtRisk"]
     # auto saved once early (step 3) to measure the save; the chart's prior over 2 ranks says: nothing more soon
