@@ -155,10 +155,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     shard = os.environ.get("SEQTRAIN_CP_SHARD", "")
     if not shard:
         return
-    ks, _, ns = shard.partition("/")
-    if not (ks.isdigit() and ns.isdigit() and 1 <= int(ks) <= int(ns)):
+    parsed = suite_parts.shard_of(shard)
+    if parsed is None:
         raise pytest.UsageError(f"SEQTRAIN_CP_SHARD={shard!r}: expected K/N with 1 <= K <= N (scripts/test-halves.sh)")
-    k, n = int(ks), int(ns)
+    k, n = parsed
     on_cp = [item for item in items if item.get_closest_marker("control_plane") is not None]
     mine = set(suite_parts.cp_shards(sorted({item.nodeid.split("::")[0] for item in on_cp}), n)[k - 1])
     others = [item for item in on_cp if item.nodeid.split("::")[0] not in mine]

@@ -18,6 +18,14 @@ CP_SECONDS = {"test_chaos_soak.py": 377, "test_gang_schedulers.py": 237, "test_o
               "test_gang_crds.py": 13, "test_lost_time_testbed.py": 12}
 
 
+def shard_of(value: str) -> tuple[int, int] | None:
+    """SEQTRAIN_CP_SHARD's "K/N" as (K, N); None when it is not of that form with 1 <= K <= N."""
+    ks, _, ns = value.partition("/")
+    if not (ks.isdigit() and ns.isdigit() and 1 <= int(ks) <= int(ns)):
+        return None
+    return int(ks), int(ns)
+
+
 def cp_shards(modules: list[str], n: int) -> list[list[str]]:
     """`modules` in `n` shards of about equal time (greedy, longest first; ties to the lower shard)."""
     shards: list[list[str]] = [[] for _ in range(n)]

@@ -33,6 +33,7 @@ from typing import Any, TypeVar
 import pytest
 import yaml
 
+import suite_parts
 from seqtrain.runtime.launch import bindable, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -211,10 +212,7 @@ def rendezvous_band(shard: str) -> tuple[int, int]:
     """This process's part of `free_port`'s band for long-lived reservations: shard K of N (SEQTRAIN_CP_SHARD=K/N,
     scripts/test-halves.sh) takes the K-th of N equal slices, so two shards' operators, each holding its port only
     while a job runs, never pick the same one."""
-    ks, _, ns = shard.partition("/")
-    if not (ks.isdigit() and ns.isdigit() and 1 <= int(ks) <= int(ns)):
-        return 2000, 0
-    k, n = int(ks), int(ns)
+    k, n = suite_parts.shard_of(shard) or (1, 1)
     return 2000 - (k - 1) * 2000 // n, 2000 - k * 2000 // n
 
 
